@@ -1,0 +1,91 @@
+"""Shared fixtures. The Slurm lab fixtures fail instead of skipping under CI=true."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def lab_unavailable(reason: str) -> None:
+    """Skip a lab test on a machine that cannot run the lab, but fail under CI=true."""
+    if CI:
+        pytest.fail(f"the Slurm test lab is required under CI=true but could not start: {reason}", pytrace=False)
+    pytest.skip(f"Slurm test lab not available here: {reason}")
+
+
+class LabManager:
+    """Keeps one lab up for the session and rebuilds it (about 1.5 s) when a test needs
+    another shape (node count, IPv6 only, grace time)."""
+
+    def __init__(self) -> None:
+        self.current = None
+        self.failed: str | None = None
+
+    def get(self, **options):
+        from tests.lab import Lab, LabConfig, LabError
+
+        if self.failed:
+            lab_unavailable(self.failed)
+        cfg = LabConfig(**options)
+        if self.current is not None and self.current.cfg == cfg and self.current.is_up():
+            return self.current
+        if os.geteuid() != 0:
+            lab_unavailable("it needs root (network namespaces, daemons)")
+        try:
+            from tests.lab.packages import ensure_packages
+
+            ensure_packages()
+            self.current = Lab.up(cfg)
+        except (LabError, OSError, RuntimeError) as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            lab_unavailable(self.failed)
+        return self.current
+
+    def down(self) -> None:
+        if self.current is not None:
+            self.current.down()
+
+
+@pytest.fixture(scope="session")
+def lab_manager():
+    manager = LabManager()
+    yield manager
+    manager.down()
+
+
+@pytest.fixture
+def lab(lab_manager):
+    """A 3-node lab with IPv4 and IPv6 (the default shape)."""
+    return lab_manager.get()
+
+
+@pytest.fixture(scope="session")
+def lab_images():
+    """The Podman image and Apptainer SIF (cached across runs on one machine)."""
+    if os.geteuid() != 0:
+        lab_unavailable("container images need root")
+    if shutil.which("podman") is None:
+        from tests.lab.packages import ensure_packages
+
+        ensure_packages()
+    try:
+        from tests.lab.containers import ensure_images
+
+        ensure_images()
+    except Exception as e:  # noqa: BLE001 - any failure means no images; report it whole
+        lab_unavailable(f"container images could not be built: {type(e).__name__}: {e}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("lab") is not None:
+        from tests.lab.cluster import collect_logs
+        from tests.lab.config import Paths
+
+        report.sections.append(("Slurm lab daemon logs", collect_logs(Paths())))

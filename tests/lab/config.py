@@ -1,0 +1,136 @@
+"""The lab's shape as data: names, addresses and paths of one lab instance."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("HPCRL_LAB_DIR", "/run/hpcrl-lab"))
+CACHE_DIR = Path(os.environ.get("HPCRL_LAB_CACHE", "/var/cache/hpcrl-lab"))
+APPTAINER_PREFIX = Path(os.environ.get("HPCRL_LAB_APPTAINER", "/opt/hpcrl-lab/apptainer"))
+
+BRIDGE = "hrlbr0"
+NETNS_PREFIX = "hrl-"
+VETH_PREFIX = "hrlv-"
+CONTROLLER = "slurmctl"
+IMAGE = "localhost/hpcrl-lab:latest"
+SIF = CACHE_DIR / "hpcrl-lab.sif"
+
+
+@dataclass(frozen=True)
+class Host:
+    """One lab host: the controller or a compute node, each in its own network namespace."""
+
+    name: str
+    ipv4: str | None
+    ipv6: str
+
+    @property
+    def netns(self) -> str:
+        return NETNS_PREFIX + self.name
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.netns}"
+
+    @property
+    def veth(self) -> str:
+        return VETH_PREFIX + self.name
+
+    @property
+    def slurm_addr(self) -> str:
+        return self.ipv4 if self.ipv4 else self.ipv6
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """Options of one lab instance (`python -m tests.lab up --help` lists them)."""
+
+    nodes: int = 3
+    ipv6_only: bool = False
+    grace_time: int = 0
+    preempt_send_user_signal: bool = False
+    cpus_per_node: int = 2
+    memory_mb: int = 4000
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 80:
+            raise ValueError(f"`nodes` must be between 1 and 80, got {self.nodes}")
+        if self.grace_time < 0:
+            raise ValueError(f"`grace_time` must be >= 0 seconds, got {self.grace_time}")
+
+    @property
+    def controller(self) -> Host:
+        return Host(CONTROLLER, None if self.ipv6_only else "10.77.0.2", "fd77::2")
+
+    @property
+    def compute(self) -> list[Host]:
+        return [
+            Host(f"node{i}", None if self.ipv6_only else f"10.77.0.{10 + i}", f"fd77::{10 + i}")
+            for i in range(1, self.nodes + 1)
+        ]
+
+    @property
+    def hosts(self) -> list[Host]:
+        return [self.controller, *self.compute]
+
+    @property
+    def nodelist(self) -> str:
+        return f"node[1-{self.nodes}]" if self.nodes > 1 else "node1"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LabConfig:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Files of a running lab, all under `STATE_DIR`."""
+
+    root: Path = STATE_DIR
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def hosts_file(self) -> Path:
+        return self.root / "hosts"
+
+    @property
+    def resolv_conf(self) -> Path:
+        return self.root / "resolv.conf"
+
+    @property
+    def munge_dir(self) -> Path:
+        return self.root / "munge"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.root / "munge-sock" / "munge.socket"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "log"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def spool(self) -> Path:
+        return self.root / "spool"
+
+    def env(self) -> dict[str, str]:
+        """Environment a Slurm client in the root namespace needs to talk to the lab."""
+        return {"SLURM_CONF": str(self.slurm_conf)}
