@@ -132,9 +132,33 @@ def lab_links() -> list[str]:
     return [n for n in names if n == BRIDGE or n.startswith(VETH_PREFIX)]
 
 
-def netns_pids(netns: str) -> list[int]:
-    out = sh("ip", "netns", "pids", netns, check=False).stdout
-    return [int(p) for p in out.split()]
+def record_netns_inodes(paths: Paths) -> None:
+    """Remember the lab's network namespaces by inode: a process still in one of them after
+    `ip netns del` (the namespace lives on while it has members) is still the lab's."""
+    inodes = {ns: os.stat(f"/run/netns/{ns}").st_ino for ns in lab_netns()}
+    (paths.logs / "netns-inodes").write_text("\n".join(str(i) for i in inodes.values()))
+
+
+def lab_pids(paths: Paths) -> set[int]:
+    """Every live process of the lab: in a lab network namespace (daemons, job steps, Ray,
+    containers, also after the namespace was deleted) or naming the lab's state directory."""
+    inode_file = paths.logs / "netns-inodes"
+    inodes = {f"net:[{i}]" for i in inode_file.read_text().split()} if inode_file.exists() else set()
+    for ns in lab_netns():
+        inodes.add(f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]")
+    marker = str(paths.root).encode()
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            in_ns = os.readlink(proc / "ns" / "net") in inodes
+            named = marker in (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (in_ns or named) and _alive(int(proc.name)):
+            found.add(int(proc.name))
+    return found
 
 
 def destroy_network() -> None:
@@ -245,12 +269,9 @@ def kill_lab_processes(paths: Paths) -> None:
                 victims.add(int(f.read_text()))
             except (OSError, ValueError):
                 pass
-    for ns in lab_netns():
-        victims.update(netns_pids(ns))
+    victims |= lab_pids(paths)
     for _ in range(50):
-        alive = {p for p in victims if _alive(p)}
-        for ns in lab_netns():
-            alive.update(netns_pids(ns))
+        alive = {p for p in victims if _alive(p)} | lab_pids(paths)
         if not alive:
             return
         for pid in alive:
@@ -326,6 +347,7 @@ def up(cfg: LabConfig, paths: Paths | None = None) -> Paths:
     paths.resolv_conf.write_text(RESOLV_CONF.format(ns="fd77::1" if cfg.ipv6_only else "10.77.0.1"))
     try:
         create_network(cfg)
+        record_netns_inodes(paths)
         start_munge(paths)
         start_slurm(cfg, paths)
         _wait(lambda: nodes_idle(cfg, paths), 30, f"the {cfg.nodes} nodes did not become idle", paths, 0.1)
@@ -350,25 +372,13 @@ def leftovers(paths: Paths | None = None) -> list[str]:
         found.append(f"pid file {f}")
     mounts = Path("/proc/self/mountinfo").read_text()
     found += [f"mount {line.split()[4]}" for line in mounts.splitlines() if f"/run/netns/{NETNS_PREFIX}" in line]
-    for pid in _pids_with_cmdline((b"slurmctld", b"slurmd", b"slurmstepd", b"munged")):
-        found.append(f"process {pid}")
-    return found
-
-
-def _pids_with_cmdline(needles: tuple[bytes, ...]) -> list[int]:
-    """Processes whose command line names our lab's config, i.e. belong to a lab daemon."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for pid in sorted(lab_pids(paths)):
         try:
-            cmd = (proc / "cmdline").read_bytes()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if any(n in cmd for n in needles) and (b"hpcrl-lab" in cmd or b"slurmstepd" in cmd):
-            if _alive(int(proc.name)):
-                pids.append(int(proc.name))
-    return pids
+        found.append(f"process {pid}: {cmd.strip()}")
+    return found
 
 
 def nodes_idle_or_busy(cfg: LabConfig, paths: Paths) -> bool:
