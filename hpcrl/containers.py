@@ -8,7 +8,9 @@ leaks no secret:
 
 - podman/docker: ``-e NAME`` (the runtime reads the value from its own environment);
 - apptainer: ``APPTAINERENV_NAME=value`` in the runtime's environment (arrives even with
-  ``--cleanenv``);
+  ``--cleanenv``). Apptainer evaluates these values as if inside double quotes (``$(...)``,
+  backticks and ``$NAME`` would expand), so :func:`apptainer_env_value` escapes ``\\``, ``$``
+  and backticks: the container sees the value exactly as given;
 - none: the variables themselves.
 
 Run it as ``subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env})``.
@@ -96,6 +98,11 @@ def _oci_argv(c: ContainerConfig, argv: Sequence[str], names: Sequence[str],
     return [*out, *c.extra_flags, str(c.image), *argv]
 
 
+def apptainer_env_value(value: str) -> str:
+    """Escape `value` so that Apptainer's evaluation of `APPTAINERENV_*` gives it back verbatim."""
+    return value.replace("\\", "\\\\").replace("$", "\\$").replace("`", "\\`")
+
+
 def _apptainer_argv(c: ContainerConfig, argv: Sequence[str], binds: Sequence[str],
                     workdir: str | None) -> list[str]:
     from spython.main import Client  # spython's command builder: [singularity, flags.., exec]
@@ -144,8 +151,8 @@ def container_command(c: ContainerConfig, argv: Sequence[str], env: Mapping[str,
     all_binds = dedupe([_bind_parts(b) for b in (*c.binds, *binds)])
     wd = workdir or c.workdir
     if c.runtime == "apptainer":
-        child = {f"APPTAINERENV_{k}": v for k, v in env.items()}
-        child.update({f"APPTAINERENV_{n}": environ[n] for n in present})
+        values = {**{n: environ[n] for n in present}, **env}
+        child = {f"APPTAINERENV_{k}": apptainer_env_value(v) for k, v in values.items()}
         return ContainerCommand(tuple(_apptainer_argv(c, argv, all_binds, wd)), child)
     names = [*env, *present]
     child = {**{n: environ[n] for n in present}, **env}

@@ -333,7 +333,7 @@ def load_profile(name: str, environ: Mapping[str, str] | None = None) -> LoadedP
     merged = _interpolate(merged, environ, prov, "")
     merged["name"] = name
     profile = _build(SiteProfile, merged, prov, "")
-    _check_profile(profile, prov)
+    _check_profile(profile, prov, str(chain[-1][0]))
     return LoadedProfile(profile, types.MappingProxyType(prov), tuple(str(p) for p, _ in chain))
 
 
@@ -481,11 +481,12 @@ def _build(cls: type, raw: Mapping[str, Any], prov: Mapping[str, str], prefix: s
     return cls(**kwargs)
 
 
-def _check_profile(p: SiteProfile, prov: Mapping[str, str]) -> None:
-    """Rules spanning several keys."""
+def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> None:
+    """Rules spanning several keys (errors name the file of the key, else the profile's own)."""
 
     def err(key: str, msg: str) -> ProfileError:
-        return ProfileError(f"{prov.get(key, '<profile ' + p.name + '>')}: key `{key}` {msg}")
+        src = source_of(prov, re.sub(r"\[\d+\]", "", key))
+        return ProfileError(f"{own_file if src == 'default' else src}: key `{key}` {msg}")
 
     c = p.container
     if c.runtime != "none" and not c.image:
@@ -500,15 +501,21 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str]) -> None:
     for i, rule in enumerate(p.ray.version_env):
         if rule.min_version is None and rule.below_version is None:
             raise err("ray.version_env", f"rule {i} needs `min_version` or `below_version`")
-        for v in (rule.min_version, rule.below_version):
-            if v is not None:
-                parse_version(v)
     if p.slurm.nodes < 1:
         raise err("slurm.nodes", f"must be at least 1, got {p.slurm.nodes}")
     if p.python is not None and not os.path.isabs(p.python):
         raise err("python", f"must be an absolute path (jobs may start with an empty PATH), "
                   f"got {p.python!r}")
-    parse_time_minutes(p.slurm.time)
+    try:
+        parse_time_minutes(p.slurm.time)
+    except ProfileError as exc:
+        raise err("slurm.time", str(exc)) from None
+    for i, rule in enumerate(p.ray.version_env):
+        for v in (rule.min_version, rule.below_version):
+            try:
+                parse_version(v or "0")
+            except ProfileError as exc:
+                raise err(f"ray.version_env[{i}]", str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -573,7 +580,7 @@ def profile_from_dict(data: Mapping[str, Any]) -> SiteProfile:
     """Rebuild a resolved profile from :func:`profile_to_dict` output (no interpolation)."""
     prov = {"": "<job.json>"}
     profile = _build(SiteProfile, data, prov, "")
-    _check_profile(profile, prov)
+    _check_profile(profile, prov, "<job.json>")
     return typing.cast(SiteProfile, profile)
 
 
