@@ -159,6 +159,13 @@ def job_env(profile: SiteProfile, python: str) -> dict[str, str]:
     return env
 
 
+IDENTITY_LINES = (
+    '# `--export=NONE` can leave USER and HOME unset; take them from the user database.',
+    ': "${USER:=$(id -un)}"; export USER',
+    ': "${HOME:=$(getent passwd "$USER" | cut -d: -f6)}"; export HOME',
+)
+
+
 def log_paths(run_dir: str) -> dict[str, str]:
     """Where each log goes (`%j` = job id, `%n`/`%t` = node index)."""
     return {
@@ -210,6 +217,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
         sbatch_options=[sbatch_option(k, v) for k, v in options],
         comments=preview,
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python).items()],
+        identity=list(IDENTITY_LINES),
         run_dir=shlex.quote(run_dir),
         job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
         setup=list(profile.slurm.setup),
@@ -276,6 +284,7 @@ def setup_lines(profile: SiteProfile, python: str, run_dir: str) -> list[str]:
     """Shell lines submitit puts before its `srun`: the same environment as the script."""
     lines = ["export SLURM_EXPORT_ENV=ALL"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(profile, python).items()]
+    lines += IDENTITY_LINES[1:]
     lines += list(profile.slurm.setup)
     job_file = shlex.quote(f"{run_dir}/{JOB_FILE}")
     lines.append(f'[ -r {job_file} ] || {{ echo "hpcrl: "{job_file}" is missing" >&2; exit 2; }}')

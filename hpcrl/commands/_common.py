@@ -53,7 +53,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         "profile's `run_root`)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse an existing `--run-dir` (continue that job)")
-    parser.add_argument("--command", action="store_true",
+    parser.add_argument("--command", dest="whole_command", action="store_true",
                         help="the arguments after `--` are the whole command to run in the "
                         "container, not trainer overrides")
     parser.add_argument("payload", nargs=argparse.REMAINDER,
@@ -79,7 +79,7 @@ def prepare(args: argparse.Namespace) -> Any:
     payload = list(args.payload)
     if payload[:1] == ["--"]:
         payload = payload[1:]
-    if args.command:
+    if args.whole_command:
         if not payload:
             from hpcrl.submission import RequestError
 
