@@ -41,7 +41,7 @@ def resolve(arg: str) -> JobRef:
     info = parse_scontrol_show_job(out)
     if not info:
         raise SlurmError(f"Slurm does not know job {job} (finished jobs are forgotten after "
-                         "MinJobAge); name its run directory instead, e.g. `hpcrl logs RUN_DIR`")
+                         "MinJobAge); give its run directory instead of the job id")
     return JobRef(job, run_dir_from_stdout(info.get("StdOut", "")))
 
 
@@ -52,13 +52,17 @@ def log_files(run_dir: Path, job_id: str, node: int | None = None) -> list[Path]
     out: list[Path] = []
     if node is None and "batch" in patterns:
         out.append(Path(patterns["batch"].replace("%j", job_id)))
-    node_pattern = patterns["node"].replace("%j", job_id)
-    if node is not None:
-        out.append(Path(node_pattern.replace("%n", str(node)).replace("%t", str(node))))
-        return out
-    stem = Path(node_pattern.replace("%n", "*").replace("%t", "*"))
-    out.extend(sorted(stem.parent.glob(stem.name), key=_node_index))
-    return [p for p in out if p.exists()] or out
+    for key in ("node", "node_err"):
+        if key not in patterns:
+            continue
+        pattern = patterns[key].replace("%j", job_id)
+        if node is not None:
+            out.append(Path(pattern.replace("%n", str(node)).replace("%t", str(node))))
+            continue
+        stem = Path(pattern.replace("%n", "*").replace("%t", "*"))
+        out.extend(sorted(stem.parent.glob(stem.name), key=_node_index))
+    existing = [p for p in out if p.exists()]
+    return existing or out
 
 
 def _node_index(p: Path) -> tuple[int, str]:

@@ -72,7 +72,7 @@ class JobSpec:
         if data.get("version") != SPEC_VERSION:
             raise JobSpecError(f"job.json has version {data.get('version')!r}; this hpcrl reads "
                                f"version {SPEC_VERSION}: submit with the same hpcrl version")
-        expected = {"site": str, "profile": dict, "payload": list, "nodes": int,
+        expected: dict[str, type | tuple[type, ...]] = {"site": str, "profile": dict, "payload": list, "nodes": int,
                     "max_requeues": int, "secrets": list, "created": (int, float)}
         unknown = sorted(set(data) - set(expected) - {"version"})
         if unknown:

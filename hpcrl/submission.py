@@ -78,7 +78,7 @@ class Request:
             lines.append(f"# submitit.SlurmExecutor(folder={self.logs['submitit_folder']!r}, "
                          f"python={self.python!r}).update_parameters(**{params})")
             lines.append(f"# submitit callable: hpcrl.agent_entry({self.run_dir!r})")
-        lines += [f"# log: {k} = {v}" for k, v in self.logs.items() if k != "submitit_folder"]
+        lines += [f"# log ({k}): {v}" for k, v in job_logs(self).items()]
         lines.append(f"# {JOB_FILE}:")
         lines += ["#   " + ln for ln in self.spec.to_json().splitlines()]
         return "\n".join(lines)
@@ -173,6 +173,7 @@ def log_paths(run_dir: str) -> dict[str, str]:
         "node": f"{run_dir}/logs/%j-node%n.out",
         "submitit_folder": f"{run_dir}/submitit",
         "submitit_node": f"{run_dir}/submitit/%j_%t_log.out",
+        "submitit_node_err": f"{run_dir}/submitit/%j_%t_log.err",
     }
 
 
@@ -266,10 +267,9 @@ def submitit_params(profile: SiteProfile, spec: JobSpec, run_dir: str, python: s
         "srun_args": ["--kill-on-bad-exit=1", "--export=ALL"],
         "additional_parameters": extra,
     }
-    for key, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos),
-                       ("cpus_per_task", s.cpus_per_task)):
-        if value is not None:
-            params[key] = value
+    optional: dict[str, str | int | None] = {"partition": s.partition, "account": s.account,
+                                             "qos": s.qos, "cpus_per_task": s.cpus_per_task}
+    params.update({k: v for k, v in optional.items() if v is not None})
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node
     if s.exclusive:
@@ -356,7 +356,10 @@ class Submitted:
 
     def lines(self) -> list[str]:
         out = [f"job id: {self.job_id}", f"run directory: {self.run_dir}"]
-        out += [f"log ({k}): {v.replace('%j', self.job_id)}" for k, v in self.logs.items()]
+        for key, pattern in self.logs.items():
+            path = pattern.replace("%j", self.job_id).replace("%n", "N").replace("%t", "N")
+            label = key.replace("node", "node N").replace("_", " ")
+            out.append(f"log ({label}): {path}")
         if self.exit_status is not None:
             out.append(f"exit status: {self.exit_status}")
         return out
@@ -368,7 +371,7 @@ def job_logs(req: Request) -> dict[str, str]:
         return {"batch": req.logs["batch"], "node": req.logs["node"]}
     if req.via == LOCAL_VIA:
         return {"node": req.logs["node"]}
-    return {"node": req.logs["submitit_node"]}
+    return {"node": req.logs["submitit_node"], "node_err": req.logs["submitit_node_err"]}
 
 
 def submit(req: Request) -> Submitted:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 
@@ -26,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
 
     _, req = prepare(args)
     if args.dry_run:
-        print(dry_run_text(req))
+        text = dry_run_text(req)
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return 0
     prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume)
     done = submit(req)
