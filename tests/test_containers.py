@@ -149,3 +149,40 @@ def test_real_runtime_delivers_every_value(site: str, tmp_path: Path) -> None:
     for k, v in env.items():
         assert seen.get(k) == v, k
     assert seen["WANDB_API_KEY"] == SECRET + "$(x)"
+
+
+RECORD_ARGV = """#!{python}
+import json, os, sys
+with open(os.environ["RUNTIME_LOG"], "a") as fh:
+    fh.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd()}}) + "\\n")
+"""
+
+
+def test_image_cli_runs_the_runtime(tmp_path: Path) -> None:
+    """`hpcrl image build|pull` run the profile's runtime executable (here a recorder)."""
+    import sys
+
+    from tests.conftest import REPO, run_hpcrl, write_exe
+
+    runtime = write_exe(tmp_path / "bin" / "apptainer", RECORD_ARGV.format(python=sys.executable))
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "img.yaml").write_text(
+        f"extends: mi300-cluster-apptainer\ncontainer: {{binary: {runtime}, "
+        f"image: {tmp_path}/out.sif}}\n")
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HPCRL_SITE_PATH": str(sites),
+           "RUNTIME_LOG": str(tmp_path / "runtime.jsonl")}
+    build = run_hpcrl(["image", "build", "--site", "img"], env)
+    assert build.returncode == 0, build.stderr
+    pull = run_hpcrl(["image", "pull", "--site", "img", "--from", "docker-archive://x.tar"], env)
+    assert pull.returncode == 0, pull.stderr
+    dry = run_hpcrl(["image", "pull", "--site", "img", "--from", "docker://a/b", "--dry-run"],
+                    env)
+    assert dry.returncode == 0 and "pull" in dry.stderr and "docker://a/b" in dry.stderr
+    rows = [json.loads(ln) for ln in (tmp_path / "runtime.jsonl").read_text().splitlines()]
+    assert rows[0]["argv"] == ["build", f"{tmp_path}/out.sif", str(REPO / "containers/hpcrl.def")]
+    assert rows[0]["cwd"] == str(REPO)  # the .def's %files are relative to the source tree
+    assert rows[1]["argv"] == ["pull", f"{tmp_path}/out.sif", "docker-archive://x.tar"]
+    assert len(rows) == 2  # the dry run ran nothing
+    missing = run_hpcrl(["image", "build", "--site", "slurmlab"], env)
+    assert missing.returncode == 2 and "no `container.recipe`" in missing.stderr
