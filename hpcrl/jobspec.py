@@ -10,6 +10,16 @@ Contract with the node agent (`python -m hpcrl.agent <RUN_DIR>`, one per node):
 - ``secrets`` lists variable NAMES passed through from the submitting environment; the values
   reach the job through Slurm's environment export and are never written here.
 
+Starting the payload's container on a node, as the agent is expected to::
+
+    profile = profile_from_dict(spec.profile)
+    env = {**profile.env, **env_for_ray_version(profile.ray.version_env, ray_version_in_image)}
+    cmd = container_command(profile.container, argv, env, passthrough=spec.secrets,
+                            binds=[str(run_dir)], workdir=profile.container.workdir or str(run_dir))
+    subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env})
+
+(:func:`hpcrl.containers.container_command`, :func:`hpcrl.profiles.env_for_ray_version`.)
+
 The file is written with mode 0600 inside a run directory of mode 0700, atomically (temporary
 name, then rename).
 """
