@@ -46,6 +46,9 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REF_RE = re.compile(r"\$\{(env|sys):([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _REF_START_RE = re.compile(r"\$\{(env|sys):")
 SYS_REFS = ("prefix", "base_prefix", "executable", "source_root")
+PROFILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SIGNAL_NAMES = frozenset(("HUP", "INT", "QUIT", "USR1", "USR2", "TERM", "ALRM", "CONT", "URG",
+                          "XCPU", "XFSZ", "VTALRM", "PROF", "WINCH", "PWR"))
 
 
 class ProfileError(ValueError):
@@ -501,6 +504,12 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
     for i, rule in enumerate(p.ray.version_env):
         if rule.min_version is None and rule.below_version is None:
             raise err("ray.version_env", f"rule {i} needs `min_version` or `below_version`")
+    if not PROFILE_NAME_RE.match(p.name):
+        raise ProfileError(f"{own_file}: profile name {p.name!r} must be letters, digits, `.`, "
+                           "`_` or `-` (rename the file)")
+    if p.slurm.signal.upper().removeprefix("SIG") not in SIGNAL_NAMES:
+        raise err("slurm.signal", f"must be a signal name such as `USR1` or `TERM`, got "
+                  f"{p.slurm.signal!r}")
     if p.slurm.nodes < 1:
         raise err("slurm.nodes", f"must be at least 1, got {p.slurm.nodes}")
     if p.python is not None and not os.path.isabs(p.python):

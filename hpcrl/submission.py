@@ -166,6 +166,11 @@ IDENTITY_LINES = (
 )
 
 
+def signal_name(profile: SiteProfile) -> str:
+    """The warning signal as Slurm and bash both take it (`sigusr1` -> `USR1`)."""
+    return profile.slurm.signal.upper().removeprefix("SIG")
+
+
 def log_paths(run_dir: str) -> dict[str, str]:
     """Where each log goes (`%j` = job id, `%n`/`%t` = node index)."""
     return {
@@ -204,7 +209,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
     if profile.scheduler == "local":
         return render_local_script(profile, spec, run_dir, python)
     logs = log_paths(run_dir)
-    sig = profile.slurm.signal
+    sig = signal_name(profile)
     options = slurm_options(profile, f"{profile.slurm.job_name}-{profile.name}")
     options += [("requeue", True), ("open-mode", "append"), ("output", logs["batch"]),
                 ("signal", f"B:{sig}@{profile.slurm.signal_lead_s}"),
@@ -241,7 +246,7 @@ def render_local_script(profile: SiteProfile, spec: JobSpec, run_dir: str, pytho
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python).items()],
         job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
         setup=list(profile.slurm.setup),
-        signal=profile.slurm.signal,
+        signal=signal_name(profile),
         agent=f"{agent} >> {shlex.quote(run_dir + '/logs/local-node0.out')} 2>&1",
     )
 
@@ -251,7 +256,7 @@ def submitit_params(profile: SiteProfile, spec: JobSpec, run_dir: str, python: s
     """`SlurmExecutor.update_parameters` arguments for the same job."""
     s = profile.slurm
     extra: dict[str, Any] = {"requeue": True,
-                             "signal": f"{s.signal}@{s.signal_lead_s}",
+                             "signal": f"{signal_name(profile)}@{s.signal_lead_s}",
                              "export": export_value(spec.secrets)}
     if s.mem is not None:
         extra["mem"] = s.mem

@@ -127,6 +127,8 @@ def test_interpolate_rejects_malformed_and_unknown_sys() -> None:
      ["`env`", "'BAD NAME'", "not a valid variable name"]),
     ("description: x\ncontainer: {runtime: none}\nenv: {FLAG: true}\n",
      ["`env.FLAG`", "quote it"]),
+    ("description: x\ncontainer: {runtime: none}\nslurm: {signal: 'USR1; rm -rf ~'}\n",
+     ["`slurm.signal`", "signal name"]),
     ("description: x\ncontainer: {runtime: none}\nslurm: {time: soon}\n",
      ["'soon'", "HH:MM:SS"]),
     ("description: x\ncontainer: {runtime: none}\nray: {version_env: [{min_versio: '2'}]}\n",
