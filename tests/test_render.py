@@ -276,3 +276,39 @@ def test_request_rejects_relative_python_and_bad_via() -> None:
         build_request(p, spec, "/r", "python3")
     with pytest.raises(RequestError, match="valid: submitit, sbatch"):
         build_request(p, spec, "/r", PY, via="qsub")
+
+
+FAKE_SRUN_SH = """#!/bin/bash
+printf '%s' "$ANY_VALUE" > "$HPCRL_TEST_OUT"
+"""
+
+
+def test_any_value_survives_the_script(tmp_path: Path) -> None:
+    """Property: whatever text a profile variable holds, the step receives exactly that."""
+    import dataclasses
+    import types
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base = load_profile("slurmlab", FIXED_ENV).profile
+    bindir = tmp_path / "bin"
+    write_exe(bindir / "srun", FAKE_SRUN_SH)
+    run_dir = tmp_path / "run"
+    spec = make_spec(base, ["x"])
+    prepare_run_dir(run_dir, spec)
+    out = tmp_path / "value"
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",),
+                                          blacklist_characters="\x00"), max_size=40))
+    def check(value: str) -> None:
+        p = dataclasses.replace(base, env=types.MappingProxyType({"ANY_VALUE": value}))
+        req = build_request(p, spec, str(run_dir), str(bindir / "python"))
+        proc = subprocess.run(["bash", "-c", req.script], capture_output=True,
+                              env={"SLURM_JOB_NUM_NODES": "1", "HPCRL_TEST_OUT": str(out),
+                                   "LANG": "C.UTF-8"})
+        assert proc.returncode == 0, proc.stderr
+        assert out.read_bytes().decode("utf-8", "surrogateescape") == value
+
+    check()

@@ -8,8 +8,6 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-ERROR_TYPES: tuple[type[Exception], ...] = (ValueError, RuntimeError, FileNotFoundError)
-
 
 def user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Print hpcrl's own errors as one line (`hpcrl: error: ...`) and return status 2."""
