@@ -87,7 +87,9 @@ class SlurmConfig:
     extra_sbatch: tuple[str, ...] = _f("extra `#SBATCH` options, e.g. `--constraint=mi300x`",
                                        factory=tuple)
     setup: tuple[str, ...] = _f("shell lines run by the batch script before the node agents "
-                                "start (e.g. `module load rocm`)", factory=tuple)
+                                "start; the job starts with only `SLURM_*` and the secrets "
+                                "(`--export`), so source what modules need first (e.g. "
+                                "`source /etc/profile`, `module load rocm`)", factory=tuple)
 
 
 @dataclass(frozen=True)
