@@ -9,7 +9,15 @@ import sys
 from collections.abc import Sequence
 
 # name -> module. Every module defines HELP (one line), configure(parser) and run(args) -> int.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "sites": "hpcrl.commands.sites",
+    "render": "hpcrl.commands.render",
+    "submit": "hpcrl.commands.submit",
+    "status": "hpcrl.commands.status",
+    "logs": "hpcrl.commands.logs",
+    "cancel": "hpcrl.commands.cancel",
+    "image": "hpcrl.commands.image",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,92 @@
+"""Shared pieces of the job commands: argument groups, profile loading, error reporting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+
+def user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Print hpcrl's own errors as one line (`hpcrl: error: ...`) and return status 2."""
+
+    @wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        from hpcrl.containers import ContainerError
+        from hpcrl.jobspec import JobSpecError, RunDirError
+        from hpcrl.profiles import ProfileError
+        from hpcrl.slurm import SlurmError
+        from hpcrl.submission import RequestError
+
+        try:
+            return fn(args)
+        except (ProfileError, RequestError, RunDirError, JobSpecError, ContainerError,
+                SlurmError) as exc:
+            print(f"hpcrl: error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def add_site(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--site", default=None,
+                        help="site profile (`hpcrl sites`); default: $HPCRL_SITE or `local`")
+
+
+def site_name(args: argparse.Namespace) -> str:
+    import os
+
+    return str(args.site or os.environ.get("HPCRL_SITE") or "local")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """--site/--nodes/--time/--partition/--run-dir/--resume/--command and the payload."""
+    add_site(parser)
+    parser.add_argument("--nodes", type=int, help="number of nodes (profile default otherwise)")
+    parser.add_argument("--time", help="time limit, e.g. `04:00:00` or `1-00:00:00`")
+    parser.add_argument("--partition", help="Slurm partition")
+    parser.add_argument("--run-dir", help="run directory (default: a new one under the "
+                        "profile's `run_root`)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse an existing `--run-dir` (continue that job)")
+    parser.add_argument("--command", dest="whole_command", action="store_true",
+                        help="the arguments after `--` are the whole command to run in the "
+                        "container, not trainer overrides")
+    parser.add_argument("payload", nargs=argparse.REMAINDER,
+                        help="after `--`: trainer overrides (e.g. `trainer.nnodes=2`)")
+
+
+def prepare(args: argparse.Namespace) -> Any:
+    """Load the profile, apply overrides, build the request (no side effects)."""
+    import os
+    from pathlib import Path
+
+    from hpcrl.jobspec import default_payload
+    from hpcrl.profiles import load_profile, replace_slurm
+    from hpcrl.submission import build_request, default_python, default_run_dir, make_spec
+
+    profile = load_profile(site_name(args)).profile
+    profile = replace_slurm(profile, nodes=args.nodes, time=args.time, partition=args.partition)
+    if args.nodes is not None and args.nodes < 1:
+        from hpcrl.submission import RequestError
+
+        raise RequestError(f"`--nodes {args.nodes}`: a job needs at least 1 node")
+    python = default_python(profile)
+    payload = list(args.payload)
+    if payload[:1] == ["--"]:
+        payload = payload[1:]
+    if args.whole_command:
+        if not payload:
+            from hpcrl.submission import RequestError
+
+            raise RequestError("`--command` needs the command after `--`, e.g. "
+                               "`hpcrl submit --command -- env`")
+        argv = tuple(payload)
+    else:
+        argv = default_payload(profile.container.python or python, payload)
+    run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
+    spec = make_spec(profile, argv)
+    via = getattr(args, "via", "sbatch")
+    return profile, build_request(profile, spec, os.path.abspath(run_dir), python, via=via)

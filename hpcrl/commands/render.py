@@ -1,0 +1,30 @@
+"""`hpcrl render`: print the standalone batch script of a job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpcrl.commands._common import add_job_arguments, prepare, user_errors
+
+HELP = "print the sbatch script of a job (prepares its run directory); `| sbatch` submits it"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-prepare", action="store_true",
+                        help="only print; do not create the run directory and its job.json")
+    add_job_arguments(parser)
+
+
+@user_errors
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpcrl.jobspec import prepare_run_dir
+
+    _, req = prepare(args)
+    if not args.no_prepare:
+        prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume)
+        print(f"hpcrl: run directory {req.run_dir} (job.json written)", file=sys.stderr)
+    sys.stdout.write(req.script)
+    return 0

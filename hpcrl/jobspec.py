@@ -1,0 +1,134 @@
+"""The job specification: `<RUN_DIR>/job.json`, written before submission, read by the node agent.
+
+Contract with the node agent (`python -m hpcrl.agent <RUN_DIR>`, one per node):
+
+- ``JobSpec.from_json((run_dir / JOB_FILE).read_text())`` gives the job.
+- ``profile`` is the fully resolved site profile as plain data; rebuild the dataclasses with
+  :func:`hpcrl.profiles.profile_from_dict`.
+- ``payload`` is the argv of the payload run on the head inside the container (default
+  ``[python, -m, trainer, <overrides...>]``).
+- ``secrets`` lists variable NAMES passed through from the submitting environment; the values
+  reach the job through Slurm's environment export and are never written here.
+
+Starting the payload's container on a node, as the agent is expected to::
+
+    profile = profile_from_dict(spec.profile)
+    env = {**profile.env, **env_for_ray_version(profile.ray.version_env, ray_version_in_image)}
+    cmd = container_command(profile.container, argv, env, passthrough=spec.secrets,
+                            binds=[str(run_dir)], workdir=profile.container.workdir or str(run_dir))
+    subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env})
+
+(:func:`hpcrl.containers.container_command`, :func:`hpcrl.profiles.env_for_ray_version`.)
+
+The file is written with mode 0600 inside a run directory of mode 0700, atomically (temporary
+name, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOB_FILE = "job.json"
+SPEC_VERSION = 1
+
+
+class JobSpecError(ValueError):
+    """`job.json` is missing fields, has wrong types, or comes from an unknown version."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, where and how often it may requeue."""
+
+    site: str = field(metadata={"help": "name of the site profile"})
+    profile: Mapping[str, Any] = field(metadata={"help": "fully resolved profile (plain data)"})
+    payload: tuple[str, ...] = field(metadata={"help": "argv run on the head in the container"})
+    nodes: int = field(metadata={"help": "number of nodes (one agent each)"})
+    max_requeues: int = field(metadata={"help": "requeues allowed after time limit/preemption"})
+    secrets: tuple[str, ...] = field(default=(), metadata={
+        "help": "names of variables passed through from the submitting environment"})
+    created: float = field(default_factory=time.time, metadata={
+        "help": "creation time, seconds since the epoch"})
+    version: int = field(default=SPEC_VERSION, metadata={"help": "format version of job.json"})
+
+    def to_json(self) -> str:
+        data = {
+            "version": self.version,
+            "site": self.site,
+            "profile": self.profile,
+            "payload": list(self.payload),
+            "nodes": self.nodes,
+            "max_requeues": self.max_requeues,
+            "secrets": list(self.secrets),
+            "created": self.created,
+        }
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise JobSpecError(f"job.json is not valid JSON ({exc}); rewrite it with "
+                               "`hpcrl submit`/`hpcrl render`") from None
+        if not isinstance(data, dict):
+            raise JobSpecError(f"job.json must hold an object, got {type(data).__name__}")
+        if data.get("version") != SPEC_VERSION:
+            raise JobSpecError(f"job.json has version {data.get('version')!r}; this hpcrl reads "
+                               f"version {SPEC_VERSION}: submit with the same hpcrl version")
+        expected: dict[str, type | tuple[type, ...]] = {"site": str, "profile": dict, "payload": list, "nodes": int,
+                    "max_requeues": int, "secrets": list, "created": (int, float)}
+        unknown = sorted(set(data) - set(expected) - {"version"})
+        if unknown:
+            raise JobSpecError(f"job.json has unknown key(s) {unknown}; valid keys: "
+                               f"{', '.join(['version', *expected])}")
+        for key, typ in expected.items():
+            if not isinstance(data.get(key), typ) or isinstance(data.get(key), bool):
+                raise JobSpecError(f"job.json key `{key}` is {data.get(key)!r}, which is not "
+                                   f"a {getattr(typ, '__name__', 'number')}")
+        return cls(site=data["site"], profile=data["profile"], payload=tuple(data["payload"]),
+                   nodes=data["nodes"], max_requeues=data["max_requeues"],
+                   secrets=tuple(data["secrets"]), created=float(data["created"]),
+                   version=data["version"])
+
+
+def default_payload(python: str, overrides: Sequence[str]) -> tuple[str, ...]:
+    """`[python, -m, trainer, <overrides>]`: the PPO trainer with verl-style overrides."""
+    return (python, "-m", "trainer", *overrides)
+
+
+class RunDirError(ValueError):
+    """The run directory exists and is not empty, or cannot be created."""
+
+
+def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Path:
+    """Create `run_dir` (0700) with `logs/` and write `job.json` (0600) atomically.
+
+    An existing non-empty directory is refused unless `resume` is true; when resuming, an existing
+    `job.json` is kept (the job continues as first specified).
+    """
+    run_dir = run_dir.expanduser().absolute()
+    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
+        raise RunDirError(
+            f"run directory `{run_dir}` exists and is not empty; it belongs to another job. "
+            "Choose a new `--run-dir`, or pass `--resume` to continue that job")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
+    target = run_dir / JOB_FILE
+    if resume and target.exists():
+        JobSpec.from_json(target.read_text())  # refuse a damaged job.json before submitting
+        return run_dir
+    tmp = run_dir / f".{JOB_FILE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(spec.to_json())
+    os.replace(tmp, target)
+    return run_dir

@@ -1,0 +1,188 @@
+"""Container command building for podman, docker, apptainer and none."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcrl.containers import ContainerError, build_command, container_command, pull_command
+from hpcrl.profiles import ContainerConfig, load_profile
+
+SECRET = "s3cr3t-value-never-in-argv"
+
+
+def profile(name: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    return load_profile(name, env).profile
+
+
+def test_podman_mi300_flags_and_env_names_only(tmp_path: Path) -> None:
+    p = profile("mi300-cluster", tmp_path)
+    cmd = container_command(p.container, ["python3", "-m", "trainer", "a=1"], dict(p.env),
+                            passthrough=["WANDB_API_KEY", "UNSET_SECRET"], binds=["/runs/r"],
+                            workdir="/runs/r", name="hpcrl-1",
+                            environ={"WANDB_API_KEY": SECRET})
+    argv = list(cmd.argv)
+    assert argv[:3] == ["podman", "run", "--rm"]
+    for flag in ["--network=host", "--device=/dev/kfd", "--device=/dev/dri",
+                 "--device=/dev/infiniband", "--group-add=video", "--cap-add=SYS_PTRACE",
+                 "--security-opt=seccomp=unconfined", "--privileged", "--shm-size=128G"]:
+        assert flag in argv, flag
+    assert argv[argv.index("--name") + 1] == "hpcrl-1"
+    assert argv[argv.index("-w") + 1] == "/runs/r"
+    assert f"{tmp_path}/home:{tmp_path}/home" in argv and "/runs/r:/runs/r" in argv
+    assert argv[-5:] == ["localhost/hpcrl-rocm:latest", "python3", "-m", "trainer", "a=1"]
+    e_names = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
+    assert set(e_names) == {*p.env, "WANDB_API_KEY"}  # the unset secret is not passed
+    assert all("=" not in n for n in e_names)
+    assert SECRET not in cmd.display() and "0,1,2,3,4,5,6,7" not in cmd.display()
+    assert cmd.env["WANDB_API_KEY"] == SECRET and cmd.env["NCCL_IB_GID_INDEX"] == "3"
+
+
+def test_docker_uses_same_flags_with_its_binary(tmp_path: Path) -> None:
+    p = profile("mi300-cluster", tmp_path)
+    c = dataclasses.replace(p.container, runtime="docker", binary="/usr/bin/docker")
+    argv = container_command(c, ["true"], {}, environ={}).argv
+    assert argv[:3] == ("/usr/bin/docker", "run", "--rm") and "--device=/dev/kfd" in argv
+
+
+def test_apptainer_rocm_through_spython_head(tmp_path: Path) -> None:
+    p = profile("mi300-cluster-apptainer", tmp_path)
+    cmd = container_command(p.container, ["python3", "-c", "pass"], {"A": "x y", "B": "$(no)"},
+                            passthrough=["WANDB_API_KEY"], binds=["/runs/r"], workdir="/runs/r",
+                            environ={"WANDB_API_KEY": SECRET})
+    argv = list(cmd.argv)
+    assert argv[:2] == ["apptainer", "exec"]
+    assert "--rocm" in argv and "--cleanenv" in argv and "--nv" not in argv
+    assert argv[argv.index("--pwd") + 1] == "/runs/r"
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
+    assert binds == [f"{tmp_path}/home", "/runs/r"]
+    assert argv[-4:] == [p.container.image, "python3", "-c", "pass"]
+    assert "--device=/dev/kfd" not in argv and not any(a.startswith("--shm") for a in argv)
+    assert cmd.env == {"APPTAINERENV_A": "x y", "APPTAINERENV_B": "\\$(no)",
+                       "APPTAINERENV_WANDB_API_KEY": SECRET}
+    assert SECRET not in cmd.display()
+
+
+def test_apptainer_binary_from_profile_and_nv(tmp_path: Path) -> None:
+    lab = profile("slurmlab-apptainer", tmp_path)
+    argv = container_command(lab.container, ["env"], {}, environ={}).argv
+    assert argv[0] == "/opt/hpcrl-lab/apptainer/bin/apptainer"
+    assert argv[-2:] == ("/var/cache/hpcrl-lab/hpcrl-lab.sif", "env")
+    h100 = profile("h100-cluster", tmp_path)
+    assert "--nv" in container_command(h100.container, ["true"], {}, environ={}).argv
+
+
+def test_none_runs_the_command_itself(tmp_path: Path) -> None:
+    p = profile("local", tmp_path)
+    cmd = container_command(p.container, ["python", "-V"], {"A": "1"}, passthrough=["S"],
+                            environ={"S": SECRET})
+    assert cmd.argv == ("python", "-V") and cmd.env == {"A": "1", "S": SECRET}
+
+
+def test_binds_deduplicated_and_bad_input_refused() -> None:
+    c = ContainerConfig(runtime="podman", image="img", binds=("/a", "/b:/c"))
+    argv = container_command(c, ["x"], {}, binds=["/a", "/d"], environ={}).argv
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-v"] == ["/a:/a", "/b:/c", "/d:/d"]
+    with pytest.raises(ContainerError, match="not valid"):
+        container_command(c, ["x"], {"BAD NAME": "1"}, environ={})
+    with pytest.raises(ContainerError, match="empty command"):
+        container_command(c, [], {}, environ={})
+    with pytest.raises(ContainerError, match="SRC"):
+        container_command(c, ["x"], {}, binds=[":/x"], environ={})
+    with pytest.raises(ContainerError, match="needs `container.image`"):
+        container_command(ContainerConfig(runtime="docker"), ["x"], {}, environ={})
+
+
+def test_image_build_and_pull_commands(tmp_path: Path) -> None:
+    apptainer = profile("h100-cluster", tmp_path).container
+    build = build_command(apptainer, "/src/containers/hpcrl.def")
+    assert build.argv == ("apptainer", "build", "--build-arg",
+                          "BASE_IMAGE=docker.io/vllm/vllm-openai:latest",
+                          f"{tmp_path}/home/images/hpcrl-cuda.sif", "/src/containers/hpcrl.def")
+    pull = pull_command(apptainer, "docker-archive:///tmp/img.tar")
+    assert pull.argv == ("apptainer", "pull", f"{tmp_path}/home/images/hpcrl-cuda.sif",
+                         "docker-archive:///tmp/img.tar")
+    with pytest.raises(ContainerError, match="needs a source"):
+        pull_command(apptainer)
+    podman = profile("mi300-cluster", tmp_path).container
+    assert build_command(podman, "D", "/ctx").argv == (
+        "podman", "build", "-f", "D", "-t", "localhost/hpcrl-rocm:latest", "/ctx")
+    assert pull_command(podman).argv == ("podman", "pull", "localhost/hpcrl-rocm:latest")
+
+
+def _runtime_ready(binary: str, image_check: list[str]) -> bool:
+    if not shutil.which(binary) and not os.path.exists(binary):
+        return False
+    return subprocess.run(image_check, capture_output=True).returncode == 0
+
+
+PRINT_ENV = ["-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+HOSTILE = ["$(echo subst)", "`echo tick`", "${HOME} $HOME", "it's", 'q"q', "back\\slash",
+           "trail\\", '\\"', "new\nline", "tab\there", "semi;colon|&", "\\$", "!x *"]
+
+
+@pytest.mark.containers
+@pytest.mark.parametrize("site", ["slurmlab", "slurmlab-apptainer"])
+def test_real_runtime_delivers_every_value(site: str, tmp_path: Path) -> None:
+    """With the lab's images present: every profile variable and the secret arrive intact."""
+    p = profile(site, tmp_path)
+    c = p.container
+    check = ([c.binary or "podman", "image", "exists", str(c.image)] if c.runtime == "podman"
+             else ["test", "-r", str(c.image)])
+    if not _runtime_ready(c.binary or c.runtime, check) and os.environ.get("CI") != "true":
+        pytest.skip(f"{site}: runtime or image {c.image} not installed on this machine")
+    env = {**p.env, **{f"HOSTILE_{i}": v for i, v in enumerate(HOSTILE)}}
+    cmd = container_command(c, [os.path.realpath("/usr/bin/python3"), *PRINT_ENV],
+                            env, passthrough=["WANDB_API_KEY"],
+                            environ={"WANDB_API_KEY": SECRET + "$(x)"})
+    out = subprocess.run(list(cmd.argv), env={**os.environ, **cmd.env}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    for k, v in env.items():
+        assert seen.get(k) == v, k
+    assert seen["WANDB_API_KEY"] == SECRET + "$(x)"
+
+
+RECORD_ARGV = """#!{python}
+import json, os, sys
+with open(os.environ["RUNTIME_LOG"], "a") as fh:
+    fh.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd()}}) + "\\n")
+"""
+
+
+def test_image_cli_runs_the_runtime(tmp_path: Path) -> None:
+    """`hpcrl image build|pull` run the profile's runtime executable (here a recorder)."""
+    import sys
+
+    from tests.conftest import REPO, run_hpcrl, write_exe
+
+    runtime = write_exe(tmp_path / "bin" / "apptainer", RECORD_ARGV.format(python=sys.executable))
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "img.yaml").write_text(
+        f"extends: mi300-cluster-apptainer\ncontainer: {{binary: {runtime}, "
+        f"image: {tmp_path}/out.sif}}\n")
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HPCRL_SITE_PATH": str(sites),
+           "RUNTIME_LOG": str(tmp_path / "runtime.jsonl")}
+    build = run_hpcrl(["image", "build", "--site", "img"], env)
+    assert build.returncode == 0, build.stderr
+    pull = run_hpcrl(["image", "pull", "--site", "img", "--from", "docker-archive://x.tar"], env)
+    assert pull.returncode == 0, pull.stderr
+    dry = run_hpcrl(["image", "pull", "--site", "img", "--from", "docker://a/b", "--dry-run"],
+                    env)
+    assert dry.returncode == 0 and "pull" in dry.stderr and "docker://a/b" in dry.stderr
+    rows = [json.loads(ln) for ln in (tmp_path / "runtime.jsonl").read_text().splitlines()]
+    assert rows[0]["argv"] == ["build", f"{tmp_path}/out.sif", str(REPO / "containers/hpcrl.def")]
+    assert rows[0]["cwd"] == str(REPO)  # the .def's %files are relative to the source tree
+    assert rows[1]["argv"] == ["pull", f"{tmp_path}/out.sif", "docker-archive://x.tar"]
+    assert len(rows) == 2  # the dry run ran nothing
+    missing = run_hpcrl(["image", "build", "--site", "slurmlab"], env)
+    assert missing.returncode == 2 and "no `container.recipe`" in missing.stderr

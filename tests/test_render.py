@@ -1,0 +1,314 @@
+"""Rendered batch scripts: golden files, `bash -n`, quoting of hostile values, signal forwarding,
+and the MI300 environment against the reference AMD script."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.jobspec import JobSpec, default_payload, prepare_run_dir
+from hpcrl.profiles import _sys_value, load_profile
+from hpcrl.submission import (
+    RequestError,
+    build_request,
+    dry_run_text,
+    make_spec,
+    submitit_script,
+)
+from tests.conftest import DATA, run_hpcrl, write_exe
+
+GOLDEN = DATA / "golden"
+FIXED_ENV = {"HOME": "/home/user", "XDG_CONFIG_HOME": "/nonexistent/config",
+             "SLURM_CONF": "/etc/slurm/slurm.conf"}
+PY = "/opt/hpcrl/venv/bin/python"
+SITES = ["h100-cluster", "local", "mi300-cluster", "mi300-cluster-apptainer", "slurmlab",
+         "slurmlab-apptainer"]
+HOSTILE = ["two words", "it's", 'say "hi"', "$(touch /tmp/hpcrl-pwned)", "`touch pwned`",
+           "$HOME ${PATH}", "new\nline", "back\\slash", "semi;colon && |", "*", "~", "!x",
+           "--flag=1", ""]
+
+
+def request(site: str, via: str = "sbatch"):  # type: ignore[no-untyped-def]
+    p = load_profile(site, FIXED_ENV).profile
+    spec = make_spec(p, default_payload(p.container.python or PY,
+                                        ["data.train_batch_size=8", "trainer.nnodes=2"]),
+                     created=0.0)
+    return build_request(p, spec, f"/scratch/runs/{site}-golden", PY, via=via)
+
+
+def normalise(text: str) -> str:
+    """Replace the machine-dependent paths (`${sys:...}`) by placeholders."""
+    pairs = sorted([(_sys_value("source_root"), "<SOURCE_ROOT>"),
+                    (_sys_value("prefix"), "<SYS_PREFIX>")], key=lambda kv: -len(kv[0]))
+    for real, placeholder in pairs:
+        text = text.replace(real, placeholder)
+    return text
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    text = normalise(text)
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), (f"golden file {path} is missing; create it with "
+                           "`UPDATE_GOLDEN=1 python -m pytest tests/test_render.py`")
+    assert text == path.read_text(), (
+        f"rendered output differs from {path}; if the change is intended, regenerate with "
+        "`UPDATE_GOLDEN=1 python -m pytest tests/test_render.py` and review the diff")
+
+
+def bash_n(text: str) -> None:
+    proc = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_golden_scripts_and_bash_n(site: str) -> None:
+    req = request(site)
+    bash_n(req.script)
+    suffix = "sh" if site == "local" else "sbatch"
+    check_golden(f"{site}.{suffix}", req.script)
+    if site != "local":
+        sub = submitit_script(request(site, via="submitit"))
+        bash_n(sub)
+        check_golden(f"{site}.submitit.sbatch", sub)
+
+
+def test_script_has_fixed_shape() -> None:
+    script = request("slurmlab").script
+    for line in ["#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:USR1@30",
+                 "#SBATCH --export=WANDB_API_KEY", "#SBATCH --partition=debug",
+                 "#SBATCH --nodes=3", "#SBATCH --cpus-per-task=2", "trap hpcrl_forward USR1",
+                 "export SLURM_EXPORT_ENV=ALL"]:
+        assert line in script.splitlines(), line
+    srun = next(ln for ln in script.splitlines() if ln.startswith("srun "))
+    assert srun.startswith('srun --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" '
+                           "--kill-on-bad-exit=1 ")
+    assert srun.endswith(f"{PY} -m hpcrl.agent /scratch/runs/slurmlab-golden &")
+    assert "--gpus-per-node" not in script
+
+
+def seed_names(path: Path) -> set[str]:
+    text = path.read_text()
+    return set(re.findall(r"^export ([A-Z_][A-Z0-9_]*)=", text, re.M)) | set(
+        re.findall(r"-e ([A-Z_][A-Z0-9_]*)=", text))
+
+
+def test_mi300_render_has_every_seed_variable_and_device_flag() -> None:
+    req = request("mi300-cluster")
+    script = req.script
+    exported = set(re.findall(r"^export ([A-Z_][A-Z0-9_]*)=", script, re.M))
+    versioned = {k for rule in req.spec.profile["ray"]["version_env"] for k in rule["env"]}
+    names = seed_names(DATA / "seeds" / "amd_slurm_script.sh") | seed_names(
+        DATA / "seeds" / "amd_rocm_env.sh")
+    assert len(names) >= 25
+    missing = sorted(names - exported - versioned)
+    assert not missing, f"mi300-cluster lacks {missing}"
+    assert versioned == {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",
+                         "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES"}
+    for exact in ["NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_8,mlx5_9",
+                  "NCCL_IB_GID_INDEX=3", "NCCL_CROSS_NIC=0", "NCCL_PROTO=Simple",
+                  "RCCL_MSCCL_ENABLE=0", "HSA_NO_SCRATCH_RECLAIM=1", "GPU_MAX_HW_QUEUES=2",
+                  "TORCH_NCCL_HIGH_PRIORITY=1", "NCCL_CHECKS_DISABLE=1",
+                  "CUDA_DEVICE_MAX_CONNECTIONS=1", "HIP_FORCE_DEV_KERNARG=1",
+                  "TOKENIZERS_PARALLELISM=false", "HIP_VISIBLE_DEVICES=0,1,2,3,4,5,6,7",
+                  "ROCR_VISIBLE_DEVICES=0,1,2,3,4,5,6,7", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7"]:
+        assert f"\nexport {exact}\n" in script, exact
+    seed = (DATA / "seeds" / "amd_slurm_script.sh").read_text()
+    flags = re.findall(r"--(device|group-add|cap-add|security-opt|shm-size) (\S+)", seed)
+    assert len(flags) == 7
+    preview = next(ln for ln in script.splitlines() if ln.startswith("# podman run"))
+    for flag, value in flags:
+        assert f"--{flag}={value}" in preview, (flag, value)
+    assert "--network=host" in preview and "--privileged" in preview
+    apptainer = request("mi300-cluster-apptainer").script
+    assert re.search(r"^# \S*apptainer exec .*--rocm", apptainer, re.M)
+
+
+def hostile_site(tmp_path: Path) -> dict[str, str]:
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    env_lines = "\n".join(f"  HOSTILE_{i}: {json.dumps(v)}" for i, v in enumerate(HOSTILE))
+    (sites / "hostile.yaml").write_text(
+        "extends: slurmlab\n"
+        "slurm:\n  job_name: \"we'ird $(job) `name`\"\n  partition: \"de bug's\"\n"
+        f"env:\n{env_lines}\n")
+    return {"HPCRL_SITE_PATH": str(sites), **FIXED_ENV}
+
+
+FAKE_SRUN = """#!{python}
+import json, os, sys
+with open(os.environ["HPCRL_TEST_OUT"], "w") as fh:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, fh)
+"""
+
+
+def test_hostile_values_reach_the_step_verbatim(tmp_path: Path) -> None:
+    p = load_profile("hostile", hostile_site(tmp_path)).profile
+    bindir = tmp_path / "bin"
+    write_exe(bindir / "srun", FAKE_SRUN.format(python=sys.executable))
+    (bindir / "python").symlink_to(sys.executable)
+    run_dir = tmp_path / "runs" / "a b 'c' \"d\" $(e) `f` ;g"
+    payload = ["python", "-m", "trainer", *HOSTILE]
+    spec = make_spec(p, payload)
+    req = build_request(p, spec, str(run_dir), str(bindir / "python"), via="sbatch")
+    bash_n(req.script)
+    assert "#SBATCH --job-name='we'\"'\"'ird $(job) `name`-hostile'" in req.script
+    prepare_run_dir(run_dir, spec)
+    script = tmp_path / "job.sbatch"
+    script.write_text(req.script)
+    out = tmp_path / "srun.json"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                          env={"SLURM_JOB_NUM_NODES": "3", "HPCRL_TEST_OUT": str(out)},
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(out.read_text())
+    for i, value in enumerate(HOSTILE):
+        assert seen["env"][f"HOSTILE_{i}"] == value
+    assert seen["env"]["HPCRL_LAB_QUOTING"] == p.env["HPCRL_LAB_QUOTING"]
+    assert seen["argv"][-4:] == [str(bindir / "python"), "-m", "hpcrl.agent", str(run_dir)]
+    assert seen["argv"][:2] == ["--ntasks-per-node=1", "--nodes=3"]
+    assert JobSpec.from_json((run_dir / "job.json").read_text()).payload == tuple(payload)
+    assert not Path("/tmp/hpcrl-pwned").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_missing_job_json_stops_the_script(tmp_path: Path) -> None:
+    p = load_profile("slurmlab", FIXED_ENV).profile
+    req = build_request(p, make_spec(p, ["x"]), str(tmp_path / "never-prepared"), PY)
+    proc = subprocess.run(["bash", "-c", req.script], capture_output=True, text=True,
+                          env={"SLURM_JOB_NUM_NODES": "1"})
+    assert proc.returncode == 2 and "job.json" in proc.stderr and "is missing" in proc.stderr
+
+
+FAKE_SRUN_WAITS = """#!{python}
+import os, signal, sys, time
+marker = os.environ["HPCRL_TEST_OUT"]
+def stop(signum, frame):
+    open(marker, "w").write(signal.Signals(signum).name)
+    sys.exit(7)
+signal.signal(signal.SIGUSR1, stop)
+open(marker + ".ready", "w").close()
+time.sleep(30)
+"""
+
+
+def test_warning_signal_is_forwarded_to_the_step(tmp_path: Path) -> None:
+    p = load_profile("slurmlab", FIXED_ENV).profile
+    bindir = tmp_path / "bin"
+    write_exe(bindir / "srun", FAKE_SRUN_WAITS.format(python=sys.executable))
+    run_dir = tmp_path / "run"
+    spec = make_spec(p, ["x"])
+    prepare_run_dir(run_dir, spec)
+    req = build_request(p, spec, str(run_dir), str(bindir / "python"))
+    marker = tmp_path / "marker"
+    batch = subprocess.Popen(["bash", "-c", req.script], text=True,
+                             env={"SLURM_JOB_NUM_NODES": "1", "HPCRL_TEST_OUT": str(marker)})
+    deadline = time.monotonic() + 20
+    while not Path(f"{marker}.ready").exists():
+        assert time.monotonic() < deadline and batch.poll() is None, "fake srun did not start"
+        time.sleep(0.02)
+    batch.send_signal(signal.SIGUSR1)
+    assert batch.wait(timeout=20) == 7  # the step's own exit status comes back
+    assert marker.read_text() == "SIGUSR1"
+
+
+@pytest.mark.parametrize("field, value", [("--partition", "a\nb"), ("--time", "1\n2"),
+                                          ("--run-dir", "/tmp/x%j")])
+def test_values_that_would_break_the_script_are_refused(field: str, value: str,
+                                                       clean_env: dict[str, str]) -> None:
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--no-prepare", field, value, "--", "a=1"],
+                     clean_env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("hpcrl: error:") and proc.stderr.count("\n") == 1
+
+
+def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
+                                                       clean_env: dict[str, str]) -> None:
+    run_dir = tmp_path / "r"
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--nodes", "2", "--time", "5",
+                      "--partition", "high", "--run-dir", str(run_dir), "--",
+                      "trainer.total_epochs=1"], clean_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --time=5" in proc.stdout
+    assert "#SBATCH --partition=high" in proc.stdout
+    bash_n(proc.stdout)
+    assert (run_dir.stat().st_mode & 0o777) == 0o700
+    spec = JobSpec.from_json((run_dir / "job.json").read_text())
+    assert spec.nodes == 2 and spec.payload[1:] == ("-m", "trainer", "trainer.total_epochs=1")
+    assert spec.profile["slurm"]["partition"] == "high"
+    again = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir)], clean_env)
+    assert again.returncode == 2 and "not empty" in again.stderr and "--resume" in again.stderr
+    resumed = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir),
+                         "--resume"], clean_env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec
+
+
+def test_local_site_renders_and_dry_runs() -> None:
+    req = request("local")
+    assert req.via == "local" and "#SBATCH" not in req.script and "srun" not in req.script
+    assert f"{PY} -m hpcrl.agent /scratch/runs/local-golden" in req.script
+    assert "# via: local" in dry_run_text(req)
+
+
+def test_template_rejects_undefined_values() -> None:
+    import jinja2
+
+    from hpcrl.templates import render_template
+
+    with pytest.raises(jinja2.UndefinedError):
+        render_template("job.sbatch.j2", site="x")
+
+
+def test_request_rejects_relative_python_and_bad_via() -> None:
+    p = load_profile("slurmlab", FIXED_ENV).profile
+    spec = make_spec(p, ["x"])
+    with pytest.raises(RequestError, match="absolute"):
+        build_request(p, spec, "/r", "python3")
+    with pytest.raises(RequestError, match="valid: submitit, sbatch"):
+        build_request(p, spec, "/r", PY, via="qsub")
+
+
+FAKE_SRUN_SH = """#!/bin/bash
+printf '%s' "$ANY_VALUE" > "$HPCRL_TEST_OUT"
+"""
+
+
+def test_any_value_survives_the_script(tmp_path: Path) -> None:
+    """Property: whatever text a profile variable holds, the step receives exactly that."""
+    import dataclasses
+    import types
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base = load_profile("slurmlab", FIXED_ENV).profile
+    bindir = tmp_path / "bin"
+    write_exe(bindir / "srun", FAKE_SRUN_SH)
+    run_dir = tmp_path / "run"
+    spec = make_spec(base, ["x"])
+    prepare_run_dir(run_dir, spec)
+    out = tmp_path / "value"
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",),
+                                          blacklist_characters="\x00"), max_size=40))
+    def check(value: str) -> None:
+        p = dataclasses.replace(base, env=types.MappingProxyType({"ANY_VALUE": value}))
+        req = build_request(p, spec, str(run_dir), str(bindir / "python"))
+        proc = subprocess.run(["bash", "-c", req.script], capture_output=True,
+                              env={"SLURM_JOB_NUM_NODES": "1", "HPCRL_TEST_OUT": str(out),
+                                   "LANG": "C.UTF-8"})
+        assert proc.returncode == 0, proc.stderr
+        assert out.read_bytes().decode("utf-8", "surrogateescape") == value
+
+    check()

@@ -1,0 +1,237 @@
+"""`hpcrl submit` through sbatch and submitit, dry runs, bad profiles, status/logs/cancel.
+
+The one faked seam is Slurm's client executables: `sbatch`, `squeue`, `scontrol` and `scancel`
+are small scripts first on PATH that record their arguments and print real Slurm output kept in
+`tests/data/slurm/` (submitit's own tests fake the same `sbatch` seam). Everything else runs for
+real: the CLI in a fresh process, submitit's executor, the run directory, `job.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.jobspec import JobSpec
+from tests.conftest import DATA, run_hpcrl, write_exe
+
+SECRET = "wandb-s3cr3t-$(value)"
+
+FAKE_SLURM = """#!{python}
+import json, os, shutil, sys
+log = os.environ["FAKE_SLURM_LOG"]
+name = os.path.basename(sys.argv[0])
+record = {{"tool": name, "argv": sys.argv[1:]}}
+if name == "sbatch":
+    script = sys.argv[-1]
+    record["script"] = open(script).read()
+    record["secret_in_env"] = os.environ.get("WANDB_API_KEY")
+with open(log, "a") as fh:
+    fh.write(json.dumps(record) + "\\n")
+fixture = os.environ.get("FAKE_" + name.upper())
+if fixture:
+    sys.stdout.write(open(fixture).read())
+sys.exit(int(os.environ.get("FAKE_" + name.upper() + "_RC", "0")))
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path: Path, clean_env: dict[str, str]) -> dict[str, str]:
+    """`clean_env` with fake Slurm tools first on PATH; their calls go to FAKE_SLURM_LOG."""
+    bindir = tmp_path / "fakebin"
+    for tool in ("sbatch", "srun", "squeue", "scontrol", "scancel"):
+        write_exe(bindir / tool, FAKE_SLURM.format(python=sys.executable))
+    env = dict(clean_env)
+    env["PATH"] = f"{bindir}:{env['PATH']}"
+    env["FAKE_SLURM_LOG"] = str(tmp_path / "slurm-calls.jsonl")
+    env["FAKE_SBATCH"] = str(DATA / "slurm" / "sbatch_output.txt")
+    env["WANDB_API_KEY"] = SECRET
+    return env
+
+
+def calls(env: dict[str, str], tool: str | None = None) -> list[dict]:  # type: ignore[type-arg]
+    log = Path(env["FAKE_SLURM_LOG"])
+    if not log.exists():
+        return []
+    rows = [json.loads(ln) for ln in log.read_text().splitlines()]
+    return [r for r in rows if tool is None or r["tool"] == tool]
+
+
+def all_text_under(path: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in path.rglob("*")
+                     if p.is_file() and p.suffix != ".pkl")
+
+
+def test_submit_via_sbatch(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "runs" / "one"
+    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
+                      str(run_dir), "--", "trainer.total_epochs=1"], slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert "job id: 4" in proc.stdout and f"run directory: {run_dir}" in proc.stdout
+    assert f"log (batch): {run_dir}/logs/slurm-4.out" in proc.stdout
+    assert f"log (node N): {run_dir}/logs/4-nodeN.out" in proc.stdout
+    (call,) = calls(slurm, "sbatch")
+    assert call["argv"] == ["--export=WANDB_API_KEY", f"{run_dir}/job.sbatch"]
+    assert call["secret_in_env"] == SECRET  # reaches sbatch through its environment only
+    assert call["script"] == (run_dir / "job.sbatch").read_text()
+    spec = JobSpec.from_json((run_dir / "job.json").read_text())
+    assert spec.secrets == ("WANDB_API_KEY",) and spec.nodes == 3
+    assert spec.payload[-1] == "trainer.total_epochs=1"
+    assert (run_dir.stat().st_mode & 0o777) == 0o700
+    assert ((run_dir / "job.json").stat().st_mode & 0o777) == 0o600
+    assert SECRET not in all_text_under(run_dir) and SECRET not in proc.stdout + proc.stderr
+    sub = json.loads((run_dir / "submission.json").read_text())
+    assert sub["job_id"] == "4" and sub["via"] == "sbatch"
+
+
+def test_submit_via_submitit_submits_what_dry_run_prints(tmp_path: Path,
+                                                        slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "runs" / "two"
+    args = ["submit", "--site", "slurmlab-apptainer", "--nodes", "2", "--run-dir", str(run_dir),
+            "--", "data.train_batch_size=4"]
+    dry = run_hpcrl(["submit", "--dry-run", *args[1:]], slurm)
+    assert dry.returncode == 0, dry.stderr
+    assert not run_dir.exists() and calls(slurm) == []  # a dry run creates and submits nothing
+    proc = run_hpcrl(args, slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert "job id: 4" in proc.stdout
+    assert f"log (node N): {run_dir}/submitit/4_N_log.out" in proc.stdout
+    (call,) = calls(slurm, "sbatch")
+    printed = dry.stdout.split("# ---- batch script ----\n", 1)[1]
+    assert call["script"] == printed  # exactly what the dry run printed
+    assert "#SBATCH --nodes=2" in printed and "#SBATCH --requeue" in printed
+    assert "#SBATCH --signal=USR1@30" in printed and "#SBATCH --export=WANDB_API_KEY" in printed
+    pickled = next((run_dir / "submitit").glob("*_submitted.pkl"))
+    with pickled.open("rb") as fh:
+        delayed = pickle.load(fh)
+    import hpcrl
+
+    assert delayed.function is hpcrl.agent_entry and delayed.args == (str(run_dir),)
+    assert SECRET not in all_text_under(run_dir)
+
+
+def test_dry_run_via_sbatch_prints_script_and_command(tmp_path: Path,
+                                                      slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "r"
+    proc = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "mi300-cluster",
+                      "--run-dir", str(run_dir), "--", "x=1"], slurm)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"# command: sbatch --export=WANDB_API_KEY,HF_TOKEN {run_dir}/job.sbatch" in out
+    assert '"payload": [' in out and "#SBATCH --gpus-per-node=8" in out
+    assert not run_dir.exists() and calls(slurm) == []
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("extends: slurmlab\nslurm: {partitionn: x}\n", "unknown key `slurm.partitionn`"),
+    ("extends: slurmlab\nslurm: {nodes: '3'}\n", "`slurm.nodes` must be a integer"),
+    ("extends: slurmlab\ncontainer: {image: null}\n", "`container.image` is missing"),
+])
+def test_bad_profile_submits_nothing(tmp_path: Path, slurm: dict[str, str], body: str,
+                                     needle: str) -> None:
+    sites = tmp_path / "sites"
+    sites.mkdir()
+    (sites / "broken.yaml").write_text(body)
+    env = {**slurm, "HPCRL_SITE_PATH": str(sites)}
+    for via in ("sbatch", "submitit"):
+        proc = run_hpcrl(["submit", "--site", "broken", "--via", via, "--", "x=1"], env)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+        assert str(sites / "broken.yaml") in proc.stderr
+    assert calls(slurm) == []
+    assert not Path(slurm["HPCRL_LAB_RUN_ROOT"]).exists()
+
+
+def test_existing_run_dir_refused_then_resumed(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    (run_dir / "precious.txt").write_text("keep me")
+    args = ["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(run_dir)]
+    proc = run_hpcrl(args, slurm)
+    assert proc.returncode == 2 and "not empty" in proc.stderr and calls(slurm) == []
+    assert (run_dir / "precious.txt").read_text() == "keep me"
+    assert run_hpcrl([*args, "--resume"], slurm).returncode == 0
+    assert len(calls(slurm, "sbatch")) == 1 and (run_dir / "precious.txt").exists()
+
+
+def test_sbatch_failure_is_reported(tmp_path: Path, slurm: dict[str, str]) -> None:
+    env = {**slurm, "FAKE_SBATCH_RC": "1"}
+    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
+                      str(tmp_path / "r")], env)
+    assert proc.returncode == 2 and "failed with status 1" in proc.stderr
+
+
+def test_default_run_dir_is_new_under_run_root(slurm: dict[str, str]) -> None:
+    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch"], slurm)
+    assert proc.returncode == 0, proc.stderr
+    (made,) = Path(slurm["HPCRL_LAB_RUN_ROOT"]).iterdir()
+    assert made.name.startswith("slurmlab-") and (made / "job.json").is_file()
+
+
+def test_command_payload(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = tmp_path / "cmd"
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--command", "--run-dir", str(run_dir),
+                      "--", "env", "-0"], slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert JobSpec.from_json((run_dir / "job.json").read_text()).payload == ("env", "-0")
+
+
+def test_local_site_dry_run(tmp_path: Path, slurm: dict[str, str]) -> None:
+    proc = run_hpcrl(["submit", "--dry-run", "--run-dir", str(tmp_path / "l"), "--", "a=1"],
+                     slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert "# via: local" in proc.stdout and "-m hpcrl.agent" in proc.stdout
+    assert calls(slurm) == []
+
+
+def submitted_run(tmp_path: Path, slurm: dict[str, str]) -> Path:
+    run_dir = tmp_path / "followed"
+    assert run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
+                      str(run_dir)], slurm).returncode == 0
+    (run_dir / "logs" / "slurm-4.out").write_text("batch line\n")
+    (run_dir / "logs" / "4-node0.out").write_text("head line\n")
+    (run_dir / "logs" / "4-node1.out").write_text("worker line\n")
+    return run_dir
+
+
+def scontrol_fixture(tmp_path: Path, run_dir: Path) -> str:
+    """The real `scontrol show job` output, pointed at `run_dir`."""
+    text = (DATA / "slurm" / "scontrol_show_job_running.txt").read_text()
+    text = text.replace("/tmp/hpcrl-minival/runs/sig", str(run_dir)).replace("JobId=2", "JobId=4")
+    path = tmp_path / "scontrol.txt"
+    path.write_text(text)
+    return str(path)
+
+
+def test_status_logs_cancel_by_job_id(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = submitted_run(tmp_path, slurm)
+    env = {**slurm, "FAKE_SCONTROL": scontrol_fixture(tmp_path, run_dir),
+           "FAKE_SQUEUE": str(DATA / "slurm" / "squeue_running.txt")}
+    status = run_hpcrl(["status", "4"], env)
+    assert status.returncode == 0, status.stderr
+    assert "JobState: RUNNING" in status.stdout and "RUNNING elapsed 0:03 of 2:00" in status.stdout
+    logs = run_hpcrl(["logs", "4"], env)
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.index("batch line") < logs.stdout.index("head line") < logs.stdout.index(
+        "worker line")
+    one = run_hpcrl(["logs", "4", "--node", "1"], env)
+    assert one.stdout == "worker line\n"
+    by_dir = run_hpcrl(["logs", str(run_dir), "--node", "0"], slurm)
+    assert by_dir.stdout == "head line\n"
+    cancel = run_hpcrl(["cancel", "4"], env)
+    assert cancel.returncode == 0 and "cancelled job 4" in cancel.stdout
+    assert calls(slurm, "scancel")[-1]["argv"] == ["4"]
+    assert ["show", "job", "4"] in [c["argv"] for c in calls(slurm, "scontrol")]
+
+
+def test_unknown_job_and_bad_job_id(tmp_path: Path, slurm: dict[str, str]) -> None:
+    env = {**slurm, "FAKE_SCONTROL": str(DATA / "slurm" / "scontrol_unknown.txt"),
+           "FAKE_SCONTROL_RC": "1"}
+    proc = run_hpcrl(["logs", "999"], env)
+    assert proc.returncode == 2 and "does not know job 999" in proc.stderr
+    bad = run_hpcrl(["cancel", "4;rm"], env)
+    assert bad.returncode == 2 and "is not a Slurm job id" in bad.stderr
+    assert calls(slurm, "scancel") == []
