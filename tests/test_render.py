@@ -47,7 +47,8 @@ def request(site: str, via: str = "sbatch"):  # type: ignore[no-untyped-def]
 def normalise(text: str) -> str:
     """Replace the machine-dependent paths (`${sys:...}`) by placeholders."""
     pairs = sorted([(_sys_value("source_root"), "<SOURCE_ROOT>"),
-                    (_sys_value("prefix"), "<SYS_PREFIX>")], key=lambda kv: -len(kv[0]))
+                    (_sys_value("prefix"), "<SYS_PREFIX>"),
+                    (_sys_value("base_prefix"), "<SYS_BASE_PREFIX>")], key=lambda kv: -len(kv[0]))
     for real, placeholder in pairs:
         text = text.replace(real, placeholder)
     return text
