@@ -4,6 +4,8 @@
 release (`train.jsonl`/`test.jsonl` with `question` and `answer`, or the Hugging Face parquet
 with the same columns) or as verl parquet, and writes `DIR/train.parquet` and
 `DIR/test.parquet` with the columns verl's own `gsm8k.py` writes.
+`python -m trainer.preprocess toy_digits --output DIR` writes the toy task (see
+`trainer.rewards.toy`).
 """
 
 from __future__ import annotations
@@ -115,12 +117,23 @@ def preprocess_gsm8k(input_path: Path, output_dir: Path) -> dict[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.preprocess", description=__doc__.splitlines()[0])
-    parser.add_argument("dataset", choices=["gsm8k"], help="which dataset the input holds")
-    parser.add_argument("--input", required=True, type=Path, help="local copy: a directory or one file")
+    parser.add_argument("dataset", choices=["gsm8k", "toy_digits"], help="which dataset to build")
+    parser.add_argument("--input", type=Path, help="gsm8k: local copy, a directory or one file")
     parser.add_argument("--output", required=True, type=Path, help="directory for <split>.parquet")
+    parser.add_argument("--train-size", type=int, default=256, help="toy_digits: training rows")
+    parser.add_argument("--val-size", type=int, default=64, help="toy_digits: validation rows")
+    parser.add_argument("--seed", type=int, default=0, help="toy_digits: generator seed")
     args = parser.parse_args(argv)
+    if args.dataset == "gsm8k" and args.input is None:
+        parser.error("gsm8k needs `--input DIR_OR_FILE` (a local GSM8K copy)")
     try:
-        counts = preprocess_gsm8k(args.input, args.output)
+        if args.dataset == "toy_digits":
+            from trainer.rewards.toy import write_toy_digits
+
+            write_toy_digits(args.output, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
+            counts = {"train": args.train_size, "test": args.val_size}
+        else:
+            counts = preprocess_gsm8k(args.input, args.output)
     except (PreprocessError, json.JSONDecodeError) as err:
         print(f"python -m trainer.preprocess: error: {err}", file=sys.stderr)
         return 2
