@@ -1,0 +1,147 @@
+"""Model loading and the response forward passes, on the tiny model (and SmolLM2 when present)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import models
+from trainer.core_algos import entropy_from_logits
+
+PROMPTS = [[5, 26, 14, 3, 6], [5, 27, 3, 6], [5, 26, 30, 31, 17, 9, 3, 6]]
+RESPONSES = [[17, 9, 3], [40, 41, 42, 43], [3]]  # 3 is EOS
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir: Path) -> torch.nn.Module:
+    return models.load_actor(tiny_model_dir).eval()
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded prompts followed by right-padded responses, verl's layout."""
+    p_ids, p_mask = models.left_pad(PROMPTS, PAD)
+    width = max(len(r) for r in RESPONSES)
+    r_ids = torch.full((len(RESPONSES), width), PAD)
+    r_mask = torch.zeros((len(RESPONSES), width), dtype=torch.long)
+    for i, r in enumerate(RESPONSES):
+        r_ids[i, : len(r)] = torch.tensor(r)
+        r_mask[i, : len(r)] = 1
+    return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), width
+
+
+def unpadded_log_probs(model: torch.nn.Module, i: int, temperature: float = 1.0) -> torch.Tensor:
+    """Reference: the sequence alone, no padding at all."""
+    ids = torch.tensor([PROMPTS[i] + RESPONSES[i]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROMPTS[i]) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(PROMPTS[i]) :, None])[:, 0]
+
+
+def test_position_ids_and_left_pad() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    assert models.position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+    ids, m = models.left_pad([[7, 8], [9]], pad_token_id=0, length=3)
+    assert ids.tolist() == [[0, 7, 8], [0, 0, 9]] and m.tolist() == [[0, 1, 1], [0, 0, 1]]
+    with pytest.raises(ValueError, match="more than the padded length 1"):
+        models.left_pad([[7, 8]], pad_token_id=0, length=1)
+
+
+def test_log_probs_match_unpadded_forward(actor: torch.nn.Module) -> None:
+    ids, mask, resp_len = make_batch()
+    with torch.no_grad():
+        lp, ent = models.compute_log_probs(
+            actor, ids, mask, resp_len, temperature=0.7, calculate_entropy=True
+        )
+    assert lp.shape == ent.shape == (3, resp_len)
+    for i, r in enumerate(RESPONSES):
+        torch.testing.assert_close(
+            lp[i, : len(r)], unpadded_log_probs(actor, i, 0.7), atol=1e-5, rtol=0
+        )
+
+
+def test_micro_batches_and_entropy(actor: torch.nn.Module) -> None:
+    ids, mask, resp_len = make_batch()
+    with torch.no_grad():
+        whole, ent = models.compute_log_probs(actor, ids, mask, resp_len, calculate_entropy=True)
+        split, ent2 = models.compute_log_probs(
+            actor, ids, mask, resp_len, micro_batch_size=2, calculate_entropy=True
+        )
+        logits = actor(
+            input_ids=ids, attention_mask=mask, position_ids=models.position_ids_from_mask(mask)
+        ).logits[:, -resp_len - 1 : -1]
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent2, ent, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, entropy_from_logits(logits), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="temperature"):
+        models.compute_log_probs(actor, ids, mask, resp_len, temperature=0.0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir: Path) -> None:
+    ids, mask, resp_len = make_batch()
+    grads = []
+    for ckpt in (False, True):
+        model = models.load_actor(tiny_model_dir, gradient_checkpointing=ckpt).train()
+        lp, _ = models.compute_log_probs(model, ids, mask, resp_len)
+        lp.sum().backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+def test_critic_values(tiny_model_dir: Path) -> None:
+    torch.manual_seed(0)
+    critic = models.load_critic(tiny_model_dir)
+    ids, mask, resp_len = make_batch()
+    values = models.compute_values(critic, ids, mask, resp_len, micro_batch_size=2)
+    assert values.shape == (3, resp_len) and values.dtype == torch.float32
+    # The value before response token j of row 1 equals the unpadded forward's.
+    alone = torch.tensor([PROMPTS[1] + RESPONSES[1]])
+    with torch.no_grad():
+        ref = critic(alone, torch.ones_like(alone))[0, len(PROMPTS[1]) - 1 : -1]
+    torch.testing.assert_close(values[1].detach(), ref, atol=1e-5, rtol=0)
+    values.sum().backward()
+    assert critic.value_head.weight.grad is not None
+    assert critic.backbone.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    assert "value_head.weight" in critic.state_dict()
+
+
+def test_dtype_and_path_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert models.resolve_dtype("bf16") is torch.bfloat16
+    assert models.load_actor(tiny_model_dir, dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="Valid values: float32"):
+        models.resolve_dtype("float8")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        models.resolve_model_path(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.resolve_model_path(tmp_path / "x.gguf")
+    (tmp_path / "y.gguf").write_bytes(b"")
+    assert models.resolve_model_path(tmp_path / "y.gguf") == (str(tmp_path), "y.gguf")
+
+
+def _smollm2_or_skip() -> Path:
+    try:
+        return models.smollm2_path()
+    except FileNotFoundError as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"SmolLM2 GGUF package not installed: {exc}")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loads_and_answers(tmp_path: Path) -> None:
+    path = _smollm2_or_skip()
+    out = models.convert_to_hf(path, tmp_path / "smollm2")
+    tok = models.load_tokenizer(out)
+    model = models.load_actor(out).eval()
+    assert model.config.num_hidden_layers == 30 and tok.padding_side == "left"
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    enc = tok.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out_ids = model.generate(**enc, max_new_tokens=12, do_sample=False)
+    assert "5" in tok.decode(out_ids[0, enc["input_ids"].shape[1] :])

@@ -1,0 +1,108 @@
+"""HF rollout engine on the tiny model: layout, EOS masking, sampling log-probs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import models, tiny
+from trainer.rollout import HFRolloutEngine, RolloutEngine, SamplingParams, response_mask_from_eos
+
+PROMPTS = [[5, 26, 14, 3, 6], [5, 27, 3, 6], [5, 26, 30, 31, 17, 9, 21, 3, 6]]
+PAD, EOS = 0, 3
+# Digits count as EOS too here, so that a random model ends many responses early.
+EOS_IDS = [EOS, *range(7, 17)]
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir: Path) -> torch.nn.Module:
+    return models.load_actor(tiny_model_dir)
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    return models.left_pad(PROMPTS, PAD)
+
+
+def test_response_mask_hand_case() -> None:
+    ids = torch.tensor([[5, 3, 7, 3], [5, 6, 7, 8], [3, 0, 0, 0], [5, 9, 3, 3]])
+    mask = response_mask_from_eos(ids, [3, 9])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
+
+
+def test_sampling_params_validation() -> None:
+    with pytest.raises(ValueError, match="`n` must be >= 1.*`top_p` must be in"):
+        SamplingParams(n=0, top_p=0.0)
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(do_sample=False, temperature=0.7).logprob_temperature == 1.0
+
+
+def test_sampling_log_probs_match_recomputed(actor: torch.nn.Module) -> None:
+    engine = HFRolloutEngine(actor, PAD, EOS_IDS)
+    assert isinstance(engine, RolloutEngine)
+    params = SamplingParams(n=3, temperature=0.7, top_k=20, top_p=0.95, max_response_length=8)
+    torch.manual_seed(0)
+    batch = engine.generate(*prompts(), params)
+    rows = len(PROMPTS) * 3
+    assert batch.response_ids.shape == batch.log_probs.shape == (rows, 8)
+    assert batch.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    lengths = batch.response_mask.sum(1)
+    assert (lengths < 8).any() and (lengths == 8).any()  # some ended at an EOS, some did not
+    for r in range(rows):
+        n = int(lengths[r])
+        if n < 8:
+            assert int(batch.response_ids[r, n - 1]) in EOS_IDS
+            assert (batch.response_ids[r, n:] == PAD).all()
+        assert not any(int(t) in EOS_IDS for t in batch.response_ids[r, : n - 1])
+    assert batch.truncated.tolist() == (lengths == 8).tolist()
+    with torch.no_grad():
+        recomputed, _ = models.compute_log_probs(
+            actor, batch.input_ids, batch.attention_mask, batch.response_length, temperature=0.7
+        )
+    m = batch.response_mask.bool()
+    assert (batch.log_probs[~m] == 0).all()
+    torch.testing.assert_close(batch.log_probs[m], recomputed[m], atol=1e-5, rtol=0)
+
+
+def test_greedy_matches_a_manual_argmax_loop(actor: torch.nn.Module) -> None:
+    engine = HFRolloutEngine(actor, PAD)  # EOS from the model's generation config
+    params = SamplingParams(n=2, temperature=0.0, max_response_length=6)
+    batch = engine.generate(*prompts(), params)
+    assert torch.equal(batch.response_ids[0], batch.response_ids[1])
+    for i, prompt in enumerate(PROMPTS):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                seq.append(int(actor(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+                if seq[-1] == EOS:
+                    break
+        got = batch.response_ids[2 * i][batch.response_mask[2 * i].bool()].tolist()
+        assert got == seq[len(prompt) :]
+
+
+def test_top_k_one_is_greedy_and_seed_reproduces(actor: torch.nn.Module) -> None:
+    engine = HFRolloutEngine(actor, PAD, EOS_IDS)
+    greedy = engine.generate(*prompts(), SamplingParams(do_sample=False, max_response_length=5))
+    top1 = engine.generate(*prompts(), SamplingParams(top_k=1, max_response_length=5))
+    assert torch.equal(greedy.response_ids, top1.response_ids)
+    sampled = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        sampled.append(engine.generate(*prompts(), SamplingParams(n=2, max_response_length=5)))
+    assert torch.equal(sampled[0].response_ids, sampled[1].response_ids)
+
+
+def test_sync_weights_and_micro_batches(actor: torch.nn.Module) -> None:
+    other = tiny.build_model(actor.config.vocab_size, seed=7)
+    engine = HFRolloutEngine(copy.deepcopy(actor), PAD, micro_batch_size=2)
+    params = SamplingParams(do_sample=False, max_response_length=6)
+    before = engine.generate(*prompts(), params)
+    engine.sync_weights(other.state_dict())
+    after = engine.generate(*prompts(), params)
+    expected = HFRolloutEngine(other, PAD).generate(*prompts(), params)
+    assert torch.equal(after.response_ids, expected.response_ids)
+    assert not torch.equal(before.response_ids, after.response_ids)
+    engine.sleep()
+    engine.wake_up()

@@ -1,0 +1,372 @@
+"""Checkpoints as self-describing directories ``<root>/global_step_N/``.
+
+A checkpoint is written under a temporary sibling name (``.tmp-global_step_N-...``): every
+named state goes to ``<name>.pt`` (``torch.save``), optional text/bytes files and an HF export
+of the actor (``huggingface/``) follow, then ``manifest.json`` listing every file and its size
+is written last. All files and directories are fsynced, the directory is renamed to
+``global_step_N``, and only then is the marker ``latest_checkpointed_iteration.txt`` (verl's
+name) replaced atomically. A directory without a valid manifest, or whose files do not match
+it, is never picked for resume: a writer killed at any point leaves at worst a temporary
+directory that the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "HF_DIR",
+    "LATEST_MARKER",
+    "MANIFEST",
+    "capture_rng_state",
+    "find_latest_checkpoint",
+    "is_complete",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_state",
+    "prune_checkpoints",
+    "read_latest_marker",
+    "resolve_resume",
+    "restore_rng_state",
+    "save_checkpoint",
+    "step_dir",
+    "step_of",
+]
+
+LATEST_MARKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+HF_DIR = "huggingface"
+STEP_PREFIX = "global_step_"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+RESUME_MODES = ("auto", "disable", "resume_path")
+_STEP_RE = re.compile(r"^global_step_(\d+)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+# --------------------------------------------------------------------------- durability
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, under ``root``."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _write_bytes_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary sibling, fsync it, rename it over ``path``, fsync the dir."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    _write_bytes_durably(tmp, data)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+# --------------------------------------------------------------------------- names and scans
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """``<root>/global_step_<step>``."""
+    return Path(root) / f"{STEP_PREFIX}{int(step)}"
+
+
+def step_of(path: str | Path) -> int:
+    """The step number of a ``global_step_N`` directory."""
+    match = _STEP_RE.match(Path(path).name)
+    if not match:
+        raise ValueError(
+            f"`{path}` is not a checkpoint directory: its name must be `global_step_<N>`. Fix: "
+            "pass a directory written by `save_checkpoint`."
+        )
+    return int(match.group(1))
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when ``path`` is a ``global_step_N`` dir whose manifest matches its files."""
+    p = Path(path)
+    if not _STEP_RE.match(p.name) or not p.is_dir():
+        return False
+    manifest = _read_manifest(p)
+    if manifest is None or manifest.get("step") != step_of(p):
+        return False
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return False
+    for rel, size in files.items():
+        f = p / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    return True
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest step first."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    found = [p for p in r.iterdir() if _STEP_RE.match(p.name) and is_complete(p)]
+    return sorted(found, key=step_of)
+
+
+def find_latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None.
+
+    Directories are scanned rather than trusting the marker alone: a checkpoint renamed into
+    place just before a kill (marker not yet updated) is complete and is picked; a partial
+    directory is not, even if something points at it.
+    """
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_latest_marker(root: str | Path) -> int | None:
+    """The step in ``latest_checkpointed_iteration.txt``, or None if absent/unreadable."""
+    try:
+        return int((Path(root) / LATEST_MARKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name) or ".." in name.split("/") or name in (MANIFEST, HF_DIR):
+        raise ValueError(
+            f"Invalid checkpoint entry name `{name}`: names are relative paths of letters, "
+            f"digits, `_`, `-`, `.` and `/`, without `..`, and not `{MANIFEST}` or `{HF_DIR}`. "
+            "Fix: rename the entry, e.g. `actor_optim`."
+        )
+
+
+def _write_contents(
+    tmp: Path,
+    states: Mapping[str, Any],
+    files: Mapping[str, str | bytes],
+    hf_model: PreTrainedModel | None,
+    hf_tokenizer: PreTrainedTokenizerBase | None,
+) -> None:
+    for name, state in states.items():
+        target = tmp / f"{name}.pt"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, target)
+    for name, content in files.items():
+        target = tmp / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content.encode() if isinstance(content, str) else content)
+    if hf_model is not None:
+        hf_model.save_pretrained(tmp / HF_DIR)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(tmp / HF_DIR)
+
+
+def _write_manifest(tmp: Path, step: int, metadata: Mapping[str, Any]) -> None:
+    sizes = {
+        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+    }
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "created_unix": time.time(),
+        "files": sizes,
+        "metadata": dict(metadata),
+    }
+    _write_bytes_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    states: Mapping[str, Any],
+    *,
+    files: Mapping[str, str | bytes] | None = None,
+    hf_model: PreTrainedModel | None = None,
+    hf_tokenizer: PreTrainedTokenizerBase | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``<root>/global_step_<step>/`` atomically and return its path.
+
+    ``states`` maps names (``actor``, ``actor_optim``, ``trainer_state``, ``critic/model``...)
+    to objects for ``torch.save``; ``files`` maps names to text or bytes written as-is (e.g.
+    ``config.yaml``); ``hf_model``/``hf_tokenizer`` are exported to ``huggingface/`` with
+    ``save_pretrained``. ``metadata`` (JSON-serialisable) goes into the manifest. With
+    ``keep_last``, older complete checkpoints beyond the newest ``keep_last`` are removed.
+    """
+    if step < 0:
+        raise ValueError(f"Checkpoint `step` must be >= 0, received {step}.")
+    for name in [*states, *(files or {})]:
+        _check_name(name)
+    r = Path(root)
+    r.mkdir(parents=True, exist_ok=True)
+    final = step_dir(r, step)
+    tmp = r / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_contents(tmp, states, files or {}, hf_model, hf_tokenizer)
+        _fsync_tree(tmp)
+        _write_manifest(tmp, step, metadata or {})
+        _fsync_path(tmp)
+        if final.exists():  # re-saving a step: move the old one aside first
+            os.rename(final, r / f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(tmp, final)
+        _fsync_path(r)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _replace_atomically(r / LATEST_MARKER, f"{step}\n".encode())
+    _remove_stale_temporaries(r)
+    if keep_last is not None:
+        prune_checkpoints(r, keep_last)
+    return final
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Remove leftovers of interrupted writes (one writer per run directory is assumed)."""
+    for p in root.iterdir():
+        if p.name.startswith(TMP_PREFIX):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; return the removed paths.
+
+    ``keep_last`` <= 0 keeps everything (verl's ``max_actor_ckpt_to_keep=None`` behaviour).
+    """
+    if keep_last <= 0:
+        return []
+    old = list_checkpoints(root)[:-keep_last]
+    for p in old:
+        shutil.rmtree(p)
+    return old
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _require_complete(path: Path) -> None:
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"`{path}` is not a complete checkpoint (missing or mismatching `{MANIFEST}`; it "
+            "may have been cut short while being written). Fix: pass a `global_step_N` "
+            "directory listed by `list_checkpoints`, or resume with `resume_mode=auto`."
+        )
+
+
+def load_state(path: str | Path, name: str, map_location: str | torch.device = "cpu") -> Any:
+    """One named state of a checkpoint (objects are unpickled: load only your own runs)."""
+    p = Path(path)
+    _require_complete(p)
+    target = p / f"{name}.pt"
+    if not target.is_file():
+        names = sorted(str(f.relative_to(p))[:-3] for f in p.rglob("*.pt"))
+        raise KeyError(
+            f"Checkpoint `{p}` has no state named `{name}`. Available: {', '.join(names)}."
+        )
+    return torch.load(target, map_location=map_location, weights_only=False)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Every named state of a complete checkpoint: ``{name: object}``."""
+    p = Path(path)
+    _require_complete(p)
+    names = sorted(
+        str(f.relative_to(p))[:-3] for f in p.rglob("*.pt") if f.relative_to(p).parts[0] != HF_DIR
+    )
+    return {name: load_state(p, name, map_location) for name in names}
+
+
+def resolve_resume(
+    root: str | Path, resume_mode: str, resume_path: str | Path | None = None
+) -> Path | None:
+    """The checkpoint to resume from under verl's ``trainer.resume_mode``.
+
+    ``auto``: the newest complete checkpoint under ``root`` (None when there is none);
+    ``disable``: None; ``resume_path``: ``resume_path``, which must be complete.
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return find_latest_checkpoint(root)
+    if resume_mode == "resume_path":
+        if resume_path is None:
+            raise ValueError(
+                "`trainer.resume_mode=resume_path` needs `trainer.resume_from_path`, received "
+                "None. Fix: set it to a `global_step_N` directory."
+            )
+        p = Path(resume_path)
+        _require_complete(p)
+        return p
+    raise ValueError(
+        f"Unknown `trainer.resume_mode={resume_mode!r}`. Valid values: {', '.join(RESUME_MODES)}."
+    )
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The state of every random generator a run uses (torch CPU/CUDA, Python, NumPy)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore generators captured by :func:`capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])

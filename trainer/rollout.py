@@ -1,0 +1,251 @@
+"""Rollout: sampling responses from the current policy, behind one engine interface.
+
+An engine takes left-padded prompt token ids and :class:`SamplingParams` and returns a
+:class:`RolloutBatch` in verl's layout: responses right-padded to ``max_response_length``,
+``response_mask`` 1 up to and including the first EOS, and the sampling log-probs
+``log_softmax(logits / temperature)`` of the sampled tokens (before top-k/top-p filtering, the
+quantity the actor recomputes as ``old_log_prob``). Rows are ordered prompt-major: the ``n``
+samples of prompt ``i`` are rows ``i*n .. i*n+n-1`` (``prompt_index`` says so).
+
+:class:`HFRolloutEngine` uses transformers' ``generate``; a vLLM engine implements the same
+:class:`RolloutEngine` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from trainer.models import log_probs_from_logits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "HFRolloutEngine",
+    "RolloutBatch",
+    "RolloutEngine",
+    "SamplingParams",
+    "response_mask_from_eos",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses (verl's ``actor_rollout_ref.rollout`` names)."""
+
+    n: int = 1
+    """Responses sampled per prompt (``rollout.n``; GRPO groups)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass kept (1.0 disables)."""
+    top_k: int = -1
+    """Keep only the k most likely tokens (-1 or 0 disables, as in verl/vLLM)."""
+    max_response_length: int = 256
+    """Maximum number of generated tokens (``data.max_response_length``)."""
+    do_sample: bool = True
+    """False selects greedy decoding whatever the temperature (``val_kwargs.do_sample``)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"`n` must be >= 1, received {self.n}")
+        if self.temperature < 0:
+            problems.append(f"`temperature` must be >= 0, received {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"`top_p` must be in (0, 1], received {self.top_p}")
+        if self.top_k < -1:
+            problems.append(f"`top_k` must be -1 (off) or >= 0, received {self.top_k}")
+        if self.max_response_length < 1:
+            problems.append(
+                f"`max_response_length` must be >= 1, received {self.max_response_length}"
+            )
+        if problems:
+            raise ValueError("Invalid sampling parameters: " + "; ".join(problems) + ".")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is greedy (``do_sample=False`` or temperature 0)."""
+        return not self.do_sample or self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature the sampling log-probs are computed with (1.0 when greedy)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass
+class RolloutBatch:
+    """Prompts and sampled responses, one row per response."""
+
+    prompt_ids: torch.Tensor
+    """``(rows, prompt_len)`` left-padded prompt token ids."""
+    prompt_mask: torch.Tensor
+    """``(rows, prompt_len)`` 1 on real prompt tokens."""
+    response_ids: torch.Tensor
+    """``(rows, max_response_length)`` response ids, pad after the first EOS."""
+    response_mask: torch.Tensor
+    """``(rows, max_response_length)`` 1 up to and including the first EOS."""
+    log_probs: torch.Tensor
+    """``(rows, max_response_length)`` float32 sampling log-probs, 0 where masked."""
+    prompt_index: torch.Tensor
+    """``(rows,)`` index of the input prompt each row answers."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Prompt then response, the layout :mod:`trainer.models` expects."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def response_length(self) -> int:
+        return int(self.response_ids.shape[1])
+
+    @property
+    def truncated(self) -> torch.Tensor:
+        """``(rows,)`` True where the response hit the length limit without an EOS."""
+        return self.response_mask.all(dim=1)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout backend (HF ``generate``, vLLM)."""
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> RolloutBatch:
+        """Sample ``params.n`` responses for each left-padded prompt row."""
+        ...
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the actor's current weights (HF parameter names) into the engine."""
+        ...
+
+    def sleep(self) -> None:
+        """Release memory between rollouts (may be a no-op)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` before the next :meth:`generate`."""
+        ...
+
+
+def response_mask_from_eos(
+    response_ids: torch.Tensor, eos_token_ids: Iterable[int]
+) -> torch.Tensor:
+    """1 on every token up to and including the first EOS of each row, 0 after it."""
+    eos = torch.as_tensor(sorted(set(eos_token_ids)), dtype=response_ids.dtype)
+    is_eos = torch.isin(response_ids, eos).long()
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos
+    return (eos_before == 0).long()
+
+
+def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> list[int]:
+    candidates = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    if candidates is None:
+        candidates = model.config.eos_token_id
+    if candidates is None:
+        raise ValueError(
+            "No EOS token id: the model's generation config and config have none and "
+            "`eos_token_id` was not given. Fix: pass `eos_token_id=tokenizer.eos_token_id`."
+        )
+    return [candidates] if isinstance(candidates, int) else list(candidates)
+
+
+class HFRolloutEngine:
+    """Rollout through transformers' ``generate`` (CPU or one GPU).
+
+    ``model`` may be the actor itself (weights shared, nothing to sync) or a separate copy
+    kept current with :meth:`sync_weights`. With ``offload=True``, :meth:`sleep` moves a model
+    that lives on an accelerator to the CPU and :meth:`wake_up` moves it back.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        eos_token_id: int | list[int] | None = None,
+        *,
+        micro_batch_size: int | None = None,
+        offload: bool = False,
+    ) -> None:
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = _eos_ids(model, eos_token_id)
+        self.micro_batch_size = micro_batch_size
+        self.offload = offload
+        self._device = next(model.parameters()).device
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(dict(state_dict), strict=True)
+
+    def sleep(self) -> None:
+        if self.offload and self._device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.offload and self._device.type != "cpu":
+            self.model.to(self._device)
+
+    def _generation_config(self, params: SamplingParams) -> object:
+        from transformers import GenerationConfig
+
+        sample = not params.greedy
+        return GenerationConfig(
+            do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None,
+            top_k=(params.top_k if params.top_k > 0 else 0) if sample else None,
+            max_new_tokens=params.max_response_length,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            use_cache=True,
+        )
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model.generate(
+            input_ids=ids.to(self._device),
+            attention_mask=mask.to(self._device),
+            generation_config=self._generation_config(params),
+        )
+        response = out.sequences[:, ids.shape[1] :].cpu()
+        logits = torch.stack(out.logits, dim=1).cpu()
+        log_probs = log_probs_from_logits(logits / params.logprob_temperature, response)
+        width = params.max_response_length
+        pad = width - response.shape[1]
+        response = torch.nn.functional.pad(response, (0, pad), value=self.pad_token_id)
+        return response, torch.nn.functional.pad(log_probs, (0, pad), value=0.0)
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> RolloutBatch:
+        prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
+        ids, mask = prompt_ids[prompt_index], prompt_mask[prompt_index]
+        size = self.micro_batch_size or ids.shape[0]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            chunks = [
+                self._generate_chunk(ids[i : i + size], mask[i : i + size], params)
+                for i in range(0, ids.shape[0], size)
+            ]
+        finally:
+            self.model.train(was_training)
+        response = torch.cat([c[0] for c in chunks])
+        response_mask = response_mask_from_eos(response, self.eos_token_ids)
+        response = torch.where(response_mask.bool(), response, self.pad_token_id)
+        log_probs = torch.cat([c[1] for c in chunks]) * response_mask
+        return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index)
