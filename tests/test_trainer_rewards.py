@@ -99,3 +99,15 @@ def test_custom_reward_function_errors(tmp_path: Path) -> None:
     bad.write_text("def compute_score(a, b, c, d=None):\n    return 'high'\n")
     with pytest.raises(RewardError, match="return a float"):
         score_responses(load_reward_fn(str(bad), "compute_score"), ["s"], ["x"], [None], [None])
+
+
+def test_toy_prompts_and_sevens_have_no_unknown_tokens_in_the_tiny_tokenizer() -> None:
+    from trainer.data import chat_prompt_ids
+    from trainer.tiny import UNK, build_tokenizer
+
+    tok = build_tokenizer()
+    unk = tok.convert_tokens_to_ids(UNK)
+    for row in toy.toy_digits_rows(30, 1):
+        assert unk not in chat_prompt_ids(tok, row["prompt"])
+    ids = tok("7 7 7 7", add_special_tokens=False)["input_ids"]
+    assert toy.toy_digits_score(tok.decode(ids, skip_special_tokens=True)) == 1.0

@@ -1,4 +1,8 @@
-"""`python -m trainer [--print-config | --list-keys] KEY=VALUE ...`: the PPO trainer's entry."""
+"""`python -m trainer [--print-config | --list-keys] KEY=VALUE ...`: the PPO trainer's entry.
+
+Exit status: 0 when training finished, 2 for bad configuration or input (fix and rerun),
+3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me).
+"""
 
 from __future__ import annotations
 
@@ -42,9 +46,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    from trainer.data import DataError
+    from trainer.metrics import MetricsError
     from trainer.ppo import run_training
+    from trainer.rewards import RewardError
 
-    return run_training(cfg)
+    try:
+        return run_training(cfg)
+    except (ConfigError, DataError, RewardError, MetricsError, FileNotFoundError) as err:
+        print(f"python -m trainer: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer import core_algos
 from trainer import models as M
-from trainer.config import Config, config_to_dict
+from trainer.config import Config, ConfigError, config_to_dict
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
@@ -110,7 +110,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("`trainer.device=cuda` but torch sees no GPU; use `trainer.device=cpu`")
+        raise ConfigError("`trainer.device=cuda` but torch sees no GPU; use `trainer.device=cpu`")
     return torch.device(name)
 
 
@@ -141,6 +141,7 @@ class PPOTrainer:
         self.run_dir = Path(trainer.run_dir or trainer.default_local_dir)
         self.ckpt_root = Path(trainer.default_local_dir)
         seed_everything(trainer.seed)
+        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or arr.model.path)
         self._build_data()
         self.actor = self._to_device(M.load_actor(
@@ -156,7 +157,6 @@ class PPOTrainer:
             self._optimizer(self.critic, cfg.critic.optim) if self.critic is not None else (None, None))
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.rollout = self._build_rollout()
         self.stop = StopRequest(self.run_dir)
         self.global_step = 0
@@ -195,7 +195,7 @@ class PPOTrainer:
 
         rollout = self.cfg.actor_rollout_ref.rollout
         if rollout.name != "hf":
-            raise RuntimeError(
+            raise ConfigError(
                 f"`actor_rollout_ref.rollout.name={rollout.name}` needs the distributed trainer; "
                 "the single-process trainer generates with `actor_rollout_ref.rollout.name=hf`"
             )
@@ -484,7 +484,7 @@ class PPOTrainer:
         self.actor_sched.load_state_dict(states["actor_sched"])
         if self.critic is not None:
             if "critic" not in states:
-                raise RuntimeError(
+                raise ConfigError(
                     f"checkpoint `{path}` has no critic but `algorithm.adv_estimator=gae` needs one; "
                     "resume with the estimator the run started with, or `trainer.resume_mode=disable`")
             self.critic.load_state_dict(states["critic"])
