@@ -100,7 +100,7 @@ def _small(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=true",
         "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
         "actor_rollout_ref.actor.optim.warmup_style=cosine", "actor_rollout_ref.actor.optim.lr_warmup_steps=1",
-        "trainer.total_training_steps=3", *extra)
+        "trainer.total_training_steps=3", "trainer.test_freq=2", *extra)
 
 
 def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
@@ -134,6 +134,27 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
     steps = [r["step"] for r in read_jsonl(broken / "metrics.jsonl")]
     assert steps == [1, 2, 3]
     assert scores(broken) == scores(straight)
+    validated = [r for r in read_jsonl(broken / "metrics.jsonl") if "val-core/toy_digits/reward/mean@1" in r]
+    assert [r["step"] for r in validated] == [2, 3]  # test_freq=2, and after the last step
+
+
+def test_micro_batch_split_does_not_change_the_update(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """One step with micro-batches of 1, by tokens, or none gives the same weights."""
+    weights = []
+    for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+                               ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"],
+                               [])):
+        over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
+                if "ppo_micro_batch_size_per_gpu=2" not in o]
+        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+        t = PPOTrainer(load_config(over))
+        assert t.fit() == 0
+        weights.append(t.actor.state_dict())
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(tensor, weights[2][name], rtol=0, atol=1e-6)
 
 
 def test_cli_stop_file_gives_requeue_status_and_resume_continues(
@@ -141,7 +162,8 @@ def test_cli_stop_file_gives_requeue_status_and_resume_continues(
     run = tmp_path / "run"
     run.mkdir()
     (run / "STOP").touch()
-    args = _small(tiny_model_dir, toy_data, run, "trainer.logger=['console','jsonl']")
+    args = _small(tiny_model_dir, toy_data, run, "trainer.logger=['console','jsonl']",
+                  "actor_rollout_ref.actor.use_dynamic_bsz=true")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
                           env=env, check=False, timeout=300)
