@@ -175,7 +175,7 @@ class PromptLoader:
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.seed = shuffle, seed
         self.epoch, self.index = 0, 0
-        self._order_epoch, self._order = -1, []
+        self._order_epoch, self._order = -1, list[int]()
 
     @property
     def batches_per_epoch(self) -> int:

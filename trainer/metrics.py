@@ -113,7 +113,7 @@ class MetricsLogger:
         id_file = self.run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id)
-        mode = os.environ.get("WANDB_MODE", "offline")
+        mode: Any = os.environ.get("WANDB_MODE", "offline")
         return wandb.init(project=project, name=experiment, id=run_id, resume="allow", mode=mode,
                           dir=str(self.run_dir), config=config)
 

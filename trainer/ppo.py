@@ -95,6 +95,13 @@ def micro_batch_rows(
     return groups
 
 
+def need(value: torch.Tensor | None, what: str) -> torch.Tensor:
+    """`value`, which an earlier phase must have filled in."""
+    if value is None:
+        raise RuntimeError(f"`{what}` is missing: the phase that computes it did not run")
+    return value
+
+
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     """A seed for one step's randomness, so a resumed run draws exactly what an unbroken one did."""
     return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0])
@@ -138,8 +145,8 @@ class PPOTrainer:
         self.cfg = cfg
         arr, trainer = cfg.actor_rollout_ref, cfg.trainer
         self.device = resolve_device(trainer.device)
-        self.run_dir = Path(trainer.run_dir or trainer.default_local_dir)
-        self.ckpt_root = Path(trainer.default_local_dir)
+        self.ckpt_root = Path(trainer.default_local_dir or ".")
+        self.run_dir = Path(trainer.run_dir) if trainer.run_dir else self.ckpt_root
         seed_everything(trainer.seed)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or arr.model.path)
@@ -147,12 +154,14 @@ class PPOTrainer:
         self.actor = self._to_device(M.load_actor(
             arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing))
         self.ref = self._frozen(M.load_actor(arr.model.path)) if cfg.derived.use_reference else None
-        self.critic = None
+        self.critic: Any = None
         if cfg.derived.use_critic:
             self.critic = self._to_device(M.load_critic(
-                cfg.critic.model.path,
+                cfg.critic.model.path or arr.model.path,
                 gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing))
         self.actor_optim, self.actor_sched = self._optimizer(self.actor, arr.actor.optim)
+        self.critic_optim: Any
+        self.critic_sched: Any
         self.critic_optim, self.critic_sched = (
             self._optimizer(self.critic, cfg.critic.optim) if self.critic is not None else (None, None))
         kl = cfg.algorithm.kl_ctrl
@@ -165,7 +174,7 @@ class PPOTrainer:
 
     def _build_data(self) -> None:
         data = self.cfg.data
-        common = {"max_prompt_length": data.max_prompt_length, "prompt_key": data.prompt_key,
+        common: dict[str, Any] = {"max_prompt_length": data.max_prompt_length, "prompt_key": data.prompt_key,
                   "filter_overlong_prompts": data.filter_overlong_prompts, "truncation": data.truncation}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
@@ -227,7 +236,7 @@ class PPOTrainer:
         """Decode responses, score each with its data source's function, place the score on
         the last response token."""
         lengths = batch.response_mask.sum(-1).long().tolist()
-        texts = [self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+        texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
                  for row, n in zip(batch.responses, lengths, strict=True)]
         scores, extras = score_responses(
             self.reward_fn, [e.data_source for e in batch.examples], texts,
@@ -291,7 +300,8 @@ class PPOTrainer:
         batch.token_rewards = batch.token_scores
         if algo.use_kl_in_reward:
             batch.token_rewards, current_kl = core_algos.apply_kl_penalty(
-                batch.token_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                batch.token_scores, need(batch.old_log_probs, "old_log_probs"),
+                need(batch.ref_log_probs, "ref_log_probs"), batch.response_mask,
                 self.kl_ctrl.value, algo.kl_penalty)
             metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
             self.kl_ctrl.update(current_kl, len(batch))
@@ -310,7 +320,7 @@ class PPOTrainer:
             order = torch.randperm(len(batch), generator=gen).tolist()
         return [batch.select(order[i:i + mini_size]) for i in range(0, len(batch), mini_size)]
 
-    def _agg_kwargs(self, mini: StepBatch) -> dict[str, float]:
+    def _agg_kwargs(self, mini: StepBatch) -> dict[str, Any]:
         tokens, seqs = core_algos.loss_normalizers(mini.response_mask)
         return {"global_num_tokens": tokens, "global_num_seqs": seqs,
                 "norm_length": float(self.cfg.data.max_response_length)}
@@ -337,7 +347,8 @@ class PPOTrainer:
                                          c.ppo_max_token_len_per_gpu):
                     vpreds = M.compute_values(self.critic, mb.input_ids, mb.attention_mask, batch.response_length)
                     loss, clipfrac = core_algos.compute_value_loss(
-                        vpreds, mb.returns, mb.values, mb.response_mask, c.cliprange_value,
+                        vpreds, need(mb.returns, "returns"), need(mb.values, "values"), mb.response_mask,
+                        c.cliprange_value,
                         str(c.loss_agg_mode), **agg)
                     loss.backward()
                     vf_loss += loss.item()
@@ -348,20 +359,21 @@ class PPOTrainer:
         collected["critic/lr"].append(self.critic_sched.get_last_lr()[0])
         return _mean_metrics(collected)
 
-    def _actor_micro_loss(self, mb: StepBatch, agg: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _actor_micro_loss(self, mb: StepBatch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.cfg.actor_rollout_ref.actor
         log_prob, entropy = M.compute_log_probs(
             self.actor, mb.input_ids, mb.attention_mask, mb.response_length,
             temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=a.entropy_coeff != 0)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
-            mb.old_log_probs, log_prob, mb.advantages, mb.response_mask, a.clip_ratio_low,
-            a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode, **agg)
+            need(mb.old_log_probs, "old_log_probs"), log_prob, need(mb.advantages, "advantages"),
+            mb.response_mask, float(a.clip_ratio_low or a.clip_ratio), float(a.clip_ratio_high or a.clip_ratio),
+            a.clip_ratio_c, a.loss_agg_mode, **agg)
         loss, info = pg_loss, {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
                                "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": clipfrac_lower.item()}
         if a.entropy_coeff != 0 and entropy is not None:
             loss = loss - a.entropy_coeff * core_algos.agg_loss(entropy, mb.response_mask, a.loss_agg_mode, **agg)
         if a.use_kl_loss:
-            kld = core_algos.kl_penalty(log_prob, mb.ref_log_probs, a.kl_loss_type)
+            kld = core_algos.kl_penalty(log_prob, need(mb.ref_log_probs, "ref_log_probs"), a.kl_loss_type)
             kl_loss = core_algos.agg_loss(kld, mb.response_mask, a.loss_agg_mode, **agg)
             loss = loss + a.kl_loss_coef * kl_loss
             info["actor/kl_loss"] = kl_loss.item()
@@ -374,7 +386,7 @@ class PPOTrainer:
         self.actor.train()
         for epoch in range(a.ppo_epochs):
             for mini in self._mini_batches(batch, a.ppo_mini_batch_size * n, a.shuffle, epoch):
-                agg, sums = self._agg_kwargs(mini), defaultdict(float)
+                agg, sums = self._agg_kwargs(mini), defaultdict[str, float](float)
                 for mb in self._micro_of(mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                          a.ppo_max_token_len_per_gpu):
                     loss, info = self._actor_micro_loss(mb, agg)
@@ -443,7 +455,8 @@ class PPOTrainer:
         assert batch.sequence_scores is not None and batch.token_rewards is not None
         metrics.update(data_metrics(
             sequence_score=batch.sequence_scores, sequence_reward=batch.token_rewards.sum(-1),
-            advantages=batch.advantages, returns=batch.returns, values=batch.values,
+            advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
+            values=batch.values,
             response_mask=batch.response_mask,
             prompt_mask=batch.attention_mask[:, :-batch.response_length],
             max_response_length=self.cfg.data.max_response_length))
@@ -478,7 +491,7 @@ class PPOTrainer:
             metadata={"global_step": self.global_step, "epoch": self.loader.epoch}, keep_last=keep)
 
     def load_checkpoint(self, path: Path) -> None:
-        states = ckpt.load_checkpoint(path, map_location=self.device)
+        states = ckpt.load_checkpoint(path, map_location="cpu")  # RNG states must stay on the CPU
         self.actor.load_state_dict(states["actor"])
         self.actor_optim.load_state_dict(states["actor_optim"])
         self.actor_sched.load_state_dict(states["actor_sched"])
