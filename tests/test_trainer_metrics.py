@@ -98,3 +98,14 @@ def test_timing_and_throughput_names() -> None:
     assert timing_metrics({"gen": 1.5}) == {"timing_s/gen": 1.5}
     perf = throughput_metrics(total_tokens=1000, step_seconds=2.0, n_workers=2)
     assert perf["perf/throughput"] == 250.0 and perf["perf/time_per_step"] == 2.0
+
+
+def test_wandb_missing_warns_and_keeps_the_jsonl(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    logger = MetricsLogger(tmp_path, ["wandb"], keep_through=-1)
+    logger.log(1, {"critic/score/mean": 0.5})
+    logger.close()
+    assert "`wandb` package is not installed" in capsys.readouterr().err
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]

@@ -3,7 +3,8 @@
 `<run_dir>/metrics.jsonl` holds one `{"step": N, ...}` object per line. When a run resumes from
 step N the lines after N are dropped first, so the file never has a step missing or twice.
 TensorBoard and wandb are imported only when `trainer.logger` names them; wandb runs offline
-unless `WANDB_MODE` says otherwise (compute nodes often have no network; `wandb sync` later).
+unless `WANDB_MODE` says otherwise (compute nodes often have no network; `wandb sync` later),
+and a missing `wandb` package gives a warning, not a failure (the JSONL file has everything).
 """
 
 from __future__ import annotations
@@ -106,10 +107,13 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            raise MetricsError(
-                "`trainer.logger` includes `wandb` but the `wandb` package is not installed; "
-                "`pip install wandb` or remove it from `trainer.logger`"
-            ) from None
+            print(
+                "trainer: warning: `trainer.logger` includes `wandb` but the `wandb` package is not "
+                f"installed; metrics still go to {self.path}. `pip install wandb` to use it, or "
+                "remove `wandb` from `trainer.logger` to silence this",
+                file=sys.stderr, flush=True,
+            )
+            return None
         id_file = self.run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id)
