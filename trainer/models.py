@@ -135,9 +135,12 @@ def _enable_checkpointing(model: PreTrainedModel) -> None:
 def _forget_gguf_origin(model: PreTrainedModel) -> None:
     """A model loaded from GGUF is dequantised into plain float tensors, but transformers still
     marks it as quantised and then refuses ``save_pretrained``: drop the marks."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.quantization_method = None
+    for attr, value in (
+        ("hf_quantizer", None),
+        ("is_quantized", False),
+        ("quantization_method", None),
+    ):
+        setattr(model, attr, value)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 
@@ -260,6 +263,13 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+def _to_model_device(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = next(model.parameters()).device
+    return input_ids.to(device), attention_mask.to(device)
+
+
 def _micro_batches(batch: int, micro_batch_size: int | None) -> list[slice]:
     size = batch if not micro_batch_size or micro_batch_size <= 0 else micro_batch_size
     return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
@@ -295,7 +305,8 @@ def compute_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the response part, shape ``(batch, resp_len)``.
 
-    Gradients flow when called with grad enabled (the actor update); wrap the call in
+    Inputs are moved to the model's device; results stay there. Gradients flow when called
+    with grad enabled (the actor update); wrap the call in
     ``torch.no_grad()`` for old/reference log-probs. ``micro_batch_size`` bounds memory.
     """
     if temperature <= 0:
@@ -303,6 +314,7 @@ def compute_log_probs(
             f"`temperature` must be > 0 to compute log-probs, received {temperature}. Fix: use "
             "the rollout temperature (1.0 for greedy validation)."
         )
+    input_ids, attention_mask = _to_model_device(model, input_ids, attention_mask)
     labels = input_ids[:, -response_length:]
     log_probs, entropies = [], []
     for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
@@ -325,6 +337,7 @@ def compute_values(
     micro_batch_size: int | None = None,
 ) -> torch.Tensor:
     """Critic values of the states before each response token, shape ``(batch, resp_len)``."""
+    input_ids, attention_mask = _to_model_device(critic, input_ids, attention_mask)
     values = []
     for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
         v = critic(input_ids[sl], attention_mask[sl], position_ids_from_mask(attention_mask[sl]))

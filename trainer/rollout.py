@@ -188,12 +188,12 @@ class HFRolloutEngine:
 
     def sleep(self) -> None:
         if self.offload and self._device.type != "cpu":
-            self.model.to("cpu")
+            self.model.to("cpu")  # type: ignore[arg-type]
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         if self.offload and self._device.type != "cpu":
-            self.model.to(self._device)
+            self.model.to(self._device)  # type: ignore[arg-type]
 
     def _generation_config(self, params: SamplingParams) -> object:
         from transformers import GenerationConfig
@@ -216,7 +216,7 @@ class HFRolloutEngine:
     def _generate_chunk(
         self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model.generate(
+        out = self.model.generate(  # type: ignore[operator]
             input_ids=ids.to(self._device),
             attention_mask=mask.to(self._device),
             generation_config=self._generation_config(params),

@@ -104,7 +104,6 @@ def build_model(
         pad_token_id=vocab[PAD],
         bos_token_id=vocab[BOS],
         eos_token_id=vocab[EOS],
-        torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
