@@ -1,0 +1,192 @@
+"""Configuration: defaults, dotted overrides, unknown and unsupported keys, derived values."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer import config as C
+from trainer.config import ConfigError, load_config
+
+SEEDS = Path(__file__).parent / "data" / "verl_seed_overrides.txt"
+SEED_ENV = {
+    "MODEL_PATH": "/models/Qwen2.5-0.5B-Instruct",
+    "ENGINE": "vllm",
+    "GPUS_PER_NODE": "8",
+    "SLURM_GPUS_PER_NODE": "4",
+    "SLURM_NNODES": "2",
+    "train_files": "/data/gsm8k/train.parquet",
+    "val_files": "/data/gsm8k/test.parquet",
+}
+
+
+def seed_command_lines() -> list[list[str]]:
+    """Each blank-line separated block of the fixture, split into words as a shell would."""
+    text = SEEDS.read_text()
+    for name, value in SEED_ENV.items():
+        text = text.replace("${" + name + "}", value).replace("$" + name, value)
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    lines = []
+    for block in blocks:
+        body = "\n".join(ln for ln in block.splitlines() if not ln.startswith("#"))
+        lines.append(shlex.split(body.replace("\\\n", " ")))
+    return lines
+
+
+def test_seed_fixture_has_the_seed_command_lines() -> None:
+    lines = seed_command_lines()
+    assert len(lines) == 6
+    assert sum(len(words) for words in lines) > 100
+
+
+@pytest.mark.parametrize("words", seed_command_lines(), ids=lambda w: w[0])
+def test_every_seed_override_parses(words: list[str]) -> None:
+    cfg = load_config(words)
+    for word in words:
+        key, text = word.split("=", 1)
+        if key in C.ACCEPTED_ONLY_AS:
+            continue
+        node: object = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        # The value landed where the key says (last occurrence wins, as in Hydra).
+        last = [w for w in words if w.startswith(key + "=")][-1].split("=", 1)[1]
+        if word.split("=", 1)[1] == last and not key.endswith(("files", "path")):
+            if isinstance(node, list):
+                assert node and all(str(v) in last for v in node)
+            elif isinstance(node, float):
+                assert node == float(last)
+            elif isinstance(node, bool):
+                assert node == (last.lower() == "true")
+            else:
+                assert str(node) == last
+
+
+def test_seed_values_are_typed() -> None:
+    cfg = load_config(seed_command_lines()[-1])
+    assert cfg.trainer.logger == ["console", "wandb"]
+    assert cfg.trainer.project_name == "verl_example"
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-6)
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is True
+    assert cfg.trainer.nnodes == 2 and cfg.trainer.n_gpus_per_node == 4
+    assert cfg.derived.world_size == 8
+    assert cfg.data.train_files == ["/data/gsm8k/train.parquet"]
+
+
+def test_list_syntaxes() -> None:
+    for text in ("['console','wandb']", '["console","wandb"]', "[console, wandb]"):
+        assert load_config([f"trainer.logger={text}"]).trainer.logger == ["console", "wandb"]
+    assert load_config(["trainer.logger=console"]).trainer.logger == ["console"]
+    cfg = load_config(["data.train_files=[a.parquet,b.parquet]"])
+    assert [Path(p).name for p in cfg.data.train_files] == ["a.parquet", "b.parquet"]
+
+
+def test_defaults_file_matches_the_dataclasses_exactly() -> None:
+    def keys(tree: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in tree.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+        return out
+
+    yaml_keys = keys(yaml.safe_load(C.DEFAULTS_FILE.read_text()))
+    assert yaml_keys == {row[0] for row in C.describe_keys()}
+
+
+def test_every_field_has_help() -> None:
+    for key, _type, help_text in C.describe_keys():
+        assert help_text.strip(), key
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.data.train_batch_size = 3  # type: ignore[misc]
+
+
+def test_unknown_key_lists_valid_keys_at_that_level() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(["actor_rollout_ref.actor.ppo_mini_bach_size=4"])
+    msg = str(err.value)
+    assert "`ppo_mini_bach_size`" in msg and "`ppo_mini_batch_size`" in msg and "`clip_ratio_c`" in msg
+    with pytest.raises(ConfigError, match="valid keys there: `data`"):
+        load_config(["dta.train_batch_size=4"])
+
+
+def test_unsupported_verl_keys_say_not_supported_yet() -> None:
+    for item in ("actor_rollout_ref.model.lora_rank=8", "reward_model.enable=True",
+                 "trainer.default_hdfs_dir=hdfs://x", "actor_rollout_ref.rollout.multi_turn.enable=True",
+                 "data.return_raw_chat=True"):
+        with pytest.raises(ConfigError, match="not supported yet"):
+            load_config([item])
+    # The verl defaults of those keys are accepted: that is what this trainer does.
+    load_config(["trainer.default_hdfs_dir=null", "reward_model.enable=False",
+                 "actor_rollout_ref.model.lora_rank=0"])
+    with pytest.raises(ConfigError, match="derived here; set `data.max_response_length`"):
+        load_config(["actor_rollout_ref.rollout.response_length=64"])
+
+
+def test_bad_values_name_key_and_expected_type() -> None:
+    with pytest.raises(ConfigError, match=r"`data.train_batch_size=lots`.*int"):
+        load_config(["data.train_batch_size=lots"])
+    with pytest.raises(ConfigError, match="one of error, left, right, middle"):
+        load_config(["data.truncation=cut"])
+    with pytest.raises(ConfigError, match="true or false"):
+        load_config(["data.shuffle=maybe"])
+    with pytest.raises(ConfigError, match="no `=`"):
+        load_config(["data.shuffle"])
+    with pytest.raises(ConfigError, match="is a section"):
+        load_config(["data=3"])
+
+
+def test_cross_key_rules() -> None:
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_config(["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    with pytest.raises(ConfigError, match="needs `actor_rollout_ref.rollout.n` >= 2"):
+        load_config(["algorithm.adv_estimator=grpo"])
+    with pytest.raises(ConfigError, match="resume_from_path"):
+        load_config(["trainer.resume_mode=resume_path"])
+
+
+def test_derived_values() -> None:
+    cfg = load_config(["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                       "actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.ppo_epochs=2",
+                       "trainer.project_name=p", "trainer.experiment_name=e"])
+    arr = cfg.actor_rollout_ref
+    assert cfg.critic.model.path == "/m" and cfg.critic.ppo_epochs == 2
+    assert arr.ref.log_prob_use_dynamic_bsz is True and arr.rollout.log_prob_use_dynamic_bsz is True
+    assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == 0.3
+    assert cfg.trainer.default_local_dir == "checkpoints/p/e" == cfg.trainer.run_dir
+    assert cfg.derived.use_critic and not cfg.derived.use_reference
+    grpo = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                        "actor_rollout_ref.actor.use_kl_loss=true"])
+    assert not grpo.derived.use_critic and grpo.derived.use_reference
+
+
+def test_round_trip_through_dict() -> None:
+    cfg = load_config(["trainer.logger=['console','jsonl']"])
+    assert C.config_from_dict(C.config_to_dict(cfg)) == cfg
+
+
+def test_hydra_plus_prefix_is_accepted_for_known_keys() -> None:
+    assert load_config(["+data.seed=7"]).data.seed == 7
+
+
+def test_cli_print_config_validates_and_prints() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "trainer", "--print-config", "data.train_batch_size=64",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.logger=['console','wandb']"],
+        capture_output=True, text=True, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    printed = yaml.safe_load(run.stdout)
+    assert printed["data"]["train_batch_size"] == 64
+    assert printed["trainer"]["logger"] == ["console", "wandb"]
+    bad = subprocess.run([sys.executable, "-m", "trainer", "--print-config", "data.nope=1"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "unknown key `data.nope`" in bad.stderr

@@ -1,0 +1,177 @@
+"""The single-process PPO loop on the tiny model and the toy task: it learns (GRPO, and GAE
+with a critic), stops on request with a checkpoint and the requeue status, and a resumed run
+reproduces an uninterrupted one exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import load_config
+from trainer.exit_codes import REQUEUE_EXIT_CODE
+from trainer.metrics import read_jsonl
+from trainer.ppo import PPOTrainer, micro_batch_rows, run_training
+from trainer.rewards.toy import write_toy_digits
+from trainer.stop import StopRequest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("toy")
+    write_toy_digits(out, train_size=512, val_size=16, seed=0)
+    return out
+
+
+def toy_overrides(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "critic.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "trainer.seed=7", *extra,
+    ]
+
+
+def scores(run: Path) -> list[float]:
+    return [r["critic/score/mean"] for r in read_jsonl(run / "metrics.jsonl")]
+
+
+def test_micro_batch_rows_by_count_and_by_tokens() -> None:
+    assert micro_batch_rows([5] * 5, 2, False, 0) == [[0, 1], [2, 3], [4]]
+    assert micro_batch_rows([5] * 3, None, False, 0) == [[0, 1, 2]]
+    assert micro_batch_rows([4, 4, 3, 9, 1], None, True, 8) == [[0, 1], [2], [3], [4]]
+
+
+def test_stop_request_by_signal_and_by_file(tmp_path: Path) -> None:
+    stop = StopRequest(tmp_path)
+    stop.install()
+    try:
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.requested() and "SIGUSR2" in stop.reason()
+    finally:
+        stop.uninstall()
+    by_file = StopRequest(tmp_path)
+    (tmp_path / "STOP").touch()
+    assert by_file.requested()
+    by_file.clear_stop_file()
+    assert not by_file.requested()
+
+
+@pytest.mark.slow
+def test_grpo_reward_rises_on_the_toy_task(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    cfg = load_config(toy_overrides(
+        tiny_model_dir, toy_data, tmp_path, "algorithm.adv_estimator=grpo",
+        "data.train_batch_size=32", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.total_training_steps=12"))
+    assert run_training(cfg) == 0
+    s = scores(tmp_path)
+    assert len(s) == 12
+    assert sum(s[-3:]) / 3 > sum(s[:3]) / 3 + 0.4, s
+    assert ckpt.find_latest_checkpoint(tmp_path) == tmp_path / "global_step_12"
+
+
+@pytest.mark.slow
+def test_gae_with_critic_reward_rises(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    cfg = load_config(toy_overrides(
+        tiny_model_dir, toy_data, tmp_path, "algorithm.adv_estimator=gae",
+        "data.train_batch_size=32", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.total_training_steps=12"))
+    assert run_training(cfg) == 0
+    s = scores(tmp_path)
+    assert sum(s[-3:]) / 3 > sum(s[:3]) / 3 + 0.3, s
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all("critic/vf_loss" in r and "critic/values/mean" in r for r in rows)
+
+
+def _small(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
+    return toy_overrides(
+        model, data, run, "algorithm.adv_estimator=gae", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+        "actor_rollout_ref.actor.optim.warmup_style=cosine", "actor_rollout_ref.actor.optim.lr_warmup_steps=1",
+        "trainer.total_training_steps=3", "trainer.test_freq=2", *extra)
+
+
+def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    # Uninterrupted: steps 1..3 in one process.
+    whole = PPOTrainer(load_config(_small(tiny_model_dir, toy_data, straight)))
+    assert whole.fit() == 0
+    # Interrupted: a STOP file ends the run after step 2 (the CLI exits with the requeue
+    # status), then a new process resumes and runs step 3.
+    first = PPOTrainer(load_config(_small(tiny_model_dir, toy_data, broken)))
+    first.stop.install = lambda *a: None  # type: ignore[method-assign]
+    original = first.train_step
+
+    def step_then_stop(examples):  # the request arrives during step 2
+        metrics = original(examples)
+        if first.global_step == 2:
+            (broken / "STOP").touch()
+        return metrics
+
+    first.train_step = step_then_stop  # type: ignore[method-assign]
+    assert first.fit() == REQUEUE_EXIT_CODE
+    assert ckpt.find_latest_checkpoint(broken) == broken / "global_step_2"
+    assert not (broken / "STOP").exists()
+    resumed = PPOTrainer(load_config(_small(tiny_model_dir, toy_data, broken)))
+    assert resumed.fit() == 0
+    for name, tensor in whole.actor.state_dict().items():
+        assert torch.equal(tensor, resumed.actor.state_dict()[name]), name
+    for name, tensor in whole.critic.state_dict().items():
+        assert torch.equal(tensor, resumed.critic.state_dict()[name]), name
+    assert resumed.kl_ctrl.value == whole.kl_ctrl.value
+    steps = [r["step"] for r in read_jsonl(broken / "metrics.jsonl")]
+    assert steps == [1, 2, 3]
+    assert scores(broken) == scores(straight)
+    validated = [r for r in read_jsonl(broken / "metrics.jsonl") if "val-core/toy_digits/reward/mean@1" in r]
+    assert [r["step"] for r in validated] == [2, 3]  # test_freq=2, and after the last step
+
+
+def test_micro_batch_split_does_not_change_the_update(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """One step with micro-batches of 1, by tokens, or none gives the same weights."""
+    weights = []
+    for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+                               ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"],
+                               [])):
+        over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
+                if "ppo_micro_batch_size_per_gpu=2" not in o]
+        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+        t = PPOTrainer(load_config(over))
+        assert t.fit() == 0
+        weights.append(t.actor.state_dict())
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(tensor, weights[2][name], rtol=0, atol=1e-6)
+
+
+def test_cli_stop_file_gives_requeue_status_and_resume_continues(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "STOP").touch()
+    args = _small(tiny_model_dir, toy_data, run, "trainer.logger=['console','jsonl']",
+                  "actor_rollout_ref.actor.use_dynamic_bsz=true")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
+                          env=env, check=False, timeout=300)
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr[-2000:]
+    assert "please requeue" in proc.stdout
+    assert ckpt.find_latest_checkpoint(run) == run / "global_step_1"
+    hf = run / "global_step_1" / "huggingface"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(hf).num_parameters() > 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]

@@ -1,0 +1,62 @@
+"""`python -m trainer [--print-config | --list-keys] KEY=VALUE ...`: the PPO trainer's entry.
+
+Exit status: 0 when training finished, 2 for bad configuration or input (fix and rerun),
+3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from trainer.exit_codes import USAGE_EXIT_CODE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="PPO/GRPO trainer configured with verl-style dotted overrides "
+        "(e.g. data.train_batch_size=64 trainer.logger=['console','wandb']).",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true",
+        help="validate the overrides, print the resolved configuration and exit",
+    )
+    parser.add_argument(
+        "--list-keys", action="store_true", help="list every key with its type and help and exit",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from trainer.config import ConfigError, describe_keys, dump_config, load_config
+
+    args = build_parser().parse_args(argv)
+    if args.list_keys:
+        for key, type_name, help_text in describe_keys():
+            print(f"{key}  ({type_name})\n    {help_text}")
+        return 0
+    try:
+        cfg = load_config(args.overrides)
+    except ConfigError as err:
+        print(f"python -m trainer: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    from trainer.data import DataError
+    from trainer.metrics import MetricsError
+    from trainer.ppo import run_training
+    from trainer.rewards import RewardError
+
+    try:
+        return run_training(cfg)
+    except (ConfigError, DataError, RewardError, MetricsError, FileNotFoundError) as err:
+        print(f"python -m trainer: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

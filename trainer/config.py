@@ -1,0 +1,758 @@
+"""The trainer's configuration: verl-named keys, frozen dataclasses, dotted overrides.
+
+Defaults live in `trainer/config.yaml`; the dataclasses below give each key its type and one
+line of help. `load_config(["data.train_batch_size=64", ...])` applies verl/Hydra-style dotted
+overrides, rejects unknown keys (listing the valid ones at that level) and keys verl has that
+this trainer does not implement yet, fills the derived values once and validates the whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DEFAULTS_FILE = Path(__file__).with_name("config.yaml")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message says what and how to fix it."""
+
+
+def _h(text: str) -> Any:
+    return field(metadata={"help": text})
+
+
+# ----------------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tokenizer: str | None = _h("tokenizer path; null uses the actor model's tokenizer")
+    train_files: list[str] = _h("training parquet file(s) in verl's format")
+    val_files: list[str] = _h("validation parquet file(s) in verl's format")
+    prompt_key: str = _h("column holding the prompt as a chat list")
+    reward_fn_key: str = _h("column that selects the reward function (e.g. `data_source`)")
+    max_prompt_length: int = _h("longest prompt in tokens after the chat template")
+    max_response_length: int = _h("longest generated response in tokens")
+    train_batch_size: int = _h("prompts per training step")
+    val_batch_size: int | None = _h("prompts per validation batch; null = whole set at once")
+    shuffle: bool = _h("shuffle the training prompts every epoch")
+    seed: int = _h("seed of the training-data shuffle")
+    filter_overlong_prompts: bool = _h("drop prompts longer than `max_prompt_length`")
+    truncation: Literal["error", "left", "right", "middle"] = _h(
+        "what to do with a prompt longer than `max_prompt_length` that was not filtered"
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _h("HF model directory (or hub id) of the actor and reference")
+    enable_gradient_checkpointing: bool = _h("recompute activations in backward to save memory")
+    use_remove_padding: bool = _h("accepted for verl compatibility; padded maths gives the same result")
+    trust_remote_code: bool = _h("allow model code shipped with the checkpoint")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = _h("peak learning rate of AdamW")
+    lr_warmup_steps: int = _h("linear warm-up steps; -1 uses `lr_warmup_steps_ratio`")
+    lr_warmup_steps_ratio: float = _h("warm-up steps as a share of the total training steps")
+    min_lr_ratio: float = _h("cosine schedule floor as a share of `lr`")
+    warmup_style: Literal["constant", "cosine"] = _h("schedule after warm-up")
+    weight_decay: float = _h("AdamW weight decay")
+    betas: list[float] = _h("AdamW betas")
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    param_offload: bool = _h("offload parameters to CPU between uses (FSDP workers)")
+    optimizer_offload: bool = _h("offload optimizer state to CPU between uses (FSDP workers)")
+
+
+@dataclass(frozen=True)
+class RefFsdpConfig:
+    param_offload: bool = _h("offload the reference model's parameters to CPU (FSDP workers)")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    strategy: Literal["fsdp", "fsdp2"] = _h("parallel strategy of the actor workers")
+    ppo_mini_batch_size: int = _h("prompts per optimizer step (times `rollout.n` samples)")
+    ppo_micro_batch_size_per_gpu: int | None = _h("samples per forward/backward; null = whole mini-batch")
+    use_dynamic_bsz: bool = _h("form micro-batches by token count instead of sample count")
+    ppo_max_token_len_per_gpu: int = _h("token budget of one micro-batch with `use_dynamic_bsz`")
+    grad_clip: float = _h("clip the gradient norm to this value")
+    clip_ratio: float = _h("PPO clip epsilon, used for low and high when those are null")
+    clip_ratio_low: float | None = _h("lower clip epsilon; null = `clip_ratio`")
+    clip_ratio_high: float | None = _h("upper clip epsilon; null = `clip_ratio`")
+    clip_ratio_c: float = _h("dual-clip constant for negative advantages (> 1)")
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = _h("how token losses are aggregated")
+    entropy_coeff: float = _h("entropy bonus coefficient")
+    use_kl_loss: bool = _h("add KL(actor || reference) to the actor loss")
+    kl_loss_coef: float = _h("coefficient of the KL loss")
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = _h("KL estimator of the KL loss")
+    ppo_epochs: int = _h("passes over each batch of rollouts")
+    shuffle: bool = _h("shuffle samples between mini-batches")
+    optim: OptimConfig = _h("actor optimizer")
+    fsdp_config: FsdpConfig = _h("actor FSDP options")
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int | None = _h("samples per reference forward; null = all")
+    log_prob_use_dynamic_bsz: bool | None = _h("token-count micro-batches; null = actor's `use_dynamic_bsz`")
+    log_prob_max_token_len_per_gpu: int | None = _h("token budget; null = actor's `ppo_max_token_len_per_gpu`")
+    fsdp_config: RefFsdpConfig = _h("reference FSDP options")
+
+
+@dataclass(frozen=True)
+class ValKwargs:
+    top_k: int = _h("validation top-k; -1 = off")
+    top_p: float = _h("validation nucleus sampling")
+    temperature: float = _h("validation temperature; 0 = greedy")
+    n: int = _h("samples per validation prompt")
+    do_sample: bool = _h("sample during validation (false = greedy)")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: Literal["hf", "vllm"] = _h("generation engine: `hf` (transformers generate) or `vllm`")
+    temperature: float = _h("sampling temperature")
+    top_k: int = _h("top-k sampling; -1 = off")
+    top_p: float = _h("nucleus sampling")
+    do_sample: bool = _h("sample (false = greedy)")
+    n: int = _h("responses per prompt (group size for grpo/rloo)")
+    ignore_eos: bool = _h("keep generating after EOS up to the maximum length")
+    gpu_memory_utilization: float = _h("vLLM: share of GPU memory for weights and KV cache")
+    tensor_model_parallel_size: int = _h("vLLM: GPUs per inference engine")
+    enforce_eager: bool = _h("vLLM: no CUDA graphs")
+    free_cache_engine: bool = _h("vLLM: release the KV cache between rollouts")
+    max_num_batched_tokens: int = _h("vLLM: tokens per scheduler step")
+    max_num_seqs: int = _h("vLLM: sequences per scheduler step")
+    max_model_len: int | None = _h("vLLM: context length; null = prompt + response length")
+    enable_chunked_prefill: bool = _h("vLLM: chunked prefill")
+    disable_log_stats: bool = _h("vLLM: no periodic statistics logging")
+    log_prob_micro_batch_size_per_gpu: int | None = _h("samples per old-log-prob forward; null = all")
+    log_prob_use_dynamic_bsz: bool | None = _h("token-count micro-batches; null = actor's `use_dynamic_bsz`")
+    log_prob_max_token_len_per_gpu: int | None = _h("token budget; null = actor's `ppo_max_token_len_per_gpu`")
+    val_kwargs: ValKwargs = _h("sampling parameters for validation")
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = _h("actor and rollout share weights (always true here)")
+    model: ModelConfig = _h("actor/reference model")
+    actor: ActorConfig = _h("actor training")
+    ref: RefConfig = _h("reference model")
+    rollout: RolloutConfig = _h("generation")
+
+
+@dataclass(frozen=True)
+class CriticModelConfig:
+    path: str | None = _h("critic model directory; null = the actor's model path")
+    tokenizer_path: str | None = _h("critic tokenizer; null = the critic model's path")
+    enable_gradient_checkpointing: bool = _h("recompute activations in backward")
+    use_remove_padding: bool = _h("accepted for verl compatibility; padded maths gives the same result")
+    trust_remote_code: bool = _h("allow model code shipped with the checkpoint")
+    fsdp_config: FsdpConfig = _h("critic FSDP options")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    strategy: Literal["fsdp", "fsdp2"] = _h("parallel strategy of the critic workers")
+    optim: OptimConfig = _h("critic optimizer")
+    model: CriticModelConfig = _h("critic model")
+    ppo_mini_batch_size: int | None = _h("prompts per critic optimizer step; null = actor's")
+    ppo_micro_batch_size_per_gpu: int | None = _h("samples per critic forward/backward; null = all")
+    use_dynamic_bsz: bool | None = _h("token-count micro-batches; null = actor's")
+    ppo_max_token_len_per_gpu: int = _h("token budget of one critic micro-batch")
+    forward_max_token_len_per_gpu: int | None = _h("token budget of value forwards; null = previous")
+    ppo_epochs: int | None = _h("critic passes per batch; null = actor's `ppo_epochs`")
+    shuffle: bool | None = _h("shuffle between mini-batches; null = actor's")
+    grad_clip: float = _h("clip the critic gradient norm to this value")
+    cliprange_value: float = _h("value clipping range")
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] | None = _h("value-loss aggregation; null = actor's `loss_agg_mode`")
+
+
+@dataclass(frozen=True)
+class CustomRewardConfig:
+    path: str | None = _h("Python file holding a reward function; null = built-in scorers")
+    name: str = _h("name of the function in that file")
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = _h("KL coefficient controller for the in-reward penalty")
+    kl_coef: float = _h("initial KL coefficient")
+    horizon: int = _h("adaptive controller horizon")
+    target_kl: float = _h("adaptive controller target KL")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    gamma: float = _h("discount factor")
+    lam: float = _h("GAE lambda")
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = _h("advantage estimator")
+    norm_adv_by_std_in_grpo: bool = _h("grpo: divide by the group's standard deviation")
+    use_kl_in_reward: bool = _h("subtract a KL penalty from the token rewards")
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = _h("KL estimator of the in-reward penalty")
+    kl_ctrl: KLCtrlConfig = _h("KL controller")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_epochs: int = _h("passes over the training data")
+    total_training_steps: int | None = _h("stop after this many steps; null = epochs x batches")
+    project_name: str = _h("project name for loggers and the default checkpoint directory")
+    experiment_name: str = _h("experiment name for loggers and the default checkpoint directory")
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _h(
+        "metric sinks; the JSONL file in `run_dir` is always written"
+    )
+    nnodes: int = _h("nodes of the Ray cluster")
+    n_gpus_per_node: int = _h("workers (GPUs) per node")
+    device: Literal["auto", "cpu", "cuda"] = _h("torch device of the single-process trainer")
+    save_freq: int = _h("checkpoint every N steps; -1 = only on stop and at the end")
+    resume_mode: Literal["auto", "disable", "resume_path"] = _h(
+        "auto: newest complete checkpoint; disable: start fresh; resume_path: `resume_from_path`"
+    )
+    resume_from_path: str | None = _h("checkpoint directory for `resume_mode=resume_path`")
+    val_before_train: bool = _h("validate once before the first step")
+    test_freq: int = _h("validate every N steps; -1 = never")
+    critic_warmup: int = _h("steps during which only the critic is trained")
+    default_local_dir: str | None = _h("checkpoint root; null = checkpoints/<project>/<experiment>")
+    run_dir: str | None = _h("metrics file and STOP file directory; null = `default_local_dir`")
+    max_actor_ckpt_to_keep: int | None = _h("keep the newest K checkpoints; null = all")
+    max_critic_ckpt_to_keep: int | None = _h("accepted for verl compatibility; critic lives in the same checkpoint")
+    balance_batch: bool = _h("balance tokens across data-parallel workers")
+    seed: int = _h("seed of model init, sampling and mini-batch shuffles")
+
+
+@dataclass(frozen=True)
+class DerivedConfig:
+    """Values computed once from the others (not settable)."""
+
+    use_critic: bool = _h("a critic is trained (adv_estimator is gae)")
+    use_reference: bool = _h("a reference model is needed (KL in reward or KL loss)")
+    world_size: int = _h("nnodes x n_gpus_per_node")
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = _h("training and validation data")
+    actor_rollout_ref: ActorRolloutRefConfig = _h("actor, rollout and reference")
+    critic: CriticConfig = _h("critic (value model)")
+    custom_reward_function: CustomRewardConfig = _h("user reward function")
+    algorithm: AlgorithmConfig = _h("advantage and KL settings")
+    trainer: TrainerConfig = _h("loop, logging, checkpoints")
+    derived: DerivedConfig = _h("computed values")
+
+
+# ------------------------------------------------------------------- keys verl has, we do not
+
+_DERIVED_HINT = "is derived here; set `{}` instead"
+#: Keys of verl's config that this trainer does not implement; setting one is an error.
+NOT_SUPPORTED: dict[str, str] = {
+    "data.return_raw_input_ids": "",
+    "data.return_raw_chat": "",
+    "data.return_full_prompt": "",
+    "data.image_key": "multimodal data",
+    "data.video_key": "multimodal data",
+    "data.custom_cls": "custom dataset classes",
+    "data.dataloader_num_workers": "",
+    "data.filter_overlong_prompts_workers": "",
+    "data.trust_remote_code": "",
+    "data.use_shm": "",
+    "data.sampler": "custom samplers",
+    "data.datagen": "",
+    "actor_rollout_ref.model.external_lib": "",
+    "actor_rollout_ref.model.override_config": "",
+    "actor_rollout_ref.model.use_shm": "",
+    "actor_rollout_ref.model.lora_rank": "LoRA",
+    "actor_rollout_ref.model.lora_alpha": "LoRA",
+    "actor_rollout_ref.model.target_modules": "LoRA",
+    "actor_rollout_ref.model.use_liger": "",
+    "actor_rollout_ref.model.use_fused_kernels": "",
+    "actor_rollout_ref.model.custom_chat_template": "",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": (
+        "deprecated in verl; use `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"
+    ),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "sequence parallelism",
+    "actor_rollout_ref.actor.use_torch_compile": "",
+    "actor_rollout_ref.actor.policy_loss": "",
+    "actor_rollout_ref.actor.checkpoint": "checkpoint contents are fixed",
+    "actor_rollout_ref.actor.fsdp_config.wrap_policy": "",
+    "actor_rollout_ref.actor.fsdp_config.offload_policy": "",
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": "",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size": "",
+    "actor_rollout_ref.actor.optim.total_training_steps": _DERIVED_HINT.format(
+        "trainer.total_training_steps"
+    ),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": (
+        "deprecated in verl; use `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`"
+    ),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "sequence parallelism",
+    "actor_rollout_ref.ref.fsdp_config.wrap_policy": "",
+    "actor_rollout_ref.rollout.mode": "async rollout",
+    "actor_rollout_ref.rollout.dtype": "",
+    "actor_rollout_ref.rollout.load_format": "",
+    "actor_rollout_ref.rollout.layered_summon": "",
+    "actor_rollout_ref.rollout.engine_kwargs": "",
+    "actor_rollout_ref.rollout.multi_turn": "multi-turn rollout",
+    "actor_rollout_ref.rollout.agent": "agent loops",
+    "actor_rollout_ref.rollout.calculate_log_probs": "",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
+        "deprecated in verl; use `actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`"
+    ),
+    "actor_rollout_ref.rollout.prompt_length": _DERIVED_HINT.format("data.max_prompt_length"),
+    "actor_rollout_ref.rollout.response_length": _DERIVED_HINT.format("data.max_response_length"),
+    "critic.rollout_n": _DERIVED_HINT.format("actor_rollout_ref.rollout.n"),
+    "critic.ppo_micro_batch_size": "deprecated in verl; use `critic.ppo_micro_batch_size_per_gpu`",
+    "critic.ulysses_sequence_parallel_size": "sequence parallelism",
+    "critic.checkpoint": "checkpoint contents are fixed",
+    "critic.model.override_config": "",
+    "critic.model.external_lib": "",
+    "critic.model.lora_rank": "LoRA",
+    "critic.optim.total_training_steps": _DERIVED_HINT.format("trainer.total_training_steps"),
+    "reward_model": "model-based reward models (rule-based rewards via `data_source` and "
+    "`custom_reward_function` are supported)",
+    "custom_reward_function.reward_kwargs": "",
+    "algorithm.use_pf_ppo": "",
+    "algorithm.pf_ppo": "",
+    "algorithm.filter_groups": "DAPO group filtering",
+    "trainer.default_hdfs_dir": "HDFS upload",
+    "trainer.del_local_ckpt_after_load": "",
+    "trainer.val_only": "",
+    "trainer.log_val_generations": "",
+    "trainer.validation_data_dir": "",
+    "trainer.rollout_data_dir": "",
+    "trainer.ray_wait_register_center_timeout": "",
+    "trainer.esi_redundant_time": "",
+    "trainer.profile_steps": "profiling",
+    "trainer.controller_nsight_options": "profiling",
+    "trainer.worker_nsight_options": "profiling",
+    "ray_init": "",
+    "ray_kwargs": "",
+}
+
+#: verl keys accepted only with their verl default value (which is what this trainer does).
+ACCEPTED_ONLY_AS: dict[str, Any] = {
+    "trainer.default_hdfs_dir": None,
+    "reward_model.enable": False,
+    "reward_model.reward_manager": "naive",
+    "actor_rollout_ref.model.lora_rank": 0,
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
+    "critic.ulysses_sequence_parallel_size": 1,
+    "actor_rollout_ref.rollout.mode": "sync",
+    "trainer.val_only": False,
+    "trainer.log_val_generations": 0,
+    "trainer.del_local_ckpt_after_load": False,
+    "algorithm.use_pf_ppo": False,
+}
+
+
+def _not_supported(key: str) -> str | None:
+    for prefix, why in NOT_SUPPORTED.items():
+        if key == prefix or key.startswith(prefix + "."):
+            return why
+    return None
+
+
+# ------------------------------------------------------------------------------ value parsing
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _split_optional(tp)
+    if typing.get_origin(inner) is Literal:
+        name = " | ".join(repr(a) for a in typing.get_args(inner))
+    elif typing.get_origin(inner) is list:
+        name = f"list of {_type_name(typing.get_args(inner)[0])}"
+    else:
+        name = getattr(inner, "__name__", str(inner))
+    return f"{name} or null" if optional else name
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _split_list(text: str) -> list[str]:
+    """`[a, 'b', "c,d"]` -> ['a', 'b', 'c,d'] (commas inside quotes kept)."""
+    items, current, quote = [], "", ""
+    for ch in text[1:-1]:
+        if quote:
+            current += ch
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            current, quote = current + ch, ch
+        elif ch == ",":
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip() or items:
+        items.append(current)
+    return [_unquote(i) for i in items]
+
+
+_NULLS = ("null", "None", "~", "none", "NULL")
+_TRUE = ("true", "True", "TRUE", "yes", "on")
+_FALSE = ("false", "False", "FALSE", "no", "off")
+
+
+def parse_value(text: str, tp: Any) -> Any:
+    """Parse override text into a value of type `tp`; raise ValueError naming the rule."""
+    inner, optional = _split_optional(tp)
+    if text.strip() in _NULLS:
+        if optional:
+            return None
+        raise ValueError("null is not allowed here")
+    origin = typing.get_origin(inner)
+    if origin is list:
+        stripped = _unquote(text)
+        parts = _split_list(stripped) if stripped.startswith("[") and stripped.endswith("]") else [stripped]
+        return [parse_value(p, typing.get_args(inner)[0]) for p in parts]
+    text = _unquote(text)
+    if origin is Literal:
+        choices = typing.get_args(inner)
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}")
+        return text
+    if inner is bool:
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ValueError("must be true or false")
+    if inner is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError("not a whole number") from None
+    if inner is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("not a number") from None
+    if inner is str:
+        return text
+    raise TypeError(f"unsupported config type {inner!r}")
+
+
+def _coerce_default(value: Any, tp: Any, key: str) -> Any:
+    """Check a value coming from YAML against `tp` (ints widen to float, str to [str])."""
+    inner, optional = _split_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"`{key}` is null but must be a {_type_name(tp)}")
+    if typing.get_origin(inner) is list:
+        seq = value if isinstance(value, list) else [value]
+        return [_coerce_default(v, typing.get_args(inner)[0], key) for v in seq]
+    if typing.get_origin(inner) is Literal:
+        if value not in typing.get_args(inner):
+            raise ConfigError(f"`{key}`={value!r} must be a {_type_name(tp)}")
+        return value
+    if inner is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, inner) or (inner is int and isinstance(value, bool)):
+        raise ConfigError(f"`{key}`={value!r} must be a {_type_name(tp)}")
+    return value
+
+
+# -------------------------------------------------------------------------------- overrides
+
+
+def _valid_keys(cls: type) -> str:
+    return ", ".join(f"`{k}`" for k in _hints(cls))
+
+
+def _resolve_key(key: str) -> tuple[list[str], Any]:
+    """Walk `a.b.c` through the dataclasses; return the path and the leaf type."""
+    cls: Any = Config
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        hints = _hints(cls)
+        where = f"`{'.'.join(parts[:depth])}`" if depth else "the top level"
+        if part not in hints or (cls is Config and part == "derived"):
+            valid = _valid_keys(cls).replace("`derived`, ", "").replace(", `derived`", "")
+            raise ConfigError(
+                f"unknown key `{key}`: `{part}` is not a key of {where}; valid keys there: {valid}"
+            )
+        cls = hints[part]
+        if _is_section(cls) and depth == len(parts) - 1:
+            raise ConfigError(
+                f"`{key}` is a section, not a value; set one of its keys: {_valid_keys(cls)}"
+            )
+        if not _is_section(cls) and depth < len(parts) - 1:
+            raise ConfigError(f"unknown key `{key}`: `{'.'.join(parts[: depth + 1])}` is a value, not a section")
+    return parts, cls
+
+
+def _check_accepted_only_as(key: str, text: str) -> bool:
+    """True when `key` is a verl key we accept only with its default value and `text` is it."""
+    if key not in ACCEPTED_ONLY_AS:
+        return False
+    allowed = ACCEPTED_ONLY_AS[key]
+    tp = type(allowed) if allowed is not None else str | None
+    try:
+        value = parse_value(text, tp)
+    except ValueError:
+        value = text
+    if value == allowed:
+        return True
+    shown = "null" if allowed is None else str(allowed)
+    raise ConfigError(
+        f"`{key}={text}` is not supported yet: only `{key}={shown}` is accepted; "
+        f"remove the override"
+    )
+
+
+def _not_supported_message(key: str, item: str, why: str) -> str:
+    if why.startswith("is derived"):
+        return f"`{key}` {why}"
+    if why.startswith("deprecated"):
+        return f"`{key}` is not supported: {why}"
+    detail = f" ({why})" if why else ""
+    return f"`{key}` is not supported yet{detail}; remove the override `{item}`"
+
+
+def parse_override(item: str) -> tuple[str, str]:
+    """`key=value` (optionally with Hydra's `+`/`++` prefix) -> (key, value text)."""
+    if "=" not in item:
+        raise ConfigError(
+            f"override `{item}` has no `=`; write overrides as `dotted.key=value`, "
+            "e.g. `data.train_batch_size=64`"
+        )
+    key, text = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError(f"override `{item}` has an empty key; write `dotted.key=value`")
+    return key, text
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of the nested dict `tree` with the dotted overrides applied."""
+    import copy
+
+    tree = copy.deepcopy(tree)
+    for item in overrides:
+        key, text = parse_override(item)
+        if _check_accepted_only_as(key, text):
+            continue
+        why = _not_supported(key)
+        if why is not None:
+            raise ConfigError(_not_supported_message(key, item, why))
+        parts, tp = _resolve_key(key)
+        try:
+            value = parse_value(text, tp)
+        except ValueError as err:
+            raise ConfigError(
+                f"`{key}={text}`: {err}; expected a {_type_name(tp)}"
+            ) from None
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
+
+
+# ------------------------------------------------------------------------------ build + derive
+
+
+def _build(cls: type, tree: Any, prefix: str) -> Any:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"`{prefix}` must be a section with keys {_valid_keys(cls)}")
+    hints = _hints(cls)
+    unknown = set(tree) - set(hints)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(f'`{prefix}.{k}`' for k in sorted(unknown))}; "
+            f"valid keys of `{prefix}`: {_valid_keys(cls)}"
+        )
+    values = {}
+    for name, tp in hints.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in tree:
+            raise ConfigError(f"`{key}` is missing from the defaults file {DEFAULTS_FILE}")
+        sub = tree[name]
+        values[name] = _build(tp, sub, key) if _is_section(tp) else _coerce_default(sub, tp, key)
+    return cls(**values)
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(os.path.expandvars(path))
+
+
+def _derive(tree: dict[str, Any]) -> dict[str, Any]:
+    """Fill the null "derived" values in place, verl's interpolations done once."""
+    arr = tree["actor_rollout_ref"]
+    actor, critic, trainer = arr["actor"], tree["critic"], tree["trainer"]
+    for section in (arr["ref"], arr["rollout"]):
+        if section["log_prob_use_dynamic_bsz"] is None:
+            section["log_prob_use_dynamic_bsz"] = actor["use_dynamic_bsz"]
+        if section["log_prob_max_token_len_per_gpu"] is None:
+            section["log_prob_max_token_len_per_gpu"] = actor["ppo_max_token_len_per_gpu"]
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if actor[name] is None:
+            actor[name] = actor["clip_ratio"]
+    for name in ("ppo_mini_batch_size", "ppo_epochs", "shuffle", "use_dynamic_bsz", "loss_agg_mode"):
+        if critic[name] is None:
+            critic[name] = actor[name]
+    if critic["forward_max_token_len_per_gpu"] is None:
+        critic["forward_max_token_len_per_gpu"] = critic["ppo_max_token_len_per_gpu"]
+    if critic["model"]["path"] is None:
+        critic["model"]["path"] = arr["model"]["path"]
+    if critic["model"]["tokenizer_path"] is None:
+        critic["model"]["tokenizer_path"] = critic["model"]["path"]
+    if trainer["default_local_dir"] is None:
+        trainer["default_local_dir"] = f"checkpoints/{trainer['project_name']}/{trainer['experiment_name']}"
+    if trainer["run_dir"] is None:
+        trainer["run_dir"] = trainer["default_local_dir"]
+    data = tree["data"]
+    data["train_files"] = [_expand(p) for p in _as_list(data["train_files"])]
+    data["val_files"] = [_expand(p) for p in _as_list(data["val_files"])]
+    arr["model"]["path"] = _expand(arr["model"]["path"])
+    critic["model"]["path"] = _expand(critic["model"]["path"])
+    algo = tree["algorithm"]
+    tree["derived"] = {
+        "use_critic": algo["adv_estimator"] == "gae",
+        "use_reference": bool(algo["use_kl_in_reward"] or actor["use_kl_loss"]),
+        "world_size": trainer["nnodes"] * trainer["n_gpus_per_node"],
+    }
+    return tree
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-key rules (batch divisibility, algorithm requirements)."""
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    for key, value in (("data.train_batch_size", data.train_batch_size),
+                       ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+                       ("actor_rollout_ref.rollout.n", rollout.n),
+                       ("trainer.nnodes", cfg.trainer.nnodes),
+                       ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
+                       ("data.max_prompt_length", data.max_prompt_length),
+                       ("data.max_response_length", data.max_response_length)):
+        _require(value >= 1, f"`{key}`={value} must be at least 1")
+    _require(
+        data.train_batch_size % actor.ppo_mini_batch_size == 0,
+        f"`data.train_batch_size`={data.train_batch_size} must be a multiple of "
+        f"`actor_rollout_ref.actor.ppo_mini_batch_size`={actor.ppo_mini_batch_size}; "
+        "change one of them",
+    )
+    world = cfg.derived.world_size
+    samples = actor.ppo_mini_batch_size * rollout.n
+    _require(
+        samples % world == 0,
+        f"a mini-batch holds `ppo_mini_batch_size` x `rollout.n` = {samples} samples, which "
+        f"must split evenly over {world} workers (`trainer.nnodes` x `trainer.n_gpus_per_node`)",
+    )
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if micro is not None and not actor.use_dynamic_bsz:
+        _require(
+            (samples // world) % micro == 0,
+            f"`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`={micro} must divide the "
+            f"{samples // world} samples per worker of one mini-batch",
+        )
+    _require(
+        cfg.algorithm.adv_estimator not in ("grpo", "rloo") or rollout.n >= 2,
+        f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` compares responses within a "
+        f"group and needs `actor_rollout_ref.rollout.n` >= 2 (got {rollout.n})",
+    )
+    _require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
+    _require(
+        cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path is not None,
+        "`trainer.resume_mode=resume_path` needs `trainer.resume_from_path=<checkpoint dir>`",
+    )
+    _require(
+        rollout.name != "vllm" or world >= 1,
+        "`actor_rollout_ref.rollout.name=vllm` needs at least one worker",
+    )
+
+
+def load_defaults() -> dict[str, Any]:
+    with open(DEFAULTS_FILE) as fh:
+        return yaml.safe_load(fh)
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults + dotted overrides -> validated, derived, frozen `Config`."""
+    tree = apply_overrides(load_defaults(), list(overrides))
+    cfg = _build(Config, _derive(tree), "")
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Rebuild a `Config` from `config_to_dict` output (e.g. the copy in a checkpoint)."""
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(dotted key, type, help) for every settable key, in file order."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            if cls is Config and f.name == "derived":
+                continue
+            tp = _hints(cls)[f.name]
+            key = f"{prefix}{f.name}"
+            if _is_section(tp):
+                walk(tp, key + ".")
+            else:
+                rows.append((key, _type_name(tp), f.metadata["help"]))
+
+    walk(Config, "")
+    return rows

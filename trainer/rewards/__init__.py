@@ -1,0 +1,101 @@
+"""Rule-based rewards, chosen per row by `data_source`, or a user function from a file.
+
+A reward function has verl's signature
+`compute_score(data_source, solution_str, ground_truth, extra_info=None)` and returns a float
+or a dict with a `score` float (other numeric entries are reported as metrics).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer.rewards import gsm8k, toy
+
+RewardFn = Callable[..., Any]
+
+
+class RewardError(ValueError):
+    """A reward function cannot be found or returned something unusable."""
+
+
+GSM8K_SOURCES = ("openai/gsm8k",)
+KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, toy.TOY_DIGITS)
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+) -> float:
+    """The built-in scorer for `data_source` (verl's `default_compute_score` for the ones here)."""
+    if data_source in GSM8K_SOURCES:
+        return gsm8k.compute_score(solution_str, str(ground_truth))
+    if data_source == toy.TOY_DIGITS:
+        return toy.toy_digits_score(solution_str)
+    raise RewardError(
+        f"no built-in reward for `data_source`={data_source!r}; built-in: "
+        f"{', '.join(KNOWN_DATA_SOURCES)}. Give your own with "
+        "`custom_reward_function.path=<file.py>` and `custom_reward_function.name=<function>`"
+    )
+
+
+def load_reward_fn(path: str | None, name: str) -> RewardFn:
+    """`default_compute_score` when `path` is None, else function `name` from the file `path`."""
+    if path is None:
+        return default_compute_score
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise RewardError(
+            f"`custom_reward_function.path`={path} does not exist; give the path of a Python "
+            "file defining the reward function, or drop the override to use the built-in scorers"
+        )
+    spec = importlib.util.spec_from_file_location(f"custom_reward_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"`custom_reward_function.path`={path} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = [n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")]
+        raise RewardError(
+            f"`{file}` has no function `{name}` (`custom_reward_function.name`); functions "
+            f"defined there: {', '.join(found) or 'none'}"
+        )
+    return fn
+
+
+def _as_score(result: Any, data_source: str) -> tuple[float, dict[str, float]]:
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise RewardError(
+                f"reward function returned a dict without `score` for `{data_source}`: "
+                f"{sorted(result)}; return a float or a dict with a `score` entry"
+            )
+        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, int | float)}
+        return float(result["score"]), extras
+    if isinstance(result, int | float) and not isinstance(result, bool):
+        return float(result), {}
+    raise RewardError(
+        f"reward function returned {type(result).__name__} for `{data_source}`; return a float "
+        "or a dict with a `score` entry"
+    )
+
+
+def score_responses(
+    fn: RewardFn,
+    data_sources: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict[str, Any] | None],
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Score each decoded response; return the scores and any extra per-sample values."""
+    scores: list[float] = []
+    extras: dict[str, list[float]] = {}
+    for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos, strict=True):
+        score, more = _as_score(fn(source, text, truth, info), source)
+        scores.append(score)
+        for key, value in more.items():
+            extras.setdefault(key, []).append(value)
+    return scores, extras
