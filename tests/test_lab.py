@@ -14,7 +14,7 @@ import pytest
 
 from tests.lab import APPTAINER_BIN, IMAGE, SIF, parse_scontrol_record
 from tests.lab.cluster import LAB_LABEL
-from tests.lab.config import LabConfig
+from tests.lab.config import INSTANCE, NETNS_PREFIX, V4_NET, V6_NET, LabConfig
 
 pytestmark = pytest.mark.lab
 REPO = Path(__file__).resolve().parents[1]
@@ -53,10 +53,12 @@ def test_parse_scontrol_record_keeps_values_with_spaces():
 def test_lab_config_addresses_and_validation():
     cfg = LabConfig(nodes=3)
     assert [h.name for h in cfg.compute] == ["node1", "node2", "node3"]
-    assert [h.ipv6 for h in cfg.compute] == ["fd77::11", "fd77::12", "fd77::13"]
-    assert cfg.compute[0].slurm_addr == "10.77.0.11"
+    assert [h.ipv6 for h in cfg.compute] == [f"{V6_NET}:11", f"{V6_NET}:12", f"{V6_NET}:13"]
+    assert cfg.compute[0].slurm_addr == f"{V4_NET}.11"
     v6 = LabConfig(nodes=2, ipv6_only=True)
-    assert [h.slurm_addr for h in v6.hosts] == ["fd77::2", "fd77::11", "fd77::12"]
+    assert [h.slurm_addr for h in v6.hosts] == [f"{V6_NET}:2", f"{V6_NET}:11", f"{V6_NET}:12"]
+    if INSTANCE == 0:  # what the default lab's nodes print, as users' scripts see it
+        assert (cfg.compute[0].ipv6, cfg.compute[0].ipv4) == ("fd77::11", "10.77.0.11")
     with pytest.raises(ValueError, match="`nodes`"):
         LabConfig(nodes=0)
 
@@ -185,7 +187,7 @@ def test_down_after_crash_leaves_nothing_behind(lab_manager, tmp_path):
     job = lab.sbatch(f"#!/bin/bash\n#SBATCH --nodes=3\n#SBATCH --output={tmp_path}/s-%j.out\nsrun sleep 600\n")
     lab.wait_state(job, "RUNNING", timeout=30)
     crasher = subprocess.Popen(
-        ["nsenter", "--net=/run/netns/hrl-node1", "podman", "run", "--rm", "--label", LAB_LABEL,
+        ["nsenter", f"--net=/run/netns/{NETNS_PREFIX}node1", "podman", "run", "--rm", "--label", LAB_LABEL,
          "--network", "host", IMAGE, "sleep", "600"]
     ) if _podman_image_present() else None
     time.sleep(1.5)

@@ -7,13 +7,23 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-STATE_DIR = Path(os.environ.get("HPCRL_LAB_DIR", "/run/hpcrl-lab"))
+# Several labs can run side by side on one machine: instance N (env HPCRL_LAB_INSTANCE, default 0)
+# gets its own subnet (10.77.N.0/24, fd77:N::/64), bridge, namespace names and state directory.
+INSTANCE = int(os.environ.get("HPCRL_LAB_INSTANCE", "0"))
+if not 0 <= INSTANCE <= 99:
+    raise ValueError(f"HPCRL_LAB_INSTANCE must be 0..99, got {INSTANCE}")
+_SUFFIX = "" if INSTANCE == 0 else str(INSTANCE)
+STATE_DIR = Path(os.environ.get("HPCRL_LAB_DIR", f"/run/hpcrl-lab{_SUFFIX}"))
 CACHE_DIR = Path(os.environ.get("HPCRL_LAB_CACHE", "/var/cache/hpcrl-lab"))
 APPTAINER_PREFIX = Path(os.environ.get("HPCRL_LAB_APPTAINER", "/opt/hpcrl-lab/apptainer"))
 
-BRIDGE = "hrlbr0"
-NETNS_PREFIX = "hrl-"
-VETH_PREFIX = "hrlv-"
+BRIDGE = f"hrlbr{INSTANCE}"
+NETNS_PREFIX = f"hrl{_SUFFIX}-"
+VETH_PREFIX = f"hrlv{_SUFFIX}-"
+V4_NET = f"10.77.{INSTANCE}"
+V6_NET = "fd77:" if INSTANCE == 0 else f"fd77:{INSTANCE}:"
+V4_GATEWAY = f"{V4_NET}.1"
+V6_GATEWAY = f"{V6_NET}:1"
 CONTROLLER = "slurmctl"
 IMAGE = "localhost/hpcrl-lab:latest"
 SIF = CACHE_DIR / "hpcrl-lab.sif"
@@ -64,12 +74,12 @@ class LabConfig:
 
     @property
     def controller(self) -> Host:
-        return Host(CONTROLLER, None if self.ipv6_only else "10.77.0.2", "fd77::2")
+        return Host(CONTROLLER, None if self.ipv6_only else f"{V4_NET}.2", f"{V6_NET}:2")
 
     @property
     def compute(self) -> list[Host]:
         return [
-            Host(f"node{i}", None if self.ipv6_only else f"10.77.0.{10 + i}", f"fd77::{10 + i}")
+            Host(f"node{i}", None if self.ipv6_only else f"{V4_NET}.{10 + i}", f"{V6_NET}:{10 + i}")
             for i in range(1, self.nodes + 1)
         ]
 
