@@ -219,7 +219,7 @@ class Agent:
             outcome = Outcome(f"{type(exc).__name__}: {exc}", 1, self.ctx.hostname)
             self.log.error("node %s failed: %s", self.ctx.hostname, exc)
             try:
-                rdv.request_stop(self.paths, self.ctx.hostname, outcome.cause)
+                rdv.request_stop(self.paths, self.ctx.node_rank, self.ctx.hostname, outcome.cause)
             except OSError:
                 pass
         finally:
@@ -291,10 +291,9 @@ class Agent:
         ports = head_ports
         same_host = addr.address == info["address"]  # several agents on one machine
         if same_host or not all(map(_free, head_ports.node_ports())):
+            head_index = (head_ports.gcs - self.job.ports.base) // self.job.ports.block_size
             local = find_free_block(
-                self.job.ports,
-                first_index(self.ctx.job_id, self.ctx.restart, self.job.ports) + 1,
-                ports_of=PortBlock.node_ports,
+                self.job.ports, head_index + self.ctx.node_rank, ports_of=PortBlock.node_ports
             )
             ports = head_ports.with_node_ports_from(local)
             self.log.info(
@@ -501,7 +500,7 @@ class Agent:
             stop = rdv.read_stop(self.paths)
             if stop:
                 by = stop.get("by")
-                mine = by == self.ctx.hostname
+                mine = stop.get("rank") == self.ctx.node_rank
                 return Outcome(
                     f"stop requested by `{by}`: {stop.get('reason')}", 1 if mine else 0, str(by)
                 )
@@ -536,7 +535,7 @@ class Agent:
         grace = self.job.grace_s if self.job else 10.0
         code = outcome.exit_code if outcome.cause.startswith("payload exited") else None
         try:  # the first request names the cause; later ones change nothing
-            rdv.request_stop(self.paths, self.ctx.hostname, outcome.cause, code)
+            rdv.request_stop(self.paths, self.ctx.node_rank, self.ctx.hostname, outcome.cause, code)
         except OSError:
             pass
         if self.payload is not None and self.payload.poll() is None:

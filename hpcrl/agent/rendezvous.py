@@ -264,10 +264,13 @@ def stale_nodes(
 # --- stop requests ---------------------------------------------------------------------------
 
 
-def request_stop(paths: RunPaths, by: str, reason: str, exit_code: int | None = None) -> bool:
-    """Ask every node to end the job; True when this call was the first request."""
+def request_stop(
+    paths: RunPaths, rank: int, by: str, reason: str, exit_code: int | None = None
+) -> bool:
+    """Ask every node to end the job (`by`: host name of node `rank`); True when this call was
+    the first request."""
     tmp = paths.root / f".stop.{os.getpid()}.{secrets.token_hex(3)}"
-    data = {"by": by, "reason": reason, "exit_code": exit_code, "time": time.time()}
+    data = {"rank": rank, "by": by, "reason": reason, "exit_code": exit_code, "time": time.time()}
     atomic_write_json(tmp, data)
     try:
         os.link(tmp, paths.stop)  # atomic and exclusive, also on NFS

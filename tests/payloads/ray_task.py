@@ -1,12 +1,37 @@
-"""Payload used by the agent tests: connect with the explicit address, run one task per node."""
+"""Payload used by the agent tests: connect with the explicit address, run one task per node.
+
+Environment: PAYLOAD_EXIT (exit status), PAYLOAD_SLEEP (seconds to wait before exiting),
+PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused).
+"""
 
 import os
+import subprocess
 import sys
-
-import ray
+import time
 
 address = os.environ["RAY_ADDRESS"]
 assert address != "auto"
+
+if os.environ.get("PAYLOAD_CHECK_REFUSAL") == "1":
+    no_token = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    probe = (
+        "import ray, sys\n"
+        "try:\n"
+        f"    ray.init(address={address!r}, log_to_driver=False)\n"
+        "except Exception as exc:\n"
+        "    print('refused:', type(exc).__name__); sys.exit(0)\n"
+        "print('ACCEPTED without token'); sys.exit(1)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=no_token, capture_output=True, text=True, timeout=120
+    )
+    print(f"payload: driver without token: {result.stdout.strip()}", flush=True)
+    if result.returncode != 0:
+        sys.exit(90)
+
+import ray  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
 ray.init(address=address, log_to_driver=False)
 alive = [n for n in ray.nodes() if n["Alive"]]
 print(f"payload: {len(alive)} alive nodes", flush=True)
@@ -14,11 +39,20 @@ print(f"payload: {len(alive)} alive nodes", flush=True)
 
 @ray.remote(num_cpus=0)
 def where() -> str:
-    return ray.util.get_node_ip_address()
+    return ray.get_runtime_context().get_node_id()
 
 
-ips = ray.get([where.remote() for _ in alive])
-print(f"payload: tasks ran on {sorted(set(ips))}", flush=True)
-print(f"payload: MASTER_ADDR={os.environ['MASTER_ADDR']} GLOO={os.environ.get('GLOO_SOCKET_IFNAME')}")
+refs = [
+    where.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+    ).remote()
+    for n in alive
+]
+ran_on = set(ray.get(refs))
+print(f"payload: one task ran on each of {len(ran_on)} nodes", flush=True)
+print(
+    f"payload: MASTER_ADDR={os.environ['MASTER_ADDR']} GLOO={os.environ.get('GLOO_SOCKET_IFNAME')}"
+)
 ray.shutdown()
+time.sleep(float(os.environ.get("PAYLOAD_SLEEP", "0")))
 sys.exit(int(os.environ.get("PAYLOAD_EXIT", "0")))
