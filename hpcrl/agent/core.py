@@ -112,6 +112,7 @@ class Agent:
         self.job: AgentJob | None = None
         self.self_keys: set[str] = set()
         self._node_info: dict[str, Any] = {}
+        self._last_beat = 0.0
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -167,8 +168,7 @@ class Agent:
         self, head: bool, address: str, ports: PortBlock, gcs: str, env: dict[str, str]
     ) -> None:
         assert self.job is not None
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        self._remove_stale_temp_dirs()
         self.tmp.mkdir(mode=0o700, parents=True)
         argv = [
             self._python(),
@@ -195,6 +195,13 @@ class Agent:
             self.paths.logs / f"ray-start-{self.tag}.log",
             cwd=str(self.tmp),
         )
+
+    def _remove_stale_temp_dirs(self) -> None:
+        """Temp dirs of this job's earlier runs on this node whose agent was killed."""
+        pattern = f"hr-{self.ctx.job_id}-*-{self.ctx.node_rank}"
+        for stale in self.tmp.parent.glob(pattern):
+            if stale == self.tmp or not processes_mentioning(str(stale)):
+                shutil.rmtree(stale, ignore_errors=True)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -232,6 +239,12 @@ class Agent:
             self.ctx.node_rank,
             {"host": self.ctx.hostname, "state": state, **self._node_info, **extra},
         )
+
+    def _beat(self, state: str) -> None:
+        """Refresh this node's file every 2 s: the heartbeat the other nodes watch."""
+        if time.monotonic() - self._last_beat > 2:
+            self._write_state(state)
+            self._last_beat = time.monotonic()
 
     def _run_head(self) -> Outcome:
         assert self.job is not None
@@ -271,6 +284,7 @@ class Agent:
         self._write_state("starting")
         env = self._ray_env(token, ports, addr.interface)
         self._start_ray(True, addr.address, ports, gcs, env)
+        self._node_info["ray_pid"] = self.ray.pid if self.ray else None
         self._start_watch(gcs, env)
         failed = self._wait_for_cluster()
         if failed:
@@ -309,6 +323,7 @@ class Agent:
         self._write_state("starting")
         env = self._ray_env(Path(info["token_path"]), ports, addr.interface)
         self._start_ray(False, addr.address, ports, info["gcs_address"], env)
+        self._node_info["ray_pid"] = self.ray.pid if self.ray else None
         return self._worker_loop()
 
     # --- head: waiting for the cluster ---------------------------------------------------------
@@ -372,6 +387,7 @@ class Agent:
             failed = self._common_failure() or self._stop_requested()
             if failed:
                 return failed
+            self._beat("starting")
             now = time.monotonic()
             missing = rdv.missing_nodes(self.ctx.nodes, arrived, joined)
             if now - last_note > 10:
@@ -465,7 +481,6 @@ class Agent:
             "payload", argv, env, self.paths.logs / "payload.log", cwd=workdir, echo=sys.stdout
         )
         alive = self.self_keys
-        beat = time.monotonic()
         while True:
             self._forward_signals()
             code = self.payload.poll()
@@ -478,9 +493,7 @@ class Agent:
             failed = self._common_failure() or self._stop_requested() or self._lost_nodes(alive)
             if failed:
                 return failed
-            if time.monotonic() - beat > 2:
-                self._write_state("running")
-                beat = time.monotonic()
+            self._beat("running")
             time.sleep(TICK_S)
 
     def _forward_signals(self) -> None:
@@ -494,7 +507,6 @@ class Agent:
 
     def _worker_loop(self) -> Outcome:
         assert self.job is not None
-        beat = 0.0
         term_at: float | None = None
         while True:
             stop = rdv.read_stop(self.paths)
@@ -524,9 +536,7 @@ class Agent:
                     128 + signal.SIGTERM,
                     self.ctx.hostname,
                 )
-            if time.monotonic() - beat > 2:
-                self._write_state("running")
-                beat = time.monotonic()
+            self._beat("running")
             time.sleep(TICK_S)
 
     # --- teardown -----------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Payload used by the agent tests: connect with the explicit address, run one task per node.
 
 Environment: PAYLOAD_EXIT (exit status), PAYLOAD_SLEEP (seconds to wait before exiting),
-PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused).
+PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused),
+PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 and exit 42).
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,5 +56,9 @@ print(
     f"payload: MASTER_ADDR={os.environ['MASTER_ADDR']} GLOO={os.environ.get('GLOO_SOCKET_IFNAME')}"
 )
 ray.shutdown()
+if os.environ.get("PAYLOAD_WAIT_USR1") == "1":
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(42))
+    print("payload: waiting for SIGUSR1", flush=True)
+    time.sleep(300)
 time.sleep(float(os.environ.get("PAYLOAD_SLEEP", "0")))
 sys.exit(int(os.environ.get("PAYLOAD_EXIT", "0")))
