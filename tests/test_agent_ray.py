@@ -1,16 +1,11 @@
-"""The node agent with real Ray on this machine: local jobs and a two-agent job on one host."""
+"""The node agent with real Ray on this machine: two local jobs at once."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -20,84 +15,21 @@ pytest.importorskip(
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-PAYLOAD = REPO / "tests" / "payloads" / "ray_task.py"
-
-
-def make_run(
-    root: Path, name: str, env: dict[str, str], nodes: int = 1, agent: dict | None = None
-) -> Path:
-    run = root / name
-    run.mkdir()
-    job = {
-        "version": 1,
-        "site": "local",
-        "nodes": nodes,
-        "max_requeues": 0,
-        "profile": {
-            "network": {"interface": None, "family": "auto"},
-            "ray": {"dashboard": False},
-            "container": {"runtime": "none"},
-            "env": env,
-        },
-        "payload": [sys.executable, str(PAYLOAD)],
-        "agent": agent or {},
-    }
-    (run / "job.json").write_text(json.dumps(job))
-    return run
-
-
-def start_agent(run: Path, env: dict[str, str]) -> subprocess.Popen:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "HPCRL_"))}
-    return subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.agent", str(run)],
-        cwd=REPO,
-        env={**clean, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def wait_for_text(path: Path, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"`{text}` did not appear in {path} within {timeout} s")
-
-
-def sessions_alive(sids: set[int]) -> list[str]:
-    """Processes still in one of the sessions `sids` (a Ray node's whole process tree)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[3]) in sids:
-                out.append(f"{entry.name}: {cmd.decode(errors='replace')}")
-    return out
-
-
-def leftovers(run: Path, ranks: tuple[int, ...] = (0,)) -> list[str]:
-    """Processes of the run's Ray nodes still alive, and temp dirs of `ranks` not removed."""
-    nodes = [json.loads(p.read_text()) for p in (run / "0" / "nodes").glob("*.json")]
-    sids = {n["ray_pid"] for n in nodes if n.get("ray_pid")}
-    assert sids, "node files name the Ray process"
-    dirs = [f"temp dir {p}" for r in ranks for p in Path("/tmp").glob(f"hr-{run.name}-*-{r}")]
-    return sessions_alive(sids) + dirs
+from agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def two_local_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Two local jobs at once: A checks token refusal and exits 3, B waits for SIGUSR1."""
+    """Two local jobs at once: A checks token refusal and exits 3; B (with the dashboard on)
+    probes the dashboard and waits for SIGUSR1."""
     root = tmp_path_factory.mktemp("agents")
     run_a = make_run(root, f"ja{os.getpid()}", {"PAYLOAD_EXIT": "3", "PAYLOAD_CHECK_REFUSAL": "1"})
-    run_b = make_run(root, f"jb{os.getpid()}", {"PAYLOAD_WAIT_USR1": "1"})
+    run_b = make_run(
+        root,
+        f"jb{os.getpid()}",
+        {"PAYLOAD_WAIT_USR1": "1", "PAYLOAD_PROBE_DASHBOARD": "1"},
+        dashboard=True,
+    )
     a = start_agent(run_a, {"HPCRL_JOB_ID": run_a.name})
     b = start_agent(run_b, {"HPCRL_JOB_ID": run_b.name})
     wait_for_text(run_b / "0" / "logs" / "payload.log", "waiting for SIGUSR1", 120)
@@ -163,34 +95,9 @@ def test_nothing_left_behind_and_summary_written(two_local_jobs: dict) -> None:
         assert (run / "0" / "logs" / f"ray-0-{os.uname().nodename}" / "raylet.out").exists()
 
 
-def test_two_agent_job_survives_join_and_ends_fast_when_a_worker_dies(tmp_path: Path) -> None:
-    """Two agents on this host as ranks 0 and 1 of one Slurm-like job; kill rank 1's agent."""
-    run = make_run(tmp_path, f"9{os.getpid()}", {"PAYLOAD_SLEEP": "300"}, nodes=2)
-    host = os.uname().nodename
-    slurm = {
-        "SLURM_JOB_ID": run.name,
-        "SLURM_JOB_NODELIST": f"{host},{host}",
-        "SLURM_JOB_NUM_NODES": "2",
-    }
-    head = start_agent(run, {**slurm, "SLURM_NODEID": "0"})
-    worker = start_agent(run, {**slurm, "SLURM_NODEID": "1"})
-    try:
-        wait_for_text(run / "0" / "logs" / "payload.log", "one task ran on each of 2 nodes", 150)
-        killed_at = time.monotonic()
-        worker.kill()
-        out, _ = head.communicate(timeout=60)
-        ended_after = time.monotonic() - killed_at
-    finally:
-        for p in (head, worker):
-            if p.poll() is None:
-                p.kill()
-    assert head.returncode == 1, out
-    assert ended_after < 30, f"job took {ended_after:.1f} s to end"
-    assert "(rank 1)" in out and ("no longer alive" in out or "heartbeat" in out)
-    assert "payload: 2 alive nodes" in (run / "0" / "logs" / "payload.log").read_text()
-    time.sleep(1)  # the worker's Ray drains on its parent-death signal
-    # the killed agent could not remove its temp dir; its next run on that node does
-    assert leftovers(run, ranks=(0,)) == []
-    assert len(list((run / "0" / "nodes").glob("*.json"))) == 2
-    for stale in Path("/tmp").glob(f"hr-{run.name}-*-1"):
-        shutil.rmtree(stale)
+def test_dashboard_only_on_loopback(two_local_jobs: dict) -> None:
+    run, _, _ = two_local_jobs["b"]
+    info = json.loads((run / "0" / "rendezvous.json").read_text())
+    log = (run / "0" / "logs" / "payload.log").read_text()
+    assert "dashboard on 127.0.0.1 open" in log
+    assert f"dashboard on {info['address']} closed" in log

@@ -75,7 +75,9 @@ def test_bridges_are_never_chosen() -> None:
 
 
 def test_named_interface_missing_lists_what_was_found() -> None:
-    with pytest.raises(AddressError, match=r"interface `ib0`.*10\.77\.0\.11 on eth0 \(not on `ib0`\)"):
+    with pytest.raises(
+        AddressError, match=r"interface `ib0`.*10\.77\.0\.11 on eth0 \(not on `ib0`\)"
+    ):
         choose_address(lab_node(), NetworkPolicy(interface="ib0"))
 
 
@@ -112,7 +114,9 @@ def test_hostport_round_trips(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
     assert "[" not in format_host(str(ip))
 
 
-@given(st.lists(st.tuples(st.ip_addresses(), st.sampled_from(["eth0", "ib0", "docker0", "lo", None]))))
+@given(
+    st.lists(st.tuples(st.ip_addresses(), st.sampled_from(["eth0", "ib0", "docker0", "lo", None])))
+)
 def test_choice_is_never_excluded_kind(pairs: list) -> None:
     found = [NodeAddress(str(ip), name, "global") for ip, name in pairs]
     for policy in (NetworkPolicy(), NetworkPolicy(family="ipv6"), NetworkPolicy(interface="ib0")):

@@ -55,10 +55,19 @@ def test_neighbouring_jobs_and_restarts_get_different_blocks() -> None:
 def test_flags_and_env_cover_every_port() -> None:
     block = block_at(PortRange(), 0)
     head = " ".join(block.ray_start_args(head=True, dashboard=True))
-    for port in [block.gcs, block.dashboard, block.ray_client_server, block.node_manager,
-                 block.object_manager, block.dashboard_agent_listen, block.dashboard_agent_grpc,
-                 block.runtime_env_agent, block.metrics_export, block.min_worker_port,
-                 block.max_worker_port]:
+    for port in [
+        block.gcs,
+        block.dashboard,
+        block.ray_client_server,
+        block.node_manager,
+        block.object_manager,
+        block.dashboard_agent_listen,
+        block.dashboard_agent_grpc,
+        block.runtime_env_agent,
+        block.metrics_export,
+        block.min_worker_port,
+        block.max_worker_port,
+    ]:
         assert f"={port}" in head
     worker = " ".join(block.ray_start_args(head=False, dashboard=True))
     assert f"--port={block.gcs}" not in worker and "--dashboard-port" not in worker

@@ -110,9 +110,7 @@ def test_wait_for_publication_gives_up_on_stop(tmp_path: Path) -> None:
     stop = rdv.read_stop(p)
     assert stop is not None
     with pytest.raises(rdv.RendezvousError, match="node3 asked to stop"):
-        rdv.wait_for_publication(
-            p, "node1", 10, keep_waiting=lambda: f"{stop['by']} asked to stop"
-        )
+        rdv.wait_for_publication(p, "node1", 10, keep_waiting=lambda: f"{stop['by']} asked to stop")
 
 
 def test_version_mismatch_is_explained(tmp_path: Path) -> None:
@@ -145,8 +143,11 @@ def test_missing_nodes_are_named(tmp_path: Path) -> None:
 
 
 def test_stale_heartbeats(tmp_path: Path) -> None:
-    nodes = {0: {"time": 100.0, "state": "running"}, 1: {"time": 70.0, "state": "running"},
-             2: {"time": 10.0, "state": "exited"}}
+    nodes = {
+        0: {"time": 100.0, "state": "running"},
+        1: {"time": 70.0, "state": "running"},
+        2: {"time": 10.0, "state": "exited"},
+    }
     assert rdv.stale_nodes(nodes, 20, now=105.0) == [1]
 
 

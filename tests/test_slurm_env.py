@@ -62,13 +62,16 @@ def test_compress_examples() -> None:
 
 
 _label = st.text(alphabet="abcxyz-.", min_size=1, max_size=4)
-_host = st.builds(
-    lambda p, n, w, s: f"{p}{str(n).zfill(w)}{s}",
-    _label,
-    st.integers(0, 120),
-    st.integers(1, 4),
-    st.one_of(st.just(""), st.just("-b"), st.just(".x")),
-) | _label
+_host = (
+    st.builds(
+        lambda p, n, w, s: f"{p}{str(n).zfill(w)}{s}",
+        _label,
+        st.integers(0, 120),
+        st.integers(1, 4),
+        st.one_of(st.just(""), st.just("-b"), st.just(".x")),
+    )
+    | _label
+)
 
 
 @given(st.lists(_host, min_size=1, max_size=25))
@@ -86,7 +89,7 @@ def test_range_expansion_counts_and_padding(prefix: str, lo: int, span: int, wid
     hosts = expand_hostlist(f"{prefix}[{str(lo).zfill(width)}-{lo + span}]")
     assert len(hosts) == span + 1
     assert hosts[0] == f"{prefix}{str(lo).zfill(width)}"
-    assert [int(h[len(prefix):]) for h in hosts] == list(range(lo, lo + span + 1))
+    assert [int(h[len(prefix) :]) for h in hosts] == list(range(lo, lo + span + 1))
     assert all(len(h) - len(prefix) >= width for h in hosts)
 
 

@@ -2,11 +2,15 @@
 
 Environment: PAYLOAD_EXIT (exit status), PAYLOAD_SLEEP (seconds to wait before exiting),
 PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused),
-PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 and exit 42).
+PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 and exit 42),
+PAYLOAD_PROBE_DASHBOARD=1 (report whether the dashboard port answers on loopback and on the
+node address).
 """
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +34,17 @@ if os.environ.get("PAYLOAD_CHECK_REFUSAL") == "1":
     print(f"payload: driver without token: {result.stdout.strip()}", flush=True)
     if result.returncode != 0:
         sys.exit(90)
+
+if os.environ.get("PAYLOAD_PROBE_DASHBOARD") == "1":
+    run = os.path.join(os.environ["HPCRL_RUN_DIR"], os.environ["HPCRL_RESTART"])
+    with open(os.path.join(run, "rendezvous.json")) as f:
+        info = json.load(f)
+    for host in ("127.0.0.1", info["address"]):
+        try:
+            socket.create_connection((host, info["ports"]["dashboard"]), timeout=3).close()
+            print(f"payload: dashboard on {host} open", flush=True)
+        except OSError:
+            print(f"payload: dashboard on {host} closed", flush=True)
 
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
