@@ -20,6 +20,7 @@ def make_run(
     nodes: int = 1,
     agent: dict | None = None,
     dashboard: bool = False,
+    family: str = "auto",
 ) -> Path:
     run = root / name
     run.mkdir()
@@ -29,7 +30,7 @@ def make_run(
         "nodes": nodes,
         "max_requeues": 0,
         "profile": {
-            "network": {"interface": None, "family": "auto"},
+            "network": {"interface": None, "family": family},
             "ray": {"dashboard": dashboard},
             "container": {"runtime": "none"},
             "env": env,

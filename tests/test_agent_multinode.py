@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -17,6 +18,16 @@ pytestmark = pytest.mark.slow
 
 from agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
 
+from hpcrl.netaddr import AddressError, NetworkPolicy, choose_address, local_addresses  # noqa: E402
+
+
+def has_global_ipv6() -> bool:
+    try:
+        choose_address(local_addresses(), NetworkPolicy(family="ipv6"))
+    except AddressError:
+        return False
+    return True
+
 
 def slurm_env(job_id: str, nodes: int) -> dict[str, str]:
     host = os.uname().nodename
@@ -28,8 +39,11 @@ def slurm_env(job_id: str, nodes: int) -> dict[str, str]:
 
 
 def test_two_agent_job_survives_join_and_ends_fast_when_a_worker_dies(tmp_path: Path) -> None:
-    """Two agents on this host as ranks 0 and 1 of one Slurm-like job; kill rank 1's agent."""
-    run = make_run(tmp_path, f"9{os.getpid()}", {"PAYLOAD_SLEEP": "300"}, nodes=2)
+    """Two agents on this host as ranks 0 and 1 of one Slurm-like job (over IPv6 where this
+    machine has a global IPv6 address); kill rank 1's agent."""
+    v6 = has_global_ipv6()
+    family = "ipv6" if v6 else "ipv4"
+    run = make_run(tmp_path, f"9{os.getpid()}", {"PAYLOAD_SLEEP": "300"}, nodes=2, family=family)
     slurm = slurm_env(run.name, 2)
     head = start_agent(run, {**slurm, "SLURM_NODEID": "0"})
     worker = start_agent(run, {**slurm, "SLURM_NODEID": "1"})
@@ -46,7 +60,11 @@ def test_two_agent_job_survives_join_and_ends_fast_when_a_worker_dies(tmp_path: 
     assert head.returncode == 1, out
     assert ended_after < 30, f"job took {ended_after:.1f} s to end"
     assert "(rank 1)" in out and ("no longer alive" in out or "heartbeat" in out)
-    assert "payload: 2 alive nodes" in (run / "0" / "logs" / "payload.log").read_text()
+    payload_log = (run / "0" / "logs" / "payload.log").read_text()
+    assert "payload: 2 alive nodes" in payload_log
+    if v6:
+        address = json.loads((run / "0" / "rendezvous.json").read_text())["gcs_address"]
+        assert address.startswith("[") and f"cluster at address: {address}" in payload_log
     time.sleep(1)  # the worker's Ray drains on its parent-death signal
     # the killed agent could not remove its temp dir; its next run on that node does
     assert leftovers(run, ranks=(0,)) == []
