@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import stat
+import time
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +103,20 @@ def test_dashboard_only_on_loopback(two_local_jobs: dict) -> None:
     log = (run / "0" / "logs" / "payload.log").read_text()
     assert "dashboard on 127.0.0.1 open" in log
     assert f"dashboard on {info['address']} closed" in log
+
+
+def test_sigterm_during_ray_startup_ends_cleanly(tmp_path: Path) -> None:
+    """SIGTERM while `ray start` is still starting (when it ignores SIGTERM): the agent falls
+    back to SIGKILL of the Ray process group and leaves nothing behind."""
+    run = make_run(tmp_path, f"jt{os.getpid()}", {})
+    agent = start_agent(run, {"HPCRL_JOB_ID": run.name})
+    wait_for_text(
+        run / "0" / "logs" / f"agent-0-{os.uname().nodename}.log", "starting Ray head", 60
+    )
+    time.sleep(1.0)
+    agent.send_signal(signal.SIGTERM)
+    out, _ = agent.communicate(timeout=60)
+    assert agent.returncode == 143, out
+    assert "SIGTERM before the payload started" in out
+    assert not (run / "0" / "logs" / "payload.log").exists()
+    assert leftovers(run) == []

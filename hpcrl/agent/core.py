@@ -40,7 +40,8 @@ ContainerWrap = Callable[
 ]
 """(container config, argv, env, binds, workdir) -> argv that runs `argv` in the container."""
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TICK_S = 0.1
 RAY_STOP_S = 10.0
 
@@ -407,8 +408,9 @@ class Agent:
         stop = rdv.read_stop(self.paths)
         if stop:
             return f"{stop.get('by')} asked to stop: {stop.get('reason')}"
-        if signal.SIGTERM in self.flags.signals:
-            return "this agent got SIGTERM"
+        for sig in STOPPING_SIGNALS:
+            if sig in self.flags.signals:
+                return f"this agent got {signal.Signals(sig).name}"
         return None
 
     def _common_failure(self) -> Outcome | None:
@@ -419,10 +421,13 @@ class Agent:
                 1,
                 self.ctx.hostname,
             )
-        if signal.SIGTERM in self.flags.signals and self.payload is None and self.ctx.is_head:
-            return Outcome(
-                "SIGTERM before the payload started", 128 + signal.SIGTERM, self.ctx.hostname
-            )
+        if self.payload is None and self.ctx.is_head:
+            for sig in STOPPING_SIGNALS:
+                if sig in self.flags.signals:
+                    name = signal.Signals(sig).name
+                    return Outcome(
+                        f"{name} before the payload started", 128 + sig, self.ctx.hostname
+                    )
         return None
 
     def _stop_requested(self) -> Outcome | None:
@@ -528,7 +533,7 @@ class Agent:
                 sigs = [signal.Signals(s).name for s in self.flags.signals]
                 self.flags.signals.clear()
                 self.log.info("got %s; Ray stays up until the head ends the job", ", ".join(sigs))
-                if "SIGTERM" in sigs and term_at is None:
+                if ("SIGTERM" in sigs or "SIGINT" in sigs) and term_at is None:
                     term_at = time.monotonic()
             if term_at is not None and time.monotonic() - term_at > 10 * self.job.grace_s:
                 return Outcome(
@@ -588,11 +593,17 @@ class Agent:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _write_summary(self, outcome: Outcome) -> None:
-        deadline = time.monotonic() + (5.0 if self.ctx.num_nodes > 1 else 0.0)
+        """One line per node; waits up to 5 s for the final report of nodes still beating."""
+        deadline = time.monotonic() + 5.0
         while True:
             nodes = rdv.read_nodes(self.paths)
-            done = all(nodes.get(r, {}).get("state") == "exited" for r in range(self.ctx.num_nodes))
-            if done or time.monotonic() >= deadline:
+            silent = set(rdv.stale_nodes(nodes, 4.0))
+            pending = [
+                r
+                for r in range(self.ctx.num_nodes)
+                if r in nodes and nodes[r].get("state") != "exited" and r not in silent
+            ]
+            if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(TICK_S)
         lines = [

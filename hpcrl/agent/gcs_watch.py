@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 ALIVE = 0  # GcsNodeInfo.GcsNodeState.ALIVE
 
 
-def snapshot(client) -> dict:
-    alive, dead = [], []
+def snapshot(client: Any) -> dict[str, list[str]]:
+    alive: list[str] = []
+    dead: list[str] = []
     for info in client.get_all_node_info(timeout=5).values():
         key = f"{info.node_manager_address}:{info.node_manager_port}"
         (alive if info.state == ALIVE else dead).append(key)
@@ -32,10 +34,11 @@ def main(argv: list[str]) -> int:
         return 2
     address = argv[0]
     interval = float(argv[1]) if len(argv) > 1 else 0.1
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
-    client = None
-    last = None
+    client: Any = None
+    last: Any = None
+    line: Any
     while True:
         try:
             if client is None:
