@@ -45,6 +45,12 @@ def test_missing_job_file_fails_fast_and_tells_the_others(tmp_path: Path) -> Non
     assert "exit 1" in (tmp_path / "0" / "summary.txt").read_text()
 
 
+def test_run_dir_missing_on_this_node(tmp_path: Path) -> None:
+    result = run_agent(tmp_path / "elsewhere")
+    assert result.returncode == 1 and "does not exist on node" in result.stderr
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_canary_mismatch_stops_before_ray(tmp_path: Path) -> None:
     rdv.write_canary(tmp_path)
     (tmp_path / "job.json").write_text(json.dumps({"payload": ["true"]}))

@@ -16,7 +16,8 @@ from hpcrl.agent import rendezvous as rdv
 
 def paths(tmp_path: Path, restart: int = 0) -> rdv.RunPaths:
     p = rdv.RunPaths(tmp_path / "run", restart)
-    p.create()
+    p.run_dir.mkdir(exist_ok=True)
+    p.create("node1")
     return p
 
 
@@ -31,6 +32,13 @@ def test_run_dir_is_private_and_token_is_0600(tmp_path: Path) -> None:
     token = rdv.write_token(p)
     assert mode(token) == 0o600
     assert len(token.read_text()) == 64 and int(token.read_text(), 16) >= 0
+
+
+def test_missing_run_dir_is_not_created(tmp_path: Path) -> None:
+    p = rdv.RunPaths(tmp_path / "not-shared", 0)
+    with pytest.raises(rdv.RendezvousError, match="does not exist on node `node2`.*shared"):
+        p.create("node2")
+    assert not p.run_dir.exists()
 
 
 def test_foreign_open_run_dir_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,7 +118,7 @@ class Agent:
     # --- set-up ------------------------------------------------------------------------------
 
     def _setup_logging(self) -> None:
-        self.paths.create()
+        self.paths.create(self.ctx.hostname)
         fmt = logging.Formatter(
             f"%(asctime)s hpcrl-agent[{self.ctx.hostname} rank {self.ctx.node_rank}] %(message)s"
         )
@@ -207,7 +207,11 @@ class Agent:
     # --- the run -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        self._setup_logging()
+        try:
+            self._setup_logging()
+        except (OSError, rdv.RendezvousError) as exc:
+            print(f"hpcrl-agent[{self.ctx.hostname}]: {exc}", file=sys.stderr)
+            return 1
         self._install_signal_handlers()
         outcome = Outcome("agent error", 1, self.ctx.hostname)
         try:

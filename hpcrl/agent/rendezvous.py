@@ -113,9 +113,15 @@ class RunPaths:
     def node_file(self, rank: int) -> Path:
         return self.nodes / f"{rank}.json"
 
-    def create(self) -> None:
-        """Make the run's directories; the run directory itself is closed to other users."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+    def create(self, host: str) -> None:
+        """Make this run's directories inside the existing run directory (made at submission,
+        never here: a node that lacks it does not share the filesystem), closed to others."""
+        if not self.run_dir.is_dir():
+            raise RendezvousError(
+                f"run directory `{self.run_dir}` does not exist on node `{host}`; it must be on "
+                "a filesystem shared by the submitting host and every node (set `run_dir` in "
+                "the site profile to a shared path)"
+            )
         secure_dir(self.run_dir)
         for d in (self.root, self.nodes, self.logs):
             d.mkdir(mode=0o700, exist_ok=True)
