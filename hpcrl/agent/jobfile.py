@@ -49,7 +49,7 @@ class AgentJob:
     """How long the nodes may take to publish, arrive and join Ray."""
     grace_s: float = 10.0
     """Between SIGTERM and SIGKILL when the job ends for a failure."""
-    heartbeat_timeout_s: float = 20.0
+    heartbeat_timeout_s: float = 15.0
     """A node whose agent is silent this long counts as dead."""
 
     @property
