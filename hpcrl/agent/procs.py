@@ -1,7 +1,8 @@
 """Child processes of the agent: each in its own process group, none left behind.
 
-Every child starts in a new session (so its whole tree can be signalled as one group) and with
-the parent-death signal set, so that it gets SIGTERM if the agent itself is killed.
+Every child starts in a new session, and with the parent-death signal set, so that it gets
+SIGTERM if the agent itself is killed. Its descendants stay in that session even when they make
+process groups of their own (Ray's worker processes do), so the session is what gets swept.
 """
 
 from __future__ import annotations
@@ -91,28 +92,32 @@ class Child:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def group_alive(self) -> bool:
-        return bool(group_members(self.pid))
+    def tree_alive(self) -> bool:
+        return bool(session_members(self.pid))
+
+    def _kill_tree(self) -> None:
+        self._killpg(signal.SIGKILL)
+        kill_all(session_members(self.pid))
 
     def stop(self, grace_s: float, term_group: bool = True) -> int | None:
-        """SIGTERM (the group, or the child alone), wait up to `grace_s`, then SIGKILL the
-        group; returns the child's exit code (None if it could not be reaped)."""
+        """SIGTERM (the group, or the child alone), wait up to `grace_s`, then SIGKILL every
+        process of its session; returns the child's exit code (None if it was not reaped)."""
         if self.proc.poll() is None:
             if term_group:
                 self._killpg(signal.SIGTERM)
             else:
                 self.send(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (self.proc.poll() is None or self.group_alive()):
+        while time.monotonic() < deadline and (self.proc.poll() is None or self.tree_alive()):
             time.sleep(0.05)
-        self._killpg(signal.SIGKILL)
+        self._kill_tree()
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             code = None
         deadline = time.monotonic() + 5
-        while self.group_alive() and time.monotonic() < deadline:
-            self._killpg(signal.SIGKILL)
+        while self.tree_alive() and time.monotonic() < deadline:
+            self._kill_tree()
             time.sleep(0.05)
         self.close()
         return code
@@ -123,8 +128,8 @@ class Child:
         self._log.close()
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid`."""
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session `sid`."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -134,7 +139,7 @@ def group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if int(fields[3]) == sid and fields[0] != "Z":
             out.append(int(entry.name))
     return out
 
