@@ -13,6 +13,7 @@ import pytest
 
 from hpcrl.agent import core
 from hpcrl.agent import rendezvous as rdv
+from hpcrl.agent.jobfile import parse_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,42 +61,61 @@ def test_canary_mismatch_stops_before_ray(tmp_path: Path) -> None:
 
 
 def test_bad_profile_key_is_named(tmp_path: Path) -> None:
-    job = {"payload": ["true"], "profile": {"ray": {"dashboard_port": 1}}}
+    job = {"payload": ["true"], "agent": {"grace": 1}}
     (tmp_path / "job.json").write_text(json.dumps(job))
     result = run_agent(tmp_path)
-    assert result.returncode == 1 and "`dashboard_port`" in result.stderr
+    assert result.returncode == 1 and "`grace`" in result.stderr and "grace_s" in result.stderr
+    assert "starting Ray" not in result.stderr
 
 
 def test_runtime_none_runs_argv_as_is() -> None:
-    assert core.container_wrap({"runtime": "none"}, ["ray", "start"], {}, [], "/w") == [
-        "ray",
-        "start",
-    ]
+    job = parse_job({"payload": ["x"]})
+    assert core.container_wrap(job, ["ray", "start"], {"A": "1"}, [], "/w", "n") == (
+        ["ray", "start"],
+        {"A": "1"},
+    )
 
 
 def test_other_runtimes_go_through_hpcrl_containers(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def container_argv(container, argv, env, binds, workdir):
-        calls.append((dict(container), list(argv), dict(env), list(binds), workdir))
-        return ["podman", "run", "--network=host", container["image"], *argv]
+    def container_command(container, argv, env, *, passthrough, binds, workdir, name):
+        calls.append((container, list(argv), dict(env), passthrough, list(binds), workdir, name))
+        return types.SimpleNamespace(argv=("podman", "run", "img", *argv), env={"X": "1"})
 
-    fake = types.ModuleType("hpcrl.containers")
-    fake.container_argv = container_argv  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "hpcrl.containers", fake)
-    out = core.container_wrap(
-        {"runtime": "podman", "image": "img"}, ["python3", "x.py"], {"A": "1"}, ["/run"], "/w"
+    containers = types.ModuleType("hpcrl.containers")
+    containers.container_command = container_command  # type: ignore[attr-defined]
+    profiles = types.ModuleType("hpcrl.profiles")
+    profiles.profile_from_dict = lambda d: types.SimpleNamespace(container=d["container"])  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hpcrl.containers", containers)
+    monkeypatch.setitem(sys.modules, "hpcrl.profiles", profiles)
+    job = parse_job(
+        {
+            "payload": ["x"],
+            "secrets": ["WANDB_API_KEY"],
+            "profile": {"container": {"runtime": "podman", "image": "img"}},
+        }
     )
-    assert out == ["podman", "run", "--network=host", "img", "python3", "x.py"]
+    argv, env = core.container_wrap(job, ["python3", "x.py"], {"A": "1"}, ["/run"], "/w", "hr-1")
+    assert argv == ["podman", "run", "img", "python3", "x.py"] and env == {"X": "1"}
     assert calls == [
-        ({"runtime": "podman", "image": "img"}, ["python3", "x.py"], {"A": "1"}, ["/run"], "/w")
+        (
+            {"runtime": "podman", "image": "img"},
+            ["python3", "x.py"],
+            {"A": "1"},
+            ("WANDB_API_KEY",),
+            ["/run"],
+            "/w",
+            "hr-1",
+        )
     ]
 
 
 def test_other_runtimes_without_container_support_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "hpcrl.containers", types.ModuleType("hpcrl.containers"))
+    monkeypatch.setitem(sys.modules, "hpcrl.containers", None)
+    job = parse_job({"payload": ["x"], "profile": {"container": {"runtime": "apptainer"}}})
     with pytest.raises(core.AgentError, match="container runtime `apptainer` needs"):
-        core.container_wrap({"runtime": "apptainer"}, ["x"], {}, [], "/w")
+        core.container_wrap(job, ["x"], {}, [], "/w", "n")
 
 
 def test_import_stays_light() -> None:

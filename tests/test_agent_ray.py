@@ -120,3 +120,46 @@ def test_sigterm_during_ray_startup_ends_cleanly(tmp_path: Path) -> None:
     assert "SIGTERM before the payload started" in out
     assert not (run / "0" / "logs" / "payload.log").exists()
     assert leftovers(run) == []
+
+
+def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
+    """Runtime `podman` with an injected command builder that runs the command through
+    `/usr/bin/env`: Ray, the GCS watch and the payload all go through it, with the run and temp
+    directories bound, auth settings passed as container variables, and their own names."""
+    from hpcrl.agent.core import Agent
+    from hpcrl.slurm_env import job_context
+
+    run = make_run(tmp_path, f"jc{os.getpid()}", {"PAYLOAD_EXIT": "5"})
+    job = json.loads((run / "job.json").read_text())
+    job["profile"]["container"] = {"runtime": "podman", "image": "img", "binary": "true"}
+    (run / "job.json").write_text(json.dumps(job))
+    calls: list[tuple] = []
+
+    def wrap(job, argv, env, binds, workdir, name):
+        calls.append((list(argv), dict(env), list(binds), workdir, name))
+        return ["/usr/bin/env", *argv], {"ADDED_BY_RUNTIME": "1"}
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "HPCRL_"))}
+    env = {**clean, "HPCRL_JOB_ID": run.name}
+    agent = Agent(run, env=env, wrap=wrap, context=job_context(env))
+    assert agent.run() == 5
+    names = [c[4] for c in calls]
+    assert names == [
+        f"hr-{run.name}-0-0-ray",
+        f"hr-{run.name}-0-0-watch",
+        f"hr-{run.name}-0-0-payload",
+    ]
+    tmp = f"/tmp/hr-{run.name}-0-0"
+    for _argv, cenv, binds, _workdir, _ in calls:
+        assert binds == [str(run.resolve()), tmp]
+        assert cenv["RAY_AUTH_MODE"] == "token"
+        assert cenv["RAY_AUTH_TOKEN_PATH"] == str(run.resolve() / "0" / "token")
+    ray_argv, _, _, ray_workdir, _ = calls[0]
+    assert "start" in ray_argv and ray_workdir == tmp
+    payload_argv, payload_env, _, payload_workdir, _ = calls[2]
+    assert payload_argv == job["payload"] and payload_workdir == str(run.resolve())
+    assert payload_env["RAY_ADDRESS"].endswith(
+        str(json.loads((run / "0" / "rendezvous.json").read_text())["ports"]["gcs"])
+    )
+    assert "one task ran on each of 1 nodes" in (run / "0" / "logs" / "payload.log").read_text()
+    assert leftovers(run) == []

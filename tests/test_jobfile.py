@@ -7,6 +7,13 @@ import pytest
 
 from hpcrl.agent.jobfile import JobFileError, load_job, parse_job
 
+DATA = Path(__file__).parent / "data"
+
+
+def load_job_text(text: str):
+    return parse_job(json.loads(text))
+
+
 JOB = {
     "version": 1,
     "site": "mi300-cluster",
@@ -33,6 +40,17 @@ def test_parse_full_job(tmp_path: Path) -> None:
     assert job.env == {"NCCL_IB_HCA": "mlx5", "HSA_FORCE_FINE_GRAIN_PCIE": "1"}
 
 
+def test_job_file_as_submission_writes_it() -> None:
+    # the shape `hpcrl submit` writes: resolved profile as plain data, secrets by name only
+    job = load_job_text((DATA / "job_mi300.json").read_text())
+    assert job.runtime == "apptainer" and job.python is None and job.nodes == 3
+    assert job.network.interface == "ib0" and job.network.family == "ipv6"
+    assert job.ports.base == 20000  # port_base null: the default range
+    assert job.secrets == ("WANDB_API_KEY",) and len(job.version_env) == 1
+    assert job.profile["name"] == "mi300-cluster"
+    assert not job.dashboard and job.dashboard_host == "127.0.0.1"
+
+
 def test_defaults_are_safe() -> None:
     job = parse_job({"payload": ["true"]})
     assert not job.dashboard and job.dashboard_host == "127.0.0.1"
@@ -45,7 +63,6 @@ def test_defaults_are_safe() -> None:
         ({"payload": "python train.py"}, "non-empty list of strings"),
         ({"payload": []}, "non-empty list"),
         ({"payload": ["x"], "nodes": 0}, "at least 1"),
-        ({"payload": ["x"], "profile": {"ray": {"dashbord": True}}}, "`dashbord`.*valid keys"),
         ({"payload": ["x"], "profile": {"network": {"family": "v4"}}}, "auto, ipv4, ipv6"),
         ({"payload": ["x"], "agent": {"grace": 1}}, "valid keys: join_timeout_s"),
     ],

@@ -13,6 +13,7 @@ import os
 import queue
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,14 +37,17 @@ from hpcrl.netaddr import (
 from hpcrl.slurm_env import JobContext, job_context
 
 ContainerWrap = Callable[
-    [Mapping[str, Any], Sequence[str], Mapping[str, str], Sequence[str], str], list[str]
+    [AgentJob, Sequence[str], Mapping[str, str], Sequence[str], str, str],
+    tuple[list[str], dict[str, str]],
 ]
-"""(container config, argv, env, binds, workdir) -> argv that runs `argv` in the container."""
+"""(job, argv, env for the container, binds, workdir, container name) -> (argv that runs `argv`
+in the job's container, variables to add to that command's own environment)."""
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TICK_S = 0.1
 RAY_STOP_S = 10.0
+OCI_RUNTIMES = ("podman", "docker")
 
 
 class AgentError(RuntimeError):
@@ -51,24 +55,44 @@ class AgentError(RuntimeError):
 
 
 def container_wrap(
-    container: Mapping[str, Any],
+    job: AgentJob,
     argv: Sequence[str],
     env: Mapping[str, str],
     binds: Sequence[str],
     workdir: str,
-) -> list[str]:
-    """Runtime `none` runs `argv` as is; other runtimes go through `hpcrl.containers`."""
-    runtime = container.get("runtime", "none")
-    if runtime == "none":
-        return list(argv)
+    name: str,
+) -> tuple[list[str], dict[str, str]]:
+    """Runtime `none` runs `argv` as is; the others through `hpcrl.containers`."""
+    if job.runtime == "none":
+        return list(argv), dict(env)
     try:
-        from hpcrl.containers import container_argv  # type: ignore[attr-defined]
+        from hpcrl.containers import container_command  # type: ignore[import-not-found]
+        from hpcrl.profiles import profile_from_dict  # type: ignore[import-not-found]
     except ImportError:
         raise AgentError(
-            f"container runtime `{runtime}` needs `hpcrl.containers.container_argv`, which this "
+            f"container runtime `{job.runtime}` needs `hpcrl.containers`, which this "
             "installation lacks; install the full hpcrl or set `container.runtime: none`"
         ) from None
-    return list(container_argv(container, argv, env, binds, workdir))
+    profile = profile_from_dict(job.profile)
+    cmd = container_command(
+        profile.container,
+        argv,
+        env,
+        passthrough=job.secrets,
+        binds=binds,
+        workdir=workdir,
+        name=name,
+    )
+    return list(cmd.argv), dict(cmd.env)
+
+
+def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
+    """The profile's `ray.version_env` variables that apply to `ray_version`."""
+    if not job.version_env:
+        return {}
+    from hpcrl.profiles import env_for_ray_version, profile_from_dict  # type: ignore[import-not-found]
+
+    return dict(env_for_ray_version(profile_from_dict(job.profile).ray.version_env, ray_version))
 
 
 @dataclass
@@ -131,12 +155,13 @@ class Agent:
             handler.setFormatter(fmt)
             self.log.addHandler(handler)
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """Handlers only note the signal; the main loop acts. Returns the previous handlers."""
+
         def note(signum: int, _frame: object) -> None:
             self.flags.signals.append(signum)
 
-        for sig in FORWARDED_SIGNALS:
-            signal.signal(sig, note)
+        return {sig: signal.signal(sig, note) for sig in FORWARDED_SIGNALS}
 
     def _address(self, policy: NetworkPolicy) -> NodeAddress:
         return choose_address(self.addresses(), policy)
@@ -146,6 +171,7 @@ class Agent:
         return {
             **self.env,
             **self.job.env,
+            **self._version_env(),
             **ports.env(),
             **socket_ifname_env(iface),
             "RAY_AUTH_MODE": "token",
@@ -155,15 +181,54 @@ class Agent:
 
     def _python(self) -> str:
         assert self.job is not None
-        if self.job.runtime == "none":
-            return sys.executable
-        return str(self.job.container.get("python", "python3"))
+        return self.job.python or sys.executable
 
-    def _in_container(self, argv: Sequence[str], env: Mapping[str, str], workdir: str) -> list[str]:
+    def _container_name(self, role: str) -> str:
+        return f"hr-{self.ctx.job_id}-{self.ctx.restart}-{self.ctx.node_rank}-{role}"
+
+    def _in_container(
+        self, role: str, argv: Sequence[str], env: Mapping[str, str], workdir: str
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command running `argv` in the job's container, and its process environment."""
         assert self.job is not None
         extra = {k: v for k, v in env.items() if self.env.get(k) != v}
         binds = [str(self.run_dir), str(self.tmp)]
-        return self.wrap(self.job.container, argv, extra, binds, workdir)
+        wrapped, add = self.wrap(self.job, argv, extra, binds, workdir, self._container_name(role))
+        return wrapped, {**env, **add}
+
+    def _version_env(self) -> dict[str, str]:
+        """Profile variables chosen by the Ray version in the container (asked only if needed)."""
+        assert self.job is not None
+        if not self.job.version_env:
+            return {}
+        argv, env = self._in_container(
+            "version",
+            [self._python(), "-c", "import ray; print(ray.__version__)"],
+            self.env,
+            str(self.run_dir),
+        )
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise AgentError(
+                f"cannot read Ray's version in the container on `{self.ctx.hostname}` "
+                f"({out.stderr.strip()[-300:]}); is Ray installed in the image?"
+            )
+        return ray_version_env(self.job, out.stdout.strip().splitlines()[-1])
+
+    def _remove_container(self, role: str) -> None:
+        """Podman/Docker keep a container running when their client is killed: remove it."""
+        assert self.job is not None
+        if self.job.runtime not in OCI_RUNTIMES:
+            return
+        binary = str(self.job.container.get("binary") or self.job.runtime)
+        try:
+            subprocess.run(
+                [binary, "rm", "-f", "--ignore", self._container_name(role)],
+                capture_output=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.log.info("could not remove container %s: %s", self._container_name(role), exc)
 
     def _start_ray(
         self, head: bool, address: str, ports: PortBlock, gcs: str, env: dict[str, str]
@@ -189,10 +254,11 @@ class Agent:
         else:
             argv += [f"--address={gcs}"]
         self.log.info("starting Ray %s: %s", "head" if head else "worker", " ".join(argv[2:]))
+        wrapped, proc_env = self._in_container("ray", argv, env, str(self.tmp))
         self.ray = Child(
             "ray",
-            self._in_container(argv, env, str(self.tmp)),
-            env,
+            wrapped,
+            proc_env,
             self.paths.logs / f"ray-start-{self.tag}.log",
             cwd=str(self.tmp),
         )
@@ -212,7 +278,7 @@ class Agent:
         except (OSError, rdv.RendezvousError) as exc:
             print(f"hpcrl-agent[{self.ctx.hostname}]: {exc}", file=sys.stderr)
             return 1
-        self._install_signal_handlers()
+        previous = self._install_signal_handlers()
         outcome = Outcome("agent error", 1, self.ctx.hostname)
         try:
             nonce = self.env.get(rdv.CANARY_ENV)
@@ -236,6 +302,8 @@ class Agent:
                 pass
         finally:
             self._teardown(outcome)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return outcome.exit_code
 
     def _write_state(self, state: str, **extra: Any) -> None:
@@ -337,10 +405,11 @@ class Agent:
         script = self.paths.root / "gcs_watch.py"
         shutil.copyfile(Path(__file__).with_name("gcs_watch.py"), script)
         argv = [self._python(), str(script), gcs, "0.1"]
+        wrapped, proc_env = self._in_container("watch", argv, env, str(self.tmp))
         self.watch = Child(
             "gcs-watch",
-            self._in_container(argv, env, str(self.tmp)),
-            env,
+            wrapped,
+            proc_env,
             self.paths.logs / f"gcs-watch-{self.tag}.log",
             cwd=str(self.tmp),
             on_line=self.gcs_lines.put,
@@ -479,15 +548,21 @@ class Agent:
     ) -> Outcome:
         assert self.job is not None
         env = self._payload_env(addr, gcs, ray_env)
-        workdir = self.job.workdir or os.getcwd()
-        argv = self._in_container(self.job.payload, env, workdir)
+        workdir = str(self.job.container.get("workdir") or self.run_dir)
+        argv, proc_env = self._in_container("payload", self.job.payload, env, workdir)
         self.log.info(
             "all %d nodes joined; starting the payload: %s",
             self.ctx.num_nodes,
             " ".join(self.job.payload),
         )
+        host_cwd = workdir if self.job.runtime == "none" else str(self.run_dir)
         self.payload = Child(
-            "payload", argv, env, self.paths.logs / "payload.log", cwd=workdir, echo=sys.stdout
+            "payload",
+            argv,
+            proc_env,
+            self.paths.logs / "payload.log",
+            cwd=host_cwd,
+            echo=sys.stdout,
         )
         alive = self.self_keys
         while True:
@@ -562,11 +637,17 @@ class Agent:
             self.payload.stop(grace)
         elif self.payload is not None:
             self.payload.close()
-        for child in (self.watch, self.ray):
+        for role, child in (("watch", self.watch), ("ray", self.ray)):
             if child is not None:
-                child.stop(
-                    RAY_STOP_S if child is self.ray else 1.0, term_group=child is not self.ray
-                )
+                child.stop(RAY_STOP_S if role == "ray" else 1.0, term_group=role != "ray")
+        if self.job is not None:
+            for role, child in (
+                ("payload", self.payload),
+                ("watch", self.watch),
+                ("ray", self.ray),
+            ):
+                if child is not None:
+                    self._remove_container(role)
         leftovers = processes_mentioning(str(self.tmp))
         if leftovers:
             self.log.info("killing %d leftover processes of this run", len(leftovers))

@@ -1,7 +1,9 @@
 """What the agent reads from `RUN_DIR/job.json`, the job description written at submission.
 
-A small reader of the parts the agent needs (network policy, Ray settings, container, extra
-environment, payload). Sections the agent does not use are left to the submission side.
+`job.json` holds `version`, `site`, `profile` (the fully resolved site profile as plain data,
+validated when it was written), `payload`, `nodes`, `max_requeues`, `secrets` (variable names)
+and `created`. This reader takes the parts the agent needs; the profile's own sections are
+validated by the profile loader, not here. An optional `agent` mapping tunes time limits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Any
 from hpcrl.agent.ports import PortRange
 from hpcrl.netaddr import NetworkPolicy
 
-RAY_KEYS = ("dashboard", "dashboard_host", "port_base", "port_limit", "port_block_size")
 AGENT_KEYS = ("join_timeout_s", "grace_s", "heartbeat_timeout_s")
 
 
@@ -40,11 +41,15 @@ class AgentJob:
     dashboard_host: str = "127.0.0.1"
     """Where the dashboard listens when on; loopback unless the profile opts in."""
     container: Mapping[str, Any] = field(default_factory=lambda: {"runtime": "none"})
-    """Profile section `container`: `runtime` (none, podman, apptainer), `image`, ..."""
+    """Profile section `container`: `runtime` (none, podman, docker, apptainer), `image`, ..."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for Ray and the payload (profile section `env`)."""
-    workdir: str | None = None
-    """Working directory of the payload; the agent's own when None."""
+    version_env: tuple[Mapping[str, Any], ...] = ()
+    """Profile `ray.version_env`: variables chosen by the Ray version found on the node."""
+    secrets: tuple[str, ...] = ()
+    """Names of variables passed through from the job's environment (values never stored)."""
+    profile: Mapping[str, Any] = field(default_factory=dict)
+    """The whole resolved profile, for the container command builder."""
     join_timeout_s: float = 300.0
     """How long the nodes may take to publish, arrive and join Ray."""
     grace_s: float = 10.0
@@ -54,7 +59,13 @@ class AgentJob:
 
     @property
     def runtime(self) -> str:
-        return str(self.container.get("runtime", "none"))
+        return str(self.container.get("runtime") or "none")
+
+    @property
+    def python(self) -> str | None:
+        """Python inside the container (`container.python`); None: the agent's own path."""
+        value = self.container.get("python")
+        return str(value) if value else None
 
 
 def _section(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -84,14 +95,14 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
     network = _section(profile, "network", "profile")
     ray = _section(profile, "ray", "profile")
     agent = _section(data, "agent", "job")
-    _check_keys(ray, RAY_KEYS, "profile.ray")
     _check_keys(agent, AGENT_KEYS, "job.agent")
     defaults = PortRange()
-    ports = PortRange(
-        base=int(ray.get("port_base", defaults.base)),
-        limit=int(ray.get("port_limit", defaults.limit)),
-        block_size=int(ray.get("port_block_size", defaults.block_size)),
-    )
+    base = ray.get("port_base")
+    ports = defaults
+    if (
+        base
+    ):  # the site's block range: 64 blocks from `port_base` (keep it clear of ephemeral ports)
+        ports = PortRange(base=int(base), limit=min(65536, int(base) + 64 * defaults.block_size))
     env = _section(profile, "env", "profile")
     nodes = data.get("nodes", 1)
     if not isinstance(nodes, int) or nodes < 1:
@@ -107,7 +118,9 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         dashboard_host=str(ray.get("dashboard_host") or "127.0.0.1"),
         container=_section(profile, "container", "profile") or {"runtime": "none"},
         env={str(k): str(v) for k, v in env.items()},
-        workdir=data.get("workdir"),
+        version_env=tuple(ray.get("version_env") or ()),
+        secrets=tuple(str(x) for x in data.get("secrets") or ()),
+        profile=profile,
         **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
     )
 
