@@ -125,15 +125,23 @@ def _rejection(addr: NodeAddress) -> str | None:
     return None
 
 
-def choose_address(found: Sequence[NodeAddress], policy: NetworkPolicy) -> NodeAddress:
-    """Pick the node's cluster address under `policy`; the first fitting one in `found` order.
+def choose_address(
+    found: Sequence[NodeAddress], policy: NetworkPolicy, host_addresses: Sequence[str] = ()
+) -> NodeAddress:
+    """Pick the node's cluster address under `policy`.
 
-    Never loopback, link-local, a container bridge, or a tentative/deprecated address. The error
-    lists every address found and why it was passed over.
+    Never loopback, link-local, a container bridge, or a tentative/deprecated address. Without a
+    named interface, addresses the host name resolves to (`host_addresses`) come first, then the
+    others in `found` order. The error lists every address found and why it was passed over.
     """
     usable = [a for a in found if _rejection(a) is None]
     if policy.interface is not None:
         usable = [a for a in usable if a.interface == policy.interface]
+    else:
+        named = {_plain(h) for h in host_addresses}
+        usable = [a for a in usable if a.address in named] + [
+            a for a in usable if a.address not in named
+        ]
     if policy.family == "auto":
         v4 = [a for a in usable if a.family == "ipv4"]
         usable = v4 or usable
@@ -142,6 +150,17 @@ def choose_address(found: Sequence[NodeAddress], policy: NetworkPolicy) -> NodeA
     if usable:
         return usable[0]
     raise AddressError(_no_fit_message(found, policy))
+
+
+def host_name_addresses(name: str | None = None) -> list[str]:
+    """Addresses this machine's host name resolves to (`/etc/hosts`, DNS), possibly none."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(name or socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return [_plain(str(info[4][0])) for info in infos]
 
 
 def _no_fit_message(found: Sequence[NodeAddress], policy: NetworkPolicy) -> str:

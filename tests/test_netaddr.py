@@ -15,6 +15,7 @@ from hpcrl.netaddr import (
     choose_address,
     format_host,
     format_hostport,
+    host_name_addresses,
     interface_of,
     local_addresses,
     parse_hostname_ip,
@@ -61,6 +62,22 @@ def test_lab_node_choices() -> None:
     assert choose_address(found, NetworkPolicy(interface="eth0", family="ipv4")).interface == "eth0"
     assert choose_address(lab_node_v6_only(), NetworkPolicy()).address == "fd77::11"
     assert interface_of("fd77::11", found) == "eth0"
+
+
+def test_host_name_addresses_come_first_without_a_named_interface() -> None:
+    # a node with a management network first and InfiniBand second; the host name resolves
+    # to the InfiniBand address (as /etc/hosts says on many clusters)
+    found = [NodeAddress("192.168.1.5", "eno1"), NodeAddress("10.10.0.5", "ib0")]
+    assert choose_address(found, NetworkPolicy()).address == "192.168.1.5"
+    assert choose_address(found, NetworkPolicy(), ["10.10.0.5"]).address == "10.10.0.5"
+    # a loopback host-name entry (as on this machine) is passed over
+    assert choose_address(found, NetworkPolicy(), ["127.0.1.1"]).address == "192.168.1.5"
+    # a named interface wins over the host name
+    assert choose_address(found, NetworkPolicy("eno1"), ["10.10.0.5"]).interface == "eno1"
+    # the lab: `fd77::11 10.77.0.11` for the host name, auto family -> IPv4
+    lab = lab_node()
+    assert choose_address(lab, NetworkPolicy(), ["fd77::11", "10.77.0.11"]).address == "10.77.0.11"
+    assert host_name_addresses("localhost")
 
 
 def test_bridges_are_never_chosen() -> None:

@@ -31,6 +31,7 @@ from hpcrl.netaddr import (
     choose_address,
     format_host,
     format_hostport,
+    host_name_addresses,
     local_addresses,
     socket_ifname_env,
 )
@@ -164,7 +165,7 @@ class Agent:
         return {sig: signal.signal(sig, note) for sig in FORWARDED_SIGNALS}
 
     def _address(self, policy: NetworkPolicy) -> NodeAddress:
-        return choose_address(self.addresses(), policy)
+        return choose_address(self.addresses(), policy, host_name_addresses())
 
     def _ray_env(self, token: Path, ports: PortBlock, iface: str | None) -> dict[str, str]:
         assert self.job is not None
