@@ -1,0 +1,15 @@
+"""The node agent: one per node of a job, bringing up Ray and running the payload.
+
+Run as `python -m hpcrl.agent RUN_DIR` (one Slurm task per node, on the host). Without
+`SLURM_JOB_ID` it runs a single-node local job (`HPCRL_JOB_ID`, `HPCRL_RESTART` optional).
+If the submitting side exported `HPCRL_CANARY` (see `rendezvous.write_canary`), every node
+checks that it sees the same run directory.
+
+The payload (head node only) gets: `RAY_ADDRESS` (explicit, `[v6]:port` for IPv6),
+`MASTER_ADDR` (bare), `RAY_AUTH_MODE=token`, `RAY_AUTH_TOKEN_PATH`, `HPCRL_RUN_DIR`,
+`HPCRL_RESTART`, `HPCRL_JOB_ID`, `HPCRL_NUM_NODES`, `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME`
+and the profile's `env`. SIGTERM, SIGUSR1 and SIGUSR2 sent to the agent reach the payload; its
+exit status becomes the job's.
+
+Importing this package imports no Ray.
+"""

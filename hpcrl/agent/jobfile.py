@@ -1,0 +1,143 @@
+"""What the agent reads from `RUN_DIR/job.json`, the job description written at submission.
+
+`job.json` holds `version`, `site`, `profile` (the fully resolved site profile as plain data,
+validated when it was written), `payload`, `nodes`, `max_requeues`, `secrets` (variable names)
+and `created`. This reader takes the parts the agent needs; the profile's own sections are
+validated by the profile loader, not here. An optional `agent` mapping tunes time limits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcrl.agent.ports import PortRange
+from hpcrl.netaddr import NetworkPolicy
+
+AGENT_KEYS = ("join_timeout_s", "grace_s", "heartbeat_timeout_s")
+
+
+class JobFileError(ValueError):
+    """`job.json` is missing or does not describe a job the agent can run."""
+
+
+@dataclass(frozen=True)
+class AgentJob:
+    """The agent's view of a job."""
+
+    payload: tuple[str, ...]
+    """Command run on the head once every node joined (argv, inside the container)."""
+    nodes: int
+    """Number of nodes the job asked for."""
+    network: NetworkPolicy
+    """How each node picks its cluster address."""
+    ports: PortRange
+    """Where this job's Ray port block may lie."""
+    dashboard: bool = False
+    """Start the Ray dashboard (on `dashboard_host`)."""
+    dashboard_host: str = "127.0.0.1"
+    """Where the dashboard listens when on; loopback unless the profile opts in."""
+    container: Mapping[str, Any] = field(default_factory=lambda: {"runtime": "none"})
+    """Profile section `container`: `runtime` (none, podman, docker, apptainer), `image`, ..."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for Ray and the payload (profile section `env`)."""
+    version_env: tuple[Mapping[str, Any], ...] = ()
+    """Profile `ray.version_env`: variables chosen by the Ray version found on the node."""
+    secrets: tuple[str, ...] = ()
+    """Names of variables passed through from the job's environment (values never stored)."""
+    profile: Mapping[str, Any] = field(default_factory=dict)
+    """The whole resolved profile, for the container command builder."""
+    join_timeout_s: float = 300.0
+    """How long the nodes may take to publish, arrive and join Ray."""
+    grace_s: float = 10.0
+    """Between SIGTERM and SIGKILL when the job ends for a failure."""
+    heartbeat_timeout_s: float = 15.0
+    """A node whose agent is silent this long counts as dead."""
+
+    @property
+    def runtime(self) -> str:
+        return str(self.container.get("runtime") or "none")
+
+    @property
+    def python(self) -> str | None:
+        """Python inside the container (`container.python`); None: the agent's own path."""
+        value = self.container.get("python")
+        return str(value) if value else None
+
+
+def _section(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise JobFileError(f"`{where}.{key}` is {type(value).__name__}, expected a mapping")
+    return dict(value)
+
+
+def _check_keys(section: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(section) - set(valid))
+    if unknown:
+        raise JobFileError(
+            f"unknown key(s) {', '.join(f'`{k}`' for k in unknown)} in `{where}`; valid keys: "
+            f"{', '.join(valid)}"
+        )
+
+
+def parse_job(data: Mapping[str, Any]) -> AgentJob:
+    """Build the agent's view from the decoded `job.json`."""
+    payload = data.get("payload")
+    if not isinstance(payload, list) or not payload or not all(isinstance(a, str) for a in payload):
+        raise JobFileError(
+            f"`payload` is {payload!r}; expected a non-empty list of strings (the command argv)"
+        )
+    profile = _section(data, "profile", "job")
+    network = _section(profile, "network", "profile")
+    ray = _section(profile, "ray", "profile")
+    agent = _section(data, "agent", "job")
+    _check_keys(agent, AGENT_KEYS, "job.agent")
+    defaults = PortRange()
+    base = ray.get("port_base")
+    ports = defaults
+    if (
+        base
+    ):  # the site's block range: 64 blocks from `port_base` (keep it clear of ephemeral ports)
+        ports = PortRange(base=int(base), limit=min(65536, int(base) + 64 * defaults.block_size))
+    env = _section(profile, "env", "profile")
+    nodes = data.get("nodes", 1)
+    if not isinstance(nodes, int) or nodes < 1:
+        raise JobFileError(f"`nodes` is {nodes!r}; expected a whole number of at least 1")
+    return AgentJob(
+        payload=tuple(payload),
+        nodes=nodes,
+        network=NetworkPolicy(
+            interface=network.get("interface") or None, family=network.get("family", "auto")
+        ),
+        ports=ports,
+        dashboard=bool(ray.get("dashboard", False)),
+        dashboard_host=str(ray.get("dashboard_host") or "127.0.0.1"),
+        container=_section(profile, "container", "profile") or {"runtime": "none"},
+        env={str(k): str(v) for k, v in env.items()},
+        version_env=tuple(ray.get("version_env") or ()),
+        secrets=tuple(str(x) for x in data.get("secrets") or ()),
+        profile=profile,
+        **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
+    )
+
+
+def load_job(run_dir: Path) -> AgentJob:
+    path = run_dir / "job.json"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise JobFileError(
+            f"cannot read `{path}` ({exc.strerror}); the run directory must be created by "
+            "`hpcrl submit` and be visible on every node"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JobFileError(f"`{path}` is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise JobFileError(f"`{path}` holds {type(data).__name__}, expected a JSON object")
+    return parse_job(data)

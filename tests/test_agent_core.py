@@ -1,0 +1,124 @@
+"""Agent behaviour that needs no Ray: entry point, early failures, the container seam."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hpcrl.agent import core
+from hpcrl.agent import rendezvous as rdv
+from hpcrl.agent.jobfile import parse_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_agent(run: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "HPCRL_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.agent", str(run)],
+        cwd=REPO,
+        env={**clean, "HPCRL_JOB_ID": "t-core", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_usage() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hpcrl.agent"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "usage: python -m hpcrl.agent RUN_DIR" in result.stderr
+
+
+def test_missing_job_file_fails_fast_and_tells_the_others(tmp_path: Path) -> None:
+    result = run_agent(tmp_path)
+    assert result.returncode == 1
+    assert "cannot read" in result.stderr and "job.json" in result.stderr
+    stop = json.loads((tmp_path / "0" / "stop.json").read_text())
+    assert stop["rank"] == 0 and "JobFileError" in stop["reason"]
+    assert "exit 1" in (tmp_path / "0" / "summary.txt").read_text()
+
+
+def test_run_dir_missing_on_this_node(tmp_path: Path) -> None:
+    result = run_agent(tmp_path / "elsewhere")
+    assert result.returncode == 1 and "does not exist on node" in result.stderr
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_canary_mismatch_stops_before_ray(tmp_path: Path) -> None:
+    rdv.write_canary(tmp_path)
+    (tmp_path / "job.json").write_text(json.dumps({"payload": ["true"]}))
+    result = run_agent(tmp_path, {rdv.CANARY_ENV: "f" * 32})
+    assert result.returncode == 1 and "sees a different" in result.stderr
+    assert "starting Ray" not in result.stderr
+
+
+def test_bad_profile_key_is_named(tmp_path: Path) -> None:
+    job = {"payload": ["true"], "agent": {"grace": 1}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    result = run_agent(tmp_path)
+    assert result.returncode == 1 and "`grace`" in result.stderr and "grace_s" in result.stderr
+    assert "starting Ray" not in result.stderr
+
+
+def test_runtime_none_runs_argv_as_is() -> None:
+    job = parse_job({"payload": ["x"]})
+    assert core.container_wrap(job, ["ray", "start"], {"A": "1"}, [], "/w", "n") == (
+        ["ray", "start"],
+        {"A": "1"},
+    )
+
+
+def test_other_runtimes_go_through_hpcrl_containers(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def container_command(container, argv, env, *, passthrough, binds, workdir, name):
+        calls.append((container, list(argv), dict(env), passthrough, list(binds), workdir, name))
+        return types.SimpleNamespace(argv=("podman", "run", "img", *argv), env={"X": "1"})
+
+    containers = types.ModuleType("hpcrl.containers")
+    containers.container_command = container_command  # type: ignore[attr-defined]
+    profiles = types.ModuleType("hpcrl.profiles")
+    profiles.profile_from_dict = lambda d: types.SimpleNamespace(container=d["container"])  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hpcrl.containers", containers)
+    monkeypatch.setitem(sys.modules, "hpcrl.profiles", profiles)
+    job = parse_job(
+        {
+            "payload": ["x"],
+            "secrets": ["WANDB_API_KEY"],
+            "profile": {"container": {"runtime": "podman", "image": "img"}},
+        }
+    )
+    argv, env = core.container_wrap(job, ["python3", "x.py"], {"A": "1"}, ["/run"], "/w", "hr-1")
+    assert argv == ["podman", "run", "img", "python3", "x.py"] and env == {"X": "1"}
+    assert calls == [
+        (
+            {"runtime": "podman", "image": "img"},
+            ["python3", "x.py"],
+            {"A": "1"},
+            ("WANDB_API_KEY",),
+            ["/run"],
+            "/w",
+            "hr-1",
+        )
+    ]
+
+
+def test_other_runtimes_without_container_support_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "hpcrl.containers", None)
+    job = parse_job({"payload": ["x"], "profile": {"container": {"runtime": "apptainer"}}})
+    with pytest.raises(core.AgentError, match="container runtime `apptainer` needs"):
+        core.container_wrap(job, ["x"], {}, [], "/w", "n")
+
+
+def test_import_stays_light() -> None:
+    code = "import sys, hpcrl.agent.core, hpcrl.agent.__main__; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr

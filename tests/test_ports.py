@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import socket
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hpcrl.agent.ports import (
+    FIXED_SLOTS,
+    PortBlock,
+    PortError,
+    PortRange,
+    block_at,
+    find_free_block,
+    first_index,
+    job_number,
+    port_is_free,
+)
+
+ranges = st.builds(
+    lambda base, blocks, size: PortRange(base, base + blocks * size, size),
+    st.integers(1024, 40000),
+    st.integers(1, 60),
+    st.integers(FIXED_SLOTS + 8, 400),
+)
+
+
+@given(ranges, st.integers(0, 10**9))
+def test_block_lies_in_range_and_ports_are_distinct(rng: PortRange, index: int) -> None:
+    block = block_at(rng, index)
+    ports = block.all_ports()
+    assert len(ports) == len(set(ports)) == len(ports)
+    assert all(rng.base <= p < rng.limit for p in ports)
+    assert block.max_worker_port > block.min_worker_port
+
+
+@given(ranges, st.integers(0, 10**9), st.integers(0, 10**9))
+def test_distinct_blocks_do_not_overlap(rng: PortRange, i: int, j: int) -> None:
+    a, b = block_at(rng, i), block_at(rng, j)
+    if i % rng.blocks != j % rng.blocks:
+        assert not set(a.all_ports()) & set(b.all_ports())
+    else:
+        assert a == b
+
+
+def test_neighbouring_jobs_and_restarts_get_different_blocks() -> None:
+    rng = PortRange()
+    assert first_index("1000", 0, rng) != first_index("1001", 0, rng)
+    assert first_index("1000", 0, rng) != first_index("1000", 1, rng)
+    assert job_number("1000_3") == 1000  # array task ids
+    assert job_number("local-ab12") == job_number("local-ab12") != job_number("local-ab13")
+
+
+def test_flags_and_env_cover_every_port() -> None:
+    block = block_at(PortRange(), 0)
+    head = " ".join(block.ray_start_args(head=True, dashboard=True))
+    for port in [
+        block.gcs,
+        block.dashboard,
+        block.ray_client_server,
+        block.node_manager,
+        block.object_manager,
+        block.dashboard_agent_listen,
+        block.dashboard_agent_grpc,
+        block.runtime_env_agent,
+        block.metrics_export,
+        block.min_worker_port,
+        block.max_worker_port,
+    ]:
+        assert f"={port}" in head
+    worker = " ".join(block.ray_start_args(head=False, dashboard=True))
+    assert f"--port={block.gcs}" not in worker and "--dashboard-port" not in worker
+    assert "--dashboard-port" not in " ".join(block.ray_start_args(head=True, dashboard=False))
+    assert block.env() == {
+        "AUTOSCALER_METRIC_PORT": str(block.autoscaler_metric),
+        "DASHBOARD_METRIC_PORT": str(block.dashboard_metric),
+    }
+
+
+def test_round_trip_and_unknown_keys() -> None:
+    block = block_at(PortRange(), 3)
+    assert PortBlock.from_dict(block.to_dict()) == block
+    with pytest.raises(PortError, match="unknown keys \\['gcs_port'\\]"):
+        PortBlock.from_dict(dict(block.to_dict(), gcs_port=1))
+
+
+def test_bad_ranges() -> None:
+    with pytest.raises(PortError, match="port_base"):
+        PortRange(base=80)
+    with pytest.raises(PortError, match="cannot hold one block"):
+        PortRange(base=20000, limit=20100, block_size=256)
+
+
+def test_busy_port_moves_to_next_block() -> None:
+    rng = PortRange(base=21000, limit=23000, block_size=64)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        assert not port_is_free(busy)
+        first = block_at(rng, 2)
+        chosen = find_free_block(rng, 2, is_free=lambda p: p != first.gcs and port_is_free(p))
+        assert chosen == block_at(rng, 3)
+
+
+def test_real_bind_probe_shifts_past_a_listening_socket() -> None:
+    rng = PortRange(base=24000, limit=26000, block_size=64)
+    start = find_free_block(rng, 0)
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", start.object_manager))
+        holder.listen()
+        index = (start.gcs - rng.base) // rng.block_size
+        moved = find_free_block(rng, index)
+        assert moved != start and start.object_manager not in moved.all_ports()
+
+
+def test_no_free_block_error() -> None:
+    with pytest.raises(PortError, match="widen the range"):
+        find_free_block(PortRange(), 0, is_free=lambda p: False)
+
+
+def test_worker_keeps_head_ports_and_takes_own_node_ports() -> None:
+    rng = PortRange()
+    head, local = block_at(rng, 0), block_at(rng, 5)
+    merged = head.with_node_ports_from(local)
+    assert merged.gcs == head.gcs and merged.ray_client_server == head.ray_client_server
+    assert merged.node_manager == local.node_manager
+    assert merged.min_worker_port == local.min_worker_port
