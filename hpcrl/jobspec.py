@@ -26,6 +26,8 @@ name, then rename).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -107,6 +109,17 @@ class RunDirError(ValueError):
     """The run directory exists and is not empty, or cannot be created."""
 
 
+CANARY_FILE = "canary"
+
+
+def canary_nonce(spec: JobSpec, run_dir: str | Path) -> str:
+    """The value every node must find in `<run_dir>/canary` (exported as `HPCRL_CANARY`): a
+    digest of this submission, so a node with its own copy of the run directory fails fast."""
+    timeless = dataclasses.replace(spec, created=0.0)  # a dry run and its submission agree
+    digest = hashlib.sha256(f"{Path(run_dir).expanduser().absolute()}\0{timeless.to_json()}".encode())
+    return digest.hexdigest()[:32]
+
+
 def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Path:
     """Create `run_dir` (0700) with `logs/` and write `job.json` (0600) atomically.
 
@@ -122,13 +135,19 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
     run_dir.mkdir(mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)
     (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
+    _write_private(run_dir / CANARY_FILE, canary_nonce(spec, run_dir))
     target = run_dir / JOB_FILE
     if resume and target.exists():
         JobSpec.from_json(target.read_text())  # refuse a damaged job.json before submitting
         return run_dir
-    tmp = run_dir / f".{JOB_FILE}.tmp"
+    _write_private(target, spec.to_json())
+    return run_dir
+
+
+def _write_private(target: Path, text: str) -> None:
+    """Write `text` to `target` (mode 0600) atomically: a temporary file renamed over it."""
+    tmp = target.with_name(f".{target.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(spec.to_json())
+        fh.write(text)
     os.replace(tmp, target)
-    return run_dir

@@ -162,6 +162,15 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """How the node agents wait for one another and end the job."""
+
+    join_timeout_s: float = _f("seconds the nodes may take to publish, arrive and join Ray", 300.0)
+    grace_s: float = _f("seconds between SIGTERM and SIGKILL when the job ends", 10.0)
+    heartbeat_timeout_s: float = _f("seconds of silence after which a node counts as dead", 15.0)
+
+
+@dataclass(frozen=True)
 class SiteProfile:
     """One cluster, fully resolved."""
 
@@ -177,6 +186,7 @@ class SiteProfile:
     container: ContainerConfig = _f("container runtime", factory=ContainerConfig)
     network: NetworkConfig = _f("network policy", factory=NetworkConfig)
     ray: RayConfig = _f("Ray settings", factory=RayConfig)
+    agent: AgentConfig = _f("node agent timeouts", factory=AgentConfig)
     env: Mapping[str, str] = _f("environment applied on every node (not secret)",
                                 factory=_frozen_map)
     secrets: tuple[str, ...] = _f("names of variables passed from the submitting environment "
@@ -457,6 +467,10 @@ def _convert(hint: Any, value: Any, prov: Mapping[str, str], dotted: str) -> Any
         if isinstance(value, bool) or not isinstance(value, int):
             raise _type_error(prov, dotted, hint, value)
         return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(prov, dotted, hint, value)
+        return float(value)
     if hint is str:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise _type_error(prov, dotted, hint, value)

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.containers import container_command
-from hpcrl.jobspec import JOB_FILE, JobSpec
+from hpcrl.agent.rendezvous import CANARY_ENV
+from hpcrl.jobspec import JOB_FILE, JobSpec, canary_nonce
 from hpcrl.profiles import SiteProfile, parse_time_minutes, profile_to_dict
 
 TEMPLATE = "job.sbatch.j2"
@@ -151,11 +152,13 @@ def export_value(names: Sequence[str]) -> str:
     return ",".join(names) if names else "NONE"
 
 
-def job_env(profile: SiteProfile, python: str) -> dict[str, str]:
-    """The non-secret environment the script exports: PATH first, then the profile's."""
+def job_env(profile: SiteProfile, python: str, spec: JobSpec, run_dir: str) -> dict[str, str]:
+    """The non-secret environment the script exports: PATH first, the profile's, and the
+    shared-filesystem canary every node checks."""
     path = f"{os.path.dirname(python)}:{BASE_PATH}"
     env = {"PATH": path}
     env.update(profile.env)
+    env[CANARY_ENV] = canary_nonce(spec, run_dir)
     return env
 
 
@@ -222,7 +225,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
         site=profile.name,
         sbatch_options=[sbatch_option(k, v) for k, v in options],
         comments=preview,
-        exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python).items()],
+        exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
         identity=list(IDENTITY_LINES),
         run_dir=shlex.quote(run_dir),
         job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
@@ -243,7 +246,7 @@ def render_local_script(profile: SiteProfile, spec: JobSpec, run_dir: str, pytho
         LOCAL_TEMPLATE,
         site=profile.name,
         comments=preview,
-        exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python).items()],
+        exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
         job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
         setup=list(profile.slurm.setup),
         signal=signal_name(profile),
@@ -268,7 +271,7 @@ def submitit_params(profile: SiteProfile, spec: JobSpec, run_dir: str, python: s
         "ntasks_per_node": 1,
         "time": parse_time_minutes(s.time),
         "signal_delay_s": s.signal_lead_s,
-        "setup": setup_lines(profile, python, run_dir),
+        "setup": setup_lines(profile, spec, python, run_dir),
         "srun_args": ["--kill-on-bad-exit=1", "--export=ALL"],
         "additional_parameters": extra,
     }
@@ -285,10 +288,10 @@ def submitit_params(profile: SiteProfile, spec: JobSpec, run_dir: str, python: s
     return params
 
 
-def setup_lines(profile: SiteProfile, python: str, run_dir: str) -> list[str]:
+def setup_lines(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) -> list[str]:
     """Shell lines submitit puts before its `srun`: the same environment as the script."""
     lines = ["export SLURM_EXPORT_ENV=ALL"]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(profile, python).items()]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(profile, python, spec, run_dir).items()]
     lines += IDENTITY_LINES[1:]
     lines += list(profile.slurm.setup)
     job_file = shlex.quote(f"{run_dir}/{JOB_FILE}")

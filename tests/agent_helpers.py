@@ -34,9 +34,9 @@ def make_run(
             "ray": {"dashboard": dashboard},
             "container": {"runtime": "none"},
             "env": env,
+            "agent": agent or {},
         },
         "payload": [sys.executable, str(PAYLOAD)],
-        "agent": agent or {},
     }
     (run / "job.json").write_text(json.dumps(job))
     return run

@@ -61,7 +61,7 @@ def test_canary_mismatch_stops_before_ray(tmp_path: Path) -> None:
 
 
 def test_bad_profile_key_is_named(tmp_path: Path) -> None:
-    job = {"payload": ["true"], "agent": {"grace": 1}}
+    job = {"payload": ["true"], "profile": {"agent": {"grace": 1}}}
     (tmp_path / "job.json").write_text(json.dumps(job))
     result = run_agent(tmp_path)
     assert result.returncode == 1 and "`grace`" in result.stderr and "grace_s" in result.stderr

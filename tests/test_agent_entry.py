@@ -1,51 +1,29 @@
-"""`hpcrl.agent_entry`: what each submitit task calls, equivalent to `python -m hpcrl.agent`."""
+"""`hpcrl.agent_entry`: what each submitit task calls, equivalent to `python -m hpcrl.agent`.
+The success path runs under real Slurm in the lab tests; here the real agent's failure path."""
 
 from __future__ import annotations
 
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
 
 import hpcrl
 
-AGENT_MAIN = """
-import json, sys
-from pathlib import Path
-run_dir = Path(sys.argv[1])
-(run_dir / "agent-argv.json").write_text(json.dumps(sys.argv))
-sys.exit(int((run_dir / "exit-code").read_text()))
-"""
 
-
-@pytest.fixture
-def agent_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A stand-in `hpcrl.agent` module (the real one is a separate part of hpcrl)."""
-    pkg = tmp_path / "extra" / "agent"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "__main__.py").write_text(AGENT_MAIN)
-    monkeypatch.setattr(hpcrl, "__path__", [*hpcrl.__path__, str(tmp_path / "extra")])
-    for name in ("hpcrl.agent", "hpcrl.agent.__main__"):
-        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
-    return tmp_path
-
-
-def test_agent_entry_runs_module_main_with_run_dir(agent_package: Path) -> None:
-    import json
-    import sys
-
-    run_dir = agent_package / "run"
+def test_agent_entry_runs_the_real_agent_and_raises_on_failure(tmp_path: Path, capfd, monkeypatch) -> None:
+    for key in [k for k in list(__import__("os").environ) if k.startswith(("SLURM_", "HPCRL_"))]:
+        monkeypatch.delenv(key)
+    run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "exit-code").write_text("0")
     before = list(sys.argv)
-    assert hpcrl.agent_entry(str(run_dir)) == 0
-    assert json.loads((run_dir / "agent-argv.json").read_text())[1:] == [str(run_dir)]
-    assert sys.argv == before
-    (run_dir / "exit-code").write_text("3")
     with pytest.raises(SystemExit) as exc:
         hpcrl.agent_entry(str(run_dir))
-    assert exc.value.code == 3
+    assert exc.value.code == 1
+    assert sys.argv == before
+    err = capfd.readouterr().err
+    assert "job.json" in err and "hpcrl submit" in err, err
 
 
 def test_agent_entry_pickles_by_reference() -> None:

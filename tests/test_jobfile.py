@@ -64,7 +64,7 @@ def test_defaults_are_safe() -> None:
         ({"payload": []}, "non-empty list"),
         ({"payload": ["x"], "nodes": 0}, "at least 1"),
         ({"payload": ["x"], "profile": {"network": {"family": "v4"}}}, "auto, ipv4, ipv6"),
-        ({"payload": ["x"], "agent": {"grace": 1}}, "valid keys: join_timeout_s"),
+        ({"payload": ["x"], "profile": {"agent": {"grace": 1}}}, "valid keys: join_timeout_s"),
     ],
 )
 def test_bad_jobs(data: dict, needle: str) -> None:

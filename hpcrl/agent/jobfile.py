@@ -94,8 +94,8 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
     profile = _section(data, "profile", "job")
     network = _section(profile, "network", "profile")
     ray = _section(profile, "ray", "profile")
-    agent = _section(data, "agent", "job")
-    _check_keys(agent, AGENT_KEYS, "job.agent")
+    agent = _section(profile, "agent", "profile")
+    _check_keys(agent, AGENT_KEYS, "profile.agent")
     defaults = PortRange()
     base = ray.get("port_base")
     ports = defaults
