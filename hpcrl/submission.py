@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.containers import container_command
 from hpcrl.agent.rendezvous import CANARY_ENV
+from hpcrl.containers import container_command
 from hpcrl.jobspec import JOB_FILE, JobSpec, canary_nonce
 from hpcrl.profiles import SiteProfile, parse_time_minutes, profile_to_dict
 
