@@ -16,7 +16,7 @@ leaks no secret:
 Run it as ``subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env})``.
 
 Per-runtime notes: apptainer shares the host's /dev, network and /dev/shm, so ``devices``,
-``network_host``, ``shm_size``, ``cap_add``, ``security_opt``, ``group_add`` and ``privileged``
+``network_host``, ``pid_host``, ``shm_size``, ``cap_add``, ``security_opt``, ``group_add`` and ``privileged``
 apply to podman/docker only; ``gpu`` (``--rocm``/``--nv``) and ``cleanenv`` apply to apptainer
 only. ``extra_flags`` go, for every runtime, right before the image.
 """
@@ -79,6 +79,8 @@ def _oci_argv(c: ContainerConfig, argv: Sequence[str], names: Sequence[str],
         out += ["--name", name]
     if c.network_host:
         out.append("--network=host")
+    if c.pid_host:
+        out.append("--pid=host")
     if c.ipc_host:
         out.append("--ipc=host")
     if c.shm_size:

@@ -115,6 +115,9 @@ class ContainerConfig:
     group_add: tuple[str, ...] = _f("extra groups (`--group-add`, podman/docker)", factory=tuple)
     network_host: bool = _f("use the host network (`--network=host`; apptainer always does)",
                             True)
+    pid_host: bool = _f("share the host PID namespace (`--pid=host`): a Ray driver finds its node's "
+                        "raylet by listing processes, so Ray and payload containers must see each "
+                        "other", True)
     ipc_host: bool = _f("share the host IPC namespace (`--ipc=host`; not with `shm_size`)", False)
     privileged: bool = _f("`--privileged` (podman/docker)", False)
     gpu: str = _f("GPU support flag for apptainer (`--rocm` or `--nv`)", "none",

@@ -192,7 +192,9 @@ class Agent:
     ) -> tuple[list[str], dict[str, str]]:
         """The command running `argv` in the job's container, and its process environment."""
         assert self.job is not None
-        extra = {k: v for k, v in env.items() if self.env.get(k) != v}
+        # the container gets what the agent adds and, always, the profile's environment (the batch
+        # script exported it to the agent too, but a container starts from a clean environment)
+        extra = {k: v for k, v in env.items() if k in self.job.env or self.env.get(k) != v}
         binds = [str(self.run_dir), str(self.tmp)]
         wrapped, add = self.wrap(self.job, argv, extra, binds, workdir, self._container_name(role))
         return wrapped, {**env, **add}
