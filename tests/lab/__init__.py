@@ -7,12 +7,12 @@ From tests: the `lab` fixture of `tests/conftest.py` gives a `Lab`.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import time
 from pathlib import Path
 
+from hpcrl.slurm import parse_scontrol_show_job as parse_scontrol_record
 from tests.lab import cluster
 from tests.lab.cluster import LabError
 from tests.lab.config import APPTAINER_PREFIX, IMAGE, SIF, LabConfig, Paths
@@ -21,21 +21,6 @@ __all__ = ["Lab", "LabConfig", "LabError", "IMAGE", "SIF", "APPTAINER_BIN", "par
 
 APPTAINER_BIN = APPTAINER_PREFIX / "bin" / "apptainer"
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def parse_scontrol_record(text: str) -> dict[str, str]:
-    """Parse one `scontrol show -o` record (`Key=Value Key2=Value with spaces ...`) into a dict.
-
-    Values may contain spaces (e.g. `Reason=...`, `Command=...`); a new key starts where a
-    space is followed by `Name=`.
-    """
-    text = text.strip()
-    keys = list(re.finditer(r"(?:^|\s)([A-Za-z][\w:/]*)=", text))
-    record: dict[str, str] = {}
-    for i, m in enumerate(keys):
-        end = keys[i + 1].start() if i + 1 < len(keys) else len(text)
-        record[m.group(1)] = text[m.end() : end].strip()
-    return record
 
 
 class Lab:
