@@ -129,7 +129,7 @@ def test_ray_on_every_node_with_every_profile_variable(lab, lab_images, sites, t
     run_dir = tmp_path / "runs" / f"{site}-{via}"
     job = submit(lab, sites, site, run_dir, via=via)
     rec = finished(lab, job, run_dir)
-    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir))
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
     check_probe(lab, run_dir, container)
     summary = (run_dir / "0" / "summary.txt").read_text()
     assert summary.count("node") >= 3, summary
@@ -142,7 +142,7 @@ def test_ipv6_only_lab(lab_manager, sites, tmp_path):
     run_dir = tmp_path / "runs" / "v6"
     job = submit(lab, sites, "lab-bare", run_dir)
     rec = finished(lab, job, run_dir)
-    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir))
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
     check_probe(lab, run_dir, "none", ipv6=True)
     assert lab_ray_processes(lab) == []
 
@@ -155,7 +155,7 @@ def test_two_jobs_share_the_nodes(lab, sites, tmp_path):
     assert all(lab.state(j) in ("RUNNING", "COMPLETED") for j in jobs), "both jobs must run at once"
     for job, run_dir in zip(jobs, runs, strict=True):
         rec = finished(lab, job, run_dir)
-        assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir))
+        assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
         check_probe(lab, run_dir, "none")
     ports = [json.loads((r / "0" / "rendezvous.json").read_text())["ports"]["gcs"] for r in runs]
     assert ports[0] != ports[1], ports
@@ -200,7 +200,7 @@ def test_driver_without_token_is_refused(lab, sites, tmp_path):
     job = submit(lab, sites, "lab-bare", run_dir, payload=[sys.executable, str(script)])
     rec = finished(lab, job, run_dir, timeout=240)
     out = (run_dir / "refusal.txt").read_text()
-    assert rec["JobState"] == "COMPLETED" and "REFUSED" in out, (rec, out)
+    assert rec["JobState"] == "COMPLETED" and "REFUSED" in out, f"{rec}\n{out}\n{run_logs(run_dir)}"
 
 
 def test_render_then_plain_sbatch(lab, sites, tmp_path):
@@ -216,5 +216,5 @@ def test_render_then_plain_sbatch(lab, sites, tmp_path):
                          env=env, capture_output=True, text=True, check=True)  # fmt: skip
     job = int(res.stdout.strip().split(";")[0])
     rec = finished(lab, job, run_dir)
-    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir))
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
     check_probe(lab, run_dir, "none")
