@@ -263,6 +263,19 @@ class PPOTrainer:
                 ent[part] = e
         return lp, ent
 
+    def reuses_update_log_probs(self, batch: StepBatch) -> bool:
+        """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
+
+        When the update is one optimiser step over the whole batch (one PPO epoch, one
+        mini-batch) and nothing needs the old log-probs before it (no KL in the reward), every
+        micro-batch's forward runs with the weights the old log-probs would be recomputed with:
+        the old log-probs are that forward's log-probs, detached (the ratio is exactly 1, the
+        on-policy case). With dropout the recomputation would run without it; here it does not.
+        """
+        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
+        return (a.ppo_epochs == 1 and len(batch) <= a.ppo_mini_batch_size * n
+                and not self.cfg.algorithm.use_kl_in_reward)
+
     def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
         r = self.cfg.actor_rollout_ref.rollout
         rows = self._log_prob_rows(batch, r.log_prob_micro_batch_size_per_gpu,
@@ -360,12 +373,19 @@ class PPOTrainer:
         return _mean_metrics(collected)
 
     def _actor_micro_loss(self, mb: StepBatch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch; without old log-probs (see `reuses_update_log_probs`) its own
+        log-probs stand in for them and its entropies are kept in `mb.entropy` for the metric."""
         a = self.cfg.actor_rollout_ref.actor
+        reuse = mb.old_log_probs is None
         log_prob, entropy = M.compute_log_probs(
             self.actor, mb.input_ids, mb.attention_mask, mb.response_length,
-            temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=a.entropy_coeff != 0)
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+            calculate_entropy=a.entropy_coeff != 0 or reuse, entropy_grad=a.entropy_coeff != 0)
+        if reuse:
+            mb.entropy = need(entropy, "entropy").detach()
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
-            need(mb.old_log_probs, "old_log_probs"), log_prob, need(mb.advantages, "advantages"),
+            log_prob.detach() if reuse else need(mb.old_log_probs, "old_log_probs"), log_prob,
+            need(mb.advantages, "advantages"),
             mb.response_mask, float(a.clip_ratio_low or a.clip_ratio), float(a.clip_ratio_high or a.clip_ratio),
             a.clip_ratio_c, a.loss_agg_mode, **agg)
         loss, info = pg_loss, {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
@@ -383,6 +403,7 @@ class PPOTrainer:
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
         a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
         collected: dict[str, list[float]] = defaultdict(list)
+        entropies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.actor.train()
         for epoch in range(a.ppo_epochs):
             for mini in self._mini_batches(batch, a.ppo_mini_batch_size * n, a.shuffle, epoch):
@@ -391,6 +412,8 @@ class PPOTrainer:
                                          a.ppo_max_token_len_per_gpu):
                     loss, info = self._actor_micro_loss(mb, agg)
                     loss.backward()
+                    if batch.old_log_probs is None:
+                        entropies.append((need(mb.entropy, "entropy"), mb.response_mask))
                     sums["actor/pg_loss"] += info.pop("actor/pg_loss")
                     sums["actor/kl_loss"] += info.pop("actor/kl_loss", 0.0)
                     for key, value in info.items():
@@ -401,6 +424,9 @@ class PPOTrainer:
                 collected["actor/grad_norm"].append(self._optimizer_step(self.actor, self.actor_optim, a.grad_clip))
         self.actor_sched.step()
         collected["actor/lr"].append(self.actor_sched.get_last_lr()[0])
+        if entropies:  # each row once: the old log-probs came from this update
+            entropy, mask = (torch.cat(t) for t in zip(*entropies, strict=True))
+            collected["actor/entropy"].append(core_algos.agg_loss(entropy, mask, a.loss_agg_mode).item())
         return _mean_metrics(collected)
 
     # ------------------------------------------------------------------------------ validation
@@ -426,8 +452,9 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         with timer.phase("reward"):
             metrics.update(self.compute_rewards(batch))
-        with timer.phase("old_log_prob"):
-            metrics.update(self.compute_old_log_probs(batch))
+        if not self.reuses_update_log_probs(batch):
+            with timer.phase("old_log_prob"):
+                metrics.update(self.compute_old_log_probs(batch))
         if self.ref is not None:
             with timer.phase("ref"):
                 self.compute_ref_log_probs(batch)
