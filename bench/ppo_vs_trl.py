@@ -64,6 +64,8 @@ class Setup:
     """Learning rate of both optimisers."""
     seed: int
     """Seed of both runs."""
+    threads: int
+    """torch intra-op threads of both sides."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class SideResult:
     """Tokens of each measured step."""
     step_seconds: list[float]
     """Wall time of each measured step, from the end of the step before to the end of this one."""
+    step_cpu_seconds: list[float]
+    """CPU time of the process (all threads) over the same interval."""
     peak_rss_mib: float
     """`VmHWM` of the process at the end."""
 
@@ -82,6 +86,12 @@ class SideResult:
     def tokens_per_s(self) -> float:
         """Median over the measured steps (robust to bursts of load from other processes)."""
         return statistics.median(t / s for t, s in zip(self.step_tokens, self.step_seconds, strict=True))
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        """Median over the measured steps of tokens per CPU-second (less sensitive to other
+        processes than wall time)."""
+        return statistics.median(t / s for t, s in zip(self.step_tokens, self.step_cpu_seconds, strict=True))
 
     @property
     def seconds_per_step(self) -> float:
@@ -92,12 +102,21 @@ class SideResult:
         return statistics.mean(self.step_tokens)
 
 
-def step_deltas(ends: list[float], totals: list[float], warmup: int) -> tuple[list[int], list[float]]:
-    """Per-step tokens and seconds after `warmup` steps, from step end times and running
-    token totals (one entry per step)."""
-    tokens = [int(totals[i] - totals[i - 1]) for i in range(warmup, len(totals))]
-    seconds = [ends[i] - ends[i - 1] for i in range(warmup, len(ends))]
-    return tokens, seconds
+def step_deltas(
+    ends: list[tuple[float, float]], totals: list[float], warmup: int
+) -> tuple[list[int], list[float], list[float]]:
+    """Per-step tokens, wall seconds and CPU seconds after `warmup` steps, from the (wall, CPU)
+    clocks at each step's end and the running token totals (one entry per step)."""
+    after = range(warmup, len(ends))
+    tokens = [int(totals[i] - totals[i - 1]) for i in after]
+    wall = [ends[i][0] - ends[i - 1][0] for i in after]
+    cpu = [ends[i][1] - ends[i - 1][1] for i in after]
+    return tokens, wall, cpu
+
+
+def clocks() -> tuple[float, float]:
+    """(wall, process CPU) seconds."""
+    return time.perf_counter(), time.process_time()
 
 
 def peak_rss_mib() -> float:
@@ -130,12 +149,13 @@ def run_ours(s: Setup) -> SideResult:
             f"trainer.total_training_steps={s.warmup + s.steps}",
         ])
         trainer = PPOTrainer(cfg)
-        ends, totals = [], []
+        ends: list[tuple[float, float]] = []
+        totals: list[float] = []
         for _ in range(s.warmup + s.steps):
             examples = trainer.loader.next_batch()
             trainer.global_step += 1
             metrics = trainer.train_step(examples)
-            ends.append(time.perf_counter())
+            ends.append(clocks())
             totals.append((totals[-1] if totals else 0) + metrics["perf/total_num_tokens"])
     return SideResult("ours", *step_deltas(ends, totals, s.warmup), peak_rss_mib())
 
@@ -159,14 +179,14 @@ def run_trl(s: Setup) -> SideResult:
     from trainer.data import read_rows
 
     class Clock(TrainerCallback):
-        """Wall time at the end of each optimiser step and the cumulative token count."""
+        """Wall and CPU clocks at the end of each optimiser step, and the running token count."""
 
         def __init__(self) -> None:
-            self.step_end: list[float] = []
+            self.step_end: list[tuple[float, float]] = []
             self.num_tokens: list[float] = []
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.step_end.append(time.perf_counter())
+            self.step_end.append(clocks())
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             if logs and "num_tokens" in logs:
@@ -198,7 +218,8 @@ def run_trl(s: Setup) -> SideResult:
 
 def run_side(side: str, setup: Setup) -> SideResult:
     """Run one side in a fresh process and read back its result line."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(setup.threads), "MKL_NUM_THREADS": str(setup.threads)}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ppo_vs_trl", "--side", side, "--setup", json.dumps(asdict(setup))],
         env=env, cwd=REPO, capture_output=True, text=True, check=False,
@@ -220,20 +241,24 @@ def make_inputs(root: Path, seed: int) -> tuple[Path, Path]:
 
 def report(setup: Setup, results: dict[str, list[SideResult]]) -> None:
     print(f"tiny model, {setup.prompts} prompts x n={setup.n}, response <= {setup.response_length} tokens, "
-          f"{setup.steps} measured steps after {setup.warmup} warm-up, {len(results['ours'])} round(s)")
-    print(f"{'side':6} {'tokens/s':>10} {'s/step':>8} {'tokens/step':>12} {'peak RSS MiB':>13}  (medians over steps)")
+          f"{setup.threads} thread(s), {setup.steps} measured steps after {setup.warmup} warm-up, "
+          f"{len(results['ours'])} round(s)")
+    print(f"{'side':6} {'tokens/s':>9} {'tokens/CPU-s':>12} {'s/step':>7} {'tokens/step':>11} {'peak RSS MiB':>12}"
+          "  (medians over steps)")
     for side, rs in results.items():
         for r in rs:
-            print(f"{side:6} {r.tokens_per_s:10.1f} {r.seconds_per_step:8.3f} {r.tokens_per_step:12.1f} "
-                  f"{r.peak_rss_mib:13.0f}")
-    med = {side: statistics.median(r.tokens_per_s for r in rs) for side, rs in results.items()}
-    best = {side: max(r.tokens_per_s for r in rs) for side, rs in results.items()}
-    peak = {side: statistics.median(r.peak_rss_mib for r in rs) for side, rs in results.items()}
-    print(f"tokens/s, median of rounds: ours {med['ours']:.1f}, TRL {med['trl']:.1f}; "
-          f"ratio ours/TRL = {med['ours'] / med['trl']:.2f}x (goal >= 1.5x)")
-    print(f"tokens/s, best round:       ours {best['ours']:.1f}, TRL {best['trl']:.1f}; "
-          f"ratio ours/TRL = {best['ours'] / best['trl']:.2f}x")
-    print(f"peak RSS (VmHWM), median:   ours {peak['ours']:.0f} MiB, TRL {peak['trl']:.0f} MiB "
+            print(f"{side:6} {r.tokens_per_s:9.1f} {r.tokens_per_cpu_s:12.1f} {r.seconds_per_step:7.3f} "
+                  f"{r.tokens_per_step:11.1f} {r.peak_rss_mib:12.0f}")
+
+    def med(metric: str) -> dict[str, float]:
+        return {side: statistics.median(getattr(r, metric) for r in rs) for side, rs in results.items()}
+
+    for label, metric in (("tokens/s (wall)", "tokens_per_s"), ("tokens/CPU-s", "tokens_per_cpu_s")):
+        m = med(metric)
+        print(f"{label:16} median of rounds: ours {m['ours']:8.1f}, TRL {m['trl']:8.1f}; "
+              f"ratio ours/TRL = {m['ours'] / m['trl']:.2f}x (goal >= 1.5x)")
+    peak = med("peak_rss_mib")
+    print(f"{'peak RSS (VmHWM)':16} median of rounds: ours {peak['ours']:6.0f} MiB, TRL {peak['trl']:6.0f} MiB "
           f"(ratio {peak['ours'] / peak['trl']:.2f}x)")
 
 
@@ -247,11 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of each side (1: other processes' load does not stall "
+                        "a thread barrier, and CPU time measures the work)")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--setup", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
         setup = Setup(**json.loads(args.setup))
+        import torch
+
+        torch.set_num_threads(setup.threads)
         result = run_ours(setup) if args.side == "ours" else run_trl(setup)
         print(RESULT_PREFIX + json.dumps(asdict(result)), flush=True)
         return 0
@@ -260,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, train = make_inputs(Path(tmp), args.seed)
         setup = Setup(str(model), str(train), args.prompts, args.n, args.response_length, args.steps,
-                      args.warmup, args.lr, args.seed)
+                      args.warmup, args.lr, args.seed, args.threads)
         results: dict[str, list[SideResult]] = {"ours": [], "trl": []}
         for _ in range(args.rounds):
             for side in ("ours", "trl"):
