@@ -81,6 +81,8 @@ class SideResult:
     """CPU time of the process (all threads) over the same interval."""
     peak_rss_mib: float
     """`VmHWM` of the process at the end."""
+    skipped_row_frac: float | None = None
+    """Ours: mean share of rows whose zero advantages let the actor update skip them."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,13 +153,16 @@ def run_ours(s: Setup) -> SideResult:
         trainer = PPOTrainer(cfg)
         ends: list[tuple[float, float]] = []
         totals: list[float] = []
+        skipped: list[float] = []
         for _ in range(s.warmup + s.steps):
             examples = trainer.loader.next_batch()
             trainer.global_step += 1
             metrics = trainer.train_step(examples)
             ends.append(clocks())
             totals.append((totals[-1] if totals else 0) + metrics["perf/total_num_tokens"])
-    return SideResult("ours", *step_deltas(ends, totals, s.warmup), peak_rss_mib())
+            skipped.append(metrics["actor/skipped_row_frac"])
+    return SideResult("ours", *step_deltas(ends, totals, s.warmup), peak_rss_mib(),
+                      statistics.mean(skipped[s.warmup:]))
 
 
 # --------------------------------------------------------------------------- TRL
@@ -257,6 +262,8 @@ def report(setup: Setup, results: dict[str, list[SideResult]]) -> None:
         m = med(metric)
         print(f"{label:16} median of rounds: ours {m['ours']:8.1f}, TRL {m['trl']:8.1f}; "
               f"ratio ours/TRL = {m['ours'] / m['trl']:.2f}x (goal >= 1.5x)")
+    skipped = statistics.mean(r.skipped_row_frac or 0.0 for r in results["ours"])
+    print(f"ours skipped the actor update of {skipped:.0%} of rows (zero advantage: groups that scored alike)")
     peak = med("peak_rss_mib")
     print(f"{'peak RSS (VmHWM)':16} median of rounds: ours {peak['ours']:6.0f} MiB, TRL {peak['trl']:6.0f} MiB "
           f"(ratio {peak['ours'] / peak['trl']:.2f}x)")

@@ -47,6 +47,7 @@ def test_sampling_log_probs_match_recomputed(actor: torch.nn.Module) -> None:
     batch = engine.generate(*prompts(), params)
     rows = len(PROMPTS) * 3
     assert batch.response_ids.shape == batch.log_probs.shape == (rows, 8)
+    assert not any(t.is_inference() for t in (batch.response_ids, batch.log_probs, batch.input_ids))
     assert batch.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     lengths = batch.response_mask.sum(1)
     assert (lengths < 8).any() and (lengths == 8).any()  # some ended at an EOS, some did not
