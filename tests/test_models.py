@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -122,19 +121,10 @@ def test_dtype_and_path_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert models.resolve_model_path(tmp_path / "y.gguf") == (str(tmp_path), "y.gguf")
 
 
-def _smollm2_or_skip() -> Path:
-    try:
-        return models.smollm2_path()
-    except FileNotFoundError as exc:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"SmolLM2 GGUF package not installed: {exc}")
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_loads_and_answers(tmp_path: Path) -> None:
-    path = _smollm2_or_skip()
-    out = models.convert_to_hf(path, tmp_path / "smollm2")
+def test_smollm2_gguf_loads_and_answers(smollm2_dir: Path) -> None:
+    """`smollm2_dir` is the GGUF converted by `convert_to_hf`; the HF copy loads and answers."""
+    out = smollm2_dir
     tok = models.load_tokenizer(out)
     model = models.load_actor(out).eval()
     assert model.config.num_hidden_layers == 30 and tok.padding_side == "left"

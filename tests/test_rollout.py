@@ -47,6 +47,7 @@ def test_sampling_log_probs_match_recomputed(actor: torch.nn.Module) -> None:
     batch = engine.generate(*prompts(), params)
     rows = len(PROMPTS) * 3
     assert batch.response_ids.shape == batch.log_probs.shape == (rows, 8)
+    assert not any(t.is_inference() for t in (batch.response_ids, batch.log_probs, batch.input_ids))
     assert batch.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     lengths = batch.response_mask.sum(1)
     assert (lengths < 8).any() and (lengths == 8).any()  # some ended at an EOS, some did not
@@ -58,12 +59,15 @@ def test_sampling_log_probs_match_recomputed(actor: torch.nn.Module) -> None:
         assert not any(int(t) in EOS_IDS for t in batch.response_ids[r, : n - 1])
     assert batch.truncated.tolist() == (lengths == 8).tolist()
     with torch.no_grad():
-        recomputed, _ = models.compute_log_probs(
-            actor, batch.input_ids, batch.attention_mask, batch.response_length, temperature=0.7
+        recomputed, entropy = models.compute_log_probs(
+            actor, batch.input_ids, batch.attention_mask, batch.response_length, temperature=0.7,
+            calculate_entropy=True,
         )
     m = batch.response_mask.bool()
     assert (batch.log_probs[~m] == 0).all()
     torch.testing.assert_close(batch.log_probs[m], recomputed[m], atol=1e-5, rtol=0)
+    assert batch.entropy is not None and entropy is not None and (batch.entropy[~m] == 0).all()
+    torch.testing.assert_close(batch.entropy[m], entropy[m], atol=1e-5, rtol=0)
 
 
 def test_greedy_matches_a_manual_argmax_loop(actor: torch.nn.Module) -> None:

@@ -17,6 +17,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import load_config
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 from trainer.metrics import read_jsonl
+from trainer.models import load_actor
 from trainer.ppo import PPOTrainer, micro_batch_rows, run_training
 from trainer.rewards.toy import write_toy_digits
 from trainer.stop import StopRequest
@@ -175,3 +176,60 @@ def test_cli_stop_file_gives_requeue_status_and_resume_continues(
 
     assert AutoModelForCausalLM.from_pretrained(hf).num_parameters() > 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+
+
+def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """One epoch, one mini-batch, no KL in the reward: the update's own log-probs stand in for
+    the old ones; the weights and the entropy metric equal those of a run that recomputes them."""
+    runs = {}
+    for name in ("reuse", "recompute"):
+        over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
+                if not o.startswith(("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.ppo_mini_batch_size"))]
+        t = PPOTrainer(load_config([*over, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                                    "trainer.total_training_steps=2", "trainer.test_freq=-1"]))
+        if name == "recompute":
+            t.reuses_update_log_probs = lambda batch: False  # type: ignore[method-assign]
+        assert t.fit() == 0
+        runs[name] = (t, read_jsonl(tmp_path / name / "metrics.jsonl"))
+    (reuse, reuse_rows), (recompute, recompute_rows) = runs["reuse"], runs["recompute"]
+    assert all("timing_s/old_log_prob" not in r for r in reuse_rows)
+    assert all("timing_s/old_log_prob" in r for r in recompute_rows)
+    for a, b in zip(reuse_rows, recompute_rows, strict=True):
+        assert a["actor/entropy"] == pytest.approx(b["actor/entropy"], abs=1e-5)
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert a["actor/ppo_kl"] == 0.0 and abs(b["actor/ppo_kl"]) < 1e-5
+    for name, tensor in reuse.actor.state_dict().items():
+        torch.testing.assert_close(tensor, recompute.actor.state_dict()[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("score", ["float(len(solution_str.split()) % 2)", "0.5"], ids=["some", "all"])
+def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path, score: str) -> None:
+    """GRPO groups whose samples scored alike have zero advantages: their rows skip the actor's
+    forward and backward passes (all of them with a constant score), and the weights equal those
+    of a run that passes every row."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    return {score}\n")
+    runs = {}
+    for name in ("skip", "every_row"):
+        over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
+                if not o.startswith(("algorithm.", "actor_rollout_ref.actor.use_kl_loss"))]
+        t = PPOTrainer(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
+                                    "trainer.test_freq=-1"]))
+        if name == "every_row":
+            t._rows_to_update = lambda mini, keep_entropy: list(range(len(mini)))  # type: ignore[method-assign]
+        assert t.fit() == 0
+        runs[name] = (t, [r["actor/skipped_row_frac"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")])
+    (skip, skipped), (every_row, none_skipped) = runs["skip"], runs["every_row"]
+    assert none_skipped == [0.0] * 3
+    if score == "0.5":
+        assert skipped == [1.0] * 3
+    else:
+        assert any(0.0 < f < 1.0 for f in skipped), skipped
+    start = load_actor(tiny_model_dir).state_dict()
+    for name, tensor in skip.actor.state_dict().items():
+        torch.testing.assert_close(tensor, every_row.actor.state_dict()[name], rtol=0, atol=1e-6)
+        assert not torch.equal(tensor, start[name]), name  # the optimiser did step

@@ -302,12 +302,14 @@ def compute_log_probs(
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
     calculate_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the response part, shape ``(batch, resp_len)``.
 
     Inputs are moved to the model's device; results stay there. Gradients flow when called
     with grad enabled (the actor update); wrap the call in
     ``torch.no_grad()`` for old/reference log-probs. ``micro_batch_size`` bounds memory.
+    ``entropy_grad=False`` computes the entropies without autograd (for a metric only).
     """
     if temperature <= 0:
         raise ValueError(
@@ -323,7 +325,8 @@ def compute_log_probs(
         )
         log_probs.append(log_probs_from_logits(logits, labels[sl]))
         if calculate_entropy:
-            entropies.append(entropy_from_logits(logits.float()))
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropies.append(entropy_from_logits(logits.float()))
     entropy = torch.cat(entropies) if calculate_entropy else None
     return torch.cat(log_probs), entropy
 

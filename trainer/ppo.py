@@ -230,6 +230,7 @@ class PPOTrainer:
             examples=[examples[i] for i in rows], uids=rows,
             input_ids=out.input_ids.to(self.device), attention_mask=out.attention_mask.to(self.device),
             response_mask=out.response_mask.to(self.device).float(),
+            entropy=out.entropy.to(self.device) if out.entropy is not None else None,
         )
 
     def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
@@ -263,6 +264,19 @@ class PPOTrainer:
                 ent[part] = e
         return lp, ent
 
+    def reuses_update_log_probs(self, batch: StepBatch) -> bool:
+        """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
+
+        When the update is one optimiser step over the whole batch (one PPO epoch, one
+        mini-batch) and nothing needs the old log-probs before it (no KL in the reward), every
+        micro-batch's forward runs with the weights the old log-probs would be recomputed with:
+        the old log-probs are that forward's log-probs, detached (the ratio is exactly 1, the
+        on-policy case). With dropout the recomputation would run without it; here it does not.
+        """
+        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
+        return (a.ppo_epochs == 1 and len(batch) <= a.ppo_mini_batch_size * n
+                and not self.cfg.algorithm.use_kl_in_reward)
+
     def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
         r = self.cfg.actor_rollout_ref.rollout
         rows = self._log_prob_rows(batch, r.log_prob_micro_batch_size_per_gpu,
@@ -270,9 +284,11 @@ class PPOTrainer:
         self.actor.eval()
         batch.old_log_probs, batch.entropy = self._forward_log_probs(self.actor, batch, rows, True)
         self.actor.train()
-        assert batch.entropy is not None
+        return {"actor/entropy": self._entropy_metric(need(batch.entropy, "entropy"), batch.response_mask)}
+
+    def _entropy_metric(self, entropy: torch.Tensor, response_mask: torch.Tensor) -> float:
         mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
-        return {"actor/entropy": core_algos.agg_loss(batch.entropy, batch.response_mask, mode).item()}
+        return float(core_algos.agg_loss(entropy, response_mask, mode).item())
 
     def compute_ref_log_probs(self, batch: StepBatch) -> None:
         ref = self.cfg.actor_rollout_ref.ref
@@ -359,13 +375,21 @@ class PPOTrainer:
         collected["critic/lr"].append(self.critic_sched.get_last_lr()[0])
         return _mean_metrics(collected)
 
-    def _actor_micro_loss(self, mb: StepBatch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _actor_micro_loss(self, mb: StepBatch, agg: dict[str, Any], keep_entropy: bool
+                          ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch. Without old log-probs (see `reuses_update_log_probs`) its own
+        log-probs stand in for them; `keep_entropy` keeps its entropies in `mb.entropy` for the metric."""
         a = self.cfg.actor_rollout_ref.actor
+        reuse = mb.old_log_probs is None
         log_prob, entropy = M.compute_log_probs(
             self.actor, mb.input_ids, mb.attention_mask, mb.response_length,
-            temperature=self.cfg.actor_rollout_ref.rollout.temperature, calculate_entropy=a.entropy_coeff != 0)
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+            calculate_entropy=a.entropy_coeff != 0 or keep_entropy, entropy_grad=a.entropy_coeff != 0)
+        if keep_entropy:
+            mb.entropy = need(entropy, "entropy").detach()
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(
-            need(mb.old_log_probs, "old_log_probs"), log_prob, need(mb.advantages, "advantages"),
+            log_prob.detach() if reuse else need(mb.old_log_probs, "old_log_probs"), log_prob,
+            need(mb.advantages, "advantages"),
             mb.response_mask, float(a.clip_ratio_low or a.clip_ratio), float(a.clip_ratio_high or a.clip_ratio),
             a.clip_ratio_c, a.loss_agg_mode, **agg)
         loss, info = pg_loss, {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
@@ -380,17 +404,49 @@ class PPOTrainer:
             info["actor/kl_coef"] = a.kl_loss_coef
         return loss, info
 
+    def _rows_to_update(self, mini: StepBatch, keep_entropy: bool) -> list[int]:
+        """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
+
+        With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
+        group whose samples scored alike) adds exactly zero to the policy gradient, and the loss
+        normalisers (from the whole mini-batch) still count it. Every row is kept when the update
+        must supply the entropy metric (`keep_entropy`).
+        """
+        a = self.cfg.actor_rollout_ref.actor
+        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss:
+            return list(range(len(mini)))
+        advantages = need(mini.advantages, "advantages") * mini.response_mask
+        return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
+
+    def _zero_grads(self, model: Any) -> None:
+        """Zero gradients where a backward pass would have left them, so that the optimiser step
+        after a mini-batch whose rows were all skipped matches one over zero-gradient rows."""
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
         a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
         collected: dict[str, list[float]] = defaultdict(list)
+        # The old log-probs come from this update and the rollout gave no entropies: measure them here.
+        keep_entropy = batch.old_log_probs is None and batch.entropy is None
+        entropies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.actor.train()
         for epoch in range(a.ppo_epochs):
             for mini in self._mini_batches(batch, a.ppo_mini_batch_size * n, a.shuffle, epoch):
                 agg, sums = self._agg_kwargs(mini), defaultdict[str, float](float)
-                for mb in self._micro_of(mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
-                                         a.ppo_max_token_len_per_gpu):
-                    loss, info = self._actor_micro_loss(mb, agg)
+                rows = self._rows_to_update(mini, keep_entropy)
+                collected["actor/skipped_row_frac"].append(1.0 - len(rows) / len(mini))
+                if not rows:
+                    self._zero_grads(self.actor)
+                    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+                        collected[key].append(0.0)
+                for mb in self._micro_of(mini.select(rows), a.ppo_micro_batch_size_per_gpu,
+                                         a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu) if rows else []:
+                    loss, info = self._actor_micro_loss(mb, agg, keep_entropy)
                     loss.backward()
+                    if keep_entropy:
+                        entropies.append((need(mb.entropy, "entropy"), mb.response_mask))
                     sums["actor/pg_loss"] += info.pop("actor/pg_loss")
                     sums["actor/kl_loss"] += info.pop("actor/kl_loss", 0.0)
                     for key, value in info.items():
@@ -401,6 +457,9 @@ class PPOTrainer:
                 collected["actor/grad_norm"].append(self._optimizer_step(self.actor, self.actor_optim, a.grad_clip))
         self.actor_sched.step()
         collected["actor/lr"].append(self.actor_sched.get_last_lr()[0])
+        if entropies:  # each row once: the old log-probs came from this update
+            entropy, mask = (torch.cat(t) for t in zip(*entropies, strict=True))
+            collected["actor/entropy"].append(self._entropy_metric(entropy, mask))
         return _mean_metrics(collected)
 
     # ------------------------------------------------------------------------------ validation
@@ -426,8 +485,11 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         with timer.phase("reward"):
             metrics.update(self.compute_rewards(batch))
-        with timer.phase("old_log_prob"):
-            metrics.update(self.compute_old_log_probs(batch))
+        if not self.reuses_update_log_probs(batch):
+            with timer.phase("old_log_prob"):
+                metrics.update(self.compute_old_log_probs(batch))
+        elif batch.entropy is not None:  # the rollout's entropies stand in for recomputed ones
+            metrics["actor/entropy"] = self._entropy_metric(batch.entropy, batch.response_mask)
         if self.ref is not None:
             with timer.phase("ref"):
                 self.compute_ref_log_probs(batch)
@@ -515,6 +577,7 @@ class PPOTrainer:
         path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path)
         if path is not None:
             self.load_checkpoint(path)
+            print(f"trainer: resumed from {path} at step {self.global_step}", flush=True)
         return path
 
     # ------------------------------------------------------------------------------ the loop

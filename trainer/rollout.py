@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from trainer.core_algos import entropy_from_logits
 from trainer.models import log_probs_from_logits
 
 if TYPE_CHECKING:
@@ -94,6 +95,9 @@ class RolloutBatch:
     """``(rows, max_response_length)`` float32 sampling log-probs, 0 where masked."""
     prompt_index: torch.Tensor
     """``(rows,)`` index of the input prompt each row answers."""
+    entropy: torch.Tensor | None = None
+    """``(rows, max_response_length)`` float32 entropy of ``softmax(logits / temperature)`` at
+    each response position, 0 where masked; None when the engine does not see full logits."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -212,22 +216,27 @@ class HFRolloutEngine:
             use_cache=True,
         )
 
-    @torch.no_grad()
     def _generate_chunk(
         self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model.generate(  # type: ignore[operator]
-            input_ids=ids.to(self._device),
-            attention_mask=mask.to(self._device),
-            generation_config=self._generation_config(params),
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Inference mode (no autograd bookkeeping at all) is cheaper than no_grad; its tensors
+        # cannot enter a backward pass, so what leaves is cloned outside it.
+        with torch.inference_mode():
+            out = self.model.generate(  # type: ignore[operator]
+                input_ids=ids.to(self._device),
+                attention_mask=mask.to(self._device),
+                generation_config=self._generation_config(params),
+            )
+            response = out.sequences[:, ids.shape[1] :].cpu()
+            logits = torch.stack(out.logits, dim=1).cpu().float() / params.logprob_temperature
+            log_probs = log_probs_from_logits(logits, response)
+            entropy = entropy_from_logits(logits)
+        pad = params.max_response_length - response.shape[1]
+        response = torch.nn.functional.pad(response.clone(), (0, pad), value=self.pad_token_id)
+        log_probs, entropy = (
+            torch.nn.functional.pad(t.clone(), (0, pad), value=0.0) for t in (log_probs, entropy)
         )
-        response = out.sequences[:, ids.shape[1] :].cpu()
-        logits = torch.stack(out.logits, dim=1).cpu()
-        log_probs = log_probs_from_logits(logits / params.logprob_temperature, response)
-        width = params.max_response_length
-        pad = width - response.shape[1]
-        response = torch.nn.functional.pad(response, (0, pad), value=self.pad_token_id)
-        return response, torch.nn.functional.pad(log_probs, (0, pad), value=0.0)
+        return response, log_probs, entropy
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
@@ -248,4 +257,5 @@ class HFRolloutEngine:
         response_mask = response_mask_from_eos(response, self.eos_token_ids)
         response = torch.where(response_mask.bool(), response, self.pad_token_id)
         log_probs = torch.cat([c[1] for c in chunks]) * response_mask
-        return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index)
+        entropy = torch.cat([c[2] for c in chunks]) * response_mask
+        return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index, entropy)
