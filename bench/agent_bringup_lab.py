@@ -13,8 +13,9 @@ For N = 2, 3, 4 nodes, time from job start (the batch script's first command, af
   registered, so a seed run whose nodes were not all up by then is reported, not hidden.
   Changes the lab forces: the head address is the node's IPv4 address (the seeds' length test
   keeps `hostname --ip-address`'s first word, an IPv6 address here, which Ray rejects as
-  `v6:port`); every Ray node gets its own `--temp-dir` (lab nodes share one /tmp) and the
-  fixed ports are moved off Ray's defaults so that nothing meets another cluster.
+  `v6:port`); every Ray node gets its own `--temp-dir` (lab nodes share one /tmp), the fixed
+  ports are moved off Ray's defaults so that nothing meets another cluster, and
+  `RAY_AUTH_MODE=disabled` keeps the seeds' no-auth set-up even where `~/.ray/auth_token` exists.
 - floor: one `ray start --head` on its own in a 1-node job, with the agent's head flags (no
   dashboard, pinned ports, token auth): from the script's first command to its return.
 
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +49,7 @@ from tests.lab import Lab, LabConfig
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 NODE_COUNTS = (2, 3, 4)
+JOB_ID_BASE = 700_000
 SEED_PORTS = {  # the seeds' 6379 and 8266 and Ray's fixed defaults, moved aside (below Ray's
     "port": 6479,  # default worker port range, 10002-19999)
     "dashboard-port": 8366,
@@ -61,14 +64,18 @@ import ray
 from ray._raylet import GcsClient
 address, want, joined_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 asked_at = time.time()
-infos = GcsClient(address=address).get_all_node_info(timeout=10).values()
-registered = sorted(i.start_time_ms / 1000 for i in infos if i.state == 0)
-ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-alive = sum(1 for n in ray.nodes() if n["Alive"])
-ray.shutdown()
+registered, alive, error = [], 0, ""
+try:
+    infos = GcsClient(address=address).get_all_node_info(timeout=10).values()
+    registered = sorted(i.start_time_ms / 1000 for i in infos if i.state == 0)
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    alive = sum(1 for n in ray.nodes() if n["Alive"])
+    ray.shutdown()
+except Exception as e:
+    error = type(e).__name__ + ": " + str(e)[:200]
 print(json.dumps({"want": want, "alive_ray_nodes": alive, "registered": registered,
                   "alive_at_joined": sum(1 for t in registered if t <= joined_at),
-                  "asked_after_s": asked_at - joined_at}))
+                  "asked_after_s": asked_at - joined_at, "error": error}))
 """
 
 
@@ -146,13 +153,16 @@ def hpcrl_phases(run_dir: Path, start: float, n: int) -> tuple[float, dict[str, 
     return joined, phases
 
 
-def run_hpcrl(lab: Lab, root: Path, sites: Path, n: int, tag: str) -> Run:
-    run_dir = root / f"hpcrl-{tag}"
-    env = {**lab.env, "HPCRL_SITE_PATH": str(sites), "PYTHONPATH": str(REPO)}
+def run_hpcrl(
+    lab: Lab, root: Path, sites: Path, n: int, tag: str, tree: Path = REPO, kind: str = "hpcrl"
+) -> Run:
+    """hpcrl's job, with hpcrl from source tree `tree` (the profile binds and imports it)."""
+    run_dir = root / f"{kind}-{tag}"
+    env = {**lab.env, "HPCRL_SITE_PATH": str(sites), "PYTHONPATH": str(tree)}
     proc = subprocess.run(
         [PYTHON, "-m", "hpcrl", "render", "--site", "bench-bare", "--nodes", str(n),
          "--run-dir", str(run_dir), "--command", "--", "true"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+        env=env, cwd=tree, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"`hpcrl render` failed: {proc.stderr}")
@@ -162,7 +172,7 @@ def run_hpcrl(lab: Lab, root: Path, sites: Path, n: int, tag: str) -> Run:
     wait_finished(lab, job, "hpcrl", run_dir)
     start = read_stamp(run_dir / "bench-start")
     joined, phases = hpcrl_phases(run_dir, start, n)
-    return Run("hpcrl", n, joined, load, phases)
+    return Run(kind, n, joined, load, phases)
 
 
 # --- the seed's recipe --------------------------------------------------------------------------
@@ -188,6 +198,8 @@ def seed_script(n: int, out: Path) -> str:
 {STAMP}{out}/bench-start
 export PATH={venv_bin}:$PATH
 export RAY_USAGE_STATS_ENABLED=0
+# the seeds run without auth; a token file in ~/.ray would turn it on for the head alone
+export RAY_AUTH_MODE=disabled
 
 nodes_array=($(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\\n' ' '))
 head_node=${{nodes_array[0]}}
@@ -197,7 +209,7 @@ head_node_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address)
 for word in $head_node_ip; do
     [[ $word == *.* ]] && head_node_ip=$word
 done
-port={SEED_PORTS['port']}
+port={SEED_PORTS["port"]}
 ip_head=$head_node_ip:$port
 echo "IP Head: $ip_head"
 
@@ -239,7 +251,8 @@ def run_seed(lab: Lab, root: Path, n: int, tag: str) -> Run:
     note = ""
     if check["alive_at_joined"] < n or check["alive_ray_nodes"] < n:
         note = (f"only {check['alive_at_joined']}/{n} nodes registered when the payload would start "
-                f"({check['alive_ray_nodes']} alive {check['asked_after_s']:.1f} s later)")  # fmt: skip
+                f"({check['alive_ray_nodes']} alive {check['asked_after_s']:.1f} s later)"
+                f"{'; ' + check['error'] if check['error'] else ''}")  # fmt: skip
     if left:
         note += f" {left} Ray processes outlived the job"
     last = max(check["registered"]) - start if check["registered"] else float("nan")
@@ -289,21 +302,28 @@ exit $code
 
 
 def med(runs: list[Run], kind: str, n: int | None = None) -> float:
-    return statistics.median(r.seconds for r in runs if r.kind == kind and (n is None or r.nodes == n))
+    return statistics.median(
+        r.seconds for r in runs if r.kind == kind and (n is None or r.nodes == n)
+    )
 
 
 def report(runs: list[Run], repeat: int) -> None:
     floor = med(runs, "floor")
     loads = [r.load for r in runs]
+    base = any(r.kind == "base" for r in runs)
     print(f"\nmedian of {repeat}; job start = batch script's first command; load average (1 min) "
           f"{min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f}) on "
           f"{os.cpu_count()} cores")  # fmt: skip
-    print("| N | hpcrl s | seed s | ratio hpcrl/seed | `ray start --head` floor s | hpcrl - floor s |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    extra = " hpcrl baseline tree s |" if base else ""
+    print(
+        f"| N | hpcrl s | seed s | ratio hpcrl/seed | `ray start --head` floor s | hpcrl - floor s |{extra}"
+    )
+    print("| --- " * (7 if base else 6) + "|")
     for n in NODE_COUNTS:
         h, s = med(runs, "hpcrl", n), med(runs, "seed", n)
-        print(f"| {n} | {h:.2f} | {s:.2f} | {h / s:.2f} | {floor:.2f} | {h - floor:+.2f} |")
-    print("\nall runs:")
+        b = f" {med(runs, 'base', n):.2f} |" if base else ""
+        print(f"| {n} | {h:.2f} | {s:.2f} | {h / s:.2f} | {floor:.2f} | {h - floor:+.2f} |{b}")
+    print("\nall runs (phases: seconds from job start, from the agents' logs):")
     for r in runs:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.phases.items())
         print(f"  {r.kind:5s} N={r.nodes} {r.seconds:6.2f} s  load {r.load:.2f}  {phases}"
@@ -313,11 +333,14 @@ def report(runs: list[Run], repeat: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another source tree of hpcrl (e.g. `git archive` of an older "
+                             "commit) whose agent runs in the same rounds, as `base`")  # fmt: skip
     args = parser.parse_args()
-    cfg = LabConfig(nodes=4)
-    lab = Lab(cfg)
-    if not lab.is_up():
-        lab = Lab.up(cfg)
+    # job ids of their own: agents name temp dirs after the job id, and other labs on this
+    # machine (which number their jobs from 1) share /tmp
+    cfg = LabConfig(nodes=4, extra={"FirstJobId": str(JOB_ID_BASE + os.getpid() % 1000 * 100)})
+    lab = Lab.up(cfg)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="hrb-") as d:
         root = Path(d)
@@ -326,17 +349,20 @@ def main() -> int:
         (sites / "bench-bare.yaml").write_text(
             f"extends: slurmlab\nrun_root: {root}\ncontainer:\n  runtime: none\n"
         )
+        jobs: dict[str, Callable[[int, str], Run]] = {
+            "hpcrl": lambda n, tag: run_hpcrl(lab, root, sites, n, tag),
+            "seed": lambda n, tag: run_seed(lab, root, n, tag),
+        }
+        if args.baseline_tree:
+            tree = args.baseline_tree.resolve()
+            jobs["base"] = lambda n, tag: run_hpcrl(lab, root, sites, n, tag, tree, "base")
         for i in range(args.repeat):
             runs.append(run_floor(lab, root, f"{i}"))
             for n in NODE_COUNTS:
-                order = (run_hpcrl, run_seed) if i % 2 == 0 else (run_seed, run_hpcrl)
-                for fn in order:
-                    if fn is run_hpcrl:
-                        runs.append(run_hpcrl(lab, root, sites, n, f"{i}-{n}"))
-                    else:
-                        runs.append(run_seed(lab, root, n, f"{i}-{n}"))
-                    last = runs[-1]
-                    print(f"round {i + 1}: {last.kind:5s} N={n} {last.seconds:6.2f} s", flush=True)
+                order = list(jobs) if i % 2 == 0 else list(reversed(jobs))
+                for kind in order:  # interleaved, the order flipped every round
+                    runs.append(jobs[kind](n, f"{i}-{n}"))
+                    print(f"round {i + 1}: {kind:5s} N={n} {runs[-1].seconds:6.2f} s", flush=True)
     report(runs, args.repeat)
     return 0
 
