@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -246,6 +247,8 @@ def run_seed(lab: Lab, root: Path, n: int, tag: str) -> Run:
     finally:
         time.sleep(0.5)
         left = sweep(temp_name(out))
+        for tmp in Path("/tmp").glob(Path(temp_name(out)).name + "-*"):  # one per node
+            shutil.rmtree(tmp, ignore_errors=True)
     start, joined = read_stamp(out / "bench-start"), read_stamp(out / "bench-joined")
     check = json.loads((out / "verify.json").read_text())
     note = ""
