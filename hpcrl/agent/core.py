@@ -48,6 +48,8 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUS
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TICK_S = 0.1
 RAY_STOP_S = 10.0
+WATCHER = "gcs_watch.py"
+LAUNCHER = "ray_launch.py"
 OCI_RUNTIMES = ("podman", "docker")
 
 
@@ -240,9 +242,6 @@ class Agent:
         self._remove_stale_temp_dirs()
         self.tmp.mkdir(mode=0o700, parents=True)
         argv = [
-            self._python(),
-            "-m",
-            "ray.scripts.scripts",
             "start",
             "--block",
             f"--node-ip-address={format_host(address)}",
@@ -256,7 +255,12 @@ class Agent:
                 argv += [f"--dashboard-host={self.job.dashboard_host}"]
         else:
             argv += [f"--address={gcs}"]
-        self.log.info("starting Ray %s: %s", "head" if head else "worker", " ".join(argv[2:]))
+        self.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
+        if head:
+            argv = [self._python(), "-m", "ray.scripts.scripts", *argv]
+        else:  # Ray's CLI loads now and runs once the head node is alive (see ray_launch.py)
+            go, timeout = str(self.paths.head_alive), f"{self.job.join_timeout_s:.0f}"
+            argv = [self._python(), str(self.paths.root / LAUNCHER), go, timeout, "--", *argv]
         wrapped, proc_env = self._in_container("ray", argv, env, str(self.tmp))
         self.ray = Child(
             "ray",
@@ -335,6 +339,7 @@ class Agent:
             "node_manager_port": ports.node_manager,
             "interface": addr.interface,
         }
+        self._copy_helpers()
         rdv.publish(
             self.paths,
             {
@@ -404,10 +409,15 @@ class Agent:
 
     # --- head: waiting for the cluster ---------------------------------------------------------
 
+    def _copy_helpers(self) -> None:
+        """Put the scripts that run next to Ray (in the container) into the run directory,
+        before the workers learn of it."""
+        for name in (WATCHER, LAUNCHER):
+            text = Path(__file__).with_name(name).read_text()
+            rdv.atomic_write_text(self.paths.root / name, text, 0o600)
+
     def _start_watch(self, gcs: str, env: dict[str, str]) -> None:
-        script = self.paths.root / "gcs_watch.py"
-        shutil.copyfile(Path(__file__).with_name("gcs_watch.py"), script)
-        argv = [self._python(), str(script), gcs, "0.1"]
+        argv = [self._python(), str(self.paths.root / WATCHER), gcs, "0.1"]
         wrapped, proc_env = self._in_container("watch", argv, env, str(self.tmp))
         self.watch = Child(
             "gcs-watch",
@@ -455,6 +465,9 @@ class Agent:
             if newest is not None:
                 alive = newest
             joined, arrived = self._joined_ranks(alive)
+            if 0 in joined and not self.paths.head_alive.exists():
+                rdv.atomic_write_text(self.paths.head_alive, f"{time.time()}\n", 0o600)
+                self.log.info("head node alive in the GCS; workers start Ray now")
             if len(joined) != shown:
                 shown = len(joined)
                 self.log.info("%d/%d nodes joined", shown, n)

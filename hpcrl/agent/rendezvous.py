@@ -5,6 +5,7 @@ Layout of one run (restart `R`) inside `RUN_DIR`:
     canary                 nonce written at submission; nodes check it (`verify_canary`)
     R/token                Ray auth token (0600), written by the head
     R/rendezvous.json      head address, ports, token path; written atomically by the head
+    R/head-alive           written by the head once the GCS lists the head node alive
     R/nodes/<rank>.json    one per node: arrival, state, heartbeat, final summary
     R/stop.json            first request to end the job (who and why); first writer wins
     R/logs/                agent, Ray and payload logs
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-RENDEZVOUS_VERSION = 1
+RENDEZVOUS_VERSION = 2  # 2: workers start Ray once `head-alive` appears
 POLL_S = 0.1
 CANARY_ENV = "HPCRL_CANARY"
 
@@ -97,6 +98,10 @@ class RunPaths:
     @property
     def rendezvous(self) -> Path:
         return self.root / "rendezvous.json"
+
+    @property
+    def head_alive(self) -> Path:
+        return self.root / "head-alive"
 
     @property
     def nodes(self) -> Path:
