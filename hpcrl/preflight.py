@@ -200,6 +200,11 @@ def checkpoint_bytes(model: Path, with_critic: bool) -> int:
     return int(weights * factor * 1.1)
 
 
+def format_bytes(n: int) -> str:
+    """`4.2 MB`, `1.50 GiB`."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1e6:.1f} MB"
+
+
 def existing_parent(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -216,8 +221,8 @@ def check_space(ckpt_root: Path, model: Path, with_critic: bool,
     have = free(ckpt_root)
     if have >= need:
         return []
-    return [f"checkpoints go to `{ckpt_root}`, whose filesystem has {have / GIB:.2f} GiB free; one "
-            f"checkpoint of `{model}` needs about {need / GIB:.2f} GiB (weights, optimizer state "
+    return [f"checkpoints go to `{ckpt_root}`, whose filesystem has {format_bytes(have)} free; one "
+            f"checkpoint of `{model}` needs about {format_bytes(need)} (weights, optimizer state "
             "and an HF export). Fix: free space there, or set `trainer.default_local_dir=` (or "
             "`--run-dir`) to a filesystem with room"]
 
