@@ -123,11 +123,11 @@ def _follow(proc: subprocess.Popen[bytes], watcher: RunWatcher, progress: Progre
         started = bool(info and info.payload_started)
         _forward(proc, flags, progress, started)
         for rec in watcher.new_steps():
-            progress.line(format_step(rec, watcher.eta()))
+            progress.line(format_step(rec, watcher.eta(rec)))
         code = proc.poll()
         if code is not None:
             for rec in watcher.new_steps():
-                progress.line(format_step(rec, watcher.eta()))
+                progress.line(format_step(rec, watcher.eta(rec)))
             return code if code >= 0 else 128 - code
         if not watcher.records:
             progress.status(waiting_text(info))

@@ -48,8 +48,8 @@ def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
 
 
 def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) -> float | None:
-    """Remaining steps times the recent wall time per step (between arrivals of step lines;
-    the trainer's own step time for the first one)."""
+    """Remaining steps times the recent wall time per step (between arrivals of step lines),
+    at least the trainer's own step time."""
     if not records:
         return None
     last = records[-1]
@@ -59,15 +59,12 @@ def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) ->
     remaining = total - int(last["step"])
     if remaining <= 0:
         return None
-    if len(arrivals) >= 2:
+    found = runinfo.pick(last, runinfo.STEP_TIME)
+    per_step = found[1] if found else 0.0
+    if len(arrivals) >= 2:  # never below the trainer's own step time (lines read in a batch)
         recent = arrivals[-6:]
-        per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
-    else:
-        found = runinfo.pick(last, runinfo.STEP_TIME)
-        if not found:
-            return None
-        per_step = found[1]
-    return remaining * per_step
+        per_step = max(per_step, (recent[-1] - recent[0]) / (len(recent) - 1))
+    return remaining * per_step if per_step > 0 else None
 
 
 def waiting_text(info: runinfo.RestartInfo | None, queued: str | None = None) -> str:
@@ -142,8 +139,12 @@ class RunWatcher:
             out.append(rec)
         return out
 
-    def eta(self) -> float | None:
-        return eta_seconds(self.records, self.arrivals)
+    def eta(self, record: dict[str, Any] | None = None) -> float | None:
+        """ETA as of `record` (default: the newest)."""
+        n = len(self.records)
+        if record is not None:
+            n = next(i for i, r in enumerate(self.records) if r is record) + 1
+        return eta_seconds(self.records[:n], self.arrivals[:n])
 
 
 class Progress:
@@ -195,3 +196,33 @@ class Progress:
 
 def stdout_is_tty(stream: TextIO) -> bool:
     return stream.isatty() and os.environ.get("TERM") != "dumb"
+
+
+JobState = Callable[[], "tuple[str, str] | None"]
+"""() -> (state, reason) while the scheduler knows the job (`PENDING`, `Priority`), else None."""
+
+
+def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float = 2.0,
+           sleep: Callable[[float], None] = time.sleep, max_polls: int | None = None) -> None:
+    """Print a submitted job's progress until the scheduler forgets it: queued, nodes joining,
+    one line per step; a requeue starts following the next run (`RUN/<N>/`)."""
+    watcher: RunWatcher | None = None
+    polls = 0
+    while max_polls is None or polls < max_polls:
+        polls += 1
+        state = job_state()
+        found = runinfo.restart_indices(run_dir)
+        if found and (watcher is None or watcher.restart != found[-1]):
+            if watcher is not None:
+                progress.line(f"requeued: run {found[-1]} of the job starts")
+            watcher = RunWatcher(run_dir, restart=found[-1])
+        if watcher is not None:
+            for rec in watcher.new_steps():
+                progress.line(format_step(rec, watcher.eta(rec)))
+        if state is None:
+            return
+        if state[0] in ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD"):
+            progress.status(f"queued ({state[1]})" if state[1] else "queued")
+        elif watcher is None or not watcher.records:
+            progress.status(waiting_text(watcher.info() if watcher else None))
+        sleep(poll_s)

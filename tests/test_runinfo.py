@@ -185,6 +185,7 @@ def test_format_step_and_eta() -> None:
     recs = [record(s, total=10) for s in (1, 2, 3)]
     assert eta_seconds(recs[:1], [0.0]) == pytest.approx(9 * 2.0)  # trainer's own step time
     assert eta_seconds(recs, [0.0, 4.0, 8.0]) == pytest.approx(7 * 4.0)  # wall time per step
+    assert eta_seconds(recs, [0.0, 0.1, 0.2]) == pytest.approx(7 * 2.0)  # a backlog read at once
     assert eta_seconds([record(10, total=10)], [0.0]) is None
 
 
@@ -255,3 +256,40 @@ def test_trainer_restart_marker(monkeypatch: pytest.MonkeyPatch) -> None:
     assert launcher_restart() == 0
     monkeypatch.setenv("HPCRL_RESTART", "2")
     assert launcher_restart() == 2
+
+
+def test_follow_a_slurm_job_from_queue_to_requeue(run: Path) -> None:
+    """The scheduler's answers and the run directory's files change between polls (the `sleep`
+    seam writes what the agents and the trainer would have written by then)."""
+    from hpcrl.progress import follow
+
+    states = iter([("PENDING", "Priority"), ("PENDING", "Resources"), ("RUNNING", "node[1-3]"),
+                   ("RUNNING", ""), ("RUNNING", ""), ("PENDING", "BeginTime"), ("RUNNING", ""),
+                   None])
+    metrics = run / "metrics.jsonl"
+
+    def world(poll: int) -> None:
+        if poll == 2:
+            make_restart(run, 0, joined=2, total=3, payload=False, exit_code=None)
+        elif poll == 3:
+            write_metrics(metrics, [record(1, 0), record(2, 0)])
+        elif poll == 4:
+            write_metrics(metrics, [record(1, 0), record(2, 0), record(3, 0)])
+        elif poll == 6:
+            make_restart(run, 1, exit_code=None)
+            write_metrics(metrics, [record(1, 0), record(2, 0), record(3, 1)])
+
+    polls = iter(range(100))
+    out = io.StringIO()
+    follow(run, lambda: next(states), Progress(out, tty=False),
+           sleep=lambda _: world(next(polls)))
+    assert out.getvalue().splitlines() == [
+        "queued (Priority)", "queued (Resources)", "starting the node agent",
+        "starting Ray: 2/3 nodes joined",
+        "step 1/6  reward 0.100  kl 0.01  entropy 3.8  len 7.5  2.0s/step  ETA 10s",
+        "step 2/6  reward 0.100  kl 0.02  entropy 3.7  len 7.5  2.0s/step  ETA 8s",
+        "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
+        "queued (BeginTime)",
+        "requeued: run 1 of the job starts",
+        "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
+    ]
