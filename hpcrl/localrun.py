@@ -171,8 +171,9 @@ def end_lines(report: runinfo.RunReport, code: int, run_dir: Path, resume_hint: 
         out.append(f"  plot: hpcrl plot {run_dir}")
     elif code == REQUEUE_STATUS:
         out.append(f"stopped with a checkpoint; continue with: {resume_hint}")
-    elif code == 130 or code == 128 + signal.SIGINT:
-        out.append(f"aborted; continue from the last checkpoint with: {resume_hint}")
+    elif code == 128 + signal.SIGINT:
+        where = "the last checkpoint" if report.checkpoint else "step 1 (no checkpoint yet)"
+        out.append(f"aborted; continue from {where} with: {resume_hint}")
     else:
         errors = trainer_errors(run_dir, restart)
         if errors:

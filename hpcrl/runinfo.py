@@ -30,6 +30,7 @@ STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
 JOINED_RE = re.compile(r"(\d+)/(\d+) nodes joined")
 PAYLOAD_STARTED = "starting the payload"
 REQUEUE_STATUS = 3
+ABORTED_STATUS = 130
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def pid_alive(pid: int) -> bool:
 
 def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
     """A one-word state: starting, running, finished, stopped (checkpointed, resumable),
-    failed, or lost (the agent is gone without a summary)."""
+    aborted (interrupted twice), failed, or lost (the agent is gone without a summary)."""
     if info.ended is None:
         if alive is False:
             return "lost"
@@ -140,6 +141,8 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
         return "finished"
     if info.exit_code == REQUEUE_STATUS:
         return "stopped"
+    if info.exit_code == ABORTED_STATUS:
+        return "aborted"
     return "failed"
 
 

@@ -61,14 +61,40 @@ def overrides(model: Path, data: Path, run: Path, steps: int) -> list[str]:
             f"trainer.default_local_dir={run / 'ckpt'}"]
 
 
-def wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, f"the run ended early with {proc.returncode}"
-        time.sleep(0.5)
-    raise AssertionError(f"no {n} steps in {metrics} within {timeout} s")
+def in_terminal(argv: list[str], env: dict[str, str], ctrl_c_after: bytes, timeout: float
+                ) -> tuple[int, str]:
+    """Run `argv` on a pseudo-terminal and type Ctrl-C once `ctrl_c_after` has been printed:
+    the terminal sends SIGINT to its whole foreground process group, as for a user."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: exec at once, never return into pytest
+        try:
+            os.execvpe(argv[0], argv, env)
+        finally:
+            os._exit(127)
+    out, typed, deadline = b"", False, time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    data = os.read(fd, 4096)
+                except OSError:  # the terminal closed: the command ended
+                    break
+                if not data:
+                    break
+                out += data
+            if not typed and ctrl_c_after in out:
+                os.write(fd, b"\x03")
+                typed = True
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"still running after {timeout} s:\n{out.decode(errors='replace')}")
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
 
 
 def test_ctrl_c_checkpoints_and_resume_continues(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -79,18 +105,10 @@ def test_ctrl_c_checkpoints_and_resume_continues(tiny_model_dir: Path, tmp_path:
     env = env_for(tmp_path)
     total = 5
     submit = [sys.executable, "-m", "hpcrl", "submit", "--site", "local", "--run-dir", str(run)]
-    log = (tmp_path / "first.out").open("w")
-    first = subprocess.Popen([*submit, "--", *overrides(tiny_model_dir, data, run, total)],
-                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_steps(run / "metrics.jsonl", 2, first, timeout=600)
-        first.send_signal(signal.SIGINT)  # what Ctrl-C does to the foreground command
-        assert first.wait(timeout=300) == 3
-    finally:
-        if first.poll() is None:
-            first.kill()
-        log.close()
-    out = (tmp_path / "first.out").read_text()
+    code, out = in_terminal([*submit, "--", *overrides(tiny_model_dir, data, run, total)], env,
+                            ctrl_c_after=f"step 2/{total}".encode(), timeout=850)
+    assert code == 3, out
+    assert "\r\x1b[K" in out  # on a terminal the waiting state is rewritten in place
     assert "stopping: the trainer finishes its step and writes a checkpoint" in out, out
     assert f"continue with: hpcrl submit --site local --run-dir {run} --resume" in out
     stopped = steps_of(run / "metrics.jsonl")

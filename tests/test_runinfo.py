@@ -95,10 +95,10 @@ def test_restart_read_from_agent_files(run: Path) -> None:
 
 
 def test_states_from_exit_codes(run: Path) -> None:
-    for index, code in enumerate((0, 2)):
+    for index, code in enumerate((0, 2, 130)):
         make_restart(run, index, exit_code=code)
-    assert [runinfo.restart_state(runinfo.read_restart(run, i)) for i in (0, 1)] == [
-        "finished", "failed"]
+    assert [runinfo.restart_state(runinfo.read_restart(run, i)) for i in (0, 1, 2)] == [
+        "finished", "failed", "aborted"]
 
 
 def test_trainer_dirs_follow_overrides_and_defaults(run: Path) -> None:
