@@ -293,3 +293,21 @@ def test_follow_a_slurm_job_from_queue_to_requeue(run: Path) -> None:
         "requeued: run 1 of the job starts",
         "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
     ]
+
+
+def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
+    import subprocess
+
+    agent = subprocess.Popen(["sleep", "60"])  # stands in for the head's agent process
+    try:
+        make_restart(run, 0, exit_code=None, pid=agent.pid)
+        (run / "submission.json").write_text(json.dumps({"job_id": "local-1", "logs": {}}))
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(run)}
+        proc = run_hpcrl(["cancel", str(run)], env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"agent pid {agent.pid}" in proc.stdout
+        assert agent.wait(timeout=10) == -signal.SIGTERM
+        again = run_hpcrl(["cancel", str(run)], env)
+        assert again.returncode == 2 and "is not running" in again.stderr
+    finally:
+        agent.kill()
