@@ -92,10 +92,10 @@ def plot(run: Path) -> Path | None:
 
 def summary(run: Path, seconds: float, plot_path: Path | None) -> list[str]:
     """The closing lines: steps, reward before -> after, checkpoint and plot."""
-    from hpcrl import runinfo
+    from hpcrl import rundir
     from hpcrl.progress import format_duration
 
-    report = runinfo.run_report(run, alive=False)
+    report = rundir.run_report(run, alive=False)
     steps = report.last["step"] if report.last else 0
     lines = [f"demo: {report.state}: {steps} GRPO steps on the toy task in "
              f"{format_duration(seconds)} (task {TASK})"]

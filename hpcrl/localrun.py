@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcrl import runinfo
+from hpcrl import rundir
 from hpcrl.progress import Progress, RunWatcher, format_step, waiting_text
 
 POLL_S = 0.5
@@ -33,7 +33,7 @@ USAGE_STATUS = 2
 
 def next_restart(run_dir: Path) -> int:
     """The index of the next run of the job in `run_dir` (0 for a new one)."""
-    found = runinfo.restart_indices(run_dir)
+    found = rundir.restart_indices(run_dir)
     return found[-1] + 1 if found else 0
 
 
@@ -110,7 +110,7 @@ def run_foreground(argv: list[str], run_dir: Path, resume_hint: str,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     progress.close()
-    report = runinfo.run_report(run_dir, alive=False)
+    report = rundir.run_report(run_dir, alive=False)
     for line in end_lines(report, code, run_dir, resume_hint):
         print(line, file=stream)
     return code
@@ -163,7 +163,7 @@ def log_tail(path: Path, lines: int = 15) -> list[str]:
         return []
 
 
-def end_lines(report: runinfo.RunReport, code: int, run_dir: Path, resume_hint: str) -> list[str]:
+def end_lines(report: rundir.RunReport, code: int, run_dir: Path, resume_hint: str) -> list[str]:
     """What the terminal shows when the job script ends."""
     restart = report.restarts[-1].index if report.restarts else 0
     out = report.lines()

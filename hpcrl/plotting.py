@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrl import runinfo
+from hpcrl import rundir
 
 
 class PlotError(ValueError):
@@ -29,11 +29,11 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", runinfo.REWARD, "mean score"),
-    Panel("KL", runinfo.KL, "KL"),
-    Panel("entropy", runinfo.ENTROPY, "nats/token"),
-    Panel("response length", runinfo.RESPONSE_LENGTH, "tokens"),
-    Panel("step time", runinfo.STEP_TIME, "seconds"),
+    Panel("reward", rundir.REWARD, "mean score"),
+    Panel("KL", rundir.KL, "KL"),
+    Panel("entropy", rundir.ENTROPY, "nats/token"),
+    Panel("response length", rundir.RESPONSE_LENGTH, "tokens"),
+    Panel("step time", rundir.STEP_TIME, "seconds"),
 )
 
 
@@ -59,7 +59,7 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
 
     fig = Figure(figsize=(8, 11), layout="constrained")
     axes = fig.subplots(len(PANELS), 1, sharex=True)
-    restarts = runinfo.restart_starts(records)
+    restarts = rundir.restart_starts(records)
     for ax, panel in zip(axes, PANELS, strict=True):
         name, steps, values = series(records, panel)
         if name is None:
@@ -89,11 +89,11 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
 
 def plot_run(run_dir: Path, output: Path | None = None) -> tuple[Path, Any]:
     """Write the PNG of `run_dir` (default `RUN/metrics.png`); return (path, figure)."""
-    metrics = runinfo.find_metrics(run_dir)
+    metrics = rundir.find_metrics(run_dir)
     if metrics is None:
         raise PlotError(f"no `metrics.jsonl` in `{run_dir}` (searched 3 levels deep): is it a run "
                         "directory, and has the trainer logged a step yet?")
-    fig = build_figure(runinfo.read_metrics(metrics), title=str(run_dir))
+    fig = build_figure(rundir.read_metrics(metrics), title=str(run_dir))
     out = output or run_dir / "metrics.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

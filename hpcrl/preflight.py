@@ -234,7 +234,7 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
                       read_columns: Callable[[Path], list[str] | None] = parquet_columns,
                       free: Callable[[Path], int] = disk_free) -> list[str]:
     """Every check of a trainer job whose payload overrides are `payload_args`."""
-    from hpcrl.runinfo import trainer_dirs
+    from hpcrl.rundir import trainer_dirs
 
     overrides = parse_overrides(payload_args)
     defaults = trainer_defaults()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcrl import runinfo
+from hpcrl import rundir
 
 
 def format_duration(seconds: float) -> str:
@@ -33,13 +33,13 @@ def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
     """`step 3/15  reward 0.068  kl 0.0923  entropy 3.87  len 7.5  9.6s/step  ETA 1m55s`."""
     total = record.get("training/total_steps")
     parts = [f"step {record['step']}" + (f"/{total}" if isinstance(total, int) else "")]
-    for label, names, fmt in (("reward", runinfo.REWARD, "{:.3f}"), ("kl", runinfo.KL, "{:.3g}"),
-                              ("entropy", runinfo.ENTROPY, "{:.3g}"),
-                              ("len", runinfo.RESPONSE_LENGTH, "{:.1f}")):
-        found = runinfo.pick(record, names)
+    for label, names, fmt in (("reward", rundir.REWARD, "{:.3f}"), ("kl", rundir.KL, "{:.3g}"),
+                              ("entropy", rundir.ENTROPY, "{:.3g}"),
+                              ("len", rundir.RESPONSE_LENGTH, "{:.1f}")):
+        found = rundir.pick(record, names)
         if found:
             parts.append(f"{label} {fmt.format(found[1])}")
-    step_time = runinfo.pick(record, runinfo.STEP_TIME)
+    step_time = rundir.pick(record, rundir.STEP_TIME)
     if step_time:
         parts.append(f"{step_time[1]:.1f}s/step")
     if eta_s is not None:
@@ -59,7 +59,7 @@ def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) ->
     remaining = total - int(last["step"])
     if remaining <= 0:
         return None
-    found = runinfo.pick(last, runinfo.STEP_TIME)
+    found = rundir.pick(last, rundir.STEP_TIME)
     per_step = found[1] if found else 0.0
     if len(arrivals) >= 2:  # never below the trainer's own step time (lines read in a batch)
         recent = arrivals[-6:]
@@ -67,7 +67,7 @@ def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) ->
     return remaining * per_step if per_step > 0 else None
 
 
-def waiting_text(info: runinfo.RestartInfo | None, queued: str | None = None) -> str:
+def waiting_text(info: rundir.RestartInfo | None, queued: str | None = None) -> str:
     """What the run waits for, from its restart's files (or the scheduler's word)."""
     if queued:
         return queued
@@ -97,18 +97,18 @@ class RunWatcher:
     def current_restart(self) -> int | None:
         if self.restart is not None:
             return self.restart
-        found = runinfo.restart_indices(self.run_dir)
+        found = rundir.restart_indices(self.run_dir)
         return found[-1] if found else None
 
-    def info(self) -> runinfo.RestartInfo | None:
+    def info(self) -> rundir.RestartInfo | None:
         r = self.current_restart()
         if r is None or not (self.run_dir / str(r)).is_dir():
             return None
-        return runinfo.read_restart(self.run_dir, r)
+        return rundir.read_restart(self.run_dir, r)
 
     def _read_new(self) -> list[dict[str, Any]]:
         if self._path is None:
-            self._path = runinfo.find_metrics(self.run_dir)
+            self._path = rundir.find_metrics(self.run_dir)
             if self._path is None:
                 return []
         try:
@@ -122,7 +122,7 @@ class RunWatcher:
             return []
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self._offset += len(complete)
-        return runinfo.parse_metrics(complete.decode(errors="replace"))
+        return rundir.parse_metrics(complete.decode(errors="replace"))
 
     def new_steps(self) -> list[dict[str, Any]]:
         """Records of this restart not returned before (all restarts when none is set)."""
@@ -211,7 +211,7 @@ def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float
     while max_polls is None or polls < max_polls:
         polls += 1
         state = job_state()
-        found = runinfo.restart_indices(run_dir)
+        found = rundir.restart_indices(run_dir)
         if found and (watcher is None or watcher.restart != found[-1]):
             if watcher is not None:
                 progress.line(f"requeued: run {found[-1]} of the job starts")

@@ -25,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def restart_logs(run_dir: Path, restart: str | None, node: int | None, payload: bool
                  ) -> list[Path]:
     """The agent logs (one per node, or `node`) and the trainer's log of one run of the job."""
-    from hpcrl.runinfo import restart_indices
+    from hpcrl.rundir import restart_indices
     from hpcrl.slurm import SlurmError
 
     found = restart_indices(run_dir)

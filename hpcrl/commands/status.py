@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import shutil
 
     from hpcrl.commands._common import run_dir_of
-    from hpcrl.runinfo import run_report
+    from hpcrl.rundir import run_report
 
     run_dir = run_dir_of(args.job)
     job_id = args.job if not Path(args.job).expanduser().is_dir() else submitted_job_id(run_dir)

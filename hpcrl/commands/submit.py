@@ -56,7 +56,7 @@ def queue_state(job_id: str) -> tuple[str, str] | None:
 
 def follow_job(job_id: str, run_dir: Any) -> None:
     from hpcrl.progress import Progress, follow
-    from hpcrl.runinfo import run_report
+    from hpcrl.rundir import run_report
 
     progress = Progress(sys.stdout)
     try:

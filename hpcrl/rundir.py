@@ -1,4 +1,5 @@
-"""What a run directory says about its job: restarts, node states, metrics and checkpoints.
+"""What a run directory says about its job: every run (restart) and how it ended, node states,
+metrics and checkpoints.
 
 Reads only files (light: no Slurm, no torch). Layout, as the submission, the node agent and
 the trainer write it::
@@ -304,8 +305,8 @@ class RunReport:
         n = len(self.restarts)
         out = [f"run {self.run_dir}: {self.state}"
                + (f" ({n} runs: {n - 1} restart{'s' if n != 2 else ''})" if n > 1 else "")]
-        if self.restarts and self.restarts[-1].ended:
-            out.append(f"  last run: {self.restarts[-1].ended}")
+        for r in self.restarts:
+            out.append(f"  run {r.index}: {r.ended or restart_state(r)}")
         if self.last is not None:
             total = self.last.get("training/total_steps")
             out.append(f"  steps: {self.last['step']}" + (f" of {total}" if isinstance(total, int) else ""))

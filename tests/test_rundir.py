@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import runinfo
+from hpcrl import rundir
 from hpcrl.progress import (
     Progress,
     RunWatcher,
@@ -81,13 +81,13 @@ def run(tmp_path: Path) -> Path:
 def test_restart_read_from_agent_files(run: Path) -> None:
     make_restart(run, 0, exit_code=3)
     make_restart(run, 1, joined=2, total=3, payload=False, exit_code=None)
-    assert runinfo.restart_indices(run) == [0, 1]
-    first, second = runinfo.read_restart(run, 0), runinfo.read_restart(run, 1)
+    assert rundir.restart_indices(run) == [0, 1]
+    first, second = rundir.read_restart(run, 0), rundir.read_restart(run, 1)
     assert first.exit_code == 3 and first.payload_started and first.ended.startswith("job local-1")
-    assert runinfo.restart_state(first) == "stopped"
+    assert rundir.restart_state(first) == "stopped"
     assert (second.nodes_joined, second.nodes_total, second.payload_started) == (2, 3, False)
-    assert runinfo.restart_state(second) == "starting"
-    assert runinfo.restart_state(second, alive=False) == "lost"
+    assert rundir.restart_state(second) == "starting"
+    assert rundir.restart_state(second, alive=False) == "lost"
     assert waiting_text(second) == "starting Ray: 2/3 nodes joined"
     assert waiting_text(first) == "1/1 nodes joined; trainer loading the model and data"
     assert waiting_text(None) == "starting the node agent"
@@ -97,40 +97,40 @@ def test_restart_read_from_agent_files(run: Path) -> None:
 def test_states_from_exit_codes(run: Path) -> None:
     for index, code in enumerate((0, 2, 130)):
         make_restart(run, index, exit_code=code)
-    assert [runinfo.restart_state(runinfo.read_restart(run, i)) for i in (0, 1, 2)] == [
+    assert [rundir.restart_state(rundir.read_restart(run, i)) for i in (0, 1, 2)] == [
         "finished", "failed", "aborted"]
 
 
 def test_trainer_dirs_follow_overrides_and_defaults(run: Path) -> None:
-    assert runinfo.trainer_dirs(run) == (run, run / "checkpoints")
-    assert runinfo.trainer_dirs(run, {}) == (run / "checkpoints/hpcrl/run",) * 2
-    assert runinfo.trainer_dirs(run, {"trainer.project_name": "p", "trainer.experiment_name": "e"}
+    assert rundir.trainer_dirs(run) == (run, run / "checkpoints")
+    assert rundir.trainer_dirs(run, {}) == (run / "checkpoints/hpcrl/run",) * 2
+    assert rundir.trainer_dirs(run, {"trainer.project_name": "p", "trainer.experiment_name": "e"}
                                 ) == (run / "checkpoints/p/e",) * 2
 
 
 def test_metrics_found_and_partial_lines_skipped(run: Path) -> None:
-    assert runinfo.find_metrics(run) is None
+    assert rundir.find_metrics(run) is None
     nested = run / "checkpoints" / "hpcrl" / "run" / "metrics.jsonl"
     write_metrics(nested, [record(1)])
-    assert runinfo.find_metrics(run) == nested  # found by search when overrides point elsewhere
+    assert rundir.find_metrics(run) == nested  # found by search when overrides point elsewhere
     write_metrics(run / "metrics.jsonl", [record(1), record(2)])
     with (run / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 3, "critic/sc')  # cut short by a kill
-    assert [r["step"] for r in runinfo.read_metrics(runinfo.find_metrics(run))] == [1, 2]
+    assert [r["step"] for r in rundir.read_metrics(rundir.find_metrics(run))] == [1, 2]
 
 
 def test_latest_complete_checkpoint(run: Path) -> None:
     make_checkpoint(run / "checkpoints", 2)
     make_checkpoint(run / "checkpoints", 10)
     make_checkpoint(run / "checkpoints", 12, complete=False)
-    step, path = runinfo.latest_checkpoint(run)
+    step, path = rundir.latest_checkpoint(run)
     assert (step, path.name) == (10, "global_step_10")
 
 
 def test_restart_starts_from_markers() -> None:
     records = [record(s, 0) for s in (1, 2, 3)] + [record(s, 1) for s in (4, 5)] + [record(6, 2)]
-    assert runinfo.restart_starts(records) == [(1, 4), (2, 6)]
-    assert runinfo.restart_starts([{"step": 1}, {"step": 2}]) == []
+    assert rundir.restart_starts(records) == [(1, 4), (2, 6)]
+    assert rundir.restart_starts([{"step": 1}, {"step": 2}]) == []
 
 
 def test_report_and_status_command(run: Path) -> None:
@@ -139,7 +139,7 @@ def test_report_and_status_command(run: Path) -> None:
     write_metrics(run / "metrics.jsonl", [record(1, 0, reward=0.1), record(2, 0, reward=0.2),
                                           record(3, 1, reward=0.5)])
     make_checkpoint(run / "checkpoints", 3)
-    report = runinfo.run_report(run)
+    report = rundir.run_report(run)
     assert report.state == "finished" and report.reward_change() == (0.1, 0.5)
     text = "\n".join(report.lines())
     assert "finished (2 runs: 1 restart)" in text
@@ -157,7 +157,7 @@ def test_report_sees_a_dead_agent(run: Path, tmp_path: Path) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
     make_restart(run, 0, exit_code=None, pid=gone.pid)
-    assert runinfo.run_report(run).state == "lost"
+    assert rundir.run_report(run).state == "lost"
 
 
 def test_logs_of_one_restart(run: Path) -> None:
