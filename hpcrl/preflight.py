@@ -38,6 +38,14 @@ def check_scheduler(site: str, scheduler: str, which: Callable[[str], str | None
             "there; to run on this machine instead use `--site local`"]
 
 
+def check_local_nodes(site: str, scheduler: str, nodes: int) -> list[str]:
+    """A local site is this one machine: one node."""
+    if scheduler != "local" or nodes <= 1:
+        return []
+    return [f"`--nodes {nodes}` on site `{site}`: a local run is this machine alone (1 node). "
+            "Fix: drop `--nodes`, or submit to a Slurm site for more nodes"]
+
+
 # ----------------------------------------------------------------------------- overrides
 
 

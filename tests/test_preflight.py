@@ -51,6 +51,13 @@ def test_no_sbatch_for_a_slurm_site() -> None:
     assert "`sbatch` is not on PATH" in msg and "--site local" in msg and "module load" in msg
 
 
+def test_local_site_is_one_node() -> None:
+    assert pf.check_local_nodes("local", "local", 1) == []
+    assert pf.check_local_nodes("h100", "slurm", 4) == []
+    [msg] = pf.check_local_nodes("local", "local", 2)
+    assert "`--nodes 2` on site `local`" in msg and "drop `--nodes`" in msg
+
+
 def test_missing_model_and_default_paths(data: Path, tmp_path: Path) -> None:
     [msg] = pf.check_trainer_job(args(tmp_path / "nope", data / "train.parquet"), tmp_path)
     assert f"`actor_rollout_ref.model.path` is `{tmp_path / 'nope'}`, which does not exist" in msg

@@ -76,7 +76,8 @@ def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
 
     from hpcrl import preflight as pf
 
-    pf.report(pf.check_scheduler(profile.name, profile.scheduler), fatal=True)
+    pf.report(pf.check_scheduler(profile.name, profile.scheduler)
+              + pf.check_local_nodes(profile.name, profile.scheduler, req.spec.nodes), fatal=True)
     if args.whole_command or args.resume:
         return
     problems = pf.check_trainer_job(list(req.spec.payload[3:]), Path(req.run_dir))
