@@ -311,3 +311,14 @@ def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
         assert again.returncode == 2 and "is not running" in again.stderr
     finally:
         agent.kill()
+
+
+def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
+    from hpcrl.localrun import refuse_if_running
+    from hpcrl.submission import RequestError
+
+    make_restart(run, 0, exit_code=None)  # this test process stands in for its live agent
+    with pytest.raises(RequestError, match="is still running .* `hpcrl cancel "):
+        refuse_if_running(run)
+    make_restart(run, 1, exit_code=3)
+    refuse_if_running(run)
