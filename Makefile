@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   -- the main job on the embedded default (local site, tiny model)
+#   make demo   -- the main job on the embedded default (local site, tiny model);
+#                  DEMO_ARGS="--steps 4" for a shorter run
 #   make test   -- the whole test suite, Slurm lab and containers included (as root)
 # Each creates .venv, installs torch==2.13.0 before anything that depends on torch, then hpcrl.
 
@@ -8,6 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcrl-installed
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: demo test venv lab-packages lint clean-lab
 
@@ -32,7 +34,7 @@ test: lab-packages
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m hpcrl.demo
+	$(PY) -m hpcrl.demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hpcrl trainer tests bench

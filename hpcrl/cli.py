@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "logs": "hpcrl.commands.logs",
     "cancel": "hpcrl.commands.cancel",
     "image": "hpcrl.commands.image",
+    "plot": "hpcrl.commands.plot",
 }
 
 

@@ -1,22 +1,151 @@
-"""`make demo`: the main job on the embedded default.
+"""`make demo` (`python -m hpcrl.demo`): the main job on the embedded default, from nothing.
 
-The PPO trainer and the `local` site are not built yet, so this demo only checks the launcher
-installs and imports light. It will run `hpcrl submit --site local` on a tiny model once those
-exist.
+1. builds a tiny Llama model and the toy task's data (`python -m trainer.tiny`,
+   `python -m trainer.preprocess toy_digits`) in the demo directory, once;
+2. trains it with GRPO through `hpcrl submit --site local`: the node agent, a one-node Ray
+   cluster, the trainer, checkpoints; Ctrl-C stops with a checkpoint and `--resume` continues;
+3. plots the run (`hpcrl plot`) and prints a summary: steps, reward before -> after, where the
+   checkpoint and the plot are.
+
+Everything runs in subprocesses through the command line, as a user would type it; this
+module imports nothing heavy. `--steps 4` is the short run the tests use.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import shlex
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_DIR = "~/hpcrl-demo"
+TASK = "toy_digits: answer with sevens; reward = share of 7s among the first 4 answer tokens"
 
 
-def main() -> int:
-    import hpcrl.cli
+def demo_overrides(model: Path, data: Path, run: Path, steps: int) -> list[str]:
+    """The trainer's command line: GRPO on the toy task, small enough for 2 CPU cores."""
+    return [
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8", "data.train_batch_size=16",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=grpo",
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=5",
+        "trainer.max_actor_ckpt_to_keep=2", "trainer.val_before_train=false",
+        "trainer.device=cpu", "trainer.logger=jsonl", "trainer.project_name=hpcrl-demo",
+        "trainer.experiment_name=toy-digits-grpo",
+        f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
+    ]
 
-    heavy = sorted(m for m in ("torch", "ray", "vllm") if m in sys.modules)
-    print(f"hpcrl {hpcrl.__version__} installed; CLI loads (heavy modules imported: {heavy or 'none'}).")
-    print("demo placeholder: the trainer and the `local` site are not built yet, so no job runs.")
-    return 0
+
+def say(text: str) -> None:
+    print(f"demo: {text}", flush=True)
+
+
+def run_step(argv: Sequence[str], what: str) -> None:
+    """Run one preparation command; stop the demo with its output when it fails."""
+    say(f"{what}: {shlex.join(argv[1:])}")
+    proc = subprocess.run(list(argv), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise SystemExit(f"demo: {what} failed (exit status {proc.returncode}); see above")
+
+
+def prepare(demo_dir: Path) -> tuple[Path, Path]:
+    """The tiny model and the toy data, built once and reused."""
+    model, data = demo_dir / "model", demo_dir / "data"
+    py = sys.executable
+    if not (model / "config.json").is_file():
+        run_step([py, "-m", "trainer.tiny", str(model)], "building the tiny model")
+    if not (data / "train.parquet").is_file() or not (data / "test.parquet").is_file():
+        run_step([py, "-m", "trainer.preprocess", "toy_digits", "--output", str(data),
+                  "--train-size", "512", "--val-size", "64"], "building the toy dataset")
+    return model, data
+
+
+def submit(run: Path, overrides: Sequence[str], resume: bool) -> int:
+    """`hpcrl submit --site local`, in the foreground; it handles Ctrl-C itself."""
+    argv = [sys.executable, "-m", "hpcrl", "submit", "--site", "local", "--run-dir", str(run)]
+    argv += ["--resume"] if resume else ["--", *overrides]
+    say(("resuming: " if resume else "training: ") + shlex.join(["hpcrl", *argv[3:]]))
+    previous = signal.signal(signal.SIGINT, lambda *_: None)  # the child decides what Ctrl-C does
+    try:
+        return subprocess.run(argv).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def plot(run: Path) -> Path | None:
+    out = run / "metrics.png"
+    proc = subprocess.run([sys.executable, "-m", "hpcrl", "plot", str(run), "-o", str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        return None
+    return out
+
+
+def summary(run: Path, seconds: float, plot_path: Path | None) -> list[str]:
+    """The closing lines: steps, reward before -> after, checkpoint and plot."""
+    from hpcrl import rundir
+    from hpcrl.progress import format_duration
+
+    report = rundir.run_report(run, alive=False)
+    steps = report.last["step"] if report.last else 0
+    lines = [f"demo: {report.state}: {steps} GRPO steps on the toy task in "
+             f"{format_duration(seconds)} (task {TASK})"]
+    change = report.reward_change()
+    if change:
+        word = "rose" if change[1] > change[0] else "did not rise"
+        lines.append(f"  reward {word}: {change[0]:.3f} (step {report.records[0]['step']}) -> "
+                     f"{change[1]:.3f} (step {steps})")
+    lines.append(f"  checkpoint: {report.checkpoint[1]}" if report.checkpoint
+                 else "  checkpoint: none")
+    lines.append(f"  plot: {plot_path}" if plot_path else f"  plot: failed; try `hpcrl plot {run}`")
+    lines.append(f"  run directory: {run}  (`hpcrl status {run}`, `hpcrl logs {run}`)")
+    return lines
+
+
+def new_run_dir(demo_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run = demo_dir / "runs" / stamp
+    n = 1
+    while run.exists():
+        n += 1
+        run = demo_dir / "runs" / f"{stamp}-{n}"
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15, help="training steps (default 15; the "
+                        "tests use 4)")
+    parser.add_argument("--dir", default=os.environ.get("HPCRL_DEMO_DIR", DEFAULT_DIR),
+                        help=f"demo directory: model, data and runs (default {DEFAULT_DIR} or "
+                        "$HPCRL_DEMO_DIR)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped demo run")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"`--steps {args.steps}`: train at least 1 step")
+    demo_dir = Path(args.dir).expanduser().absolute()
+    start = time.monotonic()
+    model, data = prepare(demo_dir)
+    run = Path(args.resume).expanduser().absolute() if args.resume else new_run_dir(demo_dir)
+    code = submit(run, demo_overrides(model, data, run, args.steps), resume=bool(args.resume))
+    if code not in (0, 3):
+        say(f"training failed (exit status {code}); see `hpcrl logs {run}`")
+        return code
+    plot_path = plot(run)
+    for line in summary(run, time.monotonic() - start, plot_path):
+        print(line, flush=True)
+    if code == 3:
+        say(f"stopped early; continue with: python -m hpcrl.demo --resume {run}")
+    return code
 
 
 if __name__ == "__main__":

@@ -248,6 +248,7 @@ def render_local_script(profile: SiteProfile, spec: JobSpec, run_dir: str, pytho
         comments=preview,
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
         job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
+        run_dir=shlex.quote(run_dir),
         setup=list(profile.slurm.setup),
         signal=signal_name(profile),
         agent=f"{agent} >> {shlex.quote(run_dir + '/logs/local-node0.out')} 2>&1",
@@ -401,22 +402,38 @@ def submit(req: Request) -> Submitted:
         executor = submitit.SlurmExecutor(folder=req.logs["submitit_folder"],
                                           python=shlex.quote(req.python))
         executor.update_parameters(**req.submitit_params)
-        job = executor.submit(hpcrl.agent_entry, req.run_dir)
+        try:
+            job = executor.submit(hpcrl.agent_entry, req.run_dir)
+        except submitit.core.utils.FailedJobError as exc:
+            from hpcrl.slurm import SlurmError
+
+            raise SlurmError(sbatch_refusal(str(exc))) from None
         job_id = str(job.job_id)
     done = Submitted(job_id=job_id, run_dir=req.run_dir, via=req.via, logs=job_logs(req))
     (run_dir / SUBMISSION_FILE).write_text(json.dumps(dataclasses.asdict(done), indent=2) + "\n")
     return done
 
 
-def run_local(req: Request) -> Submitted:
-    """Run the job script in the foreground on this machine (`scheduler: local`)."""
-    import subprocess
+def sbatch_refusal(stderr: str) -> str:
+    """One message for sbatch's refusal (its own words, and the usual fix)."""
+    said = "; ".join(ln.strip() for ln in stderr.strip().splitlines() if ln.strip())[-600:]
+    fix = ("Fix: run on the cluster's login node, or point `SLURM_CONF` at the cluster's "
+           "slurm.conf" if "configuration" in said or "config" in said else
+           "Fix: adjust the site profile's `slurm:` settings (partition, account, time) "
+           "to what the cluster allows")
+    return f"sbatch refused the job: {said}. {fix}"
 
-    done = Submitted(job_id="local", run_dir=req.run_dir, via=req.via, logs=job_logs(req))
-    (Path(req.run_dir) / SUBMISSION_FILE).write_text(
-        json.dumps(dataclasses.asdict(done), indent=2) + "\n")
-    rc = subprocess.run(list(req.sbatch_argv), stdin=subprocess.DEVNULL).returncode
-    return dataclasses.replace(done, exit_status=rc)
+
+def run_local(req: Request) -> Submitted:
+    """Run the job script in the foreground on this machine (`scheduler: local`), following
+    its progress (see :mod:`hpcrl.localrun`)."""
+    from hpcrl.localrun import run_foreground
+
+    hint = f"hpcrl submit --site {req.site} --run-dir {shlex.quote(req.run_dir)} --resume"
+    rc = run_foreground(list(req.sbatch_argv), Path(req.run_dir), hint)
+    job_id = str(json.loads((Path(req.run_dir) / SUBMISSION_FILE).read_text())["job_id"])
+    return Submitted(job_id=job_id, run_dir=req.run_dir, via=req.via, logs=job_logs(req),
+                     exit_status=rc)
 
 
 def default_python(profile: SiteProfile) -> str:

@@ -7,10 +7,11 @@ Exit status: 0 when training finished, 2 for bad configuration or input (fix and
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 
-from trainer.exit_codes import USAGE_EXIT_CODE
+from trainer.exit_codes import ABORTED_EXIT_CODE, NO_SPACE_EXIT_CODE, USAGE_EXIT_CODE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError, RewardError, MetricsError, FileNotFoundError) as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except KeyboardInterrupt:
+        print("python -m trainer: aborted (second interrupt); the current step was not "
+              "checkpointed, a resumed run starts from the last checkpoint", file=sys.stderr)
+        return ABORTED_EXIT_CODE
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        print(f"python -m trainer: error: no space left on the device while writing "
+              f"`{err.filename or cfg.trainer.default_local_dir}`. Fix: free space there, point "
+              "`trainer.default_local_dir` at a larger filesystem, or keep fewer checkpoints "
+              "with `trainer.max_actor_ckpt_to_keep=1`", file=sys.stderr)
+        return NO_SPACE_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -10,3 +10,7 @@ OK_EXIT_CODE = 0
 USAGE_EXIT_CODE = 2
 #: Checkpointed after a stop request; please requeue.
 REQUEUE_EXIT_CODE = 3
+#: The device holding the checkpoints is full (the message names the directory and the fix).
+NO_SPACE_EXIT_CODE = 4
+#: Aborted by a second interrupt (Ctrl-C) before the step finished; nothing was checkpointed.
+ABORTED_EXIT_CODE = 130

@@ -10,6 +10,7 @@ checkpoint and `REQUEUE_EXIT_CODE`; the next run resumes from that checkpoint.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import defaultdict
@@ -105,6 +106,13 @@ def need(value: torch.Tensor | None, what: str) -> torch.Tensor:
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     """A seed for one step's randomness, so a resumed run draws exactly what an unbroken one did."""
     return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0])
+
+
+def launcher_restart() -> int:
+    """Which run of the job this is (`HPCRL_RESTART`, set by hpcrl's node agent; 0 otherwise):
+    recorded with each step so that plots can mark where a run resumed."""
+    raw = os.environ.get("HPCRL_RESTART", "")
+    return int(raw) if raw.strip().isdigit() else 0
 
 
 def seed_everything(seed: int) -> None:
@@ -526,6 +534,8 @@ class PPOTrainer:
         metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], 1))
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.loader.epoch
+        metrics["training/total_steps"] = self.total_steps
+        metrics["training/restart"] = launcher_restart()
         return metrics
 
     # ------------------------------------------------------------------------------ checkpoints

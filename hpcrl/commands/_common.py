@@ -16,6 +16,8 @@ def user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
     def run(args: argparse.Namespace) -> int:
         from hpcrl.containers import ContainerError
         from hpcrl.jobspec import JobSpecError, RunDirError
+        from hpcrl.plotting import PlotError
+        from hpcrl.preflight import PreflightError
         from hpcrl.profiles import ProfileError
         from hpcrl.slurm import SlurmError
         from hpcrl.submission import RequestError
@@ -23,11 +25,34 @@ def user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
         try:
             return fn(args)
         except (ProfileError, RequestError, RunDirError, JobSpecError, ContainerError,
-                SlurmError) as exc:
+                SlurmError, PlotError, PreflightError) as exc:
             print(f"hpcrl: error: {exc}", file=sys.stderr)
             return 2
 
     return run
+
+
+def run_dir_of(arg: str) -> Any:
+    """The run directory named by `arg`: a directory holding `job.json`, or a job id that
+    `scontrol` still knows."""
+    from pathlib import Path
+
+    from hpcrl.jobs import resolve
+    from hpcrl.slurm import SlurmError
+
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        if not (path / "job.json").is_file() and not any(path.glob("*/metrics.jsonl")) \
+                and not (path / "metrics.jsonl").is_file():
+            raise SlurmError(f"`{path}` is not a run directory (no `job.json`, no "
+                             "`metrics.jsonl`); name the directory `hpcrl submit` printed")
+        return path.absolute()
+    if "/" in arg:
+        raise SlurmError(f"run directory `{arg}` does not exist")
+    ref = resolve(arg)
+    if ref.run_dir is None:
+        raise SlurmError(f"cannot find the run directory of job {arg}; name the run directory")
+    return ref.run_dir
 
 
 def add_site(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""`hpcrl cancel JOB`."""
+"""`hpcrl cancel JOB|RUN`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,33 @@ import argparse
 
 from hpcrl.commands._common import user_errors
 
-HELP = "cancel a job (job id or run directory)"
+HELP = ("cancel a job (job id or run directory); a local run is asked to stop with a "
+        "checkpoint, like Ctrl-C")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", help="Slurm job id or run directory")
+
+
+def stop_local(run_dir: object) -> str:
+    """SIGTERM to the head agent of the run's latest restart, which forwards it to the trainer
+    (it checkpoints and exits); returns what was done."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from hpcrl import rundir
+    from hpcrl.slurm import SlurmError
+
+    run = Path(str(run_dir))
+    found = rundir.restart_indices(run)
+    info = rundir.read_restart(run, found[-1]) if found else None
+    if info is None or info.ended is not None or info.head_pid is None \
+            or not rundir.pid_alive(info.head_pid):
+        raise SlurmError(f"the local run `{run}` is not running (`hpcrl status {run}`)")
+    os.kill(info.head_pid, signal.SIGTERM)
+    return (f"asked the local run {run} (run {info.index}, agent pid {info.head_pid}) to stop; "
+            "the trainer finishes its step and checkpoints")
 
 
 @user_errors
@@ -19,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from hpcrl.slurm import check_job_id, run_slurm
 
     ref = resolve(args.job)
+    if str(ref.job_id).startswith("local-") and ref.run_dir is not None:
+        print(stop_local(ref.run_dir))
+        return 0
     job = check_job_id(str(ref.job_id))
     run_slurm(["scancel", job])
     print(f"cancelled job {job}")

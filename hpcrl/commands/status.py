@@ -1,43 +1,65 @@
-"""`hpcrl status JOB`."""
+"""`hpcrl status JOB|RUN`: state, restarts, last checkpoint and latest metrics."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from hpcrl.commands._common import user_errors
 
-HELP = "show a job's state (job id or run directory)"
+HELP = "show a job's state, restarts, last checkpoint and latest metrics (job id or run directory)"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", help="Slurm job id or run directory")
 
 
-@user_errors
-def run(args: argparse.Namespace) -> int:
-    from hpcrl.jobs import resolve
+def slurm_lines(job_id: str) -> tuple[list[str], bool]:
+    """What Slurm says of `job_id`, and whether it still runs or waits."""
     from hpcrl.slurm import (
         SQUEUE_FORMAT,
-        SlurmError,
         describe_job,
         parse_scontrol_show_job,
         parse_squeue,
         run_slurm,
     )
 
-    ref = resolve(args.job)
-    if ref.job_id is None or not ref.job_id.isdigit():
-        raise SlurmError(f"`{args.job}` did not run under Slurm (job id {ref.job_id})")
-    queued = parse_squeue(run_slurm(["squeue", "-h", "-j", ref.job_id, "-o", SQUEUE_FORMAT],
+    queued = parse_squeue(run_slurm(["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT],
                                     check=False))
-    for e in queued:
-        print(f"{e.job_id} {e.state} elapsed {e.elapsed} of {e.time_limit}, {e.nodes} node(s), "
-              f"{e.reason}")
-    info = parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", ref.job_id],
-                                             check=False))
-    for line in describe_job(info):
-        print(line)
+    lines = [f"slurm: {e.job_id} {e.state} elapsed {e.elapsed} of {e.time_limit}, {e.nodes} "
+             f"node(s), {e.reason}" for e in queued]
+    info = parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", job_id], check=False))
+    lines += ["slurm: " + ln for ln in describe_job(info)]
     if not queued and not info:
-        print(f"job {ref.job_id}: no longer known to Slurm (finished); run directory: "
-              f"{ref.run_dir}")
+        lines.append(f"slurm: job {job_id} is no longer known (finished)")
+    return lines, bool(queued)
+
+
+def submitted_job_id(run_dir: Path) -> str | None:
+    try:
+        return str(json.loads((run_dir / "submission.json").read_text())["job_id"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@user_errors
+def run(args: argparse.Namespace) -> int:
+    import shutil
+
+    from hpcrl.commands._common import run_dir_of
+    from hpcrl.rundir import run_report
+
+    run_dir = run_dir_of(args.job)
+    job_id = args.job if not Path(args.job).expanduser().is_dir() else submitted_job_id(run_dir)
+    alive = None
+    lines: list[str] = []
+    if job_id and job_id.split("_")[0].isdigit() and shutil.which("squeue"):
+        lines, alive = slurm_lines(job_id)
+        alive = alive or None  # not in the queue: judge by the run directory
+    report = run_report(run_dir, alive=alive)
+    if job_id:
+        print(f"job {job_id}")
+    for line in [*report.lines(), *lines]:
+        print(line)
     return 0

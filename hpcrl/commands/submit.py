@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 
@@ -15,6 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="print what would be submitted; submit and create nothing")
     parser.add_argument("--via", choices=["submitit", "sbatch"], default="submitit",
                         help="submit through submitit (default) or the rendered sbatch script")
+    parser.add_argument("--follow", action="store_true",
+                        help="Slurm sites: stay and print progress (queued, nodes joined, one "
+                        "line per step) until the job ends; Ctrl-C stops following, not the job")
     add_job_arguments(parser)
 
 
@@ -25,13 +29,56 @@ def run(args: argparse.Namespace) -> int:
     from hpcrl.jobspec import prepare_run_dir
     from hpcrl.submission import dry_run_text, submit
 
-    _, req = prepare(args)
+    profile, req = prepare(args)
     if args.dry_run:
         text = dry_run_text(req)
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return 0
+    preflight(args, profile, req)
     prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume)
     done = submit(req)
-    for line in done.lines():
-        print(line)
+    if done.via != "local":  # a local run printed its own summary
+        for line in done.lines():
+            print(line, flush=True)
+        if args.follow:
+            follow_job(done.job_id, Path(done.run_dir))
     return done.exit_status or 0
+
+
+def queue_state(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) from `squeue`, None once the job has left the queue."""
+    from hpcrl.slurm import SQUEUE_FORMAT, parse_squeue, run_slurm
+
+    entries = parse_squeue(run_slurm(["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT],
+                                     check=False))
+    return (entries[0].state, entries[0].reason) if entries else None
+
+
+def follow_job(job_id: str, run_dir: Any) -> None:
+    from hpcrl.progress import Progress, follow
+    from hpcrl.rundir import run_report
+
+    progress = Progress(sys.stdout)
+    try:
+        follow(run_dir, lambda: queue_state(job_id), progress)
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"stopped following; the job goes on (`hpcrl status {run_dir}`)")
+        return
+    progress.close()
+    for line in run_report(run_dir, alive=False).lines():
+        print(line)
+
+
+def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
+    """Stop before anything is created when the job cannot work (see `hpcrl.preflight`)."""
+    from pathlib import Path
+
+    from hpcrl import preflight as pf
+
+    pf.report(pf.check_scheduler(profile.name, profile.scheduler)
+              + pf.check_local_nodes(profile.name, profile.scheduler, req.spec.nodes), fatal=True)
+    if args.whole_command or args.resume:
+        return
+    problems = pf.check_trainer_job(list(req.spec.payload[3:]), Path(req.run_dir))
+    pf.report(problems, fatal=profile.scheduler == "local")

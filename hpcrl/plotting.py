@@ -1,0 +1,100 @@
+"""`hpcrl plot RUN`: one PNG with reward, KL, entropy, response length and step time per step.
+
+matplotlib is imported only here, when a plot is asked for, with the Agg backend (no display).
+Restarts (a run that resumed from a checkpoint) are dashed vertical lines at the first step of
+each later run, labelled `restart N`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcrl import rundir
+
+
+class PlotError(ValueError):
+    """Nothing to plot; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: a title and the metric names tried in order."""
+
+    title: str
+    names: tuple[str, ...]
+    ylabel: str
+
+
+PANELS = (
+    Panel("reward", rundir.REWARD, "mean score"),
+    Panel("KL", rundir.KL, "KL"),
+    Panel("entropy", rundir.ENTROPY, "nats/token"),
+    Panel("response length", rundir.RESPONSE_LENGTH, "tokens"),
+    Panel("step time", rundir.STEP_TIME, "seconds"),
+)
+
+
+def series(records: Sequence[dict[str, Any]], panel: Panel) -> tuple[str | None, list[int], list[float]]:
+    """(metric name used, steps, values) of one panel; the first name that any record has."""
+    for name in panel.names:
+        steps = [int(r["step"]) for r in records if isinstance(r.get(name), int | float)]
+        if steps:
+            values = [float(r[name]) for r in records if isinstance(r.get(name), int | float)]
+            return name, steps, values
+    return None, [], []
+
+
+def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
+    """The matplotlib Figure: one row per panel, shared step axis, restarts marked."""
+    if not records:
+        raise PlotError("no steps to plot: the run has not logged any step yet (`metrics.jsonl` "
+                        "is empty); wait for the first step or check `hpcrl logs RUN`")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 11), layout="constrained")
+    axes = fig.subplots(len(PANELS), 1, sharex=True)
+    restarts = rundir.restart_starts(records)
+    for ax, panel in zip(axes, PANELS, strict=True):
+        name, steps, values = series(records, panel)
+        if name is None:
+            ax.text(0.5, 0.5, f"not logged ({', '.join(panel.names)})", ha="center",
+                    va="center", transform=ax.transAxes, color="gray")
+        else:
+            ax.plot(steps, values, marker="o", markersize=3, label=name)
+            ax.legend(loc="best", fontsize="small")
+        ax.set_title(panel.title, loc="left", fontsize="medium")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(True, alpha=0.3)
+        for restart, step in restarts:
+            ax.axvline(step - 0.5, color="tab:red", linestyle="--", linewidth=1)
+            if panel is PANELS[0]:
+                ax.annotate(f"restart {restart}: resumed after step {step - 1}", xy=(step - 0.5, 1), xycoords=("data", "axes fraction"),
+                            xytext=(3, -12), textcoords="offset points", color="tab:red",
+                            fontsize="small")
+    axes[-1].set_xlabel("step")
+    last = records[-1]
+    total = last.get("training/total_steps")
+    summary = f"{len(records)} steps" + (f" of {total}" if isinstance(total, int) else "")
+    if restarts:
+        summary += f", {len(restarts)} restart{'s' if len(restarts) > 1 else ''}"
+    fig.suptitle(f"{title}\n{summary}" if title else summary, fontsize="medium")
+    return fig
+
+
+def plot_run(run_dir: Path, output: Path | None = None) -> tuple[Path, Any]:
+    """Write the PNG of `run_dir` (default `RUN/metrics.png`); return (path, figure)."""
+    metrics = rundir.find_metrics(run_dir)
+    if metrics is None:
+        raise PlotError(f"no `metrics.jsonl` in `{run_dir}` (searched 3 levels deep): is it a run "
+                        "directory, and has the trainer logged a step yet?")
+    fig = build_figure(rundir.read_metrics(metrics), title=str(run_dir))
+    out = output or run_dir / "metrics.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out, fig

@@ -1,0 +1,269 @@
+"""Checks before a job is submitted, for the mistakes a newcomer makes first.
+
+Each check returns problems as one message each (what was received, the rule, the fix). For the
+`local` site every problem stops the submission before anything is created; for a Slurm site
+the path checks are warnings (a path may exist only on the compute nodes) and a missing `sbatch`
+stops it. Each side effect is one argument (`which`, `disk_free`, `read_columns`) that tests
+replace.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+DEMO_HINT = "`make demo` shows a complete command line"
+
+
+class PreflightError(ValueError):
+    """The job would fail on its first step; the message says why and how to fix it."""
+
+
+# ----------------------------------------------------------------------------- Slurm
+
+
+def check_scheduler(site: str, scheduler: str, which: Callable[[str], str | None] = shutil.which
+                    ) -> list[str]:
+    """A Slurm site needs `sbatch` on PATH."""
+    if scheduler != "slurm" or which("sbatch") is not None:
+        return []
+    return [f"site `{site}` submits to Slurm, but `sbatch` is not on PATH on this machine. Fix: "
+            "run hpcrl on the cluster's login node (or load Slurm's client tools, e.g. `module "
+            f"load slurm`); `hpcrl render --site {site} -- ...` prints the script to submit "
+            "there; to run on this machine instead use `--site local`"]
+
+
+def check_local_nodes(site: str, scheduler: str, nodes: int) -> list[str]:
+    """A local site is this one machine: one node."""
+    if scheduler != "local" or nodes <= 1:
+        return []
+    return [f"`--nodes {nodes}` on site `{site}`: a local run is this machine alone (1 node). "
+            "Fix: drop `--nodes`, or submit to a Slurm site for more nodes"]
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, str]:
+    """`key=value` trainer overrides (a leading `+` is dropped, as Hydra allows)."""
+    out = {}
+    for arg in args:
+        if "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            out[key.lstrip("+")] = value.strip().strip("'\"")
+    return out
+
+
+def trainer_defaults() -> dict[str, Any]:
+    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys; empty when the
+    trainer is not installed here."""
+    from importlib import resources
+
+    import yaml
+
+    try:
+        text = resources.files("trainer").joinpath("config.yaml").read_text()
+    except (ModuleNotFoundError, FileNotFoundError):
+        return {}
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = node
+
+    walk("", yaml.safe_load(text))
+    return flat
+
+
+def setting(key: str, overrides: Mapping[str, str], defaults: Mapping[str, Any]) -> tuple[Any, bool]:
+    """(value, given on the command line)."""
+    if key in overrides:
+        return overrides[key], True
+    return defaults.get(key), False
+
+
+def as_list(value: Any) -> list[str]:
+    """`a.parquet`, `[a.parquet, b.parquet]` or a YAML list -> file names."""
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        return [p.strip().strip("'\"") for p in text[1:-1].split(",") if p.strip()]
+    return [text]
+
+
+def is_true(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def _where(key: str, given: bool) -> str:
+    return f"`{key}`" + ("" if given else " (its default; you did not set it)")
+
+
+def check_path(key: str, value: str, given: bool, workdir: Path, what: str) -> tuple[Path | None, list[str]]:
+    """An existing absolute path, or the problem."""
+    if value in ("", "null", "None"):
+        return None, []
+    path = Path(os.path.expandvars(value)).expanduser()
+    if not path.is_absolute():
+        return None, [f"{_where(key, given)} is the relative path `{value}`, but the trainer runs "
+                      f"in the run directory `{workdir}`. Fix: give an absolute path, e.g. "
+                      f"`{key}=$PWD/{value}`"]
+    if not path.exists():
+        return None, [f"{_where(key, given)} is `{value}`, which does not exist. Fix: pass "
+                      f"`{key}=<{what}>`; {DEMO_HINT}"]
+    return path, []
+
+
+def check_model(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path
+                ) -> tuple[Path | None, list[str]]:
+    value, given = setting("actor_rollout_ref.model.path", overrides, defaults)
+    if value is None:
+        return None, []
+    path, problems = check_path("actor_rollout_ref.model.path", str(value), given, workdir,
+                                "a directory written by `save_pretrained`, or a `.gguf` file")
+    if path is not None and path.is_dir() and not (path / "config.json").is_file():
+        problems.append(f"`actor_rollout_ref.model.path={value}` has no `config.json`: it is not "
+                        "a model written by `save_pretrained`. Fix: point it at the model's "
+                        "directory (the one holding `config.json` and the weights)")
+    return path, problems
+
+
+def parquet_columns(path: Path) -> list[str] | None:
+    """Column names of a parquet file; None when pyarrow is not installed here."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None
+    return list(pq.read_schema(path).names)
+
+
+def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path,
+               read_columns: Callable[[Path], list[str] | None] = parquet_columns) -> list[str]:
+    """Training (and, when validation runs, validation) files exist and have verl's columns."""
+    keys = ["data.train_files"]
+    val_before, _ = setting("trainer.val_before_train", overrides, defaults)
+    test_freq, _ = setting("trainer.test_freq", overrides, defaults)
+    if is_true(val_before) or (str(test_freq).lstrip("-").isdigit() and int(str(test_freq)) > 0):
+        keys.append("data.val_files")
+    needed = [str(setting(f"data.{k}", overrides, defaults)[0] or d)
+              for k, d in (("prompt_key", "prompt"), ("reward_fn_key", "data_source"))]
+    needed.append("reward_model")
+    problems: list[str] = []
+    for key in keys:
+        value, given = setting(key, overrides, defaults)
+        for name in as_list(value):
+            path, found = check_path(key, name, given, workdir, "a verl-format parquet file")
+            problems += found
+            if path is None or not path.is_file():
+                continue
+            try:
+                columns = read_columns(path)
+            except Exception as exc:  # pyarrow's errors for a file that is not parquet
+                problems.append(f"`{key}`: `{path}` cannot be read as parquet ({exc}). Fix: "
+                                "write it with `python -m trainer.preprocess`")
+                continue
+            missing = [c for c in needed if columns is not None and c not in columns]
+            if missing and columns is not None:
+                problems.append(
+                    f"`{key}`: `{path}` lacks column(s) {', '.join(f'`{c}`' for c in missing)} "
+                    f"(it has {', '.join(columns)}); the trainer reads verl's format. Fix: "
+                    "convert it with `python -m trainer.preprocess gsm8k --input FILE --output "
+                    "DIR`, or name your columns with `data.prompt_key=`/`data.reward_fn_key=`")
+    return problems
+
+
+# ----------------------------------------------------------------------------- disk space
+
+
+def model_bytes(path: Path) -> int:
+    """Bytes of the model's weight files."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def checkpoint_bytes(model: Path, with_critic: bool) -> int:
+    """About one checkpoint: fp32 actor, AdamW's two moments and an HF export (x4 of the fp32
+    weights), a critic's weights and moments (x3) when GAE trains one, plus 10%."""
+    weights = model_bytes(model)
+    if model.suffix == ".gguf":
+        weights *= 2  # stored at 16 bits or less, trained in fp32
+    else:
+        config = model / "config.json"
+        text = config.read_text() if config.is_file() else ""
+        if "bfloat16" in text or "float16" in text:
+            weights *= 2
+    factor = 4 + (3 if with_critic else 0)
+    return int(weights * factor * 1.1)
+
+
+def format_bytes(n: int) -> str:
+    """`4.2 MB`, `1.50 GiB`."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1e6:.1f} MB"
+
+
+def existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_free(path: Path) -> int:
+    return shutil.disk_usage(existing_parent(path)).free
+
+
+def check_space(ckpt_root: Path, model: Path, with_critic: bool,
+                free: Callable[[Path], int] = disk_free) -> list[str]:
+    need = checkpoint_bytes(model, with_critic)
+    have = free(ckpt_root)
+    if have >= need:
+        return []
+    return [f"checkpoints go to `{ckpt_root}`, whose filesystem has {format_bytes(have)} free; one "
+            f"checkpoint of `{model}` needs about {format_bytes(need)} (weights, optimizer state "
+            "and an HF export). Fix: free space there, or set `trainer.default_local_dir=` (or "
+            "`--run-dir`) to a filesystem with room"]
+
+
+# ----------------------------------------------------------------------------- all together
+
+
+def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
+                      read_columns: Callable[[Path], list[str] | None] = parquet_columns,
+                      free: Callable[[Path], int] = disk_free) -> list[str]:
+    """Every check of a trainer job whose payload overrides are `payload_args`."""
+    from hpcrl.rundir import trainer_dirs
+
+    overrides = parse_overrides(payload_args)
+    defaults = trainer_defaults()
+    model, problems = check_model(overrides, defaults, run_dir)
+    problems += check_data(overrides, defaults, run_dir, read_columns)
+    if model is not None and not problems:
+        estimator, _ = setting("algorithm.adv_estimator", overrides, defaults)
+        _, ckpt_root = trainer_dirs(run_dir, overrides)
+        problems += check_space(ckpt_root, model, str(estimator) == "gae", free)
+    return problems
+
+
+def report(problems: Sequence[str], fatal: bool) -> None:
+    """Raise for fatal problems; print the others as warnings."""
+    if not problems:
+        return
+    if fatal:
+        raise PreflightError("\n  ".join(problems) if len(problems) == 1 else
+                             f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+    import sys
+
+    for p in problems:
+        print(f"hpcrl: warning: {p} (if it exists only on the compute nodes, ignore this)",
+              file=sys.stderr)

@@ -1,0 +1,228 @@
+"""Progress of a run that fits a terminal: what it waits for, then one line per training step.
+
+:class:`RunWatcher` turns the run directory into events (pure reading of the files the node
+agent and the trainer write); :class:`Progress` prints them. On a terminal the waiting state is
+one line rewritten in place and each step a line of its own; when stdout is not a terminal only
+state changes and step lines are printed, plainly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from hpcrl import rundir
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
+    """`step 3/15  reward 0.068  kl 0.0923  entropy 3.87  len 7.5  9.6s/step  ETA 1m55s`."""
+    total = record.get("training/total_steps")
+    parts = [f"step {record['step']}" + (f"/{total}" if isinstance(total, int) else "")]
+    for label, names, fmt in (("reward", rundir.REWARD, "{:.3f}"), ("kl", rundir.KL, "{:.3g}"),
+                              ("entropy", rundir.ENTROPY, "{:.3g}"),
+                              ("len", rundir.RESPONSE_LENGTH, "{:.1f}")):
+        found = rundir.pick(record, names)
+        if found:
+            parts.append(f"{label} {fmt.format(found[1])}")
+    step_time = rundir.pick(record, rundir.STEP_TIME)
+    if step_time:
+        parts.append(f"{step_time[1]:.1f}s/step")
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
+    return "  ".join(parts)
+
+
+def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) -> float | None:
+    """Remaining steps times the recent wall time per step (between arrivals of step lines),
+    at least the trainer's own step time."""
+    if not records:
+        return None
+    last = records[-1]
+    total = last.get("training/total_steps")
+    if not isinstance(total, int):
+        return None
+    remaining = total - int(last["step"])
+    if remaining <= 0:
+        return None
+    found = rundir.pick(last, rundir.STEP_TIME)
+    per_step = found[1] if found else 0.0
+    if len(arrivals) >= 2:  # never below the trainer's own step time (lines read in a batch)
+        recent = arrivals[-6:]
+        per_step = max(per_step, (recent[-1] - recent[0]) / (len(recent) - 1))
+    return remaining * per_step if per_step > 0 else None
+
+
+def waiting_text(info: rundir.RestartInfo | None, queued: str | None = None) -> str:
+    """What the run waits for, from its restart's files (or the scheduler's word)."""
+    if queued:
+        return queued
+    if info is None:
+        return "starting the node agent"
+    total = info.nodes_total or "?"
+    if info.payload_started:
+        return f"{total}/{total} nodes joined; trainer loading the model and data"
+    if info.nodes_total is None:
+        return "node agent starting"
+    return f"starting Ray: {info.nodes_joined}/{total} nodes joined"
+
+
+@dataclass
+class RunWatcher:
+    """Follows one restart of a run: its waiting state and its new metric records."""
+
+    run_dir: Path
+    restart: int | None = None
+    clock: Callable[[], float] = time.monotonic
+    shown: set[int] = field(default_factory=set)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    _offset: int = 0
+    _path: Path | None = None
+
+    def current_restart(self) -> int | None:
+        if self.restart is not None:
+            return self.restart
+        found = rundir.restart_indices(self.run_dir)
+        return found[-1] if found else None
+
+    def info(self) -> rundir.RestartInfo | None:
+        r = self.current_restart()
+        if r is None or not (self.run_dir / str(r)).is_dir():
+            return None
+        return rundir.read_restart(self.run_dir, r)
+
+    def _read_new(self) -> list[dict[str, Any]]:
+        if self._path is None:
+            self._path = rundir.find_metrics(self.run_dir)
+            if self._path is None:
+                return []
+        try:
+            size = self._path.stat().st_size
+            if size < self._offset:  # rewritten on resume: read it again, `shown` dedupes
+                self._offset = 0
+            with self._path.open("rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        return rundir.parse_metrics(complete.decode(errors="replace"))
+
+    def new_steps(self) -> list[dict[str, Any]]:
+        """Records of this restart not returned before (all restarts when none is set)."""
+        out = []
+        for rec in self._read_new():
+            mark = rec.get("training/restart")
+            if self.restart is not None and isinstance(mark, int) and mark != self.restart:
+                continue
+            if rec["step"] in self.shown:
+                continue
+            self.shown.add(rec["step"])
+            self.records.append(rec)
+            self.arrivals.append(self.clock())
+            out.append(rec)
+        return out
+
+    def eta(self, record: dict[str, Any] | None = None) -> float | None:
+        """ETA as of `record` (default: the newest)."""
+        n = len(self.records)
+        if record is not None:
+            n = next(i for i, r in enumerate(self.records) if r is record) + 1
+        return eta_seconds(self.records[:n], self.arrivals[:n])
+
+
+class Progress:
+    """Prints waiting states and step lines to `stream`."""
+
+    def __init__(self, stream: TextIO, tty: bool | None = None, quiet: bool = False) -> None:
+        self.stream = stream
+        self.tty = stream.isatty() if tty is None else tty
+        self.quiet = quiet
+        self._status = ""
+        self._transient = False
+
+    def _width(self) -> int:
+        return max(20, shutil.get_terminal_size((100, 24)).columns - 1)
+
+    def _clear(self) -> None:
+        if self._transient:
+            self.stream.write("\r\x1b[K")
+            self._transient = False
+
+    def status(self, text: str) -> None:
+        """A waiting state: rewritten in place on a terminal, a line when it changes otherwise."""
+        if self.quiet or text == self._status:
+            return
+        self._status = text
+        if self.tty:
+            self._clear()
+            self.stream.write(text[: self._width()])
+            self._transient = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        """A line that stays (a step, a note)."""
+        if self.quiet:
+            return
+        self._clear()
+        self.stream.write(text + "\n")
+        self.stream.flush()
+        if self.tty and self._status:
+            self._status = ""
+
+    def close(self) -> None:
+        if not self.quiet:
+            self._clear()
+            self.stream.flush()
+
+
+def stdout_is_tty(stream: TextIO) -> bool:
+    return stream.isatty() and os.environ.get("TERM") != "dumb"
+
+
+JobState = Callable[[], "tuple[str, str] | None"]
+"""() -> (state, reason) while the scheduler knows the job (`PENDING`, `Priority`), else None."""
+
+
+def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float = 2.0,
+           sleep: Callable[[float], None] = time.sleep, max_polls: int | None = None) -> None:
+    """Print a submitted job's progress until the scheduler forgets it: queued, nodes joining,
+    one line per step; a requeue starts following the next run (`RUN/<N>/`)."""
+    watcher: RunWatcher | None = None
+    polls = 0
+    while max_polls is None or polls < max_polls:
+        polls += 1
+        state = job_state()
+        found = rundir.restart_indices(run_dir)
+        if found and (watcher is None or watcher.restart != found[-1]):
+            if watcher is not None:
+                progress.line(f"requeued: run {found[-1]} of the job starts")
+            watcher = RunWatcher(run_dir, restart=found[-1])
+        if watcher is not None:
+            for rec in watcher.new_steps():
+                progress.line(format_step(rec, watcher.eta(rec)))
+        if state is None:
+            return
+        if state[0] in ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD"):
+            progress.status(f"queued ({state[1]})" if state[1] else "queued")
+        elif watcher is None or not watcher.records:
+            progress.status(waiting_text(watcher.info() if watcher else None))
+        sleep(poll_s)

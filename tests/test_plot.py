@@ -1,0 +1,81 @@
+"""`hpcrl plot RUN`: a PNG with the five series against step, restarts marked."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from hpcrl.plotting import PANELS, PlotError, build_figure, plot_run
+from tests.conftest import run_hpcrl
+from tests.test_rundir import record, write_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk, after checking the signature."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    records = [record(s, 0, total=6, reward=0.1 * s) for s in (1, 2, 3)]
+    records += [record(s, 1, total=6, reward=0.1 * s) for s in (4, 5, 6)]
+    write_metrics(run / "metrics.jsonl", records)
+    return run
+
+
+def test_figure_has_the_five_series_and_the_restart(run: Path) -> None:
+    out, fig = plot_run(run, run / "plot.png")
+    assert png_size(out) == (800, 1100)
+    axes = fig.get_axes()
+    assert [a.get_title(loc="left") for a in axes] == [p.title for p in PANELS] == [
+        "reward", "KL", "entropy", "response length", "step time"]
+    assert axes[-1].get_xlabel() == "step"
+    expected = {"reward": "critic/score/mean", "KL": "actor/kl_loss", "entropy": "actor/entropy",
+                "response length": "response_length/mean", "step time": "timing_s/step"}
+    for ax in axes:
+        data = [ln for ln in ax.get_lines() if ln.get_label() == expected[ax.get_title(loc="left")]]
+        assert len(data) == 1, ax.get_title(loc="left")
+        assert list(data[0].get_xdata()) == [1, 2, 3, 4, 5, 6]
+        restart_lines = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [3.5, 3.5]]
+        assert len(restart_lines) == 1, "restart 1 (first step 4) is marked on every panel"
+    rewards = next(ln for ln in axes[0].get_lines() if ln.get_label() == "critic/score/mean")
+    assert list(rewards.get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert any("restart 1: resumed after step 3" in t.get_text() for t in axes[0].texts)
+    assert "6 steps of 6, 1 restart" in fig.texts[0].get_text()
+
+
+def test_missing_series_is_said_not_drawn() -> None:
+    fig = build_figure([{"step": 1, "critic/score/mean": 0.2}])
+    kl = fig.get_axes()[1]
+    assert kl.get_lines() == [] and "not logged" in kl.texts[0].get_text()
+
+
+def test_plot_command_writes_a_png(run: Path, tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    proc = run_hpcrl(["plot", str(run), "-o", str(tmp_path / "out.png")], env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "out.png")
+    assert png_size(tmp_path / "out.png") == (800, 1100)
+    default = run_hpcrl(["plot", str(run)], env)
+    assert default.returncode == 0 and (run / "metrics.png").stat().st_size > 10_000
+
+
+def test_nothing_to_plot_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(PlotError, match="no steps to plot"):
+        build_figure([])
+    empty = tmp_path / "empty"
+    (empty).mkdir()
+    (empty / "job.json").write_text('{"payload": []}')
+    proc = run_hpcrl(["plot", str(empty)], {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "no `metrics.jsonl`" in proc.stderr
+    proc = run_hpcrl(["plot", str(tmp_path / "nope" / "run")], {"PATH": "/usr/bin:/bin",
+                                                                  "HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "does not exist" in proc.stderr

@@ -1,0 +1,143 @@
+"""The mistakes a newcomer makes first each get one message with the fix, before anything is
+created: no Slurm for a Slurm site, unknown site, missing model, dataset without verl's
+columns, no space for a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hpcrl import preflight as pf
+from tests.conftest import run_hpcrl
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A model directory as `save_pretrained` leaves it (weights of 1 MB, fp32)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"torch_dtype": "float32"}')
+    (d / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+    return d
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    rows = {"data_source": ["toy"], "prompt": [[{"role": "user", "content": "hi"}]],
+            "reward_model": [{"style": "rule", "ground_truth": "7"}]}
+    pq.write_table(pa.table(rows), d / "train.parquet")
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), d / "raw.parquet")
+    return d
+
+
+def args(model: Path, train: Path, *extra: str) -> list[str]:
+    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
+            "trainer.val_before_train=false", *extra]
+
+
+def test_a_good_job_passes(model: Path, data: Path, tmp_path: Path) -> None:
+    assert pf.check_trainer_job(args(model, data / "train.parquet"), tmp_path / "run") == []
+
+
+def test_no_sbatch_for_a_slurm_site() -> None:
+    assert pf.check_scheduler("local", "local", which=lambda _: None) == []
+    assert pf.check_scheduler("h100", "slurm", which=lambda _: "/usr/bin/sbatch") == []
+    [msg] = pf.check_scheduler("h100", "slurm", which=lambda _: None)
+    assert "`sbatch` is not on PATH" in msg and "--site local" in msg and "module load" in msg
+
+
+def test_local_site_is_one_node() -> None:
+    assert pf.check_local_nodes("local", "local", 1) == []
+    assert pf.check_local_nodes("h100", "slurm", 4) == []
+    [msg] = pf.check_local_nodes("local", "local", 2)
+    assert "`--nodes 2` on site `local`" in msg and "drop `--nodes`" in msg
+
+
+def test_missing_model_and_default_paths(data: Path, tmp_path: Path) -> None:
+    [msg] = pf.check_trainer_job(args(tmp_path / "nope", data / "train.parquet"), tmp_path)
+    assert f"`actor_rollout_ref.model.path` is `{tmp_path / 'nope'}`, which does not exist" in msg
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    [msg] = pf.check_trainer_job(args(not_a_model, data / "train.parquet"), tmp_path)
+    assert "has no `config.json`" in msg
+    problems = pf.check_trainer_job([], tmp_path)  # nothing given: the trainer's defaults
+    assert len(problems) == 3 and all("its default; you did not set it" in p for p in problems)
+
+
+def test_relative_paths_are_refused_with_the_absolute_form(model: Path, tmp_path: Path) -> None:
+    [msg] = pf.check_trainer_job(args(model, Path("data/train.parquet")), tmp_path / "run")
+    assert "relative path `data/train.parquet`" in msg
+    assert "`data.train_files=$PWD/data/train.parquet`" in msg
+
+
+def test_dataset_columns(model: Path, data: Path, tmp_path: Path) -> None:
+    [msg] = pf.check_trainer_job(args(model, data / "raw.parquet"), tmp_path)
+    assert "lacks column(s) `prompt`, `data_source`, `reward_model`" in msg
+    assert "(it has question, answer)" in msg and "python -m trainer.preprocess gsm8k" in msg
+    renamed = args(model, data / "raw.parquet", "data.prompt_key=question")
+    [msg] = pf.check_trainer_job(renamed, tmp_path)
+    assert "lacks column(s) `data_source`, `reward_model`" in msg
+    listed = pf.check_trainer_job(
+        args(model, f"[{data / 'train.parquet'}, {data / 'raw.parquet'}]"), tmp_path)
+    assert len(listed) == 1 and "raw.parquet" in listed[0]
+    val = [f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
+           f"data.val_files={data / 'raw.parquet'}"]  # validation runs by default
+    [msg] = pf.check_trainer_job(val, tmp_path)
+    assert msg.startswith("`data.val_files`")
+    (data / "junk.parquet").write_text("not parquet")
+    [msg] = pf.check_trainer_job(args(model, data / "junk.parquet"), tmp_path)
+    assert "cannot be read as parquet" in msg
+
+
+def test_no_space_for_a_checkpoint(model: Path, data: Path, tmp_path: Path) -> None:
+    need = pf.checkpoint_bytes(model, with_critic=False)
+    assert need == int(1_000_000 * 4 * 1.1)
+    assert pf.checkpoint_bytes(model, with_critic=True) == int(1_000_000 * 7 * 1.1)
+    seen: list[Path] = []
+
+    def free(path: Path) -> int:
+        seen.append(path)
+        return need - 1
+
+    [msg] = pf.check_trainer_job(args(model, data / "train.parquet",
+                                      "trainer.default_local_dir=/big/ckpt",
+                                      "algorithm.adv_estimator=grpo"), tmp_path, free=free)
+    assert seen == [Path("/big/ckpt")]
+    assert "checkpoints go to `/big/ckpt`, whose filesystem has 4.4 MB free" in msg
+    assert "needs about 4.4 MB" in msg and pf.format_bytes(3 * pf.GIB) == "3.00 GiB"
+    assert "set `trainer.default_local_dir=`" in msg
+    assert pf.check_trainer_job(args(model, data / "train.parquet", "algorithm.adv_estimator=grpo"),
+                                tmp_path, free=lambda _: need) == []
+
+
+def test_submit_local_stops_before_creating_anything(tmp_path: Path, data: Path) -> None:
+    run = tmp_path / "run"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = run_hpcrl(["submit", "--site", "local", "--run-dir", str(run), "--",
+                      f"actor_rollout_ref.model.path={tmp_path / 'nope'}",
+                      f"data.train_files={data / 'raw.parquet'}", "trainer.val_before_train=false"],
+                     env)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("hpcrl: error: 2 problems:")
+    assert "does not exist" in proc.stderr and "lacks column(s)" in proc.stderr
+    assert not run.exists()
+
+
+def test_unknown_site_lists_the_known_ones(tmp_path: Path) -> None:
+    proc = run_hpcrl(["submit", "--site", "nosuch", "--", "a=1"],
+                     {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "no site profile `nosuch`" in proc.stderr and "local" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_slurm_site_without_sbatch(tmp_path: Path) -> None:
+    proc = run_hpcrl(["submit", "--site", "h100-cluster", "--run-dir", str(tmp_path / "r"), "--",
+                      "a=1"], {"PATH": str(tmp_path), "HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "`sbatch` is not on PATH" in proc.stderr
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,324 @@
+"""Reading a run directory (restarts, node states, metrics, checkpoints) and printing progress
+from it: the files are written here exactly as the node agent and the trainer write them."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from hpcrl import rundir
+from hpcrl.progress import (
+    Progress,
+    RunWatcher,
+    eta_seconds,
+    format_duration,
+    format_step,
+    waiting_text,
+)
+from tests.conftest import run_hpcrl
+
+HOST = socket.gethostname()
+
+
+def record(step: int, restart: int = 0, total: int = 6, reward: float = 0.1) -> dict:
+    return {"step": step, "critic/score/mean": reward, "actor/kl_loss": 0.01 * step,
+            "actor/entropy": 3.9 - 0.1 * step, "response_length/mean": 7.5,
+            "timing_s/step": 2.0, "training/total_steps": total, "training/restart": restart}
+
+
+def write_metrics(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payload: bool = True,
+                 exit_code: int | None = 0, pid: int | None = None) -> None:
+    """`RUN/<index>/` as the head's agent leaves it."""
+    root = run / str(index)
+    (root / "nodes").mkdir(parents=True)
+    (root / "logs").mkdir()
+    (root / "rendezvous.json").write_text(json.dumps({"nodes": [f"n{i}" for i in range(total)]}))
+    log = [f"2026-01-01 00:00:00,000 hpcrl-agent[{HOST} rank 0] {n}/{total} nodes joined"
+           for n in range(joined + 1)]
+    if payload:
+        log.append(f"2026-01-01 00:00:01,000 hpcrl-agent[{HOST} rank 0] all {total} nodes joined; "
+                   "starting the payload: python -m trainer")
+    (root / "logs" / f"agent-0-{HOST}.log").write_text("\n".join(log) + "\n")
+    state = "running" if exit_code is None else "exited"
+    (root / "nodes" / "0.json").write_text(json.dumps(
+        {"rank": 0, "host": HOST, "state": state, "pid": pid or os.getpid(), "time": 0}))
+    if exit_code is not None:
+        (root / "stop.json").write_text(json.dumps({"exit_code": exit_code, "by": HOST}))
+        (root / "summary.txt").write_text(
+            f"job local-1 restart {index}: payload exited with status {exit_code} "
+            f"(exit {exit_code})\nnode {HOST} (rank 0): ...\n")
+
+
+def make_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    d = root / f"global_step_{step}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / "manifest.json").write_text("{}")
+    return d
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text(json.dumps({"payload": [
+        "/usr/bin/python3", "-m", "trainer", f"trainer.run_dir={run}",
+        "trainer.default_local_dir=checkpoints"]}))
+    return run
+
+
+def test_restart_read_from_agent_files(run: Path) -> None:
+    make_restart(run, 0, exit_code=3)
+    make_restart(run, 1, joined=2, total=3, payload=False, exit_code=None)
+    assert rundir.restart_indices(run) == [0, 1]
+    first, second = rundir.read_restart(run, 0), rundir.read_restart(run, 1)
+    assert first.exit_code == 3 and first.payload_started and first.ended.startswith("job local-1")
+    assert rundir.restart_state(first) == "stopped"
+    assert (second.nodes_joined, second.nodes_total, second.payload_started) == (2, 3, False)
+    assert rundir.restart_state(second) == "starting"
+    assert rundir.restart_state(second, alive=False) == "lost"
+    assert waiting_text(second) == "starting Ray: 2/3 nodes joined"
+    assert waiting_text(first) == "1/1 nodes joined; trainer loading the model and data"
+    assert waiting_text(None) == "starting the node agent"
+    assert waiting_text(second, queued="queued (Priority)") == "queued (Priority)"
+
+
+def test_states_from_exit_codes(run: Path) -> None:
+    for index, code in enumerate((0, 2, 130)):
+        make_restart(run, index, exit_code=code)
+    assert [rundir.restart_state(rundir.read_restart(run, i)) for i in (0, 1, 2)] == [
+        "finished", "failed", "aborted"]
+
+
+def test_trainer_dirs_follow_overrides_and_defaults(run: Path) -> None:
+    assert rundir.trainer_dirs(run) == (run, run / "checkpoints")
+    assert rundir.trainer_dirs(run, {}) == (run / "checkpoints/hpcrl/run",) * 2
+    assert rundir.trainer_dirs(run, {"trainer.project_name": "p", "trainer.experiment_name": "e"}
+                                ) == (run / "checkpoints/p/e",) * 2
+
+
+def test_metrics_found_and_partial_lines_skipped(run: Path) -> None:
+    assert rundir.find_metrics(run) is None
+    nested = run / "checkpoints" / "hpcrl" / "run" / "metrics.jsonl"
+    write_metrics(nested, [record(1)])
+    assert rundir.find_metrics(run) == nested  # found by search when overrides point elsewhere
+    write_metrics(run / "metrics.jsonl", [record(1), record(2)])
+    with (run / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 3, "critic/sc')  # cut short by a kill
+    assert [r["step"] for r in rundir.read_metrics(rundir.find_metrics(run))] == [1, 2]
+
+
+def test_latest_complete_checkpoint(run: Path) -> None:
+    make_checkpoint(run / "checkpoints", 2)
+    make_checkpoint(run / "checkpoints", 10)
+    make_checkpoint(run / "checkpoints", 12, complete=False)
+    step, path = rundir.latest_checkpoint(run)
+    assert (step, path.name) == (10, "global_step_10")
+
+
+def test_restart_starts_from_markers() -> None:
+    records = [record(s, 0) for s in (1, 2, 3)] + [record(s, 1) for s in (4, 5)] + [record(6, 2)]
+    assert rundir.restart_starts(records) == [(1, 4), (2, 6)]
+    assert rundir.restart_starts([{"step": 1}, {"step": 2}]) == []
+
+
+def test_report_and_status_command(run: Path) -> None:
+    make_restart(run, 0, exit_code=3)
+    make_restart(run, 1, exit_code=0)
+    write_metrics(run / "metrics.jsonl", [record(1, 0, reward=0.1), record(2, 0, reward=0.2),
+                                          record(3, 1, reward=0.5)])
+    make_checkpoint(run / "checkpoints", 3)
+    report = rundir.run_report(run)
+    assert report.state == "finished" and report.reward_change() == (0.1, 0.5)
+    text = "\n".join(report.lines())
+    assert "finished (2 runs: 1 restart)" in text
+    assert "reward: 0.100 (step 1) -> 0.500 (step 3)" in text
+    assert f"checkpoint: {run / 'checkpoints' / 'global_step_3'} (step 3)" in text
+    (run / "submission.json").write_text(json.dumps({"job_id": "local-1"}))
+    proc = run_hpcrl(["status", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("job local-1\n") and "steps: 3 of 6" in proc.stdout
+
+
+def test_report_sees_a_dead_agent(run: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    make_restart(run, 0, exit_code=None, pid=gone.pid)
+    assert rundir.run_report(run).state == "lost"
+
+
+def test_logs_of_one_restart(run: Path) -> None:
+    make_restart(run, 0, exit_code=3)
+    make_restart(run, 1, exit_code=0)
+    (run / "1" / "logs" / "payload.log").write_text("trainer said hello\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(run)}
+    payload = run_hpcrl(["logs", str(run), "--payload"], env)
+    assert payload.returncode == 0 and payload.stdout == "trainer said hello\n"
+    agent = run_hpcrl(["logs", str(run), "--restart", "0"], env)
+    assert f"agent-0-{HOST}.log <==" in agent.stdout and "starting the payload" in agent.stdout
+    bad = run_hpcrl(["logs", str(run), "--restart", "7"], env)
+    assert bad.returncode == 2 and "has runs 0, 1" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def test_format_step_and_eta() -> None:
+    line = format_step(record(3, total=15), eta_s=125)
+    assert line == ("step 3/15  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  "
+                    "ETA 2m05s")
+    assert format_step({"step": 1}) == "step 1"
+    assert [format_duration(s) for s in (5, 65, 7300)] == ["5s", "1m05s", "2h01m"]
+    recs = [record(s, total=10) for s in (1, 2, 3)]
+    assert eta_seconds(recs[:1], [0.0]) == pytest.approx(9 * 2.0)  # trainer's own step time
+    assert eta_seconds(recs, [0.0, 4.0, 8.0]) == pytest.approx(7 * 4.0)  # wall time per step
+    assert eta_seconds(recs, [0.0, 0.1, 0.2]) == pytest.approx(7 * 2.0)  # a backlog read at once
+    assert eta_seconds([record(10, total=10)], [0.0]) is None
+
+
+def test_watcher_follows_one_restart_through_a_rewrite(run: Path) -> None:
+    clock = iter(range(100)).__next__
+    path = run / "metrics.jsonl"
+    write_metrics(path, [record(1, 0), record(2, 0), record(3, 0)])
+    watcher = RunWatcher(run, restart=1, clock=lambda: float(clock()))
+    assert watcher.new_steps() == []  # steps of the earlier run are not this run's
+    # the resumed trainer drops steps after its checkpoint (2) and goes on
+    write_metrics(path, [record(1, 0), record(2, 0)])
+    assert watcher.new_steps() == []
+    with path.open("a") as fh:
+        fh.write(json.dumps(record(3, 1)) + "\n" + '{"step": 4, "crit')
+    assert [r["step"] for r in watcher.new_steps()] == [3]
+    with path.open("a") as fh:
+        fh.write('ic/score/mean": 0.3, "training/restart": 1}\n')
+    assert [r["step"] for r in watcher.new_steps()] == [4]
+    assert watcher.new_steps() == []
+
+
+def test_progress_on_a_terminal_and_in_a_file() -> None:
+    tty = io.StringIO()
+    p = Progress(tty, tty=True)
+    p.status("starting Ray: 0/1 nodes joined")
+    p.status("starting Ray: 0/1 nodes joined")
+    p.status("1/1 nodes joined")
+    p.line("step 1")
+    p.close()
+    assert tty.getvalue() == ("starting Ray: 0/1 nodes joined\r\x1b[K1/1 nodes joined\r\x1b[K"
+                              "step 1\n")
+    plain = io.StringIO()
+    p = Progress(plain, tty=False)
+    for text in ("a", "a", "b"):
+        p.status(text)
+    p.line("step 1")
+    assert plain.getvalue() == "a\nb\nstep 1\n"
+    quiet = io.StringIO()
+    Progress(quiet, tty=False, quiet=True).line("x")
+    assert quiet.getvalue() == ""
+
+
+# ----------------------------------------------------------------------------- trainer side
+
+
+def test_trainer_takes_sigint_as_stop_under_hpcrl_and_aborts_on_the_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.stop import STOP_SIGNALS, StopRequest, stop_signals
+
+    assert stop_signals({}) == STOP_SIGNALS
+    assert signal.SIGINT in stop_signals({"HPCRL_RUN_DIR": str(tmp_path)})
+    monkeypatch.setenv("HPCRL_RUN_DIR", str(tmp_path))
+    stop = StopRequest(tmp_path)
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() and stop.reason() == "signal SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()
+
+
+def test_trainer_restart_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.ppo import launcher_restart
+
+    monkeypatch.delenv("HPCRL_RESTART", raising=False)
+    assert launcher_restart() == 0
+    monkeypatch.setenv("HPCRL_RESTART", "2")
+    assert launcher_restart() == 2
+
+
+def test_follow_a_slurm_job_from_queue_to_requeue(run: Path) -> None:
+    """The scheduler's answers and the run directory's files change between polls (the `sleep`
+    seam writes what the agents and the trainer would have written by then)."""
+    from hpcrl.progress import follow
+
+    states = iter([("PENDING", "Priority"), ("PENDING", "Resources"), ("RUNNING", "node[1-3]"),
+                   ("RUNNING", ""), ("RUNNING", ""), ("PENDING", "BeginTime"), ("RUNNING", ""),
+                   None])
+    metrics = run / "metrics.jsonl"
+
+    def world(poll: int) -> None:
+        if poll == 2:
+            make_restart(run, 0, joined=2, total=3, payload=False, exit_code=None)
+        elif poll == 3:
+            write_metrics(metrics, [record(1, 0), record(2, 0)])
+        elif poll == 4:
+            write_metrics(metrics, [record(1, 0), record(2, 0), record(3, 0)])
+        elif poll == 6:
+            make_restart(run, 1, exit_code=None)
+            write_metrics(metrics, [record(1, 0), record(2, 0), record(3, 1)])
+
+    polls = iter(range(100))
+    out = io.StringIO()
+    follow(run, lambda: next(states), Progress(out, tty=False),
+           sleep=lambda _: world(next(polls)))
+    assert out.getvalue().splitlines() == [
+        "queued (Priority)", "queued (Resources)", "starting the node agent",
+        "starting Ray: 2/3 nodes joined",
+        "step 1/6  reward 0.100  kl 0.01  entropy 3.8  len 7.5  2.0s/step  ETA 10s",
+        "step 2/6  reward 0.100  kl 0.02  entropy 3.7  len 7.5  2.0s/step  ETA 8s",
+        "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
+        "queued (BeginTime)",
+        "requeued: run 1 of the job starts",
+        "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
+    ]
+
+
+def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
+    import subprocess
+
+    agent = subprocess.Popen(["sleep", "60"])  # stands in for the head's agent process
+    try:
+        make_restart(run, 0, exit_code=None, pid=agent.pid)
+        (run / "submission.json").write_text(json.dumps({"job_id": "local-1", "logs": {}}))
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(run)}
+        proc = run_hpcrl(["cancel", str(run)], env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"agent pid {agent.pid}" in proc.stdout
+        assert agent.wait(timeout=10) == -signal.SIGTERM
+        again = run_hpcrl(["cancel", str(run)], env)
+        assert again.returncode == 2 and "is not running" in again.stderr
+    finally:
+        agent.kill()
+
+
+def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
+    from hpcrl.localrun import refuse_if_running
+    from hpcrl.submission import RequestError
+
+    make_restart(run, 0, exit_code=None)  # this test process stands in for its live agent
+    with pytest.raises(RequestError, match="is still running .* `hpcrl cancel "):
+        refuse_if_running(run)
+    make_restart(run, 1, exit_code=3)
+    refuse_if_running(run)
