@@ -4,7 +4,7 @@
 export PATH=/opt/hpcrl/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
-export HPCRL_CANARY=92dab15ac8c16069742b7ea647626f23
+export HPCRL_CANARY=5505eb63d9df849264fde14beba89120
 
 if [ ! -r /scratch/runs/local-golden/job.json ]; then
     echo "hpcrl: "/scratch/runs/local-golden/job.json" is missing; create jobs with hpcrl render or hpcrl submit" >&2
