@@ -124,8 +124,9 @@ def _agent(tmp_path: Path, restart: int, max_requeues: int) -> Agent:
 
 
 def test_requeue_seam_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`scontrol requeue` failing because Slurm already requeues the job is no error; another
-    failure is reported; with `max_requeues` reached the seam is never called."""
+    """The decision names the target; the requeue runs once (after the teardown, or at once
+    near the end); Slurm already requeueing the job is no error; another failure is reported;
+    with `max_requeues` reached the seam is never called."""
     agent = _agent(tmp_path, restart=0, max_requeues=1)
     calls: list[str] = []
 
@@ -135,13 +136,18 @@ def test_requeue_seam_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(agent, "_requeue", pending)
     out = agent._after_requeue_request("payload exited with status 3", 3)
-    assert calls == ["77"] and "Slurm is already requeueing job 77" in out.cause
+    assert calls == [] and "requeueing job 77 (restart 1 of at most 1)" in out.cause
+    assert agent._requeue_now() == "Slurm is already requeueing job 77" and calls == ["77"]
+    agent.end_time = time.time() + 5  # too near the end to wait for the teardown
+    out = agent._after_requeue_request("payload exited with status 3", 3)
+    assert calls == ["77", "77"] and "Slurm is already requeueing job 77" in out.cause
     monkeypatch.setattr(agent, "_requeue", lambda t: (_ for _ in ()).throw(SlurmError("refused")))
     assert "could not requeue job 77: refused" in agent._after_requeue_request("x", 3).cause
     done = _agent(tmp_path / "b", restart=1, max_requeues=1)
     monkeypatch.setattr(done, "_requeue", lambda t: calls.append(t))
     out = done._after_requeue_request("payload exited with status 3", 3)
-    assert calls == ["77"] and "max_requeues reached" in out.cause and out.exit_code == 3
+    assert done._requeue_target is None and "max_requeues reached" in out.cause
+    assert out.exit_code == 3 and calls == ["77", "77"]
 
 
 # ------------------------------------------------------------------------------ real agent
@@ -175,7 +181,7 @@ def calls(tmp_path: Path) -> list[list[str]]:
 @pytest.mark.slow
 def test_warning_note_stops_the_payload_and_the_agent_requeues(tmp_path: Path) -> None:
     """The batch script's note -> SIGUSR2 to the payload -> status 3 -> `scontrol requeue ID`."""
-    end = time.time() + 600
+    end = float(int(time.time()) + 600)  # Slurm prints whole seconds
     run = make_job(tmp_path, f"w{os.getpid()}", {})
     agent = start_agent(run, {**slurm_env(f"9{os.getpid()}"), **fake_slurm(tmp_path, end)})
     wait_for_text(run / "0" / "logs" / "payload.log", "payload: end time", 120)

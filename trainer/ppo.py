@@ -535,7 +535,12 @@ class PPOTrainer:
     def fit(self) -> int:
         """Run to `total_steps` or to a stop request; return the process exit code."""
         t = self.cfg.trainer
-        resumed = self.resume() is not None
+        start = time.perf_counter()
+        path = self.resume()
+        resumed = path is not None
+        if path is not None:
+            print(f"trainer: resumed from {path} (step {self.global_step}) in "
+                  f"{time.perf_counter() - start:.1f}s", flush=True)
         logger = self._open_metrics(resumed)
         owned = not self.stop.installed  # `python -m trainer` keeps its handlers to the end
         self.stop.install()

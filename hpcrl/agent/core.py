@@ -51,6 +51,8 @@ STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TICK_S = 0.1
 PAYLOAD_ARM_S = 30.0
 """A payload that does not handle the stop signal after this long gets it anyway."""
+REQUEUE_FIRST_S = 30.0
+"""With less time than this before the job's end, requeue before the teardown, not after."""
 RAY_STOP_S = 10.0
 OCI_RUNTIMES = ("podman", "docker")
 
@@ -151,6 +153,7 @@ class Agent:
         self.terminated_by: str | None = None
         """`SIGTERM` once Slurm (or anyone) asked the job to end; the agent then never requeues."""
         self._pending_stop: int | None = None
+        self._requeue_target: str | None = None
         self._payload_started = 0.0
         self._ignored_failure = False
 
@@ -691,30 +694,38 @@ class Agent:
         return self._after_requeue_request(f"{cause}: checkpointed, asks to be requeued", status)
 
     def _after_requeue_request(self, what: str, status: int) -> Outcome:
-        """Requeue the job from the host unless `decide_requeue` says otherwise; the outcome
-        names what happened. Runs before the teardown: the time limit is near."""
+        """Decide with `decide_requeue`; the outcome names the decision. The requeue itself
+        comes after the teardown (Slurm ends every process of the job at once and kills what is
+        left `KillWait` later), or right away when the job's end is too near to wait."""
         assert self.job is not None
         decision = rq.decide_requeue(
             self.ctx, self.job.max_requeues, str(self.run_dir), self.terminated_by
         )
         message = decision.message
         if decision.action == rq.REQUEUE:
-            target = rq.requeue_target(self.ctx)
-            try:
-                self._requeue(target)
-                message = (
-                    f"requeued job {target} with `scontrol requeue` (restart "
-                    f"{self.ctx.restart + 1} of at most {self.job.max_requeues})"
-                )
-            except (SlurmError, OSError, subprocess.SubprocessError) as exc:
-                if rq.already_requeued(str(exc)):
-                    message = f"Slurm is already requeueing job {target}"
-                else:
-                    message = f"could not requeue job {target}: {exc}"
-                    self.log.error("%s", message)
+            self._requeue_target = rq.requeue_target(self.ctx)
+            left = None if self.end_time is None else self.end_time - time.time()
+            if left is not None and left < REQUEUE_FIRST_S:
+                message = self._requeue_now()
         log = self.log.error if decision.action == rq.MAX_REACHED else self.log.info
         log("%s", message)
         return Outcome(f"{what}; {message}", status, self.ctx.hostname)
+
+    def _requeue_now(self) -> str:
+        """Requeue `_requeue_target` once; returns what happened."""
+        assert self.job is not None and self._requeue_target is not None
+        target, self._requeue_target = self._requeue_target, None
+        try:
+            self._requeue(target)
+        except (SlurmError, OSError, subprocess.SubprocessError) as exc:
+            if rq.already_requeued(str(exc)):
+                return f"Slurm is already requeueing job {target}"
+            self.log.error("could not requeue job %s: %s", target, exc)
+            return f"could not requeue job {target}: {exc}"
+        return (
+            f"requeued job {target} with `scontrol requeue` (restart {self.ctx.restart + 1} of "
+            f"at most {self.job.max_requeues})"
+        )
 
     def _requeue(self, target: str) -> None:
         """The one place that requeues the job (on the host, never in the container)."""
@@ -809,6 +820,11 @@ class Agent:
             pass
         if self.ctx.is_head:
             self._write_summary(outcome)
+        if self._requeue_target is not None:
+            done = self._requeue_now()
+            self.log.info("%s", done)
+            with open(self.paths.root / "summary.txt", "a") as fh:
+                fh.write(done + "\n")
         for handler in list(self.log.handlers):
             handler.close()
             self.log.removeHandler(handler)
