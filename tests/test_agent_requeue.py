@@ -74,6 +74,23 @@ def test_decide_requeue() -> None:
     assert rq.decide_requeue(local, 2, "/r").action == rq.NO_SLURM
 
 
+def test_preemption_within_grace_time_is_recognised() -> None:
+    """Real `scontrol show job` records: a task's view during a GraceTime preemption (still
+    RUNNING, PreemptTime set: Slurm will not requeue a job that ends now) and right after an
+    external `scontrol requeue` (COMPLETING)."""
+    grace = parse_scontrol_show_job(
+        (DATA / "slurm" / "scontrol_show_job_preempted_grace.txt").read_text())
+    requeued = parse_scontrol_show_job(
+        (DATA / "slurm" / "scontrol_show_job_requeued.txt").read_text())
+    running = parse_scontrol_show_job(
+        (DATA / "slurm" / "scontrol_show_job_running.txt").read_text())
+    assert rq.preempted_in_grace(grace)
+    assert not rq.preempted_in_grace(requeued) and not rq.preempted_in_grace(running)
+    ctx = job_context(slurm_env("3", restart=5), hostname=lambda: HOST)
+    decision = rq.decide_requeue(ctx, 2, "/r", terminated_by="SIGTERM", preempted=True)
+    assert decision.action == rq.REQUEUE and "grace time" in decision.message
+
+
 def test_already_requeued_is_recognised() -> None:
     # what `scontrol requeue` prints for a job Slurm is already requeueing (preemption)
     assert rq.already_requeued("Job is pending execution for job 9")

@@ -698,8 +698,9 @@ class Agent:
         comes after the teardown (Slurm ends every process of the job at once and kills what is
         left `KillWait` later), or right away when the job's end is too near to wait."""
         assert self.job is not None
+        preempted = bool(self.terminated_by) and not self.ctx.local and self._preempted()
         decision = rq.decide_requeue(
-            self.ctx, self.job.max_requeues, str(self.run_dir), self.terminated_by
+            self.ctx, self.job.max_requeues, str(self.run_dir), self.terminated_by, preempted
         )
         message = decision.message
         if decision.action == rq.REQUEUE:
@@ -715,6 +716,9 @@ class Agent:
         """Requeue `_requeue_target` once; returns what happened."""
         assert self.job is not None and self._requeue_target is not None
         target, self._requeue_target = self._requeue_target, None
+        if signal.SIGTERM in self.flags.signals and not self.terminated_by:
+            return (f"not requeueing job {target}: SIGTERM arrived meanwhile (`scancel`, "
+                    "preemption or `scontrol requeue`); Slurm decides whether it runs again")
         try:
             self._requeue(target)
         except (SlurmError, OSError, subprocess.SubprocessError) as exc:
@@ -726,6 +730,21 @@ class Agent:
             f"requeued job {target} with `scontrol requeue` (restart {self.ctx.restart + 1} of "
             f"at most {self.job.max_requeues})"
         )
+
+    def _preempted(self) -> bool:
+        """Whether Slurm is preempting the job with a grace time (it then ends the job without
+        requeueing it if it stops in time); the job's new end time becomes the deadline."""
+        try:
+            info = rq.scontrol_job(self.ctx.job_id)
+        except (SlurmError, OSError) as exc:
+            self.log.info("cannot ask Slurm about the job: %s", exc)
+            return False
+        if not rq.preempted_in_grace(info):
+            return False
+        from hpcrl.slurm import parse_slurm_time
+
+        self.end_time = parse_slurm_time(info.get("EndTime", "")) or self.end_time
+        return True
 
     def _requeue(self, target: str) -> None:
         """The one place that requeues the job (on the host, never in the container)."""
@@ -789,6 +808,8 @@ class Agent:
         code = outcome.exit_code if outcome.cause.startswith("payload exited") else None
         try:  # the first request names the cause; later ones change nothing
             rdv.request_stop(self.paths, self.ctx.node_rank, self.ctx.hostname, outcome.cause, code)
+            if self.ctx.is_head:  # Slurm may kill the rest of the teardown (`KillWait`)
+                rdv.atomic_write_text(self.paths.root / "summary.txt", self._headline(outcome) + "\n")
         except OSError:
             pass
         if self.payload is not None and self.payload.poll() is None:
@@ -841,6 +862,12 @@ class Agent:
             )
         shutil.rmtree(self.tmp, ignore_errors=True)
 
+    def _headline(self, outcome: Outcome) -> str:
+        return (
+            f"job {self.ctx.job_id} restart {self.ctx.restart}: {outcome.cause} "
+            f"(exit {outcome.exit_code})"
+        )
+
     def _write_summary(self, outcome: Outcome) -> None:
         """One line per node; waits up to 5 s for the final report of nodes still beating."""
         deadline = time.monotonic() + 5.0
@@ -855,10 +882,7 @@ class Agent:
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(TICK_S)
-        lines = [
-            f"job {self.ctx.job_id} restart {self.ctx.restart}: {outcome.cause} "
-            f"(exit {outcome.exit_code})"
-        ]
+        lines = [self._headline(outcome)]
         for rank, host in enumerate(self.ctx.nodes):
             lines.append(
                 nodes.get(rank, {}).get("summary") or f"node {host} (rank {rank}): no final report"

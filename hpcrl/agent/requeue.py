@@ -46,11 +46,19 @@ def requeue_target(ctx: JobContext) -> str:
 
 
 def decide_requeue(
-    ctx: JobContext, max_requeues: int, run_dir: str, terminated_by: str | None = None
+    ctx: JobContext,
+    max_requeues: int,
+    run_dir: str,
+    terminated_by: str | None = None,
+    preempted: bool = False,
 ) -> RequeueDecision:
     """Whether the head's agent requeues the job after the payload's requeue status.
 
-    `terminated_by` names the signal with which Slurm ended the job (SIGTERM), if one came.
+    `terminated_by` names the signal with which Slurm ended the job (SIGTERM), if one came;
+    `preempted`: Slurm says the job is being preempted and still runs (a partition GraceTime).
+    Slurm requeues a preempted job itself only when it outlives the grace time, so one that
+    checkpointed in time must be requeued by the agent (regardless of `max_requeues`, which
+    bounds the job's own requeues: Slurm's REQUEUE preemption does not count them either).
     """
     resume = f"`hpcrl submit --resume --run-dir {run_dir} ...`"
     if ctx.local:
@@ -58,6 +66,12 @@ def decide_requeue(
             NO_SLURM,
             "the payload checkpointed and asked to be requeued, but this job does not run under "
             f"Slurm; continue it with {resume}",
+        )
+    if terminated_by and preempted:
+        return RequeueDecision(
+            REQUEUE,
+            f"preempted within the partition's grace time: Slurm would end job "
+            f"{requeue_target(ctx)} without requeueing it; requeueing it",
         )
     if terminated_by:
         return RequeueDecision(
@@ -79,6 +93,13 @@ def decide_requeue(
         f"requeueing job {requeue_target(ctx)} (restart {ctx.restart + 1} of at most "
         f"{max_requeues})",
     )
+
+
+def preempted_in_grace(info: Mapping[str, str]) -> bool:
+    """From `scontrol show job`: preemption has begun (`PreemptTime` set) and the job still runs,
+    i.e. the partition's GraceTime is running out."""
+    preempt = info.get("PreemptTime", "None").strip()
+    return info.get("JobState") == "RUNNING" and preempt not in ("", "None", "N/A", "Unknown")
 
 
 def already_requeued(error_text: str) -> bool:
@@ -121,9 +142,15 @@ def scontrol_requeue(target: str) -> None:
     run_slurm(["scontrol", "requeue", target])
 
 
+def scontrol_job(target: str) -> dict[str, str]:
+    """`scontrol show job` parsed ({} when Slurm does not know the job)."""
+    from hpcrl.slurm import parse_scontrol_show_job, run_slurm
+
+    return parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", target], check=False))
+
+
 def scontrol_end_time(target: str) -> float | None:
     """The job's end time from `scontrol show job` (None when Slurm does not say)."""
-    from hpcrl.slurm import parse_scontrol_show_job, parse_slurm_time, run_slurm
+    from hpcrl.slurm import parse_slurm_time
 
-    info = parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", target], check=False))
-    return parse_slurm_time(info.get("EndTime", ""))
+    return parse_slurm_time(scontrol_job(target).get("EndTime", ""))
