@@ -318,11 +318,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-LAB_LABEL = f"hpcrl.lab={INSTANCE}"  # the slurmlab profiles label containers by instance
+LAB_LABEL = f"hpcrl.lab=lab{INSTANCE}"  # the slurmlab profiles label containers by instance
 
 
 def remove_lab_containers() -> None:
-    """Podman containers started for the lab carry `--label hpcrl.lab=<instance>`; remove them with their
+    """Podman containers started for the lab carry `--label hpcrl.lab=lab<instance>`; remove them with their
     mounts and state (a killed `podman run` leaves both behind)."""
     deadline = time.monotonic() + 20
     while (ids := lab_containers()) and time.monotonic() < deadline:
