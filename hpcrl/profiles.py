@@ -171,6 +171,9 @@ class AgentConfig:
     join_timeout_s: float = _f("seconds the nodes may take to publish, arrive and join Ray", 300.0)
     grace_s: float = _f("seconds between SIGTERM and SIGKILL when the job ends", 10.0)
     heartbeat_timeout_s: float = _f("seconds of silence after which a node counts as dead", 15.0)
+    stop_signal: str = _f("signal the head's agent sends the payload to ask for a checkpoint and "
+                          "a stop when the time limit nears (the trainer takes `USR2` or `TERM`)",
+                          "USR2")
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,8 @@ class SiteProfile:
     container: ContainerConfig = _f("container runtime", factory=ContainerConfig)
     network: NetworkConfig = _f("network policy", factory=NetworkConfig)
     ray: RayConfig = _f("Ray settings", factory=RayConfig)
-    agent: AgentConfig = _f("node agent timeouts", factory=AgentConfig)
+    agent: AgentConfig = _f("node agent timeouts and the payload's stop signal",
+                            factory=AgentConfig)
     env: Mapping[str, str] = _f("environment applied on every node (not secret)",
                                 factory=_frozen_map)
     secrets: tuple[str, ...] = _f("names of variables passed from the submitting environment "
@@ -529,6 +533,11 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
     if p.slurm.signal.upper().removeprefix("SIG") not in SIGNAL_NAMES:
         raise err("slurm.signal", f"must be a signal name such as `USR1` or `TERM`, got "
                   f"{p.slurm.signal!r}")
+    if p.agent.stop_signal.upper().removeprefix("SIG") not in SIGNAL_NAMES:
+        raise err("agent.stop_signal", f"must be a signal name such as `USR2` or `TERM`, got "
+                  f"{p.agent.stop_signal!r}")
+    if p.slurm.max_requeues < 0:
+        raise err("slurm.max_requeues", f"must be 0 or more, got {p.slurm.max_requeues}")
     if p.slurm.nodes < 1:
         raise err("slurm.nodes", f"must be at least 1, got {p.slurm.nodes}")
     if p.python is not None and not os.path.isabs(p.python):

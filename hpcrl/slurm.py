@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,18 @@ def parse_scontrol_show_job(text: str) -> dict[str, str]:
         end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
         out.setdefault(m.group(1), text[m.end():end].strip())
     return out
+
+
+_SLURM_TIME_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}$")
+
+
+def parse_slurm_time(text: str) -> float | None:
+    """`2026-11-21T16:00:34` (Slurm prints the cluster's local time) -> Unix seconds; None for
+    `Unknown`, `None`, `N/A` or an empty value."""
+    text = text.strip()
+    if not _SLURM_TIME_RE.match(text):
+        return None
+    return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
 
 
 @dataclass(frozen=True)

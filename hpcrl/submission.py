@@ -11,15 +11,20 @@ The rendered script (``sbatch_templates/job.sbatch.j2``):
   name, the script holds no secret value;
 - exports ``SLURM_EXPORT_ENV=ALL`` (so `srun` steps see what the script exports), an absolute
   ``PATH`` and the profile's non-secret environment, every value shell-quoted;
-- traps the warning signal and forwards it to the `srun` step;
+- traps the warning signal and notes it in the run directory for the node agents;
 - runs ``srun --ntasks-per-node=1 --nodes=$SLURM_JOB_NUM_NODES --kill-on-bad-exit=1
   --export=ALL <abs python> -m hpcrl.agent <RUN_DIR>``: one node agent per node, each node's
   output in ``<RUN_DIR>/logs/<jobid>-node<N>.out``, the batch script's in
   ``<RUN_DIR>/logs/slurm-<jobid>.out``.
 
+The warning signal stays in the batch shell (``B:``): its trap writes ``<RUN_DIR>/<restart>/warning``
+and the head's node agent asks the payload to checkpoint and stop. It is never sent through
+``srun``: Slurm would deliver it to every process of the step, and Ray's processes die of it.
+
 Through submitit the same job runs :func:`hpcrl.agent_entry` (``python -m hpcrl.agent`` in
-process) as one task per node; the warning signal then goes to the tasks (``--signal=SIG@lead``,
-no ``B:``) because submitit's batch script does not forward signals.
+process) as one task per node. submitit's batch shell waits on ``srun`` in the foreground, so a
+trap there could not act before the job ends: it ignores the warning (``--signal=B:SIG@lead``,
+``trap '' SIG``) and the head's agent relies on its own clock (end time minus the lead).
 """
 
 from __future__ import annotations
@@ -191,6 +196,12 @@ def srun_argv(python: str, run_dir: str, logs: Mapping[str, str]) -> list[str]:
             f"--output={logs['node']}", python, "-m", "hpcrl.agent", run_dir]
 
 
+def warning_dir(run_dir: str) -> str:
+    """Shell text for `<run_dir>/<restart>` (`RunPaths.root`), where the batch script notes the
+    warning signal for the node agents."""
+    return shlex.quote(run_dir) + '/"${SLURM_RESTART_COUNT:-0}"'
+
+
 def container_preview(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) -> str:
     """The container command the head node's agent runs (comment only, values not expanded)."""
     c = profile.container
@@ -231,6 +242,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
         job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
         setup=list(profile.slurm.setup),
         signal=sig,
+        warning_dir=warning_dir(run_dir),
         srun_args=shlex.join(srun_argv(python, run_dir, logs)),
     )
 
@@ -260,7 +272,7 @@ def submitit_params(profile: SiteProfile, spec: JobSpec, run_dir: str, python: s
     """`SlurmExecutor.update_parameters` arguments for the same job."""
     s = profile.slurm
     extra: dict[str, Any] = {"requeue": True,
-                             "signal": f"{signal_name(profile)}@{s.signal_lead_s}",
+                             "signal": f"B:{signal_name(profile)}@{s.signal_lead_s}",
                              "export": export_value(spec.secrets)}
     if s.mem is not None:
         extra["mem"] = s.mem
@@ -294,6 +306,9 @@ def setup_lines(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) 
     lines = ["export SLURM_EXPORT_ENV=ALL"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(profile, python, spec, run_dir).items()]
     lines += IDENTITY_LINES[1:]
+    lines += ["# submitit runs srun in the foreground, so this shell could not act on the warning",
+              "# signal before the job ends; it ignores it and the node agents keep their own clock",
+              f"trap '' {signal_name(profile)}"]
     lines += list(profile.slurm.setup)
     job_file = shlex.quote(f"{run_dir}/{JOB_FILE}")
     lines.append(f'[ -r {job_file} ] || {{ echo "hpcrl: "{job_file}" is missing" >&2; exit 2; }}')

@@ -45,8 +45,8 @@ def test_exit_status_is_the_payloads(two_local_jobs: dict) -> None:
     run_a, code_a, out_a = two_local_jobs["a"]
     run_b, code_b, out_b = two_local_jobs["b"]
     assert code_a == 3, out_a
-    assert code_b == 42, out_b  # SIGUSR1 reached the payload through the agent
-    assert "forwarding SIGUSR1 to the payload" in out_b
+    assert code_b == 42, out_b  # the warning SIGUSR1 became the payload's stop request
+    assert "asking the payload to checkpoint and stop (SIGUSR2)" in out_b
 
 
 def test_payload_connected_with_explicit_address_and_ran_a_task(two_local_jobs: dict) -> None:

@@ -103,7 +103,7 @@ def test_submit_via_submitit_submits_what_dry_run_prints(tmp_path: Path,
     printed = dry.stdout.split("# ---- batch script ----\n", 1)[1]
     assert call["script"] == printed  # exactly what the dry run printed
     assert "#SBATCH --nodes=2" in printed and "#SBATCH --requeue" in printed
-    assert "#SBATCH --signal=USR1@30" in printed and "#SBATCH --export=WANDB_API_KEY" in printed
+    assert "#SBATCH --signal=B:USR1@30" in printed and "trap '' USR1" in printed and "#SBATCH --export=WANDB_API_KEY" in printed
     pickled = next((run_dir / "submitit").glob("*_submitted.pkl"))
     with pickled.open("rb") as fh:
         delayed = pickle.load(fh)

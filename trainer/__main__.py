@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from trainer.stop import StopRequest
+
+    stop = StopRequest()
+    stop.install()  # first: a stop request during start-up is kept, not fatal
     from trainer.config import ConfigError, describe_keys, dump_config, load_config
 
     args = build_parser().parse_args(argv)
@@ -48,13 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(cfg), end="")
         return 0
     from trainer.data import DataError
+    from trainer.deadline import DeadlineError
     from trainer.metrics import MetricsError
     from trainer.ppo import run_training
     from trainer.rewards import RewardError
 
     try:
-        return run_training(cfg)
-    except (ConfigError, DataError, RewardError, MetricsError, FileNotFoundError) as err:
+        return run_training(cfg, stop)
+    except (ConfigError, DataError, RewardError, MetricsError, DeadlineError,
+            FileNotFoundError) as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,8 @@ from typing import Any, Literal
 import yaml
 
 DEFAULTS_FILE = Path(__file__).with_name("config.yaml")
+RUN_DIR_ENV = "HPCRL_RUN_DIR"
+"""Set by hpcrl's node agent: the job's run directory (shared by every restart)."""
 
 
 class ConfigError(ValueError):
@@ -230,8 +233,19 @@ class TrainerConfig:
     val_before_train: bool = _h("validate once before the first step")
     test_freq: int = _h("validate every N steps; -1 = never")
     critic_warmup: int = _h("steps during which only the critic is trained")
-    default_local_dir: str | None = _h("checkpoint root; null = checkpoints/<project>/<experiment>")
-    run_dir: str | None = _h("metrics file and STOP file directory; null = `default_local_dir`")
+    default_local_dir: str | None = _h(
+        "checkpoint root; null = `$HPCRL_RUN_DIR/checkpoints` under hpcrl, else "
+        "checkpoints/<project>/<experiment>"
+    )
+    run_dir: str | None = _h(
+        "metrics file and STOP file directory; null = `$HPCRL_RUN_DIR` under hpcrl, else "
+        "`default_local_dir`"
+    )
+    deadline_margin_s: float = _h(
+        "seconds kept free before the job's end (`HPCRL_JOB_END_TIME`, set by hpcrl) for the "
+        "launcher to stop and requeue: the trainer checkpoints and stops by itself when one more "
+        "step and a checkpoint would not fit"
+    )
     max_actor_ckpt_to_keep: int | None = _h("keep the newest K checkpoints; null = all")
     max_critic_ckpt_to_keep: int | None = _h("accepted for verl compatibility; critic lives in the same checkpoint")
     balance_batch: bool = _h("balance tokens across data-parallel workers")
@@ -615,8 +629,9 @@ def _expand(path: str) -> str:
     return os.path.expanduser(os.path.expandvars(path))
 
 
-def _derive(tree: dict[str, Any]) -> dict[str, Any]:
-    """Fill the null "derived" values in place, verl's interpolations done once."""
+def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Fill the null "derived" values in place, verl's interpolations done once; under hpcrl
+    (`HPCRL_RUN_DIR` in `env`) checkpoints and metrics default to the job's run directory."""
     arr = tree["actor_rollout_ref"]
     actor, critic, trainer = arr["actor"], tree["critic"], tree["trainer"]
     for section in (arr["ref"], arr["rollout"]):
@@ -636,10 +651,14 @@ def _derive(tree: dict[str, Any]) -> dict[str, Any]:
         critic["model"]["path"] = arr["model"]["path"]
     if critic["model"]["tokenizer_path"] is None:
         critic["model"]["tokenizer_path"] = critic["model"]["path"]
+    launched = (env or {}).get(RUN_DIR_ENV)
     if trainer["default_local_dir"] is None:
-        trainer["default_local_dir"] = f"checkpoints/{trainer['project_name']}/{trainer['experiment_name']}"
+        trainer["default_local_dir"] = (
+            os.path.join(launched, "checkpoints") if launched
+            else f"checkpoints/{trainer['project_name']}/{trainer['experiment_name']}"
+        )
     if trainer["run_dir"] is None:
-        trainer["run_dir"] = trainer["default_local_dir"]
+        trainer["run_dir"] = launched or trainer["default_local_dir"]
     data = tree["data"]
     data["train_files"] = [_expand(p) for p in _as_list(data["train_files"])]
     data["val_files"] = [_expand(p) for p in _as_list(data["val_files"])]
@@ -716,10 +735,13 @@ def load_defaults() -> dict[str, Any]:
         return yaml.safe_load(fh)
 
 
-def load_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults + dotted overrides -> validated, derived, frozen `Config`."""
+def load_config(
+    overrides: list[str] | tuple[str, ...] = (), env: Mapping[str, str] | None = None
+) -> Config:
+    """Defaults + dotted overrides -> validated, derived, frozen `Config`; `env` (default: the
+    process environment) supplies `HPCRL_RUN_DIR` when hpcrl launched the trainer."""
     tree = apply_overrides(load_defaults(), list(overrides))
-    cfg = _build(Config, _derive(tree), "")
+    cfg = _build(Config, _derive(tree, os.environ if env is None else env), "")
     validate(cfg)
     return cfg
 

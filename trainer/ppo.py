@@ -28,6 +28,7 @@ from trainer import core_algos
 from trainer import models as M
 from trainer.config import Config, ConfigError, config_to_dict
 from trainer.data import Example, PromptDataset, PromptLoader, batches
+from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
 from trainer.rewards import load_reward_fn, score_responses
@@ -149,7 +150,7 @@ def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
 class PPOTrainer:
     """Holds the models, optimisers, data and loop state of one single-process run."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
         arr, trainer = cfg.actor_rollout_ref, cfg.trainer
         self.device = resolve_device(trainer.device)
@@ -175,7 +176,9 @@ class PPOTrainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.rollout = self._build_rollout()
-        self.stop = StopRequest(self.run_dir)
+        self.stop = stop or StopRequest()
+        self.stop.watch(self.run_dir)
+        self.deadline = Deadline.from_env(os.environ, trainer.deadline_margin_s)
         self.global_step = 0
 
     # ------------------------------------------------------------------------------ set-up
@@ -604,20 +607,36 @@ class PPOTrainer:
     def fit(self) -> int:
         """Run to `total_steps` or to a stop request; return the process exit code."""
         t = self.cfg.trainer
-        resumed = self.resume() is not None
+        start = time.perf_counter()
+        path = self.resume()
+        resumed = path is not None
+        if path is not None:
+            print(f"trainer: resumed from {path} (step {self.global_step}) in "
+                  f"{time.perf_counter() - start:.1f}s", flush=True)
         logger = self._open_metrics(resumed)
+        owned = not self.stop.installed  # `python -m trainer` keeps its handlers to the end
         self.stop.install()
         try:
             if self.val_set is not None and t.val_before_train and not resumed:
                 logger.log(self.global_step, self.validate())
             return self._loop(logger)
         finally:
-            self.stop.uninstall()
+            if owned:
+                self.stop.uninstall()
             logger.close()
+
+    def _stop_reason(self) -> str | None:
+        """Why to stop after this step: a request, or the job's end time too near for another."""
+        if self.stop.requested():
+            return self.stop.reason()
+        if self.deadline.reached():
+            return self.deadline.describe()
+        return None
 
     def _loop(self, logger: MetricsLogger) -> int:
         t = self.cfg.trainer
         while self.global_step < self.total_steps:
+            began = time.time()
             examples = self.loader.next_batch()
             self.global_step += 1
             metrics = self.train_step(examples)
@@ -628,19 +647,22 @@ class PPOTrainer:
                 metrics["timing_s/testing"] = time.perf_counter() - with_timer
             # Metrics first: a kill between the two leaves a line that resume drops, never a gap.
             logger.log(self.global_step, metrics)
-            stopping = self.stop.requested()
+            self.deadline.record_step(time.time() - began)
+            stopping = self._stop_reason()
             if self._due(t.save_freq) or stopping or self.global_step == self.total_steps:
                 start = time.perf_counter()
                 path = self.save_checkpoint()
+                self.deadline.record_save(time.perf_counter() - start)
                 print(f"trainer: saved {path} in {time.perf_counter() - start:.1f}s", flush=True)
             if stopping:
-                print(f"trainer: stop requested ({self.stop.reason()}); checkpointed step "
+                print(f"trainer: stop requested ({stopping}); checkpointed step "
                       f"{self.global_step}, exiting with {REQUEUE_EXIT_CODE} (please requeue)", flush=True)
                 self.stop.clear_stop_file()
                 return REQUEUE_EXIT_CODE
         return OK_EXIT_CODE
 
 
-def run_training(cfg: Config) -> int:
-    """Build the trainer from `cfg` and run it; the return value is the exit code."""
-    return PPOTrainer(cfg).fit()
+def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
+    """Build the trainer from `cfg` and run it; the return value is the exit code. `stop`: a
+    request whose handlers are already installed (`python -m trainer` does that first)."""
+    return PPOTrainer(cfg, stop).fit()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.agent import rendezvous as rdv
+from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import AgentJob, load_job
 from hpcrl.agent.ports import PortBlock, find_free_block, first_index
 from hpcrl.agent.procs import Child, kill_all, processes_mentioning
@@ -35,6 +36,7 @@ from hpcrl.netaddr import (
     local_addresses,
     socket_ifname_env,
 )
+from hpcrl.slurm import SlurmError
 from hpcrl.slurm_env import JobContext, job_context
 
 ContainerWrap = Callable[
@@ -47,6 +49,10 @@ in the job's container, variables to add to that command's own environment)."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TICK_S = 0.1
+PAYLOAD_ARM_S = 30.0
+"""A payload that does not handle the stop signal after this long gets it anyway."""
+REQUEUE_FIRST_S = 30.0
+"""With less time than this before the job's end, requeue before the teardown, not after."""
 RAY_STOP_S = 10.0
 WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"
@@ -141,6 +147,17 @@ class Agent:
         self.self_keys: set[str] = set()
         self._node_info: dict[str, Any] = {}
         self._last_beat = 0.0
+        self.end_time: float | None = self.ctx.end_time or (
+            rq.end_time_from_env(self.env) if self.ctx.local else None
+        )
+        self.stop_reason: str | None = None
+        """Why the payload was asked to stop (warning, clock, SIGTERM); None while it was not."""
+        self.terminated_by: str | None = None
+        """`SIGTERM` once Slurm (or anyone) asked the job to end; the agent then never requeues."""
+        self._pending_stop: int | None = None
+        self._requeue_target: str | None = None
+        self._payload_started = 0.0
+        self._ignored_failure = False
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -328,6 +345,7 @@ class Agent:
 
     def _run_head(self) -> Outcome:
         assert self.job is not None
+        self._learn_end_time()
         addr = self._address(self.job.network)
         ports = find_free_block(
             self.job.ports, first_index(self.ctx.job_id, self.ctx.restart, self.job.ports)
@@ -461,6 +479,12 @@ class Agent:
         alive: set[str] = set()
         shown, last_note = -1, time.monotonic()
         while True:
+            warned = self._warning()
+            if warned:
+                self.log.info("%s before the payload started: not starting it", warned)
+                return self._after_requeue_request(
+                    f"{warned} before the payload started", rq.REQUEUE_EXIT_CODE
+                )
             newest = self._alive_keys()
             if newest is not None:
                 alive = newest
@@ -557,6 +581,7 @@ class Agent:
             "HPCRL_RESTART": str(self.ctx.restart),
             "HPCRL_JOB_ID": self.ctx.job_id,
             "HPCRL_NUM_NODES": str(self.ctx.num_nodes),
+            **({rq.END_TIME_ENV: f"{self.end_time:.0f}"} if self.end_time else {}),
         }
 
     def _run_payload(
@@ -580,28 +605,178 @@ class Agent:
             cwd=host_cwd,
             echo=sys.stdout,
         )
+        self._payload_started = time.monotonic()
         alive = self.self_keys
         while True:
-            self._forward_signals()
+            self._take_signals()
+            if self.stop_reason is None:
+                warned = self._warning()
+                if warned:
+                    self._ask_payload_to_stop(warned)
+            self._deliver_stop()
             code = self.payload.poll()
             if code is not None:
-                status = code if code >= 0 else 128 - code
-                return Outcome(f"payload exited with status {status}", status, self.ctx.hostname)
+                return self._payload_outcome(code if code >= 0 else 128 - code)
             newest = self._alive_keys()
             if newest is not None:
                 alive = newest
             failed = self._common_failure() or self._stop_requested() or self._lost_nodes(alive)
-            if failed:
+            if failed and self.stop_reason is None:
                 return failed
+            if failed and not self._ignored_failure:  # Slurm's SIGTERM reaches Ray too
+                self._ignored_failure = True
+                self.log.info("%s; waiting for the payload, which was asked to stop", failed.cause)
             self._beat("running")
             time.sleep(TICK_S)
 
-    def _forward_signals(self) -> None:
+    # --- head: stop and requeue ---------------------------------------------------------------
+
+    def _take_signals(self) -> None:
+        """Act on the signals the handler noted: SIGTERM goes to the payload as is (and means
+        Slurm ends the job); the warning signal becomes a stop request; others pass through."""
+        assert self.job is not None
         while self.flags.signals:
             sig = self.flags.signals.pop(0)
+            name = signal.Signals(sig).name
+            if sig == signal.SIGTERM:
+                self.terminated_by = self.terminated_by or name
+                self.stop_reason = self.stop_reason or name
+            elif name == f"SIG{self.job.warning_signal}":
+                self._ask_payload_to_stop(f"the warning signal {name} reached the agent")
+                continue
             if self.payload is not None:
-                self.log.info("forwarding %s to the payload", signal.Signals(sig).name)
+                self.log.info("forwarding %s to the payload", name)
                 self.payload.send(sig)
+
+    def _warning(self) -> str | None:
+        """Why the time limit is near: the batch script noted Slurm's warning, or the agent's
+        own clock says the warning is due (Slurm may signal late, or, through submitit, only to
+        a shell that cannot act on it)."""
+        assert self.job is not None
+        if self.paths.warning.exists():
+            return "Slurm's time-limit warning reached the batch script"
+        warning = int(getattr(signal, f"SIG{self.job.warning_signal}"))
+        if self.payload is None and warning in self.flags.signals:
+            return f"the warning signal SIG{self.job.warning_signal} reached the agent"
+        now = time.time()
+        if rq.warning_due(self.end_time, self.job.signal_lead_s, now):
+            assert self.end_time is not None
+            return (
+                f"{rq.describe_end(self.end_time, now)} (the warning is due "
+                f"{self.job.signal_lead_s:.0f} s before)"
+            )
+        return None
+
+    def _ask_payload_to_stop(self, reason: str) -> None:
+        assert self.job is not None
+        if self.stop_reason is not None:
+            return
+        self.stop_reason = reason
+        self._pending_stop = int(getattr(signal, f"SIG{self.job.stop_signal}"))
+        self.log.info(
+            "%s; asking the payload to checkpoint and stop (SIG%s)", reason, self.job.stop_signal
+        )
+
+    def _deliver_stop(self) -> None:
+        """Send the pending stop signal once the payload handles it (a signal that arrives
+        before its handler is installed would kill it), or after `PAYLOAD_ARM_S` anyway."""
+        if self._pending_stop is None or self.payload is None:
+            return
+        waited = time.monotonic() - self._payload_started
+        if waited < PAYLOAD_ARM_S and not self._payload_handles(self._pending_stop):
+            return
+        self.payload.send(self._pending_stop)
+        self._pending_stop = None
+
+    def _payload_handles(self, sig: int) -> bool:
+        assert self.job is not None and self.payload is not None
+        if self.job.runtime != "none":  # the runtime's client relays signals into the container
+            return True
+        try:
+            status = Path(f"/proc/{self.payload.pid}/status").read_text()
+        except OSError:
+            return True
+        return sig in rq.caught_signals(status)
+
+    def _payload_outcome(self, status: int) -> Outcome:
+        cause = f"payload exited with status {status}"
+        if self.stop_reason:
+            cause += f" after the stop request ({self.stop_reason})"
+        if status != rq.REQUEUE_EXIT_CODE:
+            return Outcome(cause, status, self.ctx.hostname)
+        return self._after_requeue_request(f"{cause}: checkpointed, asks to be requeued", status)
+
+    def _after_requeue_request(self, what: str, status: int) -> Outcome:
+        """Decide with `decide_requeue`; the outcome names the decision. The requeue itself
+        comes after the teardown (Slurm ends every process of the job at once and kills what is
+        left `KillWait` later), or right away when the job's end is too near to wait."""
+        assert self.job is not None
+        preempted = bool(self.terminated_by) and not self.ctx.local and self._preempted()
+        decision = rq.decide_requeue(
+            self.ctx, self.job.max_requeues, str(self.run_dir), self.terminated_by, preempted
+        )
+        message = decision.message
+        if decision.action == rq.REQUEUE:
+            self._requeue_target = rq.requeue_target(self.ctx)
+            left = None if self.end_time is None else self.end_time - time.time()
+            if left is not None and left < REQUEUE_FIRST_S:
+                message = self._requeue_now()
+        log = self.log.error if decision.action == rq.MAX_REACHED else self.log.info
+        log("%s", message)
+        return Outcome(f"{what}; {message}", status, self.ctx.hostname)
+
+    def _requeue_now(self) -> str:
+        """Requeue `_requeue_target` once; returns what happened."""
+        assert self.job is not None and self._requeue_target is not None
+        target, self._requeue_target = self._requeue_target, None
+        if signal.SIGTERM in self.flags.signals and not self.terminated_by:
+            return (f"not requeueing job {target}: SIGTERM arrived meanwhile (`scancel`, "
+                    "preemption or `scontrol requeue`); Slurm decides whether it runs again")
+        try:
+            self._requeue(target)
+        except (SlurmError, OSError, subprocess.SubprocessError) as exc:
+            if rq.already_requeued(str(exc)):
+                return f"Slurm is already requeueing job {target}"
+            self.log.error("could not requeue job %s: %s", target, exc)
+            return f"could not requeue job {target}: {exc}"
+        return (
+            f"requeued job {target} with `scontrol requeue` (restart {self.ctx.restart + 1} of "
+            f"at most {self.job.max_requeues})"
+        )
+
+    def _preempted(self) -> bool:
+        """Whether Slurm is preempting the job with a grace time (it then ends the job without
+        requeueing it if it stops in time); the job's new end time becomes the deadline."""
+        try:
+            info = rq.scontrol_job(self.ctx.job_id)
+        except (SlurmError, OSError) as exc:
+            self.log.info("cannot ask Slurm about the job: %s", exc)
+            return False
+        if not rq.preempted_in_grace(info):
+            return False
+        from hpcrl.slurm import parse_slurm_time
+
+        self.end_time = parse_slurm_time(info.get("EndTime", "")) or self.end_time
+        return True
+
+    def _requeue(self, target: str) -> None:
+        """The one place that requeues the job (on the host, never in the container)."""
+        rq.scontrol_requeue(target)
+
+    def _learn_end_time(self) -> None:
+        """When Slurm ends this job: `SLURM_JOB_END_TIME`, else `scontrol show job`."""
+        assert self.job is not None
+        if self.end_time is None and not self.ctx.local:
+            try:
+                self.end_time = rq.scontrol_end_time(self.ctx.job_id)
+            except (SlurmError, OSError) as exc:
+                self.log.info("cannot read the job's end time from Slurm: %s", exc)
+        if self.end_time is not None:
+            self.log.info(
+                "%s; the payload is asked to stop %.0f s before",
+                rq.describe_end(self.end_time, time.time()),
+                self.job.signal_lead_s,
+            )
 
     # --- worker -------------------------------------------------------------------------------
 
@@ -646,6 +821,8 @@ class Agent:
         code = outcome.exit_code if outcome.cause.startswith("payload exited") else None
         try:  # the first request names the cause; later ones change nothing
             rdv.request_stop(self.paths, self.ctx.node_rank, self.ctx.hostname, outcome.cause, code)
+            if self.ctx.is_head:  # Slurm may kill the rest of the teardown (`KillWait`)
+                rdv.atomic_write_text(self.paths.root / "summary.txt", self._headline(outcome) + "\n")
         except OSError:
             pass
         if self.payload is not None and self.payload.poll() is None:
@@ -677,6 +854,11 @@ class Agent:
             pass
         if self.ctx.is_head:
             self._write_summary(outcome)
+        if self._requeue_target is not None:
+            done = self._requeue_now()
+            self.log.info("%s", done)
+            with open(self.paths.root / "summary.txt", "a") as fh:
+                fh.write(done + "\n")
         for handler in list(self.log.handlers):
             handler.close()
             self.log.removeHandler(handler)
@@ -693,6 +875,12 @@ class Agent:
             )
         shutil.rmtree(self.tmp, ignore_errors=True)
 
+    def _headline(self, outcome: Outcome) -> str:
+        return (
+            f"job {self.ctx.job_id} restart {self.ctx.restart}: {outcome.cause} "
+            f"(exit {outcome.exit_code})"
+        )
+
     def _write_summary(self, outcome: Outcome) -> None:
         """One line per node; waits up to 5 s for the final report of nodes still beating."""
         deadline = time.monotonic() + 5.0
@@ -707,10 +895,7 @@ class Agent:
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(TICK_S)
-        lines = [
-            f"job {self.ctx.job_id} restart {self.ctx.restart}: {outcome.cause} "
-            f"(exit {outcome.exit_code})"
-        ]
+        lines = [self._headline(outcome)]
         for rank, host in enumerate(self.ctx.nodes):
             lines.append(
                 nodes.get(rank, {}).get("summary") or f"node {host} (rank {rank}): no final report"

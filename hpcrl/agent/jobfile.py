@@ -18,6 +18,7 @@ from hpcrl.agent.ports import PortRange
 from hpcrl.netaddr import NetworkPolicy
 
 AGENT_KEYS = ("join_timeout_s", "grace_s", "heartbeat_timeout_s")
+AGENT_TEXT_KEYS = ("stop_signal",)
 
 
 class JobFileError(ValueError):
@@ -56,6 +57,14 @@ class AgentJob:
     """Between SIGTERM and SIGKILL when the job ends for a failure."""
     heartbeat_timeout_s: float = 15.0
     """A node whose agent is silent this long counts as dead."""
+    max_requeues: int = 3
+    """How often the job may requeue itself (`job.json` `max_requeues`, from `slurm.max_requeues`)."""
+    warning_signal: str = "USR1"
+    """Slurm's time-limit warning (profile `slurm.signal`, without `SIG`)."""
+    signal_lead_s: float = 300.0
+    """Seconds before the time limit the warning is due (profile `slurm.signal_lead_s`)."""
+    stop_signal: str = "USR2"
+    """What the head's agent sends the payload to ask for a checkpoint and a stop."""
 
     @property
     def runtime(self) -> str:
@@ -95,7 +104,8 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
     network = _section(profile, "network", "profile")
     ray = _section(profile, "ray", "profile")
     agent = _section(profile, "agent", "profile")
-    _check_keys(agent, AGENT_KEYS, "profile.agent")
+    _check_keys(agent, AGENT_KEYS + AGENT_TEXT_KEYS, "profile.agent")
+    slurm = _section(profile, "slurm", "profile")
     defaults = PortRange()
     base = ray.get("port_base")
     ports = defaults
@@ -107,6 +117,11 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
     nodes = data.get("nodes", 1)
     if not isinstance(nodes, int) or nodes < 1:
         raise JobFileError(f"`nodes` is {nodes!r}; expected a whole number of at least 1")
+    max_requeues = data.get("max_requeues", slurm.get("max_requeues", 3))
+    if not isinstance(max_requeues, int) or isinstance(max_requeues, bool) or max_requeues < 0:
+        raise JobFileError(
+            f"`max_requeues` is {max_requeues!r}; expected a whole number of at least 0"
+        )
     return AgentJob(
         payload=tuple(payload),
         nodes=nodes,
@@ -121,8 +136,22 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         version_env=tuple(ray.get("version_env") or ()),
         secrets=tuple(str(x) for x in data.get("secrets") or ()),
         profile=profile,
+        max_requeues=max_requeues,
+        warning_signal=signal_name(slurm.get("signal") or "USR1", "profile.slurm.signal"),
+        signal_lead_s=float(slurm.get("signal_lead_s", 300)),
+        stop_signal=signal_name(agent.get("stop_signal") or "USR2", "profile.agent.stop_signal"),
         **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
     )
+
+
+def signal_name(value: Any, where: str) -> str:
+    """`SIGUSR1`, `usr1` -> `USR1`; a name Python's `signal` module does not know is an error."""
+    import signal
+
+    name = str(value).upper().removeprefix("SIG")
+    if not hasattr(signal, f"SIG{name}"):
+        raise JobFileError(f"`{where}` is {value!r}, not a signal name; use e.g. `USR1` or `TERM`")
+    return name
 
 
 def load_job(run_dir: Path) -> AgentJob:

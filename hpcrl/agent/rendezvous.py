@@ -8,6 +8,7 @@ Layout of one run (restart `R`) inside `RUN_DIR`:
     R/head-alive           written by the head once the GCS lists the head node alive
     R/nodes/<rank>.json    one per node: arrival, state, heartbeat, final summary
     R/stop.json            first request to end the job (who and why); first writer wins
+    R/warning              written by the batch script when Slurm's time-limit warning arrives
     R/logs/                agent, Ray and payload logs
 
 Every file is written to a temporary name, flushed to disk and renamed, so a reader sees either
@@ -114,6 +115,13 @@ class RunPaths:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def warning(self) -> Path:
+        """Written by the batch script's trap when Slurm's warning signal arrives (the signal
+        itself stays in the batch shell: sent through `srun` it would reach every process of the
+        step, Ray's included, and kill them)."""
+        return self.root / "warning"
 
     def node_file(self, rank: int) -> Path:
         return self.nodes / f"{rank}.json"

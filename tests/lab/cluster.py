@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.lab.config import (
     BRIDGE,
+    INSTANCE,
     NETNS_PREFIX,
     V4_GATEWAY,
     V6_GATEWAY,
@@ -138,6 +139,13 @@ def lab_netns() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_PREFIX)]
 
 
+def foreign_netns() -> list[str]:
+    """Named network namespaces that are not this instance's (other labs, other software)."""
+    out = sh("ip", "netns", "list", check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if not n.startswith(NETNS_PREFIX) and os.path.exists(f"/run/netns/{n}")]
+
+
 def lab_links() -> list[str]:
     out = sh("ip", "-o", "link", "show", check=False).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
@@ -156,6 +164,8 @@ def lab_pids(paths: Paths) -> set[int]:
     containers, also after the namespace was deleted) or naming the lab's state directory."""
     inode_file = paths.logs / "netns-inodes"
     inodes = {f"net:[{i}]" for i in inode_file.read_text().split()} if inode_file.exists() else set()
+    # a deleted namespace's inode may be reused by another lab instance's live namespace
+    inodes -= {f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]" for ns in foreign_netns()}
     for ns in lab_netns():
         inodes.add(f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]")
     marker = (str(paths.root) + "/").encode()  # "/run/hpcrl-lab/" must not match "/run/hpcrl-lab1/"
@@ -309,11 +319,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-LAB_LABEL = "hpcrl.lab=1"
+LAB_LABEL = f"hpcrl.lab=lab{INSTANCE}"  # the slurmlab profiles label containers by instance
 
 
 def remove_lab_containers() -> None:
-    """Podman containers started for the lab carry `--label hpcrl.lab=1`; remove them with their
+    """Podman containers started for the lab carry `--label hpcrl.lab=lab<instance>`; remove them with their
     mounts and state (a killed `podman run` leaves both behind)."""
     deadline = time.monotonic() + 20
     while (ids := lab_containers()) and time.monotonic() < deadline:

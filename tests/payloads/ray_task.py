@@ -2,7 +2,8 @@
 
 Environment: PAYLOAD_EXIT (exit status), PAYLOAD_SLEEP (seconds to wait before exiting),
 PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused),
-PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 and exit 42),
+PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 or SIGUSR2, the agent's stop request, and
+exit 42),
 PAYLOAD_PROBE_DASHBOARD=1 (report whether the dashboard port answers on loopback and on the
 node address).
 """
@@ -73,6 +74,7 @@ print(
 ray.shutdown()
 if os.environ.get("PAYLOAD_WAIT_USR1") == "1":
     signal.signal(signal.SIGUSR1, lambda *_: sys.exit(42))
+    signal.signal(signal.SIGUSR2, lambda *_: sys.exit(42))
     print("payload: waiting for SIGUSR1", flush=True)
     time.sleep(300)
 time.sleep(float(os.environ.get("PAYLOAD_SLEEP", "0")))

@@ -1,0 +1,156 @@
+"""Stop and requeue: what the head's agent decides when the payload asks to be run again.
+
+The payload (the trainer) checkpoints and exits with `REQUEUE_EXIT_CODE` when asked to stop, or
+by itself when the job's end time nears. The head's agent then requeues the job from the host
+(`scontrol requeue`, which the container may lack), unless `max_requeues` is reached or Slurm
+itself ended the job (SIGTERM: preemption, `scontrol requeue`, `scancel`, the time limit; Slurm
+requeues preempted and requeued jobs on its own and a cancelled job must stay cancelled).
+
+Everything here is pure except :func:`scontrol_requeue`, the one seam that runs the command.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hpcrl.slurm_env import JobContext
+
+REQUEUE_EXIT_CODE = 3
+"""The payload's "checkpointed, please requeue" status (`trainer.exit_codes.REQUEUE_EXIT_CODE`)."""
+END_TIME_ENV = "HPCRL_JOB_END_TIME"
+"""Unix time at which Slurm ends the job, passed to the payload (and read by a local agent)."""
+
+REQUEUE = "requeue"
+NO_SLURM = "no-slurm"
+MAX_REACHED = "max-requeues-reached"
+ENDED_BY_SLURM = "ended-by-slurm"
+
+
+@dataclass(frozen=True)
+class RequeueDecision:
+    """What to do after the payload asked to be requeued."""
+
+    action: str
+    """`requeue`, `no-slurm`, `max-requeues-reached` or `ended-by-slurm`."""
+    message: str
+    """One line for the agent's log and the job summary."""
+
+
+def requeue_target(ctx: JobContext) -> str:
+    """The id `scontrol requeue` needs: `<array job>_<task>` for an array task, else the job id."""
+    if ctx.array_job_id and ctx.array_task_id is not None:
+        return f"{ctx.array_job_id}_{ctx.array_task_id}"
+    return ctx.job_id
+
+
+def decide_requeue(
+    ctx: JobContext,
+    max_requeues: int,
+    run_dir: str,
+    terminated_by: str | None = None,
+    preempted: bool = False,
+) -> RequeueDecision:
+    """Whether the head's agent requeues the job after the payload's requeue status.
+
+    `terminated_by` names the signal with which Slurm ended the job (SIGTERM), if one came;
+    `preempted`: Slurm says the job is being preempted and still runs (a partition GraceTime).
+    Slurm requeues a preempted job itself only when it outlives the grace time, so one that
+    checkpointed in time must be requeued by the agent (regardless of `max_requeues`, which
+    bounds the job's own requeues: Slurm's REQUEUE preemption does not count them either).
+    """
+    resume = f"`hpcrl submit --resume --run-dir {run_dir} ...`"
+    if ctx.local:
+        return RequeueDecision(
+            NO_SLURM,
+            "the payload checkpointed and asked to be requeued, but this job does not run under "
+            f"Slurm; continue it with {resume}",
+        )
+    if terminated_by and preempted:
+        return RequeueDecision(
+            REQUEUE,
+            f"preempted within the partition's grace time: Slurm would end job "
+            f"{requeue_target(ctx)} without requeueing it; requeueing it",
+        )
+    if terminated_by:
+        return RequeueDecision(
+            ENDED_BY_SLURM,
+            f"the payload checkpointed after {terminated_by}: Slurm ended the job (preemption, "
+            "`scontrol requeue`, `scancel` or the time limit) and requeues it itself when it was "
+            "preempted or requeued; the agent does not requeue it again",
+        )
+    if ctx.restart >= max_requeues:
+        return RequeueDecision(
+            MAX_REACHED,
+            f"max_requeues reached: job {requeue_target(ctx)} ran {ctx.restart + 1} times "
+            f"(restart {ctx.restart}, `max_requeues` is {max_requeues}), so it is not requeued "
+            f"again. The checkpoint is intact: continue with {resume}, or raise "
+            "`slurm.max_requeues` in the site profile",
+        )
+    return RequeueDecision(
+        REQUEUE,
+        f"requeueing job {requeue_target(ctx)} (restart {ctx.restart + 1} of at most "
+        f"{max_requeues})",
+    )
+
+
+def preempted_in_grace(info: Mapping[str, str]) -> bool:
+    """From `scontrol show job`: preemption has begun (`PreemptTime` set) and the job still runs,
+    i.e. the partition's GraceTime is running out."""
+    preempt = info.get("PreemptTime", "None").strip()
+    return info.get("JobState") == "RUNNING" and preempt not in ("", "None", "N/A", "Unknown")
+
+
+def already_requeued(error_text: str) -> bool:
+    """True when `scontrol requeue` failed because Slurm is already requeueing the job."""
+    return "pending execution" in error_text.lower()
+
+
+def warning_due(end_time: float | None, lead_s: float, now: float) -> bool:
+    """The agent's own clock: Slurm's warning is due `lead_s` before the end (it may be late)."""
+    return end_time is not None and now >= end_time - lead_s
+
+
+def caught_signals(proc_status: str) -> set[int]:
+    """Signal numbers a process handles, from its `/proc/<pid>/status` text (`SigCgt:` mask)."""
+    for line in proc_status.splitlines():
+        if line.startswith("SigCgt:"):
+            mask = int(line.split(":", 1)[1].strip(), 16)
+            return {n + 1 for n in range(64) if mask >> n & 1}
+    return set()
+
+
+def end_time_from_env(env: Mapping[str, str]) -> float | None:
+    """`HPCRL_JOB_END_TIME` (Unix seconds) from `env`, None when unset or not a number."""
+    raw = (env.get(END_TIME_ENV) or "").strip()
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def describe_end(end_time: float, now: float) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end_time))
+    return f"the job ends at {stamp}, in {end_time - now:.0f} s"
+
+
+def scontrol_requeue(target: str) -> None:
+    """Requeue job `target` with `scontrol requeue` (on the host: the container may lack it)."""
+    from hpcrl.slurm import run_slurm
+
+    run_slurm(["scontrol", "requeue", target])
+
+
+def scontrol_job(target: str) -> dict[str, str]:
+    """`scontrol show job` parsed ({} when Slurm does not know the job)."""
+    from hpcrl.slurm import parse_scontrol_show_job, run_slurm
+
+    return parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", target], check=False))
+
+
+def scontrol_end_time(target: str) -> float | None:
+    """The job's end time from `scontrol show job` (None when Slurm does not say)."""
+    from hpcrl.slurm import parse_slurm_time
+
+    return parse_slurm_time(scontrol_job(target).get("EndTime", ""))

@@ -1,0 +1,246 @@
+"""The head agent's stop and requeue path: the batch script's warning note, the agent's own clock
+and SIGTERM become a stop request to the payload; its requeue status makes the agent requeue the
+job from the host (`scontrol requeue`, the one seam faked here), bounded by `max_requeues`.
+
+The pure decisions are tested alone; the end-to-end cases run the real agent with real Ray on
+this machine, in a Slurm environment whose only fake is the `scontrol` executable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.agent import requeue as rq
+from hpcrl.agent.core import Agent
+from hpcrl.agent.jobfile import JobFileError, parse_job
+from hpcrl.slurm import SlurmError, parse_scontrol_show_job, parse_slurm_time
+from hpcrl.slurm_env import job_context
+from tests.agent_helpers import leftovers, start_agent, wait_for_text
+from tests.conftest import DATA, write_exe
+
+PAYLOAD = Path(__file__).resolve().parent / "payloads" / "stop_payload.py"
+HOST = socket.gethostname()
+
+FAKE_SCONTROL = """#!{python}
+import json, os, sys, time
+with open(os.environ["FAKE_SCONTROL_LOG"], "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1:3] == ["show", "job"]:
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(float(os.environ["FAKE_END_TIME"])))
+    print(f"JobId={{sys.argv[3]}} JobName=t\\n   JobState=RUNNING Reason=None Dependency=(null)\\n"
+          f"   StartTime=2026-01-01T00:00:00 EndTime={{end}} Deadline=N/A")
+elif sys.argv[1] == "requeue" and os.environ.get("FAKE_REQUEUE_ERROR"):
+    print(os.environ["FAKE_REQUEUE_ERROR"], file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def slurm_env(job_id: str, restart: int = 0, **extra: str) -> dict[str, str]:
+    env = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": HOST, "SLURM_NODEID": "0",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": str(restart), **extra}
+    return env if restart else {k: v for k, v in env.items() if k != "SLURM_RESTART_COUNT"}
+
+
+# ------------------------------------------------------------------------------ pure parts
+
+
+def test_requeue_target_names_the_array_task() -> None:
+    plain = job_context(slurm_env("41"), hostname=lambda: HOST)
+    array = job_context(slurm_env("57", SLURM_ARRAY_JOB_ID="50", SLURM_ARRAY_TASK_ID="7"),
+                        hostname=lambda: HOST)
+    assert rq.requeue_target(plain) == "41"
+    assert rq.requeue_target(array) == "50_7"
+
+
+def test_decide_requeue() -> None:
+    first = job_context(slurm_env("41"), hostname=lambda: HOST)
+    last = job_context(slurm_env("41", restart=2), hostname=lambda: HOST)
+    local = job_context({"HPCRL_JOB_ID": "x"}, hostname=lambda: HOST)
+    assert rq.decide_requeue(first, 2, "/r").action == rq.REQUEUE
+    assert "restart 1 of at most 2" in rq.decide_requeue(first, 2, "/r").message
+    done = rq.decide_requeue(last, 2, "/r")
+    assert done.action == rq.MAX_REACHED
+    assert "max_requeues reached" in done.message and "checkpoint is intact" in done.message
+    assert "--resume --run-dir /r" in done.message
+    assert rq.decide_requeue(first, 0, "/r").action == rq.MAX_REACHED
+    assert rq.decide_requeue(first, 2, "/r", terminated_by="SIGTERM").action == rq.ENDED_BY_SLURM
+    assert rq.decide_requeue(local, 2, "/r").action == rq.NO_SLURM
+
+
+def test_preemption_within_grace_time_is_recognised() -> None:
+    """Real `scontrol show job` records: a task's view during a GraceTime preemption (still
+    RUNNING, PreemptTime set: Slurm will not requeue a job that ends now) and right after an
+    external `scontrol requeue` (COMPLETING)."""
+    grace = parse_scontrol_show_job(
+        (DATA / "slurm" / "scontrol_show_job_preempted_grace.txt").read_text())
+    requeued = parse_scontrol_show_job(
+        (DATA / "slurm" / "scontrol_show_job_requeued.txt").read_text())
+    running = parse_scontrol_show_job(
+        (DATA / "slurm" / "scontrol_show_job_running.txt").read_text())
+    assert rq.preempted_in_grace(grace)
+    assert not rq.preempted_in_grace(requeued) and not rq.preempted_in_grace(running)
+    ctx = job_context(slurm_env("3", restart=5), hostname=lambda: HOST)
+    decision = rq.decide_requeue(ctx, 2, "/r", terminated_by="SIGTERM", preempted=True)
+    assert decision.action == rq.REQUEUE and "grace time" in decision.message
+
+
+def test_already_requeued_is_recognised() -> None:
+    # what `scontrol requeue` prints for a job Slurm is already requeueing (preemption)
+    assert rq.already_requeued("Job is pending execution for job 9")
+    assert not rq.already_requeued("Invalid job id specified")
+
+
+def test_caught_signals_from_proc_status() -> None:
+    """A real `/proc/<pid>/status` of a Python process handling SIGUSR2 and SIGTERM."""
+    caught = rq.caught_signals((DATA / "proc_status_trainer.txt").read_text())
+    assert {signal.SIGUSR2, signal.SIGTERM} <= caught and signal.SIGUSR1 not in caught
+    assert rq.caught_signals("Name: x\n") == set()
+
+
+def test_end_time_from_scontrol_and_the_warning_clock() -> None:
+    info = parse_scontrol_show_job((DATA / "slurm" / "scontrol_show_job_running.txt").read_text())
+    end = parse_slurm_time(info["EndTime"])
+    start = parse_slurm_time(info["StartTime"])
+    assert end is not None and start is not None and end - start == 120  # TimeLimit=00:02:00
+    assert parse_slurm_time("Unknown") is None and parse_slurm_time("N/A") is None
+    assert not rq.warning_due(end, 30, end - 31) and rq.warning_due(end, 30, end - 30)
+    assert not rq.warning_due(None, 30, end)
+    assert rq.end_time_from_env({rq.END_TIME_ENV: "123.5"}) == 123.5
+    assert rq.end_time_from_env({rq.END_TIME_ENV: "soon"}) is None
+
+
+def test_job_file_reads_requeue_settings() -> None:
+    job = parse_job({"payload": ["x"], "max_requeues": 4,
+                     "profile": {"slurm": {"signal": "sigusr1", "signal_lead_s": 45},
+                                 "agent": {"stop_signal": "TERM"}}})
+    assert (job.max_requeues, job.warning_signal, job.signal_lead_s, job.stop_signal) == (
+        4, "USR1", 45.0, "TERM")
+    with pytest.raises(JobFileError, match="`max_requeues` is -1"):
+        parse_job({"payload": ["x"], "max_requeues": -1})
+    with pytest.raises(JobFileError, match="not a signal name"):
+        parse_job({"payload": ["x"], "profile": {"agent": {"stop_signal": "NOPE"}}})
+
+
+def _agent(tmp_path: Path, restart: int, max_requeues: int) -> Agent:
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    (run / "job.json").write_text(json.dumps({"payload": ["x"], "max_requeues": max_requeues}))
+    env = slurm_env("77", restart=restart)
+    agent = Agent(run, env=env, context=job_context(env, hostname=lambda: HOST))
+    from hpcrl.agent.jobfile import load_job
+
+    agent.job = load_job(run)
+    return agent
+
+
+def test_requeue_seam_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision names the target; the requeue runs once (after the teardown, or at once
+    near the end); Slurm already requeueing the job is no error; another failure is reported;
+    with `max_requeues` reached the seam is never called."""
+    agent = _agent(tmp_path, restart=0, max_requeues=1)
+    calls: list[str] = []
+
+    def pending(target: str) -> None:
+        calls.append(target)
+        raise SlurmError("`scontrol requeue 77` failed with status 1: Job is pending execution")
+
+    monkeypatch.setattr(agent, "_requeue", pending)
+    out = agent._after_requeue_request("payload exited with status 3", 3)
+    assert calls == [] and "requeueing job 77 (restart 1 of at most 1)" in out.cause
+    assert agent._requeue_now() == "Slurm is already requeueing job 77" and calls == ["77"]
+    agent.end_time = time.time() + 5  # too near the end to wait for the teardown
+    out = agent._after_requeue_request("payload exited with status 3", 3)
+    assert calls == ["77", "77"] and "Slurm is already requeueing job 77" in out.cause
+    monkeypatch.setattr(agent, "_requeue", lambda t: (_ for _ in ()).throw(SlurmError("refused")))
+    assert "could not requeue job 77: refused" in agent._after_requeue_request("x", 3).cause
+    done = _agent(tmp_path / "b", restart=1, max_requeues=1)
+    monkeypatch.setattr(done, "_requeue", lambda t: calls.append(t))
+    out = done._after_requeue_request("payload exited with status 3", 3)
+    assert done._requeue_target is None and "max_requeues reached" in out.cause
+    assert out.exit_code == 3 and calls == ["77", "77"]
+
+
+# ------------------------------------------------------------------------------ real agent
+
+
+def make_job(root: Path, name: str, env: dict[str, str], max_requeues: int = 2,
+             lead_s: int = 30) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    job = {"version": 1, "site": "t", "nodes": 1, "max_requeues": max_requeues,
+           "profile": {"network": {"interface": None, "family": "auto"},
+                       "container": {"runtime": "none"}, "env": env,
+                       "slurm": {"signal": "USR1", "signal_lead_s": lead_s, "max_requeues": 9}},
+           "payload": [sys.executable, str(PAYLOAD)]}
+    (run / "job.json").write_text(json.dumps(job))
+    return run
+
+
+def fake_slurm(tmp_path: Path, end_time: float, **extra: str) -> dict[str, str]:
+    bindir = tmp_path / "bin"
+    write_exe(bindir / "scontrol", FAKE_SCONTROL.format(python=sys.executable))
+    return {"PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_SCONTROL_LOG": str(tmp_path / "calls"),
+            "FAKE_END_TIME": str(end_time), **extra}
+
+
+def calls(tmp_path: Path) -> list[list[str]]:
+    path = tmp_path / "calls"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_warning_note_stops_the_payload_and_the_agent_requeues(tmp_path: Path) -> None:
+    """The batch script's note -> SIGUSR2 to the payload -> status 3 -> `scontrol requeue ID`."""
+    end = float(int(time.time()) + 600)  # Slurm prints whole seconds
+    run = make_job(tmp_path, f"w{os.getpid()}", {})
+    agent = start_agent(run, {**slurm_env(f"9{os.getpid()}"), **fake_slurm(tmp_path, end)})
+    wait_for_text(run / "0" / "logs" / "payload.log", "payload: end time", 120)
+    (run / "0" / "warning").write_text("USR1\n")  # what the batch script's trap writes
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 3, out
+    assert json.loads((run / "stopped.json").read_text()) == {
+        "signals": ["SIGUSR2"], "end_time": f"{end:.0f}"}
+    assert ["requeue", f"9{os.getpid()}"] in calls(tmp_path)
+    assert calls(tmp_path)[0][:2] == ["show", "job"]  # end time read from Slurm first
+    summary = (run / "0" / "summary.txt").read_text()
+    assert "Slurm's time-limit warning reached the batch script" in summary
+    assert f"requeued job 9{os.getpid()} with `scontrol requeue` (restart 1 of at most 2)" in summary
+    assert leftovers(run) == []
+
+
+@pytest.mark.slow
+def test_agent_clock_stops_an_array_task_without_any_signal(tmp_path: Path) -> None:
+    """No warning arrives (submitit's case): the end time minus the lead does it; the array task
+    is requeued by `<array job>_<task>`."""
+    run = make_job(tmp_path, f"c{os.getpid()}", {}, lead_s=5)
+    env = slurm_env(f"8{os.getpid()}", SLURM_ARRAY_JOB_ID="600", SLURM_ARRAY_TASK_ID="3")
+    agent = start_agent(run, {**env, **fake_slurm(tmp_path, time.time() + 30)})
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 3, out
+    assert ["requeue", "600_3"] in calls(tmp_path)
+    assert "(the warning is due 5 s before)" in out and "SIGUSR2" in out
+    assert (run / "stopped.json").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_payload_but_slurm_decides_the_requeue(tmp_path: Path) -> None:
+    """SIGTERM (preemption, `scontrol requeue`, `scancel`): the payload checkpoints, and the agent
+    does not requeue (a cancelled job must stay cancelled; Slurm requeues preempted jobs)."""
+    run = make_job(tmp_path, f"t{os.getpid()}", {})
+    agent = start_agent(run, {**slurm_env(f"7{os.getpid()}"),
+                              **fake_slurm(tmp_path, time.time() + 600)})
+    wait_for_text(run / "0" / "logs" / "payload.log", "payload: end time", 120)
+    agent.send_signal(signal.SIGTERM)
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 3, out
+    assert json.loads((run / "stopped.json").read_text())["signals"] == ["SIGTERM"]
+    assert not [c for c in calls(tmp_path) if c[0] == "requeue"]
+    assert "Slurm ended the job" in (run / "0" / "summary.txt").read_text()
+    assert leftovers(run) == []
