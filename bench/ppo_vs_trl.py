@@ -168,7 +168,7 @@ def run_ours(s: Setup) -> SideResult:
 # --------------------------------------------------------------------------- TRL
 
 
-def toy_reward(completions: list[Any], **_: Any) -> list[float]:
+def toy_reward(completions: list[Any], **_: Any) -> list[float | None]:
     """The toy task's score on the text of each completion (conversational or plain)."""
     from trainer.rewards.toy import toy_digits_score
 
