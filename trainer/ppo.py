@@ -61,7 +61,7 @@ class StepBatch:
         return self.input_ids[:, -self.response_length:]
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return int(self.input_ids.shape[0])
 
     def select(self, rows: list[int]) -> StepBatch:
         """The rows `rows` of every per-sample field."""
@@ -71,7 +71,7 @@ class StepBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 picked[f.name] = value[index.to(value.device)]
-            elif isinstance(value, list):
+            elif isinstance(value, list) and value:  # workers get tensors only (empty lists)
                 picked[f.name] = [value[i] for i in rows]
         return replace(self, **picked)
 
@@ -169,6 +169,7 @@ class PPOTrainer:
         self.rollout = self._build_rollout()
         self.stop = StopRequest(self.run_dir)
         self.global_step = 0
+        self.n_workers = 1
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -428,10 +429,10 @@ class PPOTrainer:
             metrics.update(self.compute_rewards(batch))
         with timer.phase("old_log_prob"):
             metrics.update(self.compute_old_log_probs(batch))
-        if self.ref is not None:
+        if self.cfg.derived.use_reference:
             with timer.phase("ref"):
                 self.compute_ref_log_probs(batch)
-        if self.critic is not None:
+        if self.cfg.derived.use_critic:
             with timer.phase("values"):
                 self.compute_values(batch)
         with timer.phase("adv"):
@@ -446,7 +447,7 @@ class PPOTrainer:
             with timer.phase("gen"):
                 batch = self.generate(examples)
             metrics = self._collect(batch, timer)
-            if self.critic is not None:
+            if self.cfg.derived.use_critic:
                 with timer.phase("update_critic"):
                     metrics.update(self.update_critic(batch))
             if self.cfg.trainer.critic_warmup <= self.global_step:
@@ -461,7 +462,8 @@ class PPOTrainer:
             prompt_mask=batch.attention_mask[:, :-batch.response_length],
             max_response_length=self.cfg.data.max_response_length))
         metrics.update(timing_metrics(timer.seconds))
-        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], 1))
+        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"],
+                                          self.n_workers))
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.loader.epoch
         return metrics
