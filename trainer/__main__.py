@@ -1,7 +1,9 @@
 """`python -m trainer [--print-config | --list-keys] KEY=VALUE ...`: the PPO trainer's entry.
 
 Exit status: 0 when training finished, 2 for bad configuration or input (fix and rerun),
-3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me).
+3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me),
+1 (`WORKER_FAILURE_EXIT_CODE`) when a distributed worker failed (the message names its node
+and rank) or the Ray cluster could not be reached.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from trainer.exit_codes import USAGE_EXIT_CODE
+from trainer.exit_codes import USAGE_EXIT_CODE, WORKER_FAILURE_EXIT_CODE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.metrics import MetricsError
     from trainer.ppo import run_training
     from trainer.rewards import RewardError
+    from trainer.worker_group import WorkerFailure
 
     try:
         return run_training(cfg)
     except (ConfigError, DataError, RewardError, MetricsError, FileNotFoundError) as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except (WorkerFailure, ConnectionError) as err:
+        print(f"python -m trainer: error: {err}", file=sys.stderr)
+        return WORKER_FAILURE_EXIT_CODE
 
 
 if __name__ == "__main__":

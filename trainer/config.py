@@ -220,7 +220,12 @@ class TrainerConfig:
         "metric sinks; the JSONL file in `run_dir` is always written"
     )
     nnodes: int = _h("nodes of the Ray cluster")
-    n_gpus_per_node: int = _h("workers (GPUs) per node")
+    n_gpus_per_node: int = _h("workers (GPUs) per node; CPU worker slots on nodes without GPUs")
+    distributed: bool | None = _h(
+        "run on Ray worker groups (true) or in this process (false); null = Ray when "
+        "`nnodes` x `n_gpus_per_node` > 1. Ray is joined at `RAY_ADDRESS` (never `auto`), "
+        "or a private local cluster is started when it is unset"
+    )
     device: Literal["auto", "cpu", "cuda"] = _h("torch device of the single-process trainer")
     save_freq: int = _h("checkpoint every N steps; -1 = only on stop and at the end")
     resume_mode: Literal["auto", "disable", "resume_path"] = _h(

@@ -10,3 +10,5 @@ OK_EXIT_CODE = 0
 USAGE_EXIT_CODE = 2
 #: Checkpointed after a stop request; please requeue.
 REQUEUE_EXIT_CODE = 3
+#: A distributed worker raised or died (message names node and rank), or Ray was unreachable.
+WORKER_FAILURE_EXIT_CODE = 1

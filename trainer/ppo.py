@@ -201,15 +201,22 @@ class PPOTrainer:
         return opt, sched
 
     def _build_rollout(self) -> Any:
+        """HF `generate` on the actor itself, or a vLLM engine synced before every rollout."""
         from trainer.rollout import HFRolloutEngine
 
         rollout = self.cfg.actor_rollout_ref.rollout
-        if rollout.name != "hf":
-            raise ConfigError(
-                f"`actor_rollout_ref.rollout.name={rollout.name}` needs the distributed trainer; "
-                "the single-process trainer generates with `actor_rollout_ref.rollout.name=hf`"
-            )
+        if rollout.name == "vllm":
+            from trainer.vllm_rollout import VLLMRolloutEngine
+
+            self.rollout_shares_weights = False
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, seed=self.cfg.trainer.seed)
+        self.rollout_shares_weights = True
         return HFRolloutEngine(self.actor, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+
+    def sync_rollout_weights(self) -> None:
+        """Give the rollout engine the actor's current weights (nothing to do when they are shared)."""
+        if not self.rollout_shares_weights:
+            self.rollout.sync_weights(self.actor.state_dict())
 
     def _sampling(self, validate: bool) -> Any:
         from trainer.rollout import SamplingParams
@@ -225,7 +232,12 @@ class PPOTrainer:
     def generate(self, examples: list[Example], validate: bool = False) -> StepBatch:
         """Rollout: `n` responses per prompt, rows prompt-major."""
         ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
-        out = self.rollout.generate(ids.to(self.device), mask.to(self.device), self._sampling(validate))
+        self.sync_rollout_weights()
+        self.rollout.wake_up()
+        try:
+            out = self.rollout.generate(ids.to(self.device), mask.to(self.device), self._sampling(validate))
+        finally:
+            self.rollout.sleep()
         rows = out.prompt_index.tolist()
         return StepBatch(
             examples=[examples[i] for i in rows], uids=rows,
@@ -571,5 +583,10 @@ class PPOTrainer:
 
 
 def run_training(cfg: Config) -> int:
-    """Build the trainer from `cfg` and run it; the return value is the exit code."""
+    """Build the trainer from `cfg` (on Ray worker groups when `trainer.distributed` says so)
+    and run it; the return value is the exit code."""
+    from trainer.ray_trainer import run_distributed, use_ray
+
+    if use_ray(cfg):
+        return run_distributed(cfg)
     return PPOTrainer(cfg).fit()

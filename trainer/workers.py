@@ -29,7 +29,7 @@ from trainer import core_algos
 from trainer import models as M
 from trainer import parallel as P
 from trainer.config import Config
-from trainer.ppo import StepBatch, need, seed_everything, step_seed
+from trainer.ppo import StepBatch, need, seed_everything
 from trainer.rollout import RolloutBatch, SamplingParams
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "node_ip"]
