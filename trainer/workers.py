@@ -51,6 +51,13 @@ def node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def container_runtime() -> str:
+    """`podman`, `apptainer` or `none`: the container this process runs in."""
+    if os.path.exists("/run/.containerenv"):
+        return "podman"
+    return "apptainer" if os.environ.get("APPTAINER_CONTAINER") else "none"
+
+
 def _mean(collected: dict[str, list[float]]) -> dict[str, list[float]]:
     return {k: v for k, v in collected.items() if v}
 
@@ -73,7 +80,8 @@ class _Worker:
 
     def node_info(self) -> dict[str, Any]:
         return {"role": self.role, "rank": self.rank, "hostname": socket.gethostname(),
-                "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available()}
+                "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available(),
+                "container": container_runtime()}
 
     def free_port(self) -> int:
         return P.free_port(node_ip())
