@@ -142,3 +142,15 @@ def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: 
                 continue  # per-micro-batch statistics (clip fractions) depend on the split
             torch.testing.assert_close(two[name][key], value, **tol, msg=f"{name} {key}")
     assert COMPARED <= set(one["metrics-dynamic"])
+
+
+def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:
+    from trainer.config import ConfigError
+    from trainer.ray_trainer import use_ray
+
+    assert not use_ray(load_config([]))
+    assert use_ray(load_config(["trainer.nnodes=2"]))
+    assert use_ray(load_config(["trainer.distributed=true"]))
+    assert not use_ray(load_config(["trainer.nnodes=2", "trainer.distributed=false"]))
+    with pytest.raises(ConfigError, match="tensor-parallel rollout is not supported yet"):
+        load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])

@@ -90,3 +90,28 @@ def test_grpo_with_vllm_rollout_learns_like_hf(tiny_model_dir: Path, tmp_path: P
     start, end = learned["vllm"]
     assert end > start + 0.4, learned
     assert abs(end - learned["hf"][1]) < 0.3, learned
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Each rank's in-process engine gets the actor's weights before every rollout."""
+    require_vllm()
+    pytest.importorskip("ray", reason="the distributed trainer needs Ray")
+    from tests.test_distributed import overrides
+    from trainer.config import load_config
+    from trainer.metrics import read_jsonl
+    from trainer.ppo import run_training
+    from trainer.rewards.toy import write_toy_digits
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    write_toy_digits(tmp_path / "data", train_size=64, val_size=8, seed=0)
+    run = tmp_path / "run"
+    cfg = load_config(overrides(tiny_model_dir, tmp_path / "data", run, "algorithm.adv_estimator=grpo",
+                                "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
+                                "actor_rollout_ref.rollout.name=vllm"))
+    assert run_training(cfg) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for rank in (0, 1):
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r

@@ -711,9 +711,19 @@ def validate(cfg: Config) -> None:
         "`trainer.resume_mode=resume_path` needs `trainer.resume_from_path=<checkpoint dir>`",
     )
     _require(
-        rollout.name != "vllm" or world >= 1,
-        "`actor_rollout_ref.rollout.name=vllm` needs at least one worker",
+        rollout.name != "vllm" or rollout.tensor_model_parallel_size == 1,
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}`: "
+        "each rank runs its own in-process vLLM engine, so tensor-parallel rollout is not "
+        "supported yet; set it to 1",
     )
+    c = cfg.critic
+    if cfg.derived.use_critic and c.ppo_mini_batch_size is not None:
+        critic_samples = c.ppo_mini_batch_size * rollout.n
+        _require(
+            critic_samples % world == 0,
+            f"a critic mini-batch holds `critic.ppo_mini_batch_size` x `rollout.n` = {critic_samples} "
+            f"samples, which must split evenly over {world} workers",
+        )
 
 
 def load_defaults() -> dict[str, Any]:
