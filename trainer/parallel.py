@@ -218,27 +218,33 @@ def rank_micro_batches(lengths: Sequence[int], micro_batch_size: int | None, use
 # ----------------------------------------------------------------------------- full states
 
 
-def _full_options() -> Any:
+def _full_options(cpu_offload: bool = True) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state on the CPU (gathered from the shards under FSDP; a collective)."""
+def full_model_state(model: torch.nn.Module, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state (gathered from the shards under FSDP; a collective).
+
+    By default it lands on the CPU, and under FSDP only rank 0 receives it (enough for a
+    checkpoint); `every_rank=True` gives every rank the full tensors on its device (weight sync).
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_full_options())
+    state: dict[str, Any] = get_model_state_dict(model, options=_full_options(cpu_offload=not every_rank))
+    return state
 
 
 def full_optim_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state keyed by parameter name, gathered to the CPU (a collective under FSDP)."""
+    """The optimizer state keyed by parameter name, gathered to the CPU of rank 0 (a collective
+    under FSDP; other ranks may receive an empty state)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optim, options=_full_options())
 
 
-def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_full_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
     """Load a full state written by :func:`full_model_state` (any world size)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -100,6 +100,11 @@ class VLLMRolloutEngine:
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load the actor's weights (HF names) into the engine and drop stale prefix KV."""
+        if not state_dict:
+            raise ValueError(
+                "`sync_weights` received an empty state dict, which would leave the engine on its "
+                "old weights. Fix: gather the full state on every rank (`full_model_state(model, "
+                "every_rank=True)`)")
         weights = [(name, t.detach().to("cpu" if not self.gpu else t.device)) for name, t in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()

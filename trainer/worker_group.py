@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,13 +53,13 @@ def connect(world_size: int) -> str:
             "`RAY_ADDRESS=auto` may attach to another job's Ray cluster; set it to the head's "
             "`host:port` (`hpcrl submit` does), or unset it to start a private local cluster")
     if address:
-        ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         return address
     # Workers of the local cluster import this checkout's `trainer` package.
     root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
-             log_to_driver=True, logging_level="WARNING")
+             log_to_driver=True, logging_level=logging.WARNING)
     return "local"
 
 
@@ -105,8 +106,8 @@ class WorkerGroup:
 
         self.name, self.world_size = name, world_size
         share = 1.0 / slot.groups
-        remote = ray.remote(cls)
-        self.actors = [
+        remote: Any = ray.remote(cls)
+        self.actors: list[Any] = [
             remote.options(
                 num_cpus=share, num_gpus=share if slot.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

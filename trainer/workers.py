@@ -210,7 +210,8 @@ class ActorRolloutRefWorker(_Worker):
             return HFRolloutEngine(self.model, pad, eos), True
         # A sharded model cannot generate rank by rank (its forwards are collectives): keep a
         # full copy for generation and sync it from the gathered weights.
-        copy = M.load_actor(arr.model.path).to(self.device).eval()
+        copy: Any = M.load_actor(arr.model.path)
+        copy = copy.to(self.device).eval()
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 
     # ------------------------------------------------------------------ rollout
@@ -219,7 +220,7 @@ class ActorRolloutRefWorker(_Worker):
         """Copy the actor's current weights into the rollout engine (a collective under FSDP)."""
         start = time.perf_counter()
         if not self.shares_weights:
-            self.rollout.sync_weights(P.full_model_state(self.model))
+            self.rollout.sync_weights(P.full_model_state(self.model, every_rank=True))
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
@@ -328,8 +329,8 @@ class ActorRolloutRefWorker(_Worker):
         return self.load(path, "actor")
 
     def state_for_test(self) -> dict[str, torch.Tensor]:
-        """The full actor weights (a collective under FSDP)."""
-        return P.full_model_state(self.model)
+        """The full actor weights on every rank (a collective under FSDP)."""
+        return {k: v.cpu() for k, v in P.full_model_state(self.model, every_rank=True).items()}
 
 
 class CriticWorker(_Worker):
