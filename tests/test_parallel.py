@@ -28,6 +28,15 @@ def test_split_rows_and_balanced_partition() -> None:
         P.balanced_partition([1, 1], 3)
 
 
+def test_balanced_split_gives_equal_counts_and_similar_tokens() -> None:
+    lengths = [9, 1, 1, 8, 2, 3, 7, 5]
+    groups = P.balanced_split(lengths, 2)
+    assert [len(g) for g in groups] == [4, 4]
+    assert sorted(r for g in groups for r in g) == list(range(8))
+    assert [sum(lengths[r] for r in g) for g in groups] == [18, 18]
+    assert [len(g) for g in P.balanced_split([1] * 7, 3)] == [3, 2, 2]
+
+
 def test_init_method_brackets_ipv6() -> None:
     assert P.init_method_url("10.0.0.1", 5) == "tcp://10.0.0.1:5"
     assert P.init_method_url("fd77::11", 5) == "tcp://[fd77::11]:5"

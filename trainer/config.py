@@ -239,7 +239,7 @@ class TrainerConfig:
     run_dir: str | None = _h("metrics file and STOP file directory; null = `default_local_dir`")
     max_actor_ckpt_to_keep: int | None = _h("keep the newest K checkpoints; null = all")
     max_critic_ckpt_to_keep: int | None = _h("accepted for verl compatibility; critic lives in the same checkpoint")
-    balance_batch: bool = _h("balance tokens across data-parallel workers")
+    balance_batch: bool = _h("give data-parallel workers equal sample counts of similar token totals")
     seed: int = _h("seed of model init, sampling and mini-batch shuffles")
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "all_reduce_sum",
     "apply_fsdp2",
     "balanced_partition",
+    "balanced_split",
     "free_port",
     "full_model_state",
     "full_optim_state",
@@ -184,6 +185,18 @@ def split_rows(n: int, parts: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return out
+
+
+def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Rows in `parts` groups of equal size (differing by at most one) with similar token totals:
+    rows dealt longest first in snake order (0..p-1, p-1..0, ...), each group in row order.
+    What `trainer.balance_batch` uses to give every data-parallel rank a similar load."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for i, row in enumerate(order):
+        lap, pos = divmod(i, parts)
+        groups[pos if lap % 2 == 0 else parts - 1 - pos].append(row)
+    return [sorted(g) for g in groups]
 
 
 def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:

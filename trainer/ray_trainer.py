@@ -35,7 +35,7 @@ from trainer import core_algos
 from trainer import models as M
 from trainer.config import Config, ConfigError
 from trainer.data import Example
-from trainer.parallel import split_rows
+from trainer.parallel import balanced_split, split_rows
 from trainer.ppo import PPOTrainer, StepBatch, step_seed
 from trainer.rewards import load_reward_fn
 from trainer.rollout import RolloutBatch
@@ -134,8 +134,15 @@ class RayPPOTrainer(PPOTrainer):
                          attention_mask=torch.cat([o.attention_mask for o in outs]),
                          response_mask=torch.cat([o.response_mask for o in outs]).float())
 
+    def _split(self, batch: StepBatch) -> list[list[int]]:
+        """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
+        token totals (the maths does not depend on the split, only the load does)."""
+        if self.cfg.trainer.balance_batch:
+            return balanced_split(batch.attention_mask.sum(-1).long().tolist(), self.world)
+        return split_rows(len(batch), self.world)
+
     def _shards(self, batch: StepBatch) -> tuple[list[list[int]], list[tuple[StepBatch]]]:
-        parts = split_rows(len(batch), self.world)
+        parts = self._split(batch)
         return parts, [(_tensors_only(batch.select(p)),) for p in parts]
 
     def _collect_rows(self, batch: StepBatch, parts: list[list[int]], results: list[dict[str, Any]], key: str) -> torch.Tensor:
@@ -168,13 +175,13 @@ class RayPPOTrainer(PPOTrainer):
         batch.values = self._collect_rows(batch, parts, results, "values")
 
     def _rank_minis(self, batch: StepBatch, mini_size: int, shuffle: bool, epochs: int, salt: int) -> list[tuple[list[list[StepBatch]]]]:
-        """Per rank: for each epoch, its contiguous share of every mini-batch (the mini-batches
-        the single-process trainer forms)."""
+        """Per rank: for each epoch, its share of every mini-batch (the mini-batches the
+        single-process trainer forms)."""
         per_rank: list[list[list[StepBatch]]] = [[] for _ in range(self.world)]
         for epoch in range(epochs):
             minis = self._mini_batches(batch, mini_size, shuffle, salt + epoch)
             for rank in range(self.world):
-                per_rank[rank].append([_tensors_only(m.select(split_rows(len(m), self.world)[rank])) for m in minis])
+                per_rank[rank].append([_tensors_only(m.select(self._split(m)[rank])) for m in minis])
         return [(epochs_of_rank,) for epochs_of_rank in per_rank]
 
     def _merge(self, results: list[dict[str, Any]], prefix: str) -> dict[str, float]:

@@ -140,9 +140,9 @@ class WorkerGroup:
         return self._gather(method, refs)
 
     def run_rank(self, rank: int, method: str, *args: Any) -> Any:
-        result = [None] * self.world_size
-        result[rank] = getattr(self.actors[rank], method).remote(*args)
-        return self._gather(method, [r for r in result if r is not None], ranks=[rank])[0]
+        """`method(*args)` on rank `rank` alone."""
+        ref = getattr(self.actors[rank], method).remote(*args)
+        return self._gather(method, [ref], ranks=[rank])[0]
 
     def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
         """Wait for all `refs`; the first failure raises at once (other ranks may be stuck in a
