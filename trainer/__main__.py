@@ -1,7 +1,9 @@
 """`python -m trainer [--print-config | --list-keys] KEY=VALUE ...`: the PPO trainer's entry.
 
 Exit status: 0 when training finished, 2 for bad configuration or input (fix and rerun),
-3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me).
+3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me),
+1 (`WORKER_FAILURE_EXIT_CODE`) when a distributed worker failed (the message names its node
+and rank) or the Ray cluster could not be reached.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ import errno
 import sys
 from collections.abc import Sequence
 
-from trainer.exit_codes import ABORTED_EXIT_CODE, NO_SPACE_EXIT_CODE, USAGE_EXIT_CODE
+from trainer.exit_codes import (
+    ABORTED_EXIT_CODE,
+    NO_SPACE_EXIT_CODE,
+    USAGE_EXIT_CODE,
+    WORKER_FAILURE_EXIT_CODE,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.metrics import MetricsError
     from trainer.ppo import run_training
     from trainer.rewards import RewardError
+    from trainer.worker_group import WorkerFailure
 
     try:
         return run_training(cfg, stop)
@@ -63,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             FileNotFoundError) as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except (WorkerFailure, ConnectionError) as err:  # before OSError: ConnectionError is one
+        print(f"python -m trainer: error: {err}", file=sys.stderr)
+        return WORKER_FAILURE_EXIT_CODE
     except KeyboardInterrupt:
         print("python -m trainer: aborted (second interrupt); the current step was not "
               "checkpointed, a resumed run starts from the last checkpoint", file=sys.stderr)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HF_DIR",
+    "begin_checkpoint",
+    "commit_checkpoint",
     "LATEST_MARKER",
     "MANIFEST",
     "capture_rng_state",
@@ -45,6 +47,7 @@ __all__ = [
     "save_checkpoint",
     "step_dir",
     "step_of",
+    "write_states",
 ]
 
 LATEST_MARKER = "latest_checkpointed_iteration.txt"
@@ -183,6 +186,7 @@ def _write_contents(
     files: Mapping[str, str | bytes],
     hf_model: PreTrainedModel | None,
     hf_tokenizer: PreTrainedTokenizerBase | None,
+    hf_state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     for name, state in states.items():
         target = tmp / f"{name}.pt"
@@ -193,7 +197,7 @@ def _write_contents(
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(content.encode() if isinstance(content, str) else content)
     if hf_model is not None:
-        hf_model.save_pretrained(tmp / HF_DIR)
+        hf_model.save_pretrained(tmp / HF_DIR, state_dict=dict(hf_state_dict) if hf_state_dict else None)
         if hf_tokenizer is not None:
             hf_tokenizer.save_pretrained(tmp / HF_DIR)
 
@@ -231,17 +235,65 @@ def save_checkpoint(
     ``save_pretrained``. ``metadata`` (JSON-serialisable) goes into the manifest. With
     ``keep_last``, older complete checkpoints beyond the newest ``keep_last`` are removed.
     """
+    tmp = begin_checkpoint(root, step)
+    try:
+        write_states(tmp, states, hf_model=hf_model, hf_tokenizer=hf_tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_checkpoint(root, step, tmp, files=files, metadata=metadata, keep_last=keep_last)
+
+
+def begin_checkpoint(root: str | Path, step: int) -> Path:
+    """Create and return the temporary directory that step ``step``'s checkpoint is written to.
+
+    Several writers (e.g. the rank 0 of each worker group) may fill it with :func:`write_states`
+    before one of them calls :func:`commit_checkpoint`.
+    """
     if step < 0:
         raise ValueError(f"Checkpoint `step` must be >= 0, received {step}.")
-    for name in [*states, *(files or {})]:
-        _check_name(name)
     r = Path(root)
     r.mkdir(parents=True, exist_ok=True)
-    final = step_dir(r, step)
-    tmp = r / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = r / f"{TMP_PREFIX}{step_dir(r, step).name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def write_states(
+    tmp: str | Path,
+    states: Mapping[str, Any],
+    *,
+    hf_model: PreTrainedModel | None = None,
+    hf_tokenizer: PreTrainedTokenizerBase | None = None,
+    hf_state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write named states (and an HF export) into a directory from :func:`begin_checkpoint`.
+
+    ``hf_state_dict`` replaces the model's own weights in the export (a gathered full state
+    when the live model is sharded).
+    """
+    for name in states:
+        _check_name(name)
+    _write_contents(Path(tmp), states, {}, hf_model, hf_tokenizer, hf_state_dict)
+
+
+def commit_checkpoint(
+    root: str | Path,
+    step: int,
+    tmp: str | Path,
+    *,
+    files: Mapping[str, str | bytes] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Add ``files``, write the manifest, rename ``tmp`` to ``global_step_<step>`` and move the
+    marker: the checkpoint becomes visible complete or not at all."""
+    r, tmp = Path(root), Path(tmp)
+    for name in files or {}:
+        _check_name(name)
+    final = step_dir(r, step)
     try:
-        _write_contents(tmp, states, files or {}, hf_model, hf_tokenizer)
+        _write_contents(tmp, {}, files or {}, None, None)
         _fsync_tree(tmp)
         _write_manifest(tmp, step, metadata or {})
         _fsync_path(tmp)

@@ -223,7 +223,12 @@ class TrainerConfig:
         "metric sinks; the JSONL file in `run_dir` is always written"
     )
     nnodes: int = _h("nodes of the Ray cluster")
-    n_gpus_per_node: int = _h("workers (GPUs) per node")
+    n_gpus_per_node: int = _h("workers (GPUs) per node; CPU worker slots on nodes without GPUs")
+    distributed: bool | None = _h(
+        "run on Ray worker groups (true) or in this process (false); null = Ray when "
+        "`nnodes` x `n_gpus_per_node` > 1. Ray is joined at `RAY_ADDRESS` (never `auto`), "
+        "or a private local cluster is started when it is unset"
+    )
     device: Literal["auto", "cpu", "cuda"] = _h("torch device of the single-process trainer")
     save_freq: int = _h("checkpoint every N steps; -1 = only on stop and at the end")
     resume_mode: Literal["auto", "disable", "resume_path"] = _h(
@@ -248,7 +253,7 @@ class TrainerConfig:
     )
     max_actor_ckpt_to_keep: int | None = _h("keep the newest K checkpoints; null = all")
     max_critic_ckpt_to_keep: int | None = _h("accepted for verl compatibility; critic lives in the same checkpoint")
-    balance_batch: bool = _h("balance tokens across data-parallel workers")
+    balance_batch: bool = _h("give data-parallel workers equal sample counts of similar token totals")
     seed: int = _h("seed of model init, sampling and mini-batch shuffles")
 
 
@@ -725,9 +730,19 @@ def validate(cfg: Config) -> None:
         "`trainer.resume_mode=resume_path` needs `trainer.resume_from_path=<checkpoint dir>`",
     )
     _require(
-        rollout.name != "vllm" or world >= 1,
-        "`actor_rollout_ref.rollout.name=vllm` needs at least one worker",
+        rollout.name != "vllm" or rollout.tensor_model_parallel_size == 1,
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}`: "
+        "each rank runs its own in-process vLLM engine, so tensor-parallel rollout is not "
+        "supported yet; set it to 1",
     )
+    c = cfg.critic
+    if cfg.derived.use_critic and c.ppo_mini_batch_size is not None:
+        critic_samples = c.ppo_mini_batch_size * rollout.n
+        _require(
+            critic_samples % world == 0,
+            f"a critic mini-batch holds `critic.ppo_mini_batch_size` x `rollout.n` = {critic_samples} "
+            f"samples, which must split evenly over {world} workers",
+        )
 
 
 def load_defaults() -> dict[str, Any]:

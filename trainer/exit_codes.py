@@ -14,3 +14,5 @@ REQUEUE_EXIT_CODE = 3
 NO_SPACE_EXIT_CODE = 4
 #: Aborted by a second interrupt (Ctrl-C) before the step finished; nothing was checkpointed.
 ABORTED_EXIT_CODE = 130
+#: A distributed worker raised or died (message names node and rank), or Ray was unreachable.
+WORKER_FAILURE_EXIT_CODE = 1

@@ -63,7 +63,7 @@ class StepBatch:
         return self.input_ids[:, -self.response_length:]
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return int(self.input_ids.shape[0])
 
     def select(self, rows: list[int]) -> StepBatch:
         """The rows `rows` of every per-sample field."""
@@ -73,7 +73,7 @@ class StepBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 picked[f.name] = value[index.to(value.device)]
-            elif isinstance(value, list):
+            elif isinstance(value, list) and value:  # workers get tensors only (empty lists)
                 picked[f.name] = [value[i] for i in rows]
         return replace(self, **picked)
 
@@ -180,6 +180,7 @@ class PPOTrainer:
         self.stop.watch(self.run_dir)
         self.deadline = Deadline.from_env(os.environ, trainer.deadline_margin_s)
         self.global_step = 0
+        self.n_workers = 1
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -211,15 +212,22 @@ class PPOTrainer:
         return opt, sched
 
     def _build_rollout(self) -> Any:
+        """HF `generate` on the actor itself, or a vLLM engine synced before every rollout."""
         from trainer.rollout import HFRolloutEngine
 
         rollout = self.cfg.actor_rollout_ref.rollout
-        if rollout.name != "hf":
-            raise ConfigError(
-                f"`actor_rollout_ref.rollout.name={rollout.name}` needs the distributed trainer; "
-                "the single-process trainer generates with `actor_rollout_ref.rollout.name=hf`"
-            )
+        if rollout.name == "vllm":
+            from trainer.vllm_rollout import VLLMRolloutEngine
+
+            self.rollout_shares_weights = False
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, seed=self.cfg.trainer.seed)
+        self.rollout_shares_weights = True
         return HFRolloutEngine(self.actor, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+
+    def sync_rollout_weights(self) -> None:
+        """Give the rollout engine the actor's current weights (nothing to do when they are shared)."""
+        if not self.rollout_shares_weights:
+            self.rollout.sync_weights(self.actor.state_dict())
 
     def _sampling(self, validate: bool) -> Any:
         from trainer.rollout import SamplingParams
@@ -235,7 +243,12 @@ class PPOTrainer:
     def generate(self, examples: list[Example], validate: bool = False) -> StepBatch:
         """Rollout: `n` responses per prompt, rows prompt-major."""
         ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
-        out = self.rollout.generate(ids.to(self.device), mask.to(self.device), self._sampling(validate))
+        self.sync_rollout_weights()
+        self.rollout.wake_up()
+        try:
+            out = self.rollout.generate(ids.to(self.device), mask.to(self.device), self._sampling(validate))
+        finally:
+            self.rollout.sleep()
         rows = out.prompt_index.tolist()
         return StepBatch(
             examples=[examples[i] for i in rows], uids=rows,
@@ -501,10 +514,10 @@ class PPOTrainer:
                 metrics.update(self.compute_old_log_probs(batch))
         elif batch.entropy is not None:  # the rollout's entropies stand in for recomputed ones
             metrics["actor/entropy"] = self._entropy_metric(batch.entropy, batch.response_mask)
-        if self.ref is not None:
+        if self.cfg.derived.use_reference:
             with timer.phase("ref"):
                 self.compute_ref_log_probs(batch)
-        if self.critic is not None:
+        if self.cfg.derived.use_critic:
             with timer.phase("values"):
                 self.compute_values(batch)
         with timer.phase("adv"):
@@ -519,7 +532,7 @@ class PPOTrainer:
             with timer.phase("gen"):
                 batch = self.generate(examples)
             metrics = self._collect(batch, timer)
-            if self.critic is not None:
+            if self.cfg.derived.use_critic:
                 with timer.phase("update_critic"):
                     metrics.update(self.update_critic(batch))
             if self.cfg.trainer.critic_warmup <= self.global_step:
@@ -534,7 +547,8 @@ class PPOTrainer:
             prompt_mask=batch.attention_mask[:, :-batch.response_length],
             max_response_length=self.cfg.data.max_response_length))
         metrics.update(timing_metrics(timer.seconds))
-        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], 1))
+        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"],
+                                          self.n_workers))
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.loader.epoch
         metrics["training/total_steps"] = self.total_steps
@@ -663,6 +677,11 @@ class PPOTrainer:
 
 
 def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
-    """Build the trainer from `cfg` and run it; the return value is the exit code. `stop`: a
-    request whose handlers are already installed (`python -m trainer` does that first)."""
+    """Build the trainer from `cfg` (on Ray worker groups when `trainer.distributed` says so)
+    and run it; the return value is the exit code. `stop`: a request whose handlers are already
+    installed (`python -m trainer` does that first)."""
+    from trainer.ray_trainer import run_distributed, use_ray
+
+    if use_ray(cfg):
+        return run_distributed(cfg, stop)
     return PPOTrainer(cfg, stop).fit()

