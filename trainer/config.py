@@ -134,7 +134,6 @@ class RolloutConfig:
     top_p: float = _h("nucleus sampling")
     do_sample: bool = _h("sample (false = greedy)")
     n: int = _h("responses per prompt (group size for grpo/rloo)")
-    ignore_eos: bool = _h("keep generating after EOS up to the maximum length")
     gpu_memory_utilization: float = _h("vLLM: share of GPU memory for weights and KV cache")
     tensor_model_parallel_size: int = _h("vLLM: GPUs per inference engine")
     enforce_eager: bool = _h("vLLM: no CUDA graphs")
@@ -374,6 +373,7 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
     "critic.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.rollout.mode": "sync",
+    "actor_rollout_ref.rollout.ignore_eos": False,
     "trainer.val_only": False,
     "trainer.log_val_generations": 0,
     "trainer.del_local_ckpt_after_load": False,
