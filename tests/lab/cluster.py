@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.lab.config import (
     BRIDGE,
+    INSTANCE,
     NETNS_PREFIX,
     V4_GATEWAY,
     V6_GATEWAY,
@@ -307,11 +308,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-LAB_LABEL = "hpcrl.lab=1"
+# One label per lab instance (the `slurmlab` profile sets it from HPCRL_LAB_INSTANCE): a lab's
+# teardown must not remove the containers of another instance running beside it.
+LAB_LABEL = f"hpcrl.lab={INSTANCE}"
 
 
 def remove_lab_containers() -> None:
-    """Podman containers started for the lab carry `--label hpcrl.lab=1`; remove them with their
+    """Podman containers started for this lab instance carry `--label hpcrl.lab=<instance>`;
+    remove them with their
     mounts and state (a killed `podman run` leaves both behind)."""
     deadline = time.monotonic() + 20
     while (ids := lab_containers()) and time.monotonic() < deadline:
