@@ -20,14 +20,11 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 
 def write_sites(sites: Path, shared: Path) -> None:
-    """Test profiles extending the lab's: Podman with `shared` bound in, and bare.
-
-    The containers carry a label of their own: another lab instance's teardown removes every
-    container labelled `hpcrl.lab=1`, and must not end this run's."""
-    from tests.lab.config import INSTANCE
+    """Test profiles extending the lab's: Podman with `shared` bound in, and bare."""
+    from tests.lab.cluster import LAB_LABEL
 
     binds = ["${sys:prefix}", "${sys:base_prefix}", "${sys:source_root}", str(shared)]
-    flags = ["--label", f"hpcrl.lab.distributed={INSTANCE}"]
+    flags = ["--label", LAB_LABEL]
     sites.mkdir(parents=True, exist_ok=True)
     run_root = shared / "runs"
     (sites / "lab-ppo-podman.yaml").write_text(
