@@ -720,7 +720,7 @@ class Agent:
             self._requeue_target = rq.requeue_target(self.ctx)
             left = None if self.end_time is None else self.end_time - time.time()
             if left is not None and left < REQUEUE_FIRST_S:
-                message = self._requeue_now()
+                message = f"{message}; {self._requeue_now()}"
         log = self.log.error if decision.action == rq.MAX_REACHED else self.log.info
         log("%s", message)
         return Outcome(f"{what}; {message}", status, self.ctx.hostname)
