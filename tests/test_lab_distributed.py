@@ -42,7 +42,8 @@ def trainer_overrides(shared: Path, nnodes: int, steps: int) -> list[str]:
         "actor_rollout_ref.actor.optim.lr=1e-3", "algorithm.adv_estimator=grpo", "data.train_batch_size=24",
         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
         "trainer.val_before_train=false", "trainer.logger=[console,jsonl]", "trainer.seed=7",
-        f"trainer.default_local_dir={out}", f"trainer.nnodes={nnodes}", "trainer.n_gpus_per_node=1",
+        f"trainer.default_local_dir={out}", f"trainer.run_dir={out}",
+        f"trainer.nnodes={nnodes}", "trainer.n_gpus_per_node=1",
         f"trainer.total_training_steps={steps}", "trainer.save_freq=8",
     ]
 
