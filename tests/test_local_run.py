@@ -103,7 +103,7 @@ def test_ctrl_c_checkpoints_and_resume_continues(tiny_model_dir: Path, tmp_path:
     data, run = tmp_path / "data", tmp_path / "run"
     write_toy_digits(data, train_size=64, val_size=8, seed=0)
     env = env_for(tmp_path)
-    total = 5
+    total = 20  # enough steps that Ctrl-C lands mid-run even when a step takes 0.1 s
     submit = [sys.executable, "-m", "hpcrl", "submit", "--site", "local", "--run-dir", str(run)]
     code, out = in_terminal([*submit, "--", *overrides(tiny_model_dir, data, run, total)], env,
                             ctrl_c_after=f"step 2/{total}".encode(), timeout=850)

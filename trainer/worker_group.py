@@ -97,6 +97,24 @@ def _describe_error(err: BaseException) -> str:
     return f"failed ({type(err).__name__}: {err})"
 
 
+def _dead_peer(pending: list[Any], rank_of: dict[Any, int], wait_s: float = 5.0
+               ) -> tuple[int, BaseException] | None:
+    """The first rank among `pending` whose actor died, looking for up to `wait_s` seconds."""
+    import ray
+
+    if not pending:
+        return None
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            return rank_of[ref], err
+        except (ray.exceptions.RayError, OSError):
+            continue
+    return None
+
+
 class WorkerGroup:
     """One Ray actor per rank of a worker class, with its own torch.distributed group."""
 
@@ -158,8 +176,16 @@ class WorkerGroup:
             try:
                 results[ref] = ray.get(ref)
             except (ray.exceptions.RayError, OSError) as err:
-                raise WorkerFailure(f"{self.where(rank_of[ref])} {_describe_error(err)} during "
-                                    f"`{method}`") from err
+                rank, cause = rank_of[ref], err
+                dead = None if isinstance(err, ray.exceptions.RayActorError) else _dead_peer(pending, rank_of)
+                if dead is None:
+                    raise WorkerFailure(f"{self.where(rank)} {_describe_error(err)} during "
+                                        f"`{method}`") from err
+                # a peer's death makes the survivors' collectives fail: report the death first
+                dead_rank, cause = dead
+                raise WorkerFailure(
+                    f"{self.where(dead_rank)} {_describe_error(cause)} during `{method}` "
+                    f"(then rank {rank} {_describe_error(err)})") from cause
         return [results[r] for r in refs]
 
     def kill(self) -> None:
