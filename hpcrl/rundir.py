@@ -9,11 +9,13 @@ the trainer write it::
     RUN/<R>/                   one directory per run of the job (restart R = 0, 1, ...):
         rendezvous.json nodes/<rank>.json stop.json summary.txt logs/agent-*.log logs/payload.log
     <trainer.run_dir>/metrics.jsonl              one JSON object per step
-    <trainer.default_local_dir>/global_step_N/   checkpoints (complete when manifest.json exists)
+    <trainer.default_local_dir>/global_step_N/   checkpoints (complete: the trainer's rule,
+                                                 a manifest naming the step and every file
+                                                 with its size, all present)
 
-The trainer's directories default to `checkpoints/<project>/<experiment>` relative to its
-working directory, which is RUN; explicit `trainer.run_dir=`/`trainer.default_local_dir=`
-overrides in the payload are followed.
+Launched by hpcrl (`HPCRL_RUN_DIR` set), the trainer writes its metrics to RUN and its
+checkpoints to `RUN/checkpoints`; explicit `trainer.run_dir=`/`trainer.default_local_dir=`
+overrides in the payload are followed (relative ones from RUN, its working directory).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
 JOINED_RE = re.compile(r"(\d+)/(\d+) nodes joined")
 PAYLOAD_STARTED = "starting the payload"
@@ -170,14 +173,9 @@ def trainer_dirs(run_dir: Path, overrides: dict[str, str] | None = None) -> tupl
     """(metrics directory, checkpoint root) the trainer uses for this run."""
     o = payload_overrides(run_dir) if overrides is None else overrides
     ckpt = o.get("trainer.default_local_dir")
-    if ckpt in (None, "null"):
-        project = o.get("trainer.project_name", "hpcrl")
-        experiment = o.get("trainer.experiment_name", "run")
-        ckpt_root = run_dir / "checkpoints" / project / experiment
-    else:
-        ckpt_root = _in_run(run_dir, ckpt)
+    ckpt_root = run_dir / CHECKPOINTS if ckpt in (None, "", "null") else _in_run(run_dir, ckpt)
     metrics = o.get("trainer.run_dir")
-    return (ckpt_root if metrics in (None, "null") else _in_run(run_dir, metrics)), ckpt_root
+    return (run_dir if metrics in (None, "", "null") else _in_run(run_dir, metrics)), ckpt_root
 
 
 def find_metrics(run_dir: Path) -> Path | None:
@@ -221,16 +219,37 @@ def read_metrics(path: Path | None) -> list[dict[str, Any]]:
         return []
 
 
+def checkpoint_is_complete(path: Path) -> bool:
+    """The trainer's rule (`trainer.checkpoint.is_complete`, without importing torch): a
+    `global_step_N` directory whose manifest names step N and every file with its size, all
+    present. A directory cut short by a kill, or renamed, is not complete."""
+    m = STEP_DIR_RE.match(path.name)
+    manifest = _read_json(path / "manifest.json") if m else None
+    if manifest is None or manifest.get("step") != int(m.group(1)):  # type: ignore[union-attr]
+        return False
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return False
+    for rel, size in files.items():
+        f = path / rel
+        try:
+            if not f.is_file() or f.stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (`global_step_N` with its manifest) under `root`, oldest first."""
+    """Complete checkpoints under `root`, oldest first."""
     try:
         entries = list(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     found = []
     for p in entries:
         m = STEP_DIR_RE.match(p.name)
-        if m and (p / "manifest.json").is_file():
+        if m and checkpoint_is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -305,6 +324,7 @@ class RunReport:
         n = len(self.restarts)
         out = [f"run {self.run_dir}: {self.state}"
                + (f" ({n} runs: {n - 1} restart{'s' if n != 2 else ''})" if n > 1 else "")]
+        out.append(f"  restarts: {max(n - 1, 0)}")
         for r in self.restarts:
             out.append(f"  run {r.index}: {r.ended or restart_state(r)}")
         if self.last is not None:
@@ -319,8 +339,8 @@ class RunReport:
             out.append(f"  latest: {format_step(self.last)}")
         else:
             out.append("  steps: none logged yet")
-        out.append(f"  checkpoint: {self.checkpoint[1]} (step {self.checkpoint[0]})"
-                   if self.checkpoint else "  checkpoint: none yet")
+        out.append(f"  last checkpointed step: {self.checkpoint[0]} ({self.checkpoint[1]})"
+                   if self.checkpoint else "  last checkpointed step: none yet")
         if self.metrics:
             out.append(f"  metrics: {self.metrics}")
         return out

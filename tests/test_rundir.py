@@ -63,8 +63,9 @@ def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payl
 def make_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
     d = root / f"global_step_{step}"
     d.mkdir(parents=True)
+    (d / "model.pt").write_bytes(b"w" * 16)
     if complete:
-        (d / "manifest.json").write_text("{}")
+        (d / "manifest.json").write_text(json.dumps({"step": step, "files": {"model.pt": 16}}))
     return d
 
 
@@ -103,9 +104,36 @@ def test_states_from_exit_codes(run: Path) -> None:
 
 def test_trainer_dirs_follow_overrides_and_defaults(run: Path) -> None:
     assert rundir.trainer_dirs(run) == (run, run / "checkpoints")
-    assert rundir.trainer_dirs(run, {}) == (run / "checkpoints/hpcrl/run",) * 2
-    assert rundir.trainer_dirs(run, {"trainer.project_name": "p", "trainer.experiment_name": "e"}
-                                ) == (run / "checkpoints/p/e",) * 2
+    # launched by hpcrl, the trainer defaults both into the run directory (trainer.config)
+    assert rundir.trainer_dirs(run, {}) == (run, run / "checkpoints")
+    assert rundir.trainer_dirs(run, {"trainer.default_local_dir": "/ck"}) == (run, Path("/ck"))
+    assert rundir.trainer_dirs(run, {"trainer.default_local_dir": "null",
+                                     "trainer.run_dir": "m"}) == (run / "m", run / "checkpoints")
+
+
+def test_trainer_defaults_agree_with_trainer_config(tmp_path: Path) -> None:
+    from trainer.config import load_config
+
+    cfg = load_config([], env={"HPCRL_RUN_DIR": str(tmp_path)})
+    assert rundir.trainer_dirs(tmp_path, {}) == (Path(cfg.trainer.run_dir),
+                                                 Path(cfg.trainer.default_local_dir))
+
+
+def test_completeness_agrees_with_the_trainer(tmp_path: Path) -> None:
+    from trainer import checkpoint as ckpt
+
+    def save(step: int) -> Path:
+        return ckpt.save_checkpoint(tmp_path, step, {"trainer_state": {"global_step": step}},
+                                    files={"config.yaml": "x: 1\n"})
+
+    good, cut, bare, moved = save(2), save(3), save(4), save(5)
+    (cut / "config.yaml").write_text("x")  # size no longer matches the manifest
+    (bare / "manifest.json").unlink()  # killed before the manifest
+    renamed = moved.rename(tmp_path / "global_step_9")  # manifest names another step
+    for path in (good, cut, bare, renamed, tmp_path / "global_step_77", tmp_path / "x"):
+        assert rundir.checkpoint_is_complete(path) == ckpt.is_complete(path), path
+    assert rundir.checkpoint_is_complete(good) and not rundir.checkpoint_is_complete(cut)
+    assert [s for s, _ in rundir.checkpoints(tmp_path)] == [2]
 
 
 def test_metrics_found_and_partial_lines_skipped(run: Path) -> None:
@@ -123,6 +151,8 @@ def test_latest_complete_checkpoint(run: Path) -> None:
     make_checkpoint(run / "checkpoints", 2)
     make_checkpoint(run / "checkpoints", 10)
     make_checkpoint(run / "checkpoints", 12, complete=False)
+    cut = make_checkpoint(run / "checkpoints", 14)
+    (cut / "model.pt").write_bytes(b"w")  # killed while writing, manifest from a reused name
     step, path = rundir.latest_checkpoint(run)
     assert (step, path.name) == (10, "global_step_10")
 
@@ -142,9 +172,10 @@ def test_report_and_status_command(run: Path) -> None:
     report = rundir.run_report(run)
     assert report.state == "finished" and report.reward_change() == (0.1, 0.5)
     text = "\n".join(report.lines())
-    assert "finished (2 runs: 1 restart)" in text
+    assert "finished (2 runs: 1 restart)" in text and "  restarts: 1\n" in text
     assert "reward: 0.100 (step 1) -> 0.500 (step 3)" in text
-    assert f"checkpoint: {run / 'checkpoints' / 'global_step_3'} (step 3)" in text
+    assert (f"last checkpointed step: 3 ({run / 'checkpoints' / 'global_step_3'})"
+            in text)
     (run / "submission.json").write_text(json.dumps({"job_id": "local-1"}))
     proc = run_hpcrl(["status", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
     assert proc.returncode == 0, proc.stderr
