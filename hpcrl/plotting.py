@@ -77,6 +77,9 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
                 ax.annotate(f"restart {restart}: resumed after step {step - 1}", xy=(step - 0.5, 1), xycoords=("data", "axes fraction"),
                             xytext=(3, -12), textcoords="offset points", color="tab:red",
                             fontsize="small")
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes[-1].set_xlabel("step")
     last = records[-1]
     total = last.get("training/total_steps")
