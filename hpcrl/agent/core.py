@@ -51,8 +51,11 @@ STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TICK_S = 0.1
 PAYLOAD_ARM_S = 30.0
 """A payload that does not handle the stop signal after this long gets it anyway."""
-REQUEUE_FIRST_S = 30.0
-"""With less time than this before the job's end, requeue before the teardown, not after."""
+REQUEUE_FIRST_S = 60.0
+"""With less time than this before the job's end, requeue before the teardown, not after: the
+teardown (Ray stopped on every node, containers removed) can take 10-20 s on a loaded node, and
+Slurm enforces the time limit on its own clock (its periodic check), so a requeue that comes
+after the limit is killed with the job, which then ends TIMEOUT and never runs again."""
 RAY_STOP_S = 10.0
 WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"
