@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tests.lab import Lab, LabConfig
-from tests.pending.test_lab_requeue import (
+from tests.test_lab_requeue import (
     RESUMED_RE,
     STEP_RE,
     overrides,
