@@ -102,11 +102,15 @@ def test_ctrl_c_checkpoints_and_resume_continues(tiny_model_dir: Path, tmp_path:
 
     data, run = tmp_path / "data", tmp_path / "run"
     write_toy_digits(data, train_size=64, val_size=8, seed=0)
-    env = env_for(tmp_path)
-    total = 20  # enough steps that Ctrl-C lands mid-run even when a step takes 0.1 s
+    # the first run's steps are slowed (0.03 s per row, 32 rows: about 1 s, changing no number)
+    # so that Ctrl-C lands mid-run on a fast machine too; the resumed run is fast
+    env = {**env_for(tmp_path), "SLOW_REWARD_S_PER_ROW": "0.03", "SLOW_REWARD_RUNS": "0"}
+    total = 12
+    slow = [f"custom_reward_function.path={REPO / 'tests' / 'payloads' / 'slow_reward.py'}",
+            "custom_reward_function.name=compute_score"]
     submit = [sys.executable, "-m", "hpcrl", "submit", "--site", "local", "--run-dir", str(run)]
-    code, out = in_terminal([*submit, "--", *overrides(tiny_model_dir, data, run, total)], env,
-                            ctrl_c_after=f"step 2/{total}".encode(), timeout=850)
+    code, out = in_terminal([*submit, "--", *overrides(tiny_model_dir, data, run, total), *slow],
+                            env, ctrl_c_after=f"step 2/{total}".encode(), timeout=850)
     assert code == 3, out
     assert "\r\x1b[K" in out  # on a terminal the waiting state is rewritten in place
     assert "stopping: the trainer finishes its step and writes a checkpoint" in out, out

@@ -68,6 +68,25 @@ def test_stop_request_by_signal_and_by_file(tmp_path: Path) -> None:
     assert not by_file.requested()
 
 
+def test_stop_signals_after_the_exit_status_is_decided_change_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once `python -m trainer` has its status, a late stop signal (a Ctrl-C that lands as the
+    last step ends) is ignored instead of killing the finished process at interpreter exit."""
+    from trainer.__main__ import main
+
+    monkeypatch.setenv("HPCRL_RUN_DIR", str(tmp_path))  # launched by hpcrl: SIGINT stops too
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+    saved = {sig: signal.getsignal(sig) for sig in sigs}
+    try:
+        assert main(["no.such.key=1"]) == 2  # refused input: a status, decided
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in sigs)
+        os.kill(os.getpid(), signal.SIGUSR2)  # default action: end the process
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.slow
 def test_grpo_reward_rises_on_the_toy_task(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     cfg = load_config(toy_overrides(

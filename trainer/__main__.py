@@ -12,7 +12,10 @@ import argparse
 import errno
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from trainer.stop import StopRequest
 from trainer.exit_codes import (
     ABORTED_EXIT_CODE,
     NO_SPACE_EXIT_CODE,
@@ -43,6 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     stop = StopRequest()
     stop.install()  # first: a stop request during start-up is kept, not fatal
+    try:
+        return _main(argv, stop)
+    finally:
+        stop.settle()  # the status is decided; a late stop signal must not turn it into a kill
+
+
+def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     from trainer.config import ConfigError, describe_keys, dump_config, load_config
 
     args = build_parser().parse_args(argv)

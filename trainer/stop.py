@@ -65,6 +65,14 @@ class StopRequest:
             if sig not in self._previous:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
+    def settle(self) -> None:
+        """The exit status is decided: from now on the stop signals are ignored. A stop request
+        that arrives after the last step (while the process exits, when Python has restored the
+        default actions) would otherwise kill a finished run, which then reads as aborted."""
+        for sig in set(self._previous) | set(stop_signals()):
+            signal.signal(sig, signal.SIG_IGN)
+        self._previous.clear()
+
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
