@@ -214,6 +214,8 @@ def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float
         found = rundir.restart_indices(run_dir)
         if found and (watcher is None or watcher.restart != found[-1]):
             if watcher is not None:
+                for rec in watcher.new_steps():  # the last steps of the run that ended
+                    progress.line(format_step(rec, watcher.eta(rec)))
                 progress.line(f"requeued: run {found[-1]} of the job starts")
             watcher = RunWatcher(run_dir, restart=found[-1])
         if watcher is not None:

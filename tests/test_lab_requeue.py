@@ -156,8 +156,15 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
     write_site(sites, "rq-time", tmp_path / "runs", time_limit="2", nodes=2, slow_s=1.0)
     run_dir = tmp_path / "runs" / "time"
     args = overrides(assets, steps=12, save_freq=4)
-    job = submit(lab, sites, "rq-time", run_dir, args)
-    rec = finished(lab, job, run_dir, timeout=900)
+    # `--follow`: the submitting command stays until Slurm forgets the job, printing each step
+    # of both runs and the requeue between them, then the run's report
+    follow = subprocess.run(
+        [sys.executable, "-m", "hpcrl", "submit", "--site", "rq-time", "--via", "sbatch",
+         "--run-dir", str(run_dir), "--follow", "--", *args], capture_output=True, text=True,
+        timeout=900, env={**lab.env, "HPCRL_SITE_PATH": str(sites), "PYTHONPATH": str(REPO)})
+    assert follow.returncode == 0, follow.stdout + follow.stderr + logs(run_dir)
+    job = int(follow.stdout.split("job id: ")[1].split()[0])
+    rec = finished(lab, job, run_dir, timeout=60)
     assert rec["JobState"] == "COMPLETED", (rec, logs(run_dir))
     assert int(rec["Restarts"]) >= 1 and restart_dirs(run_dir) == list(range(int(rec["Restarts"]) + 1))
     assert (run_dir / "0" / "warning").read_text() == "USR1\n"  # the batch script's trap
@@ -181,6 +188,10 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
+    shown = [int(m.group(1)) for m in re.finditer(r"^step (\d+)/12 ", follow.stdout, re.M)]
+    assert shown == list(range(1, 13)), follow.stdout  # each step once, across the requeue
+    assert "requeued: run 1 of the job starts" in follow.stdout, follow.stdout
+    assert f"run {run_dir}: finished (2 runs: 1 restart)" in follow.stdout, follow.stdout
     status = run_hpcrl(["status", str(run_dir)], lab.env)
     assert f"restarts: {rec['Restarts']}" in status.stdout, status.stdout + status.stderr
     assert "last checkpointed step: 12" in status.stdout
