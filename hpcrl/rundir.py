@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint_layout import is_complete, step_of
+
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
-STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
 JOINED_RE = re.compile(r"(\d+)/(\d+) nodes joined")
 PAYLOAD_STARTED = "starting the payload"
 REQUEUE_STATUS = 3
@@ -219,39 +220,13 @@ def read_metrics(path: Path | None) -> list[dict[str, Any]]:
         return []
 
 
-def checkpoint_is_complete(path: Path) -> bool:
-    """The trainer's rule (`trainer.checkpoint.is_complete`, without importing torch): a
-    `global_step_N` directory whose manifest names step N and every file with its size, all
-    present. A directory cut short by a kill, or renamed, is not complete."""
-    m = STEP_DIR_RE.match(path.name)
-    manifest = _read_json(path / "manifest.json") if m else None
-    if manifest is None or manifest.get("step") != int(m.group(1)):  # type: ignore[union-attr]
-        return False
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return False
-    for rel, size in files.items():
-        f = path / rel
-        try:
-            if not f.is_file() or f.stat().st_size != size:
-                return False
-        except OSError:
-            return False
-    return True
-
-
 def checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root` (the trainer's rule), oldest first."""
     try:
         entries = list(root.iterdir())
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
-    found = []
-    for p in entries:
-        m = STEP_DIR_RE.match(p.name)
-        if m and checkpoint_is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return sorted((step_of(p), p) for p in entries if is_complete(p))
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:

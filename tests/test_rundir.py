@@ -130,10 +130,10 @@ def test_completeness_agrees_with_the_trainer(tmp_path: Path) -> None:
     (cut / "config.yaml").write_text("x")  # size no longer matches the manifest
     (bare / "manifest.json").unlink()  # killed before the manifest
     renamed = moved.rename(tmp_path / "global_step_9")  # manifest names another step
-    for path in (good, cut, bare, renamed, tmp_path / "global_step_77", tmp_path / "x"):
-        assert rundir.checkpoint_is_complete(path) == ckpt.is_complete(path), path
-    assert rundir.checkpoint_is_complete(good) and not rundir.checkpoint_is_complete(cut)
+    # what `hpcrl status` lists is what the trainer would resume from: the complete one only
+    assert [p for _, p in rundir.checkpoints(tmp_path)] == ckpt.list_checkpoints(tmp_path) == [good]
     assert [s for s, _ in rundir.checkpoints(tmp_path)] == [2]
+    assert not any(ckpt.is_complete(p) for p in (cut, bare, renamed, tmp_path / "global_step_77"))
 
 
 def test_metrics_found_and_partial_lines_skipped(run: Path) -> None:

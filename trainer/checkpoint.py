@@ -25,6 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.checkpoint_layout import (
+    MANIFEST,
+    STEP_PREFIX,
+    find_latest_checkpoint,
+    is_complete,
+    list_checkpoints,
+    step_dir,
+    step_of,
+)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -51,13 +61,10 @@ __all__ = [
 ]
 
 LATEST_MARKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "manifest.json"
 HF_DIR = "huggingface"
-STEP_PREFIX = "global_step_"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 RESUME_MODES = ("auto", "disable", "resume_path")
-_STEP_RE = re.compile(r"^global_step_(\d+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
@@ -96,68 +103,6 @@ def _replace_atomically(path: Path, data: bytes) -> None:
 
 
 # --------------------------------------------------------------------------- names and scans
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    """``<root>/global_step_<step>``."""
-    return Path(root) / f"{STEP_PREFIX}{int(step)}"
-
-
-def step_of(path: str | Path) -> int:
-    """The step number of a ``global_step_N`` directory."""
-    match = _STEP_RE.match(Path(path).name)
-    if not match:
-        raise ValueError(
-            f"`{path}` is not a checkpoint directory: its name must be `global_step_<N>`. Fix: "
-            "pass a directory written by `save_checkpoint`."
-        )
-    return int(match.group(1))
-
-
-def _read_manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-def is_complete(path: str | Path) -> bool:
-    """True when ``path`` is a ``global_step_N`` dir whose manifest matches its files."""
-    p = Path(path)
-    if not _STEP_RE.match(p.name) or not p.is_dir():
-        return False
-    manifest = _read_manifest(p)
-    if manifest is None or manifest.get("step") != step_of(p):
-        return False
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return False
-    for rel, size in files.items():
-        f = p / rel
-        if not f.is_file() or f.stat().st_size != size:
-            return False
-    return True
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoint directories under ``root``, oldest step first."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    found = [p for p in r.iterdir() if _STEP_RE.match(p.name) and is_complete(p)]
-    return sorted(found, key=step_of)
-
-
-def find_latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None.
-
-    Directories are scanned rather than trusting the marker alone: a checkpoint renamed into
-    place just before a kill (marker not yet updated) is complete and is picked; a partial
-    directory is not, even if something points at it.
-    """
-    found = list_checkpoints(root)
-    return found[-1] if found else None
 
 
 def read_latest_marker(root: str | Path) -> int | None:
