@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.slurm import SlurmError, check_job_id, parse_scontrol_show_job, run_slurm
+from hpcrl.slurm import SlurmError, check_job_id, show_job
 from hpcrl.submission import SUBMISSION_FILE
 
 
@@ -37,8 +37,7 @@ def resolve(arg: str) -> JobRef:
                              "of a submitted job")
         return JobRef(str(json.loads(sub.read_text())["job_id"]), run_dir)
     job = check_job_id(arg)
-    out = run_slurm(["scontrol", "show", "job", job], check=False)
-    info = parse_scontrol_show_job(out)
+    info = show_job(job)
     if not info:
         raise SlurmError(f"Slurm does not know job {job} (finished jobs are forgotten after "
                          "MinJobAge); give its run directory instead of the job id")

@@ -25,10 +25,9 @@ from typing import Any, TextIO
 
 from hpcrl import rundir
 from hpcrl.progress import Progress, RunWatcher, format_step, waiting_text
+from trainer.exit_codes import REQUEUE_EXIT_CODE
 
 POLL_S = 0.5
-REQUEUE_STATUS = 3
-USAGE_STATUS = 2
 
 
 def next_restart(run_dir: Path) -> int:
@@ -182,7 +181,7 @@ def end_lines(report: rundir.RunReport, code: int, run_dir: Path, resume_hint: s
     out = report.lines()
     if code == 0:
         out.append(f"  plot: hpcrl plot {run_dir}")
-    elif code == REQUEUE_STATUS:
+    elif code == REQUEUE_EXIT_CODE:
         out.append(f"stopped with a checkpoint; continue with: {resume_hint}")
     elif code == 128 + signal.SIGINT:
         where = "the last checkpoint" if report.checkpoint else "step 1 (no checkpoint yet)"

@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint_layout import is_complete, step_of
+from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 JOINED_RE = re.compile(r"(\d+)/(\d+) nodes joined")
 PAYLOAD_STARTED = "starting the payload"
-REQUEUE_STATUS = 3
-ABORTED_STATUS = 130
 
 
 @dataclass(frozen=True)
@@ -144,9 +143,9 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
         return "running" if info.payload_started else "starting"
     if info.exit_code == 0:
         return "finished"
-    if info.exit_code == REQUEUE_STATUS:
+    if info.exit_code == REQUEUE_EXIT_CODE:
         return "stopped"
-    if info.exit_code == ABORTED_STATUS:
+    if info.exit_code == ABORTED_EXIT_CODE:
         return "aborted"
     return "failed"
 

@@ -108,6 +108,16 @@ def parse_squeue(text: str) -> list[QueueEntry]:
     return out
 
 
+def show_job(job: str) -> dict[str, str]:
+    """`scontrol show job JOB`, parsed ({} when Slurm no longer knows the job)."""
+    return parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", job], check=False))
+
+
+def queue_entries(job: str) -> list[QueueEntry]:
+    """`squeue` lines of job `job` (empty once it left the queue: finished, or forgotten)."""
+    return parse_squeue(run_slurm(["squeue", "-h", "-j", job, "-o", SQUEUE_FORMAT], check=False))
+
+
 def describe_job(info: Mapping[str, str]) -> list[str]:
     """The lines `hpcrl status` prints for a parsed `scontrol show job`."""
     keys = ("JobId", "JobName", "JobState", "Reason", "RunTime", "TimeLimit", "NumNodes",

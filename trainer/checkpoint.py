@@ -27,7 +27,6 @@ import torch
 
 from trainer.checkpoint_layout import (
     MANIFEST,
-    STEP_PREFIX,
     find_latest_checkpoint,
     is_complete,
     list_checkpoints,

@@ -36,8 +36,9 @@ from hpcrl.netaddr import (
     local_addresses,
     socket_ifname_env,
 )
-from hpcrl.slurm import SlurmError
+from hpcrl.slurm import SlurmError, show_job
 from hpcrl.slurm_env import JobContext, job_context
+from trainer.exit_codes import REQUEUE_EXIT_CODE
 
 ContainerWrap = Callable[
     [AgentJob, Sequence[str], Mapping[str, str], Sequence[str], str, str],
@@ -486,7 +487,7 @@ class Agent:
             if warned:
                 self.log.info("%s before the payload started: not starting it", warned)
                 return self._after_requeue_request(
-                    f"{warned} before the payload started", rq.REQUEUE_EXIT_CODE
+                    f"{warned} before the payload started", REQUEUE_EXIT_CODE
                 )
             newest = self._alive_keys()
             if newest is not None:
@@ -705,7 +706,7 @@ class Agent:
         cause = f"payload exited with status {status}"
         if self.stop_reason:
             cause += f" after the stop request ({self.stop_reason})"
-        if status != rq.REQUEUE_EXIT_CODE:
+        if status != REQUEUE_EXIT_CODE:
             return Outcome(cause, status, self.ctx.hostname)
         return self._after_requeue_request(f"{cause}: checkpointed, asks to be requeued", status)
 
@@ -751,7 +752,7 @@ class Agent:
         """Whether Slurm is preempting the job with a grace time (it then ends the job without
         requeueing it if it stops in time); the job's new end time becomes the deadline."""
         try:
-            info = rq.scontrol_job(self.ctx.job_id)
+            info = show_job(self.ctx.job_id)
         except (SlurmError, OSError) as exc:
             self.log.info("cannot ask Slurm about the job: %s", exc)
             return False

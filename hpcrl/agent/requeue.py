@@ -16,11 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hpcrl.slurm_env import JobContext
-
-REQUEUE_EXIT_CODE = 3
-"""The payload's "checkpointed, please requeue" status (`trainer.exit_codes.REQUEUE_EXIT_CODE`)."""
-END_TIME_ENV = "HPCRL_JOB_END_TIME"
-"""Unix time at which Slurm ends the job, passed to the payload (and read by a local agent)."""
+from trainer.deadline import END_TIME_ENV  # the job's end time, passed to the payload
 
 REQUEUE = "requeue"
 NO_SLURM = "no-slurm"
@@ -142,15 +138,8 @@ def scontrol_requeue(target: str) -> None:
     run_slurm(["scontrol", "requeue", target])
 
 
-def scontrol_job(target: str) -> dict[str, str]:
-    """`scontrol show job` parsed ({} when Slurm does not know the job)."""
-    from hpcrl.slurm import parse_scontrol_show_job, run_slurm
-
-    return parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", target], check=False))
-
-
 def scontrol_end_time(target: str) -> float | None:
     """The job's end time from `scontrol show job` (None when Slurm does not say)."""
-    from hpcrl.slurm import parse_slurm_time
+    from hpcrl.slurm import parse_slurm_time, show_job
 
-    return parse_slurm_time(scontrol_job(target).get("EndTime", ""))
+    return parse_slurm_time(show_job(target).get("EndTime", ""))

@@ -17,19 +17,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def slurm_lines(job_id: str) -> tuple[list[str], bool]:
     """What Slurm says of `job_id`, and whether it still runs or waits."""
-    from hpcrl.slurm import (
-        SQUEUE_FORMAT,
-        describe_job,
-        parse_scontrol_show_job,
-        parse_squeue,
-        run_slurm,
-    )
+    from hpcrl.slurm import describe_job, queue_entries, show_job
 
-    queued = parse_squeue(run_slurm(["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT],
-                                    check=False))
+    queued = queue_entries(job_id)
     lines = [f"slurm: {e.job_id} {e.state} elapsed {e.elapsed} of {e.time_limit}, {e.nodes} "
              f"node(s), {e.reason}" for e in queued]
-    info = parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", job_id], check=False))
+    info = show_job(job_id)
     lines += ["slurm: " + ln for ln in describe_job(info)]
     if not queued and not info:
         lines.append(f"slurm: job {job_id} is no longer known (finished)")

@@ -47,10 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
 def queue_state(job_id: str) -> tuple[str, str] | None:
     """(state, reason) from `squeue`, None once the job has left the queue."""
-    from hpcrl.slurm import SQUEUE_FORMAT, parse_squeue, run_slurm
+    from hpcrl.slurm import queue_entries
 
-    entries = parse_squeue(run_slurm(["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT],
-                                     check=False))
+    entries = queue_entries(job_id)
     return (entries[0].state, entries[0].reason) if entries else None
 
 
