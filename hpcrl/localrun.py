@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcrl import rundir
-from hpcrl.progress import Progress, RunWatcher, format_step, waiting_text
+from hpcrl.progress import Progress, RunWatcher, waiting_text
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
 POLL_S = 0.5
@@ -51,9 +51,8 @@ def refuse_if_running(run_dir: Path) -> None:
     """Two runs of one job at once would write the same checkpoints: refuse the second."""
     from hpcrl.submission import RequestError
 
-    found = rundir.restart_indices(run_dir)
-    info = rundir.read_restart(run_dir, found[-1]) if found else None
-    if info and info.ended is None and info.head_pid and rundir.pid_alive(info.head_pid):
+    info = rundir.running_restart(run_dir)
+    if info is not None:
         raise RequestError(f"run {info.index} of `{run_dir}` is still running (agent pid "
                            f"{info.head_pid}); stop it first with `hpcrl cancel {run_dir}` or "
                            "Ctrl-C in its terminal, then `--resume`")
@@ -134,12 +133,10 @@ def _follow(proc: subprocess.Popen[bytes], watcher: RunWatcher, progress: Progre
         info = watcher.info()
         started = bool(info and info.payload_started)
         _forward(proc, flags, progress, started)
-        for rec in watcher.new_steps():
-            progress.line(format_step(rec, watcher.eta(rec)))
+        progress.steps(watcher)
         code = proc.poll()
         if code is not None:
-            for rec in watcher.new_steps():
-                progress.line(format_step(rec, watcher.eta(rec)))
+            progress.steps(watcher)
             return code if code >= 0 else 128 - code
         if not watcher.records:
             progress.status(waiting_text(info))

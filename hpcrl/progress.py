@@ -188,6 +188,11 @@ class Progress:
         if self.tty and self._status:
             self._status = ""
 
+    def steps(self, watcher: RunWatcher) -> None:
+        """A line for each step `watcher` has not returned before, with the ETA as of it."""
+        for rec in watcher.new_steps():
+            self.line(format_step(rec, watcher.eta(rec)))
+
     def close(self) -> None:
         if not self.quiet:
             self._clear()
@@ -214,13 +219,11 @@ def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float
         found = rundir.restart_indices(run_dir)
         if found and (watcher is None or watcher.restart != found[-1]):
             if watcher is not None:
-                for rec in watcher.new_steps():  # the last steps of the run that ended
-                    progress.line(format_step(rec, watcher.eta(rec)))
+                progress.steps(watcher)  # the last steps of the run that ended
                 progress.line(f"requeued: run {found[-1]} of the job starts")
             watcher = RunWatcher(run_dir, restart=found[-1])
         if watcher is not None:
-            for rec in watcher.new_steps():
-                progress.line(format_step(rec, watcher.eta(rec)))
+            progress.steps(watcher)
         if state is None:
             return
         if state[0] in ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD"):

@@ -134,6 +134,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def running_restart(run_dir: Path) -> RestartInfo | None:
+    """The latest run of the job while its head agent (a process on this machine) still runs."""
+    found = restart_indices(run_dir)
+    info = read_restart(run_dir, found[-1]) if found else None
+    if info and info.ended is None and info.head_pid is not None and pid_alive(info.head_pid):
+        return info
+    return None
+
+
 def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
     """A one-word state: starting, running, finished, stopped (checkpointed, resumable),
     aborted (interrupted twice), failed, or lost (the agent is gone without a summary)."""

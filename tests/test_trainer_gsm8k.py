@@ -55,7 +55,7 @@ def test_gsm8k_smollm2_scores_checkpoints_and_resumes(smollm2_dir: Path, tmp_pat
 
     second = run_trainer(args)  # the same command line, as a requeued job would run it
     assert second.returncode == OK_EXIT_CODE, second.stderr[-3000:]
-    assert f"resumed from {run / 'global_step_1'} at step 1" in second.stdout
+    assert f"resumed from {run / 'global_step_1'} (step 1)" in second.stdout
     assert "step:2 " in second.stdout and "step:1 " not in second.stdout  # step 1 not redone
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -97,13 +97,13 @@ def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tm
     """Each rank's in-process engine gets the actor's weights before every rollout."""
     require_vllm()
     pytest.importorskip("ray", reason="the distributed trainer needs Ray")
-    from tests.test_distributed import overrides
+    from tests.test_distributed import no_ray_address, overrides
     from trainer.config import load_config
     from trainer.metrics import read_jsonl
     from trainer.ppo import run_training
     from trainer.rewards.toy import write_toy_digits
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    no_ray_address(monkeypatch)
     write_toy_digits(tmp_path / "data", train_size=64, val_size=8, seed=0)
     run = tmp_path / "run"
     cfg = load_config(overrides(tiny_model_dir, tmp_path / "data", run, "algorithm.adv_estimator=grpo",

@@ -604,7 +604,6 @@ class PPOTrainer:
         path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path)
         if path is not None:
             self.load_checkpoint(path)
-            print(f"trainer: resumed from {path} at step {self.global_step}", flush=True)
         return path
 
     # ------------------------------------------------------------------------------ the loop

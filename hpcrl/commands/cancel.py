@@ -25,10 +25,8 @@ def stop_local(run_dir: object) -> str:
     from hpcrl.slurm import SlurmError
 
     run = Path(str(run_dir))
-    found = rundir.restart_indices(run)
-    info = rundir.read_restart(run, found[-1]) if found else None
-    if info is None or info.ended is not None or info.head_pid is None \
-            or not rundir.pid_alive(info.head_pid):
+    info = rundir.running_restart(run)
+    if info is None or info.head_pid is None:
         raise SlurmError(f"the local run `{run}` is not running (`hpcrl status {run}`)")
     os.kill(info.head_pid, signal.SIGTERM)
     return (f"asked the local run {run} (run {info.index}, agent pid {info.head_pid}) to stop; "
