@@ -62,12 +62,10 @@ def parse_overrides(args: Sequence[str]) -> dict[str, str]:
 def trainer_defaults() -> dict[str, Any]:
     """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys; empty when the
     trainer is not installed here."""
-    from importlib import resources
-
-    import yaml
-
     try:
-        text = resources.files("trainer").joinpath("config.yaml").read_text()
+        from trainer.config import load_defaults
+
+        tree = load_defaults()
     except (ModuleNotFoundError, FileNotFoundError):
         return {}
     flat: dict[str, Any] = {}
@@ -79,7 +77,7 @@ def trainer_defaults() -> dict[str, Any]:
         else:
             flat[prefix[:-1]] = node
 
-    walk("", yaml.safe_load(text))
+    walk("", tree)
     return flat
 
 
