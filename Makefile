@@ -16,7 +16,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.hpcrl-installed
 
-.PHONY: demo test venv vllm-venv lab-packages lint clean-lab
+.PHONY: demo test test-fresh venv vllm-venv lab-packages lint clean-lab
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.45' \
-		pytest pytest-timeout hypothesis
+		pytest pytest-timeout pytest-randomly hypothesis
 	@touch $@
 
 vllm-venv: $(VLLM_STAMP)
@@ -53,9 +53,19 @@ lab-packages: $(STAMP)
 	@if [ "$$(id -u)" = 0 ]; then $(PY) -m tests.lab packages; \
 	else echo "not root: skipping the lab's Debian packages (lab tests skip, or fail under CI=true)"; fi
 
+# Both stages run even when the first fails (a failure in one says nothing about the other);
+# the target fails if either did.
 test: lab-packages vllm-venv
-	$(PY) -m pytest $(PYTEST_ARGS)
-	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/test_vllm_rollout.py $(PYTEST_ARGS)
+	@status=0; \
+	$(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/test_vllm_rollout.py $(PYTEST_ARGS) \
+		|| status=$$?; \
+	exit $$status
+
+# The first-run check before a release: `make test` as CI runs it (CI=true, no standard input) in
+# a fresh clone of HEAD, with every lab cache pointed at empty directories. See README "Testing".
+test-fresh:
+	bash tests/lab/fresh_check.sh
 
 demo: $(STAMP)
 	$(PY) -m hpcrl.demo $(DEMO_ARGS)

@@ -1,9 +1,13 @@
-"""Shared fixtures and helpers. The Slurm lab fixtures fail instead of skipping under CI=true."""
+"""Shared fixtures and helpers. The Slurm lab fixtures fail instead of skipping under CI=true.
+
+The suite writes nothing outside its temporary directories and the lab's own state: every test
+gets a private, empty `HOME` (session- and module-scoped fixtures one of their own), and the
+user's real home is compared before and after the run; a change fails the run and is listed.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -15,6 +19,104 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 PYTHON = sys.executable
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Variables that point outside HOME to where programs keep configuration and caches; a test gets
+# them unset, so that everything lands in its private HOME.
+XDG_VARS = ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
+
+
+# ------------------------------------------------------------------ the user's home stays untouched
+
+
+def home_snapshot(home: Path, depth: int = 4, limit: int = 200_000) -> dict[str, tuple[int, int]]:
+    """Every entry of `home` down to `depth` levels: files by (size, mtime), directories and links
+    by presence. Paths in `HPCRL_TEST_HOME_IGNORE` (colon-separated, relative to `home`) are left
+    out: programs that write to the home of the person running the tests while they run."""
+    ignore = {p for p in os.environ.get("HPCRL_TEST_HOME_IGNORE", "").split(":") if p}
+    seen: dict[str, tuple[int, int]] = {}
+    stack = [(home, 0)]
+    while stack and len(seen) < limit:
+        folder, level = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            rel = os.path.relpath(entry.path, home)
+            if rel in ignore:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            is_dir = entry.is_dir(follow_symlinks=False)
+            seen[rel] = (0, 0) if is_dir or entry.is_symlink() else (st.st_size, st.st_mtime_ns)
+            if is_dir and level + 1 < depth:
+                stack.append((Path(entry.path), level + 1))
+    return seen
+
+
+def home_changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """What a run added to, removed from or changed in a home, as `+ path`, `- path`, `~ path`."""
+    added = [f"+ {p}" for p in sorted(after.keys() - before.keys())]
+    removed = [f"- {p}" for p in sorted(before.keys() - after.keys())]
+    changed = [f"~ {p}" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]]
+    return added + removed + changed
+
+
+_REAL_HOME: dict[str, object] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.lab.config import cache_env
+
+    # every process a test starts uses the images of this lab's caches (see tests/lab/config.py)
+    os.environ.update(cache_env())
+    home = Path(os.path.expanduser("~"))
+    if home.is_dir():
+        _REAL_HOME.update(path=home, before=home_snapshot(home))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    home = _REAL_HOME.get("path")
+    if not isinstance(home, Path):
+        return
+    changes = home_changes(_REAL_HOME["before"], home_snapshot(home))  # type: ignore[arg-type]
+    if changes:
+        shown = "\n  ".join(changes[:30]) + ("\n  ..." if len(changes) > 30 else "")
+        sys.stderr.write(f"\nFAILED: the test run changed the user's home {home} (tests must write "
+                         f"only to their temporary directories and the lab's state):\n  {shown}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_home(tmp_path_factory: pytest.TempPathFactory):
+    """Session- and module-scoped fixtures (the lab, a wheel build) run with a private HOME, and
+    caches the tests declare (matplotlib's font cache) are shared by the whole run."""
+    saved = {k: os.environ.get(k) for k in ("HOME", "MPLCONFIGDIR", *XDG_VARS)}
+    os.environ["HOME"] = str(tmp_path_factory.mktemp("session-home"))
+    os.environ["MPLCONFIGDIR"] = str(tmp_path_factory.mktemp("matplotlib"))
+    for var in XDG_VARS:
+        os.environ.pop(var, None)
+    yield Path(os.environ["HOME"])
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def private_home(session_home: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Each test's own empty HOME: whatever Ray (`~/.ray/auth_token`), pip or a library writes
+    there is gone with the test and seen by no other test. The process environment is restored
+    after the test too (code under test may set `RAY_AUTH_MODE` and the like in `os.environ`)."""
+    saved = dict(os.environ)
+    home = tmp_path_factory.mktemp("home")
+    os.environ["HOME"] = str(home)
+    yield home
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def write_exe(path: Path, text: str) -> Path:
@@ -103,17 +205,17 @@ def lab(lab_manager):
 
 
 @pytest.fixture(scope="session")
-def lab_images():
-    """The Podman image and Apptainer SIF (cached across runs on one machine)."""
+def lab_images() -> None:
+    """The lab's Podman image, Apptainer and SIF, built on first use (about 3 minutes on a fresh
+    machine) and cached in HPCRL_LAB_CACHE / HPCRL_LAB_APPTAINER for later runs. Every test that
+    runs a container asks for this fixture; none relies on another test having built them."""
     if os.geteuid() != 0:
         lab_unavailable("container images need root")
-    if shutil.which("podman") is None:
+    try:
+        from tests.lab.containers import ensure_images
         from tests.lab.packages import ensure_packages
 
         ensure_packages()
-    try:
-        from tests.lab.containers import ensure_images
-
         ensure_images()
     except Exception as e:  # noqa: BLE001 - any failure means no images; report it whole
         lab_unavailable(f"container images could not be built: {type(e).__name__}: {e}")

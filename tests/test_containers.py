@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -117,12 +116,6 @@ def test_image_build_and_pull_commands(tmp_path: Path) -> None:
     assert pull_command(podman).argv == ("podman", "pull", "localhost/hpcrl-rocm:latest")
 
 
-def _runtime_ready(binary: str, image_check: list[str]) -> bool:
-    if not shutil.which(binary) and not os.path.exists(binary):
-        return False
-    return subprocess.run(image_check, capture_output=True).returncode == 0
-
-
 PRINT_ENV = ["-c", "import json, os; print(json.dumps(dict(os.environ)))"]
 HOSTILE = ["$(echo subst)", "`echo tick`", "${HOME} $HOME", "it's", 'q"q', "back\\slash",
            "trail\\", '\\"', "new\nline", "tab\there", "semi;colon|&", "\\$", "!x *"]
@@ -130,14 +123,11 @@ HOSTILE = ["$(echo subst)", "`echo tick`", "${HOME} $HOME", "it's", 'q"q', "back
 
 @pytest.mark.containers
 @pytest.mark.parametrize("site", ["slurmlab", "slurmlab-apptainer"])
-def test_real_runtime_delivers_every_value(site: str, tmp_path: Path) -> None:
-    """With the lab's images present: every profile variable and the secret arrive intact."""
-    p = profile(site, tmp_path)
+def test_real_runtime_delivers_every_value(site: str, tmp_path: Path, lab_images: None) -> None:
+    """With the lab's images (built by the fixture if missing): every profile variable and the
+    secret arrive intact."""
+    p = load_profile(site, {**os.environ, "HOME": str(tmp_path / "home")}).profile
     c = p.container
-    check = ([c.binary or "podman", "image", "exists", str(c.image)] if c.runtime == "podman"
-             else ["test", "-r", str(c.image)])
-    if not _runtime_ready(c.binary or c.runtime, check) and os.environ.get("CI") != "true":
-        pytest.skip(f"{site}: runtime or image {c.image} not installed on this machine")
     env = {**p.env, **{f"HOSTILE_{i}": v for i, v in enumerate(HOSTILE)}}
     cmd = container_command(c, [os.path.realpath("/usr/bin/python3"), *PRINT_ENV],
                             env, passthrough=["WANDB_API_KEY"],

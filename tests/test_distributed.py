@@ -42,7 +42,8 @@ def overrides(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
 
 
 def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, tmp_path, monkeypatch) -> None:
@@ -56,6 +57,8 @@ def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, tm
     cfg = load_config(overrides(tiny_model_dir, toy, run, *common, "trainer.n_gpus_per_node=2",
                                 "trainer.total_training_steps=2"))
     assert run_training(cfg) == 0
+    # the private cluster used a token of its own, not one written into the user's home
+    assert os.environ["RAY_AUTH_MODE"] == "token" and not (Path.home() / ".ray").exists()
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

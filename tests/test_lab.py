@@ -180,7 +180,8 @@ def test_containers_import_ray_inside_node_namespace(lab, lab_images, tmp_path):
 # ------------------------------------------------------------------ harness hygiene
 
 
-def test_down_after_crash_leaves_nothing_behind(lab_manager, tmp_path):
+@pytest.mark.containers
+def test_down_after_crash_leaves_nothing_behind(lab_manager, lab_images, tmp_path):
     """A process that brings up the lab, starts a job and a container, then dies without
     tearing anything down; `python -m tests.lab down` must still leave nothing behind."""
     lab = lab_manager.get()
@@ -189,10 +190,9 @@ def test_down_after_crash_leaves_nothing_behind(lab_manager, tmp_path):
     crasher = subprocess.Popen(
         ["nsenter", f"--net=/run/netns/{NETNS_PREFIX}node1", "podman", "run", "--rm", "--label", LAB_LABEL,
          "--network", "host", IMAGE, "sleep", "600"]
-    ) if _podman_image_present() else None
-    time.sleep(1.5)
-    if crasher is not None:
-        crasher.kill()  # the harness user crashed: nothing cleans up after it
+    )
+    _wait_for(_lab_container_exists, timeout=60, what="the crashing process's container")
+    crasher.kill()  # the harness user crashed: nothing cleans up after it
     res = subprocess.run([sys.executable, "-m", "tests.lab", "down"], cwd=REPO, text=True, capture_output=True)
     from tests.lab.cluster import leftovers
 
@@ -218,8 +218,10 @@ def test_ci_true_turns_an_unstartable_lab_into_a_failure(tmp_path):
             assert "required under CI=true" in res.stdout and "HPCRL_LAB_DIR" in res.stdout
 
 
-def _podman_image_present() -> bool:
-    return subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True).returncode == 0
+def _lab_container_exists() -> bool:
+    from tests.lab.cluster import lab_containers
+
+    return bool(lab_containers())
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

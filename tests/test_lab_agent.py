@@ -187,6 +187,7 @@ def test_driver_without_token_is_refused(lab, sites, tmp_path):
     probe = (
         "import os, subprocess, sys\n"
         "env = {k: v for k, v in os.environ.items() if not k.startswith('RAY_AUTH')}\n"
+        "env['RAY_AUTH_MODE'] = 'disabled'\n"
         "code = 'import ray, sys\\ntry:\\n    ray.init(address=%r, log_to_driver=False)\\n"
         "except Exception as e:\\n    print(\"REFUSED\", type(e).__name__); sys.exit(0)\\n"
         "print(\"ACCEPTED\"); sys.exit(1)' % os.environ['RAY_ADDRESS']\n"

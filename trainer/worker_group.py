@@ -13,8 +13,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import secrets
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +62,39 @@ def connect(world_size: int) -> str:
     # Workers of the local cluster import this checkout's `trainer` package.
     root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    private_token_auth()
     ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
              log_to_driver=True, logging_level=logging.WARNING)
     return "local"
+
+
+def private_token_auth() -> None:
+    """Token auth for a private local cluster, with a token of its own in a private temporary
+    file. Left to itself, Ray (>= 2.60) writes `~/.ray/auth_token` for a new local cluster, and
+    from then on every `ray start --head` of that user with `RAY_AUTH_MODE` unset turns token auth
+    on: one local run would change how the user's other Ray clusters behave. A mode the user set
+    (`RAY_AUTH_MODE`) is kept as it is."""
+    global _private_token
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    if _private_token is None:  # one per process: Ray's token loader caches what it read first
+        folder = Path(tempfile.mkdtemp(prefix="hpcrl-ray-auth-"))  # mode 0700
+        _private_token = folder / "token"
+        _private_token.write_text(secrets.token_hex(32))
+        _private_token.chmod(0o600)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(_private_token)
+    try:  # Ray caches its configuration and token when imported: make it read them again
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):  # a Ray without token auth: nothing cached
+        pass
+
+
+_private_token: Path | None = None
 
 
 def make_placement_group(nnodes: int, per_node: int, groups: int) -> WorkerSlot:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -14,8 +15,15 @@ if not 0 <= INSTANCE <= 99:
     raise ValueError(f"HPCRL_LAB_INSTANCE must be 0..99, got {INSTANCE}")
 _SUFFIX = "" if INSTANCE == 0 else str(INSTANCE)
 STATE_DIR = Path(os.environ.get("HPCRL_LAB_DIR", f"/run/hpcrl-lab{_SUFFIX}"))
-CACHE_DIR = Path(os.environ.get("HPCRL_LAB_CACHE", "/var/cache/hpcrl-lab"))
-APPTAINER_PREFIX = Path(os.environ.get("HPCRL_LAB_APPTAINER", "/opt/hpcrl-lab/apptainer"))
+
+# What the lab builds once per machine and reuses: the root filesystem, the SIF and the downloaded
+# packages (HPCRL_LAB_CACHE), and Apptainer with its private glibc (HPCRL_LAB_APPTAINER). Point both
+# at empty directories to rebuild everything, as a fresh machine does (README: "Testing").
+DEFAULT_CACHE_DIR = Path("/var/cache/hpcrl-lab")
+DEFAULT_APPTAINER_PREFIX = Path("/opt/hpcrl-lab/apptainer")
+DEFAULT_IMAGE = "localhost/hpcrl-lab:latest"
+CACHE_DIR = Path(os.environ.get("HPCRL_LAB_CACHE") or DEFAULT_CACHE_DIR)
+APPTAINER_PREFIX = Path(os.environ.get("HPCRL_LAB_APPTAINER") or DEFAULT_APPTAINER_PREFIX)
 
 BRIDGE = f"hrlbr{INSTANCE}"
 NETNS_PREFIX = f"hrl{_SUFFIX}-"
@@ -25,8 +33,28 @@ V6_NET = "fd77:" if INSTANCE == 0 else f"fd77:{INSTANCE}:"
 V4_GATEWAY = f"{V4_NET}.1"
 V6_GATEWAY = f"{V6_NET}:1"
 CONTROLLER = "slurmctl"
-IMAGE = "localhost/hpcrl-lab:latest"
 SIF = CACHE_DIR / "hpcrl-lab.sif"
+
+
+def _image_name() -> str:
+    """The Podman image lives in Podman's own store, outside CACHE_DIR: a cache of its own gets an
+    image tag of its own, so that an empty cache means building (importing) the image again."""
+    if os.environ.get("HPCRL_LAB_IMAGE"):
+        return os.environ["HPCRL_LAB_IMAGE"]
+    if CACHE_DIR.resolve() == DEFAULT_CACHE_DIR:
+        return DEFAULT_IMAGE
+    digest = hashlib.sha256(str(CACHE_DIR.resolve()).encode()).hexdigest()[:12]
+    return f"localhost/hpcrl-lab:cache-{digest}"
+
+
+IMAGE = _image_name()
+
+
+def cache_env() -> dict[str, str]:
+    """The variables naming this lab's caches and image. The `slurmlab` site profiles read them
+    (`${env:HPCRL_LAB_IMAGE:-...}`), so a job submitted by a test uses the images this lab built."""
+    return {"HPCRL_LAB_CACHE": str(CACHE_DIR), "HPCRL_LAB_APPTAINER": str(APPTAINER_PREFIX),
+            "HPCRL_LAB_IMAGE": IMAGE}
 
 
 @dataclass(frozen=True)

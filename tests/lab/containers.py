@@ -6,6 +6,7 @@ machine builds it (about 2 minutes)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -145,6 +146,11 @@ def held_capabilities() -> list[str]:
     return []
 
 
+def apptainer_env() -> dict[str, str]:
+    """Apptainer keeps its cache in the lab's cache, not in the user's `~/.apptainer`."""
+    return {**os.environ, "APPTAINER_CACHEDIR": str(CACHE_DIR / "apptainer-cache")}
+
+
 def apptainer_works() -> bool:
     if not APPTAINER_BIN.exists():
         return False
@@ -206,15 +212,21 @@ def ensure_sif(verbose: bool = False) -> None:
     _log(verbose, f"apptainer build {SIF} (about 25 s)")
     tmp = SIF.with_suffix(".tmp.sif")
     tmp.unlink(missing_ok=True)
-    _run(APPTAINER_BIN, "build", "--force", tmp, ROOTFS)
+    _run(APPTAINER_BIN, "build", "--force", tmp, ROOTFS, env=apptainer_env())
     tmp.rename(SIF)
 
 
 def ensure_images(verbose: bool = False) -> None:
+    """Build whatever is missing of the Podman image, Apptainer and the SIF. One process builds at a
+    time (a lock file in CACHE_DIR): a second pytest, or a second lab instance, waits for the first
+    one's build and then finds everything ready."""
     t0 = time.monotonic()
-    ensure_podman_image(verbose)
-    ensure_apptainer(verbose)
-    ensure_sif(verbose)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_DIR / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_podman_image(verbose)
+        ensure_apptainer(verbose)
+        ensure_sif(verbose)
     _log(verbose, f"images ready in {time.monotonic() - t0:.1f} s")
 
 
