@@ -127,6 +127,11 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
     `job.json` is kept (the job continues as first specified).
     """
     run_dir = run_dir.expanduser().absolute()
+    if resume and not run_dir.is_dir():
+        raise RunDirError(
+            f"`--resume`: run directory `{run_dir}` does not exist, so there is nothing to "
+            f"resume{_nearby_runs(run_dir.parent)}. Check the path, or leave out `--resume` to "
+            "start a new run there")
     if run_dir.exists() and any(run_dir.iterdir()) and not resume:
         raise RunDirError(
             f"run directory `{run_dir}` exists and is not empty; it belongs to another job. "
@@ -142,6 +147,19 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
         return run_dir
     _write_private(target, spec.to_json())
     return run_dir
+
+
+def _nearby_runs(parent: Path, limit: int = 5) -> str:
+    """`; run directories in PARENT: a, b` (newest first), for an error about a mistyped path."""
+    try:
+        runs = [d for d in parent.iterdir() if (d / JOB_FILE).is_file()]
+    except OSError:
+        return f" (`{parent}` does not exist either)"
+    if not runs:
+        return f" (`{parent}` holds no run directory)"
+    runs.sort(key=lambda d: (d / JOB_FILE).stat().st_mtime, reverse=True)
+    more = f" and {len(runs) - limit} more" if len(runs) > limit else ""
+    return f"; run directories in `{parent}`: " + ", ".join(d.name for d in runs[:limit]) + more
 
 
 def _write_private(target: Path, text: str) -> None:

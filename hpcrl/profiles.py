@@ -268,7 +268,14 @@ def _raw_chain(name: str, environ: Mapping[str, str]) -> list[tuple[Path, dict[s
     current: str | None = name
     requested_by: Path | None = None
     while current is not None:
-        files = [p for p in _candidates(current, environ) if p.resolve() not in seen]
+        candidates = _candidates(current, environ)
+        files = [p for p in candidates if p.resolve() not in seen]
+        if candidates and not files:
+            loop = [*(str(p) for p, _ in chain), str(candidates[0])]
+            raise ProfileError(
+                f"site profile `{name}` extends itself: {' -> '.join(loop)} (each file's "
+                f"`extends:`); remove the `extends: {current}` of {requested_by} or point it "
+                "at another profile")
         if not files:
             where = f" (extended by {requested_by})" if requested_by else ""
             known = ", ".join(available_profiles(environ)) or "none"

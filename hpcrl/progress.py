@@ -207,6 +207,10 @@ JobState = Callable[[], "tuple[str, str] | None"]
 """() -> (state, reason) while the scheduler knows the job (`PENDING`, `Priority`), else None."""
 
 
+NO_ANSWER = "NO_ANSWER"
+"""The job state `follow` is given while the scheduler does not answer."""
+
+
 def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float = 2.0,
            sleep: Callable[[float], None] = time.sleep, max_polls: int | None = None) -> None:
     """Print a submitted job's progress until the scheduler forgets it: queued, nodes joining,
@@ -226,7 +230,9 @@ def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float
             progress.steps(watcher)
         if state is None:
             return
-        if state[0] in ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD"):
+        if state[0] == NO_ANSWER:
+            progress.status("Slurm does not answer; still following")
+        elif state[0] in ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD"):
             progress.status(f"queued ({state[1]})" if state[1] else "queued")
         elif watcher is None or not watcher.records:
             progress.status(waiting_text(watcher.info() if watcher else None))

@@ -6,6 +6,7 @@ Every call of `sbatch`, `squeue`, `scontrol` and `scancel` made by hpcrl goes th
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -17,20 +18,63 @@ SQUEUE_FORMAT = "%i|%T|%M|%l|%D|%R|%j"
 JOB_ID_RE = re.compile(r"^\d+(?:_\d+)?(?:\.\w+)?$")
 
 
+# What `squeue -j` and `scontrol show job` print for a job id Slurm does not (or no longer) know.
+UNKNOWN_JOB_RE = re.compile(r"Invalid job id specified", re.IGNORECASE)
+# How long a query waits for a controller that does not answer (down, restarting, overloaded)
+# before saying so: tries after 1, 2, 4 ... s. `HPCRL_SLURM_PATIENCE_S` sets it.
+DEFAULT_PATIENCE_S = 7.0
+
+
 class SlurmError(RuntimeError):
     """A Slurm command failed or printed something unexpected."""
 
 
-def run_slurm(argv: Sequence[str], *, check: bool = True) -> str:
-    """Run a Slurm client command and return its stdout (the seam tests replace by executables)."""
+class SlurmUnavailable(SlurmError):
+    """Slurm's controller did not answer a query: the job's fate is unknown, not "gone"."""
+
+
+def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client command (the seam tests replace by executables)."""
     if shutil.which(argv[0]) is None:
         raise SlurmError(f"`{argv[0]}` was not found on PATH; run on a Slurm login node, or load "
                          "Slurm's client tools (e.g. `module load slurm`)")
-    proc = subprocess.run(list(argv), capture_output=True, text=True)
+    return subprocess.run(list(argv), capture_output=True, text=True)
+
+
+def run_slurm(argv: Sequence[str], *, check: bool = True) -> str:
+    """Run a Slurm client command and return its stdout."""
+    proc = _run(argv)
     if check and proc.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed with status {proc.returncode}: "
                          f"{proc.stderr.strip() or proc.stdout.strip()}")
     return proc.stdout
+
+
+def query_slurm(argv: Sequence[str], patience_s: float | None = None) -> str:
+    """stdout of a read-only query about one job (`squeue -j`, `scontrol show job`); "" when
+    Slurm answers that it does not know the job. A query Slurm does not answer is tried again
+    after 1, 2, 4 ... s while `patience_s` lasts, then raises `SlurmUnavailable`: a silent
+    controller must never read as a finished job. (A client's own try already lasts about 20 s
+    against a dead or hung controller: "Unable to contact slurm controller", "Socket timed out".)"""
+    if patience_s is None:
+        patience_s = float(os.environ.get("HPCRL_SLURM_PATIENCE_S", DEFAULT_PATIENCE_S))
+    start = time.monotonic()
+    wait, tries = 1.0, 0
+    while True:
+        proc = _run(argv)
+        tries += 1
+        if proc.returncode == 0:
+            return proc.stdout
+        said = (proc.stderr.strip() or proc.stdout.strip()) or f"exit status {proc.returncode}"
+        if UNKNOWN_JOB_RE.search(said):
+            return ""
+        if time.monotonic() + wait - start > patience_s:
+            raise SlurmUnavailable(
+                f"Slurm did not answer `{' '.join(argv)}` ({tries} tries in "
+                f"{time.monotonic() - start:.0f} s): {said}. The job is not known to be gone: "
+                "ask again later")
+        time.sleep(wait)
+        wait *= 2
 
 
 def check_job_id(job: str) -> str:
@@ -109,13 +153,15 @@ def parse_squeue(text: str) -> list[QueueEntry]:
 
 
 def show_job(job: str) -> dict[str, str]:
-    """`scontrol show job JOB`, parsed ({} when Slurm no longer knows the job)."""
-    return parse_scontrol_show_job(run_slurm(["scontrol", "show", "job", job], check=False))
+    """`scontrol show job JOB`, parsed ({} when Slurm no longer knows the job; `SlurmUnavailable`
+    when Slurm does not answer)."""
+    return parse_scontrol_show_job(query_slurm(["scontrol", "show", "job", job]))
 
 
 def queue_entries(job: str) -> list[QueueEntry]:
-    """`squeue` lines of job `job` (empty once it left the queue: finished, or forgotten)."""
-    return parse_squeue(run_slurm(["squeue", "-h", "-j", job, "-o", SQUEUE_FORMAT], check=False))
+    """`squeue` lines of job `job` (empty once it left the queue: finished, or forgotten;
+    `SlurmUnavailable` when Slurm does not answer)."""
+    return parse_squeue(query_slurm(["squeue", "-h", "-j", job, "-o", SQUEUE_FORMAT]))
 
 
 def describe_job(info: Mapping[str, str]) -> list[str]:

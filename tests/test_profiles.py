@@ -151,10 +151,22 @@ def test_env_null_removes_inherited_and_extends_cycle(tmp_path: Path) -> None:
     p = load_profile("child", env_with(tmp_path, HPCRL_SITE_PATH=str(d))).profile
     assert "HPCRL_LAB_MARKER" not in p.env and p.env["NEW"] == "v"
     assert p.env["PYTHONUNBUFFERED"] == "1"
-    write_profile(d, "a", "extends: b\n")
-    write_profile(d, "b", "extends: a\n")
-    with pytest.raises(ProfileError, match="no site profile `a`"):
+    a = write_profile(d, "a", "extends: b\n")
+    b = write_profile(d, "b", "extends: a\n")
+    with pytest.raises(ProfileError) as err:
         load_profile("a", env_with(tmp_path, HPCRL_SITE_PATH=str(d)))
+    assert str(err.value).startswith(f"site profile `a` extends itself: {a} -> {b} -> {a}")
+    assert f"remove the `extends: a` of {b}" in str(err.value)
+    me = write_profile(d, "me", "extends: me\n")
+    with pytest.raises(ProfileError, match=f"`me` extends itself: {me} -> {me}"):
+        load_profile("me", env_with(tmp_path, HPCRL_SITE_PATH=str(d)))
+
+
+def test_a_user_profile_may_extend_the_shipped_one_of_its_name(tmp_path: Path) -> None:
+    d = tmp_path / "sites"
+    write_profile(d, "slurmlab", "extends: slurmlab\nslurm: {partition: mine}\n")
+    p = load_profile("slurmlab", env_with(tmp_path, HPCRL_SITE_PATH=str(d))).profile
+    assert p.slurm.partition == "mine" and p.container.runtime == "podman"
 
 
 def test_unknown_profile_lists_known(tmp_path: Path) -> None:

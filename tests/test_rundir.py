@@ -326,6 +326,17 @@ def test_follow_a_slurm_job_from_queue_to_requeue(run: Path) -> None:
     ]
 
 
+def test_follow_goes_on_while_slurm_does_not_answer(run: Path) -> None:
+    from hpcrl.progress import NO_ANSWER, follow
+
+    states = iter([("PENDING", "Priority"), (NO_ANSWER, "Slurm did not answer"),
+                   (NO_ANSWER, "Slurm did not answer"), ("PENDING", "Resources"), None])
+    out = io.StringIO()
+    follow(run, lambda: next(states), Progress(out, tty=False), sleep=lambda _: None)
+    assert out.getvalue().splitlines() == [
+        "queued (Priority)", "Slurm does not answer; still following", "queued (Resources)"]
+
+
 def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
     import subprocess
 

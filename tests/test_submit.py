@@ -31,6 +31,14 @@ if name == "sbatch":
     record["secret_in_env"] = os.environ.get("WANDB_API_KEY")
 with open(log, "a") as fh:
     fh.write(json.dumps(record) + "\\n")
+# FAKE_<TOOL>_SILENT=N: the first N calls fail as against a dead controller (text on stderr)
+silent = int(os.environ.get("FAKE_" + name.upper() + "_SILENT", "0"))
+if silent:
+    with open(log) as fh:
+        earlier = sum(json.loads(line)["tool"] == name for line in fh) - 1
+    if earlier < silent:
+        sys.stderr.write(open(os.environ["FAKE_SILENT_TEXT"]).read())
+        sys.exit(1)
 fixture = os.environ.get("FAKE_" + name.upper())
 if fixture:
     sys.stdout.write(open(fixture).read())
@@ -157,6 +165,29 @@ def test_existing_run_dir_refused_then_resumed(tmp_path: Path, slurm: dict[str, 
     assert len(calls(slurm, "sbatch")) == 1 and (run_dir / "precious.txt").exists()
 
 
+def test_resume_of_a_missing_run_dir_is_refused_naming_the_nearby_ones(
+        tmp_path: Path, slurm: dict[str, str]) -> None:
+    """A mistyped `--resume --run-dir` must not start a new run from step 0 in a new directory."""
+    runs = tmp_path / "runs"
+    for name in ("try1", "try2"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "job.json").write_text("{}")
+    (runs / "notarun").mkdir()
+    typo = runs / "tyr2"
+    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(typo),
+                      "--resume"], slurm)
+    assert proc.returncode == 2, proc.stderr
+    assert f"run directory `{typo}` does not exist" in proc.stderr
+    assert f"run directories in `{runs}`: try" in proc.stderr and "notarun" not in proc.stderr
+    assert "try1" in proc.stderr and "try2" in proc.stderr
+    assert not typo.exists() and calls(slurm) == []
+    elsewhere = tmp_path / "nowhere" / "run"
+    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
+                      str(elsewhere), "--resume"], slurm)
+    assert proc.returncode == 2 and "does not exist either" in proc.stderr, proc.stderr
+    assert not elsewhere.parent.exists()
+
+
 def test_sbatch_failure_is_reported(tmp_path: Path, slurm: dict[str, str]) -> None:
     env = {**slurm, "FAKE_SBATCH_RC": "1"}
     proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
@@ -235,3 +266,39 @@ def test_unknown_job_and_bad_job_id(tmp_path: Path, slurm: dict[str, str]) -> No
     bad = run_hpcrl(["cancel", "4;rm"], env)
     assert bad.returncode == 2 and "is not a Slurm job id" in bad.stderr
     assert calls(slurm, "scancel") == []
+
+
+def test_slurm_not_answering_is_not_a_finished_job(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """`status`, `cancel` and `logs` tell "Slurm did not answer" (real messages of a dead and a
+    hung slurmctld) from "the job is gone", and retry with back-off before saying so."""
+    run_dir = submitted_run(tmp_path, slurm)
+    down = {**slurm, "FAKE_SQUEUE_SILENT": "99", "FAKE_SCONTROL_SILENT": "99",
+            "FAKE_SILENT_TEXT": str(DATA / "slurm" / "scontrol_controller_down.txt"),
+            "HPCRL_SLURM_PATIENCE_S": "0"}
+    status = run_hpcrl(["status", str(run_dir)], down)
+    assert status.returncode == 0, status.stderr
+    assert "Slurm did not answer `squeue -h -j 4" in status.stdout
+    assert "Unable to contact slurm controller" in status.stdout
+    assert "no longer known" not in status.stdout and "followed: not started" in status.stdout
+    for argv in (["cancel", "4"], ["logs", "4"]):
+        proc = run_hpcrl(argv, down)
+        assert proc.returncode == 2 and "Slurm did not answer" in proc.stderr, proc.stderr
+        assert "does not know job" not in proc.stderr
+    assert calls(slurm, "scancel") == []
+    unknown = str(DATA / "slurm" / "scontrol_unknown.txt")  # what both print for a gone job
+    gone = {**slurm, "FAKE_SCONTROL": unknown, "FAKE_SCONTROL_RC": "1",
+            "FAKE_SQUEUE": unknown, "FAKE_SQUEUE_RC": "1"}
+    assert "job 4 is no longer known" in run_hpcrl(["status", str(run_dir)], gone).stdout
+
+
+def test_slurm_queries_retry_with_back_off(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = submitted_run(tmp_path, slurm)
+    hung = {**slurm, "FAKE_SCONTROL": scontrol_fixture(tmp_path, run_dir),
+            "FAKE_SQUEUE": str(DATA / "slurm" / "squeue_running.txt"),
+            "FAKE_SQUEUE_SILENT": "2",
+            "FAKE_SILENT_TEXT": str(DATA / "slurm" / "squeue_controller_timeout.txt"),
+            "HPCRL_SLURM_PATIENCE_S": "10"}
+    status = run_hpcrl(["status", "4"], hung)
+    assert status.returncode == 0, status.stderr
+    assert "RUNNING elapsed 0:03 of 2:00" in status.stdout  # the third try was answered
+    assert len(calls(slurm, "squeue")) == 3

@@ -17,12 +17,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def slurm_lines(job_id: str) -> tuple[list[str], bool]:
     """What Slurm says of `job_id`, and whether it still runs or waits."""
-    from hpcrl.slurm import describe_job, queue_entries, show_job
+    from hpcrl.slurm import SlurmUnavailable, describe_job, queue_entries, show_job
 
-    queued = queue_entries(job_id)
+    try:
+        queued = queue_entries(job_id)
+        info = show_job(job_id)
+    except SlurmUnavailable as exc:
+        return [f"slurm: {exc}; the state above is the run directory's"], False
     lines = [f"slurm: {e.job_id} {e.state} elapsed {e.elapsed} of {e.time_limit}, {e.nodes} "
              f"node(s), {e.reason}" for e in queued]
-    info = show_job(job_id)
     lines += ["slurm: " + ln for ln in describe_job(info)]
     if not queued and not info:
         lines.append(f"slurm: job {job_id} is no longer known (finished)")

@@ -46,10 +46,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def queue_state(job_id: str) -> tuple[str, str] | None:
-    """(state, reason) from `squeue`, None once the job has left the queue."""
-    from hpcrl.slurm import queue_entries
+    """(state, reason) from `squeue`, None once the job has left the queue; `NO_ANSWER` with
+    Slurm's message while Slurm does not answer (following goes on)."""
+    from hpcrl.progress import NO_ANSWER
+    from hpcrl.slurm import SlurmUnavailable, queue_entries
 
-    entries = queue_entries(job_id)
+    try:
+        entries = queue_entries(job_id)
+    except SlurmUnavailable as exc:
+        return NO_ANSWER, str(exc)
     return (entries[0].state, entries[0].reason) if entries else None
 
 
