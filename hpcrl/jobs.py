@@ -35,7 +35,11 @@ def resolve(arg: str) -> JobRef:
         if not sub.is_file():
             raise SlurmError(f"`{run_dir}` has no {SUBMISSION_FILE}: it is not the run directory "
                              "of a submitted job")
-        return JobRef(str(json.loads(sub.read_text())["job_id"]), run_dir)
+        try:
+            return JobRef(str(json.loads(sub.read_text())["job_id"]), run_dir)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SlurmError(f"`{sub}` is damaged ({type(exc).__name__}: {exc}); give the job "
+                             "id instead of the run directory") from None
     job = check_job_id(arg)
     info = show_job(job)
     if not info:

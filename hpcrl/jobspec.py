@@ -136,11 +136,17 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
         raise RunDirError(
             f"run directory `{run_dir}` exists and is not empty; it belongs to another job. "
             "Choose a new `--run-dir`, or pass `--resume` to continue that job")
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run_dir.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(run_dir, 0o700)
-    (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
-    _write_private(run_dir / CANARY_FILE, canary_nonce(spec, run_dir))
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(run_dir, 0o700)
+        (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
+        _write_private(run_dir / CANARY_FILE, canary_nonce(spec, run_dir))
+    except OSError as exc:
+        raise RunDirError(
+            f"cannot create the run directory `{run_dir}`: {exc.strerror or exc} "
+            f"(`{exc.filename}`); choose a `--run-dir` on a writable file system the nodes "
+            "share") from None
     target = run_dir / JOB_FILE
     if resume and target.exists():
         JobSpec.from_json(target.read_text())  # refuse a damaged job.json before submitting

@@ -47,6 +47,8 @@ _REF_RE = re.compile(r"\$\{(env|sys):([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _REF_START_RE = re.compile(r"\$\{(env|sys):")
 SYS_REFS = ("prefix", "base_prefix", "executable", "source_root")
 PROFILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Partition, account and QOS names (`--partition=a,b` lists several).
+SLURM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:,[A-Za-z0-9_.-]+)*$")
 SIGNAL_NAMES = frozenset(("HUP", "INT", "QUIT", "USR1", "USR2", "TERM", "ALRM", "CONT", "URG",
                           "XCPU", "XFSZ", "VTALRM", "PROF", "WINCH", "PWR"))
 
@@ -543,6 +545,11 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
     if p.agent.stop_signal.upper().removeprefix("SIG") not in SIGNAL_NAMES:
         raise err("agent.stop_signal", f"must be a signal name such as `USR2` or `TERM`, got "
                   f"{p.agent.stop_signal!r}")
+    for key in ("partition", "account", "qos"):
+        value = getattr(p.slurm, key)
+        if value is not None and not SLURM_NAME_RE.match(str(value)):
+            raise err(f"slurm.{key}", f"must be Slurm names (letters, digits, `_`, `.`, `-`; "
+                      f"several joined by `,`), got {value!r}")
     if p.slurm.max_requeues < 0:
         raise err("slurm.max_requeues", f"must be 0 or more, got {p.slurm.max_requeues}")
     if p.slurm.nodes < 1:
@@ -631,7 +638,10 @@ def profile_from_dict(data: Mapping[str, Any]) -> SiteProfile:
 def replace_slurm(p: SiteProfile, **changes: Any) -> SiteProfile:
     """`p` with some Slurm settings changed (command-line overrides)."""
     changes = {k: v for k, v in changes.items() if v is not None}
-    return dataclasses.replace(p, slurm=dataclasses.replace(p.slurm, **changes))
+    changed = dataclasses.replace(p, slurm=dataclasses.replace(p.slurm, **changes))
+    prov = {f"slurm.{k}": "the command line" for k in changes}
+    _check_profile(changed, prov, "the command line")
+    return changed
 
 
 def field_help(cls: type) -> dict[str, str]:

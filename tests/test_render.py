@@ -142,7 +142,7 @@ def hostile_site(tmp_path: Path) -> dict[str, str]:
     env_lines = "\n".join(f"  HOSTILE_{i}: {json.dumps(v)}" for i, v in enumerate(HOSTILE))
     (sites / "hostile.yaml").write_text(
         "extends: slurmlab\n"
-        "slurm:\n  job_name: \"we'ird $(job) `name`\"\n  partition: \"de bug's\"\n"
+        "slurm:\n  job_name: \"we'ird $(job) `name`\"\n  partition: \"de-bug.2\"\n"
         f"env:\n{env_lines}\n")
     return {"HPCRL_SITE_PATH": str(sites), **FIXED_ENV}
 

@@ -302,3 +302,29 @@ def test_slurm_queries_retry_with_back_off(tmp_path: Path, slurm: dict[str, str]
     assert status.returncode == 0, status.stderr
     assert "RUNNING elapsed 0:03 of 2:00" in status.stdout  # the third try was answered
     assert len(calls(slurm, "squeue")) == 3
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--run-dir", "/proc/hpcrl-cannot-exist/run"], "cannot create the run directory"),
+    (["--run-dir", ""], "`--run-dir` is empty"),
+    (["--partition", "debug; rm -rf ~"], "key `slurm.partition` must be Slurm names"),
+    (["--nodes", "0"], "a job needs at least 1 node"),
+    (["--time", "soon"], "is not a Slurm time"),
+])
+def test_wrong_but_plausible_flags_are_refused_creating_nothing(
+        tmp_path: Path, slurm: dict[str, str], flags: list[str], message: str) -> None:
+    for command in (["submit", "--via", "sbatch"], ["render"]):
+        proc = run_hpcrl([*command, "--site", "slurmlab", *flags], slurm)
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]  # after the preflight's warnings, if any
+        assert last.startswith("hpcrl: error: ") and message in last, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert calls(slurm) == [] and not Path(slurm["HPCRL_LAB_RUN_ROOT"]).exists()
+
+
+def test_a_damaged_submission_file_is_named(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_dir = submitted_run(tmp_path, slurm)
+    (run_dir / "submission.json").write_text("{}")
+    for command in ("logs", "cancel"):
+        proc = run_hpcrl([command, str(run_dir)], slurm)
+        assert proc.returncode == 2 and "submission.json` is damaged" in proc.stderr, proc.stderr

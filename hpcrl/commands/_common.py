@@ -93,11 +93,11 @@ def prepare(args: argparse.Namespace) -> Any:
     from hpcrl.submission import build_request, default_python, default_run_dir, make_spec
 
     profile = load_profile(site_name(args)).profile
-    profile = replace_slurm(profile, nodes=args.nodes, time=args.time, partition=args.partition)
     if args.nodes is not None and args.nodes < 1:
         from hpcrl.submission import RequestError
 
         raise RequestError(f"`--nodes {args.nodes}`: a job needs at least 1 node")
+    profile = replace_slurm(profile, nodes=args.nodes, time=args.time, partition=args.partition)
     python = default_python(profile)
     payload = list(args.payload)
     if payload[:1] == ["--"]:
@@ -111,6 +111,11 @@ def prepare(args: argparse.Namespace) -> Any:
         argv = tuple(payload)
     else:
         argv = default_payload(profile.container.python or python, payload)
+    if args.run_dir is not None and not args.run_dir.strip():
+        from hpcrl.submission import RequestError
+
+        raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
+                           "new one under the profile's `run_root`")
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
     spec = make_spec(profile, argv)
     via = getattr(args, "via", "sbatch")
