@@ -64,9 +64,9 @@ class Runtime:
         """The runtime's own command building the site's image from `recipe`."""
         raise ContainerError(f"runtime `{self.name}` has no image to build")
 
-    def remove(self, c: ContainerConfig, name: str) -> list[str] | None:
-        """The command removing container `name` left running after its client was killed;
-        None where a killed client leaves no container behind."""
+    def remove(self, binary: str, name: str) -> list[str] | None:
+        """The command (with executable `binary`) removing container `name` left running after
+        its client was killed; None where a killed client leaves no container behind."""
         return None
 
     def running_in(self, environ: Mapping[str, str], exists: Callable[[str], bool]) -> bool:

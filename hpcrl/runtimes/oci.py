@@ -54,6 +54,6 @@ class OciRuntime(Runtime):
         return ContainerCommand(
             (binary_of(c), "build", *args, "-f", recipe, "-t", str(c.image), context), {})
 
-    def remove(self, c: ContainerConfig, name: str) -> list[str] | None:
+    def remove(self, binary: str, name: str) -> list[str] | None:
         """A killed `run` client leaves its container running: remove it by name."""
-        return [binary_of(c), "rm", "-f", "--ignore", name]
+        return [binary, "rm", "-f", "--ignore", name]
