@@ -218,7 +218,8 @@ def test_runtime_table_is_the_one_list() -> None:
         runtimes.get("lxc")
     on_host = runtimes.running_in({}, lambda p: False)
     in_podman = runtimes.running_in({}, lambda p: p == "/run/.containerenv")
-    in_docker = runtimes.running_in({}, lambda p: p == "/.dockerenv")
+    # a host that is itself a Docker container has `/.dockerenv`: no job container is claimed
+    on_docker_host = runtimes.running_in({}, lambda p: p == "/.dockerenv")
     in_apptainer = runtimes.running_in({"APPTAINER_CONTAINER": "/x.sif"}, lambda p: False)
-    assert (on_host, in_podman, in_docker, in_apptainer) == ("none", "podman", "docker",
-                                                              "apptainer")
+    assert (on_host, in_podman, on_docker_host, in_apptainer) == ("none", "podman", "none",
+                                                                   "apptainer")

@@ -101,5 +101,5 @@ class Agent:
         launcher = Launcher(node, heartbeat, self.addresses)
         if node.ctx.is_head:
             return Head(node, heartbeat, inbox, launcher).run()
-        launcher.worker(keep_waiting=lambda: early_stop_reason(node.paths, inbox))
-        return watch_worker(node, node.children["ray"], heartbeat, inbox)
+        ray = launcher.worker(keep_waiting=lambda: early_stop_reason(node.paths, inbox))
+        return watch_worker(node, ray, heartbeat, inbox)

@@ -36,7 +36,7 @@ class Head:
         node = self.node
         deadline = Deadline.learn(node.ctx, node.env, node.job, node.log)
         cluster = self.launcher.head()
-        ray = node.children["ray"]
+        ray = cluster.ray
         stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log)
         requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, stop, deadline, node.log)
         watch = GcsWatch(node, cluster.gcs_lines)

@@ -46,11 +46,13 @@ def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
 @dataclass
 class HeadCluster:
     """What the head launched: its address, the GCS address, the Ray processes' environment,
-    and the watcher's output lines (JSON, one per change of the GCS's alive nodes)."""
+    its Ray process, and the watcher's output lines (JSON, one per change of the GCS's alive
+    nodes)."""
 
     address: NodeAddress
     gcs: str
     env: dict[str, str]
+    ray: Child
     gcs_lines: queue.Queue[str]
 
 
@@ -95,15 +97,16 @@ class Launcher:
         )
         self.heartbeat.write("starting")
         env = self._ray_env(token, ports, addr.interface)
-        self._start_ray(True, addr.address, ports, gcs, env)
+        ray = self._start_ray(True, addr.address, ports, gcs, env)
         lines: queue.Queue[str] = queue.Queue()
         argv = [node.python, str(node.paths.root / WATCHER), gcs, "0.1"]
         node.start("watch", "gcs-watch", argv, env, str(node.tmp), f"gcs-watch-{node.tag}.log",
                    str(node.tmp), on_line=lines.put)
-        return HeadCluster(addr, gcs, env, lines)
+        return HeadCluster(addr, gcs, env, ray, lines)
 
-    def worker(self, keep_waiting: Callable[[], str | None]) -> None:
-        """Wait for the head's publication (or `keep_waiting`'s reason to stop), then start Ray."""
+    def worker(self, keep_waiting: Callable[[], str | None]) -> Child:
+        """Wait for the head's publication (or `keep_waiting`'s reason to stop), then start Ray;
+        returns the Ray process."""
         node, job, ctx = self.node, self.node.job, self.node.ctx
         self.heartbeat.write("waiting")
         info = rdv.wait_for_publication(
@@ -127,7 +130,7 @@ class Launcher:
         self._describe(addr, ports)
         self.heartbeat.write("starting")
         env = self._ray_env(Path(info["token_path"]), ports, addr.interface)
-        self._start_ray(False, addr.address, ports, info["gcs_address"], env)
+        return self._start_ray(False, addr.address, ports, info["gcs_address"], env)
 
     def _describe(self, addr: NodeAddress, ports: PortBlock) -> None:
         """What the other nodes learn of this one from its heartbeat file."""

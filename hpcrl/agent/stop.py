@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class Deadline:
     end_time: float | None
 
     @classmethod
-    def learn(cls, ctx: JobContext, env: dict[str, str], job: AgentJob,
+    def learn(cls, ctx: JobContext, env: Mapping[str, str], job: AgentJob,
               log: logging.Logger) -> Deadline:
         """`SLURM_JOB_END_TIME` (or, locally, the end-time variable), else `scontrol show job`."""
         end = ctx.end_time or (rq.end_time_from_env(env) if ctx.local else None)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
 from hpcrl.runtimes.oci import OciRuntime
 
 
 class Docker(OciRuntime):
-    name = "docker"
+    """`running_in` stays False: Docker's marker `/.dockerenv` is also on machines that are
+    themselves Docker containers (CI runners, the lab's host), where a job without a container
+    would be reported as running in Docker."""
 
-    def running_in(self, environ: Mapping[str, str], exists: Callable[[str], bool]) -> bool:
-        """Docker writes `/.dockerenv` into every container."""
-        return exists("/.dockerenv")
+    name = "docker"
 
 
 RUNTIME = Docker()
