@@ -42,6 +42,8 @@ from typing import Any
 
 import yaml
 
+from hpcrl.runtimes import NAMES as RUNTIME_NAMES
+
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REF_RE = re.compile(r"\$\{(env|sys):([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _REF_START_RE = re.compile(r"\$\{(env|sys):")
@@ -98,12 +100,12 @@ class SlurmConfig:
 class ContainerConfig:
     """How each node runs the Ray processes and the payload."""
 
-    runtime: str = _f("container runtime", "none",
-                      choices=("none", "podman", "docker", "apptainer"))
+    runtime: str = _f("container runtime (one module each in `hpcrl.runtimes`)", "none",
+                      choices=RUNTIME_NAMES)
     binary: str | None = _f("path of the runtime executable; null: the runtime's name on PATH",
                             None)
     image: str | None = _f("image: registry ref or local tag (podman/docker), `.sif` path "
-                           "(apptainer)", None)
+                           "(apptainer), `.sqsh` path or container name (enroot)", None)
     devices: tuple[str, ...] = _f("host devices passed in (`--device`; apptainer shares /dev)",
                                   factory=tuple)
     binds: tuple[str, ...] = _f("bind mounts `SRC[:DST[:OPTS]]`", factory=tuple)

@@ -8,6 +8,7 @@ this machine, in a Slurm environment whose only fake is the `scontrol` executabl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from hpcrl.agent import requeue as rq
-from hpcrl.agent.core import Agent
-from hpcrl.agent.jobfile import JobFileError, parse_job
+from hpcrl.agent.jobfile import JobFileError, load_job, parse_job
+from hpcrl.agent.rendezvous import RunPaths
+from hpcrl.agent.requeuer import Requeuer
+from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
 from hpcrl.slurm import SlurmError, parse_scontrol_show_job, parse_slurm_time
 from hpcrl.slurm_env import job_context
 from tests.agent_helpers import leftovers, start_agent, wait_for_text
@@ -128,42 +131,46 @@ def test_job_file_reads_requeue_settings() -> None:
         parse_job({"payload": ["x"], "profile": {"agent": {"stop_signal": "NOPE"}}})
 
 
-def _agent(tmp_path: Path, restart: int, max_requeues: int) -> Agent:
+def _requeuer(tmp_path: Path, restart: int, max_requeues: int) -> Requeuer:
     run = tmp_path / "run"
     run.mkdir(parents=True)
     (run / "job.json").write_text(json.dumps({"payload": ["x"], "max_requeues": max_requeues}))
     env = slurm_env("77", restart=restart)
-    agent = Agent(run, env=env, context=job_context(env, hostname=lambda: HOST))
-    from hpcrl.agent.jobfile import load_job
-
-    agent.job = load_job(run)
-    return agent
+    ctx = job_context(env, hostname=lambda: HOST)
+    job = load_job(run)
+    log = logging.getLogger("test-requeue")
+    inbox, deadline = SignalInbox(), Deadline(None)
+    stop = StopControl(job, RunPaths(run, restart), inbox, deadline, log)
+    return Requeuer(ctx, job, run, inbox, stop, deadline, log)
 
 
 def test_requeue_seam_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decision names the target; the requeue runs once (after the teardown, or at once
     near the end); Slurm already requeueing the job is no error; another failure is reported;
     with `max_requeues` reached the seam is never called."""
-    agent = _agent(tmp_path, restart=0, max_requeues=1)
+    requeuer = _requeuer(tmp_path, restart=0, max_requeues=1)
     calls: list[str] = []
 
     def pending(target: str) -> None:
         calls.append(target)
         raise SlurmError("`scontrol requeue 77` failed with status 1: Job is pending execution")
 
-    monkeypatch.setattr(agent, "_requeue", pending)
-    out = agent._after_requeue_request("payload exited with status 3", 3)
+    monkeypatch.setattr(requeuer, "requeue", pending)
+    out = requeuer.after_request("payload exited with status 3", 3)
     assert calls == [] and "requeueing job 77 (restart 1 of at most 1)" in out.cause
-    assert agent._requeue_now() == "Slurm is already requeueing job 77" and calls == ["77"]
-    agent.end_time = time.time() + 5  # too near the end to wait for the teardown
-    out = agent._after_requeue_request("payload exited with status 3", 3)
+    assert out.then is not None  # deferred until after the teardown
+    assert out.then() == "Slurm is already requeueing job 77" and calls == ["77"]
+    requeuer.deadline.end_time = time.time() + 5  # too near the end to wait for the teardown
+    out = requeuer.after_request("payload exited with status 3", 3)
     assert calls == ["77", "77"] and "Slurm is already requeueing job 77" in out.cause
-    monkeypatch.setattr(agent, "_requeue", lambda t: (_ for _ in ()).throw(SlurmError("refused")))
-    assert "could not requeue job 77: refused" in agent._after_requeue_request("x", 3).cause
-    done = _agent(tmp_path / "b", restart=1, max_requeues=1)
-    monkeypatch.setattr(done, "_requeue", lambda t: calls.append(t))
-    out = done._after_requeue_request("payload exited with status 3", 3)
-    assert done._requeue_target is None and "max_requeues reached" in out.cause
+    assert out.then is None  # done already: the teardown does not requeue again
+    monkeypatch.setattr(requeuer, "requeue",
+                        lambda t: (_ for _ in ()).throw(SlurmError("refused")))
+    assert "could not requeue job 77: refused" in requeuer.after_request("x", 3).cause
+    done = _requeuer(tmp_path / "b", restart=1, max_requeues=1)
+    monkeypatch.setattr(done, "requeue", lambda t: calls.append(t))
+    out = done.after_request("payload exited with status 3", 3)
+    assert out.then is None and "max_requeues reached" in out.cause
     assert out.exit_code == 3 and calls == ["77", "77"]
 
 

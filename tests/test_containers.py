@@ -176,3 +176,50 @@ def test_image_cli_runs_the_runtime(tmp_path: Path) -> None:
     assert len(rows) == 2  # the dry run ran nothing
     missing = run_hpcrl(["image", "build", "--site", "slurmlab"], env)
     assert missing.returncode == 2 and "no `container.recipe`" in missing.stderr
+
+
+def test_enroot_commands_follow_its_cli() -> None:
+    """`enroot start --rw --env NAME --mount SRC:DST IMAGE CMD`, `enroot import --output`,
+    `enroot create --name` (enroot's doc/cmd/*.md); values only in the client's environment."""
+    c = ContainerConfig(runtime="enroot", image="/img/hpcrl.sqsh", binds=("/data:/d:ro",))
+    cmd = container_command(c, ["python3", "x.py"], {"A": "1"}, passthrough=["S"],
+                            binds=["/runs/r"], workdir="/runs/r", environ={"S": SECRET})
+    assert cmd.argv == (
+        "enroot", "start", "--rw", "--env", "A", "--env", "S",
+        "--mount", "/data:/d:none:x-create=dir,bind,ro", "--mount", "/runs/r:/runs/r",
+        "/img/hpcrl.sqsh", "sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", "/runs/r",
+        "python3", "x.py")
+    assert cmd.env == {"A": "1", "S": SECRET} and SECRET not in cmd.display()
+    out = subprocess.run(["sh", "-c", cmd.argv[14], cmd.argv[15], "/", "pwd"],
+                         capture_output=True, text=True)
+    assert out.stdout == "/\n"  # the working-directory wrapper really changes directory
+    assert pull_command(c, "docker://nvcr.io#nvidia/pytorch:24.01-py3").argv == (
+        "enroot", "import", "--output", "/img/hpcrl.sqsh",
+        "docker://nvcr.io#nvidia/pytorch:24.01-py3")
+    with pytest.raises(ContainerError, match="ending in `.sqsh`"):
+        pull_command(dataclasses.replace(c, image="hpcrl"), "docker://x")
+    named = dataclasses.replace(c, image="hpcrl", binary="/opt/enroot/bin/enroot")
+    assert build_command(named, "/img/hpcrl.sqsh").argv == (
+        "/opt/enroot/bin/enroot", "create", "--name", "hpcrl", "/img/hpcrl.sqsh")
+    with pytest.raises(ContainerError, match="FILE.sqsh"):
+        build_command(named, "containers/Dockerfile.cuda")
+
+
+def test_runtime_table_is_the_one_list() -> None:
+    """The profile's choices are the table's names; each runtime names its own module's entry
+    and says how it recognises its containers."""
+    from hpcrl import runtimes
+
+    assert runtimes.NAMES == ("none", "podman", "docker", "apptainer", "enroot")
+    field = {f.name: f for f in dataclasses.fields(ContainerConfig)}["runtime"]
+    assert tuple(field.metadata["choices"]) == runtimes.NAMES
+    assert all(r.name == n for n, r in runtimes.TABLE.items())
+    with pytest.raises(ContainerError, match="`lxc` is unknown; valid: none, podman"):
+        runtimes.get("lxc")
+    on_host = runtimes.running_in({}, lambda p: False)
+    in_podman = runtimes.running_in({}, lambda p: p == "/run/.containerenv")
+    # a host that is itself a Docker container has `/.dockerenv`: no job container is claimed
+    on_docker_host = runtimes.running_in({}, lambda p: p == "/.dockerenv")
+    in_apptainer = runtimes.running_in({"APPTAINER_CONTAINER": "/x.sif"}, lambda p: False)
+    assert (on_host, in_podman, on_docker_host, in_apptainer) == ("none", "podman", "none",
+                                                                   "apptainer")

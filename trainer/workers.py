@@ -52,10 +52,11 @@ def node_ip() -> str:
 
 
 def container_runtime() -> str:
-    """`podman`, `apptainer` or `none`: the container this process runs in."""
-    if os.path.exists("/run/.containerenv"):
-        return "podman"
-    return "apptainer" if os.environ.get("APPTAINER_CONTAINER") else "none"
+    """The container runtime this process runs in (`none` on the host): each runtime of
+    `hpcrl.runtimes` says how it recognises its containers."""
+    from hpcrl.runtimes import running_in
+
+    return running_in()
 
 
 def _mean(collected: dict[str, list[float]]) -> dict[str, list[float]]:

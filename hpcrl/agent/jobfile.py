@@ -42,7 +42,7 @@ class AgentJob:
     dashboard_host: str = "127.0.0.1"
     """Where the dashboard listens when on; loopback unless the profile opts in."""
     container: Mapping[str, Any] = field(default_factory=lambda: {"runtime": "none"})
-    """Profile section `container`: `runtime` (none, podman, docker, apptainer), `image`, ..."""
+    """Profile section `container`: `runtime` (a name in `hpcrl.runtimes.TABLE`), `image`, ..."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for Ray and the payload (profile section `env`)."""
     version_env: tuple[Mapping[str, Any], ...] = ()

@@ -7,7 +7,7 @@ import sys
 
 from hpcrl.commands._common import add_site, site_name, user_errors
 
-HELP = "build or pull the site's container image with its runtime (podman, docker, apptainer)"
+HELP = "build or pull the site's container image with its runtime's own command"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

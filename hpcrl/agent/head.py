@@ -1,0 +1,124 @@
+"""The head's part of a job: launch Ray's head, wait until every node joined, run the payload
+and watch it, the cluster and the clock until it exits or the job must end.
+
+The head wires the parts: `Launcher` (Ray and the GCS watcher), `GcsWatch` (the cluster),
+`StopControl` (signals and the clock become a stop request), `Requeuer` (what the payload's
+requeue status leads to).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from hpcrl.agent import requeue as rq
+from hpcrl.agent.launch import HeadCluster, Launcher
+from hpcrl.agent.node import TICK_S, Heartbeat, Node, Outcome
+from hpcrl.agent.procs import Child
+from hpcrl.agent.requeuer import Requeuer
+from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
+from hpcrl.agent.watch import GcsWatch, ray_exited, signalled_before_payload, stop_requested
+from hpcrl.netaddr import format_host
+from trainer.exit_codes import REQUEUE_EXIT_CODE
+
+
+@dataclass
+class Head:
+    """Rank 0's run, from launch to the payload's outcome."""
+
+    node: Node
+    heartbeat: Heartbeat
+    inbox: SignalInbox
+    launcher: Launcher
+
+    def run(self) -> Outcome:
+        node = self.node
+        deadline = Deadline.learn(node.ctx, node.env, node.job, node.log)
+        cluster = self.launcher.head()
+        ray = cluster.ray
+        stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log)
+        requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, stop, deadline, node.log)
+        watch = GcsWatch(node, cluster.gcs_lines)
+
+        def warned() -> Outcome | None:
+            """The time limit is near before the payload started: do not start it."""
+            why = stop.warning(payload_started=False)
+            if why is None:
+                return None
+            node.log.info("%s before the payload started: not starting it", why)
+            return requeuer.after_request(f"{why} before the payload started", REQUEUE_EXIT_CODE)
+
+        failed = watch.wait_for_cluster(
+            self.heartbeat,
+            warned,
+            lambda: ray_exited(node, ray)
+            or signalled_before_payload(node, self.inbox)
+            or stop_requested(node.paths),
+        )
+        if failed:
+            return failed
+        self.heartbeat.write("running")
+        payload = self._start_payload(cluster, deadline)
+        return self._watch_payload(payload, ray, watch, stop, requeuer)
+
+    def _payload_env(self, cluster: HeadCluster, deadline: Deadline) -> dict[str, str]:
+        node, end = self.node, deadline.end_time
+        return {
+            **cluster.env,
+            "RAY_ADDRESS": cluster.gcs,
+            "MASTER_ADDR": format_host(cluster.address.address),
+            "HPCRL_RUN_DIR": str(node.run_dir),
+            "HPCRL_RESTART": str(node.ctx.restart),
+            "HPCRL_JOB_ID": node.ctx.job_id,
+            "HPCRL_NUM_NODES": str(node.ctx.num_nodes),
+            **({rq.END_TIME_ENV: f"{end:.0f}"} if end else {}),
+        }
+
+    def _start_payload(self, cluster: HeadCluster, deadline: Deadline) -> Child:
+        node, job = self.node, self.node.job
+        workdir = str(job.container.get("workdir") or node.run_dir)
+        node.log.info(
+            "all %d nodes joined; starting the payload: %s", node.ctx.num_nodes,
+            " ".join(job.payload),
+        )
+        host_cwd = workdir if job.runtime == "none" else str(node.run_dir)
+        return node.start("payload", "payload", job.payload, self._payload_env(cluster, deadline),
+                          workdir, "payload.log", host_cwd, echo=sys.stdout)
+
+    def _watch_payload(
+        self, payload: Child, ray: Child, watch: GcsWatch, stop: StopControl, requeuer: Requeuer
+    ) -> Outcome:
+        """Until the payload exits: signals and the clock reach it as a stop request; a lost
+        node ends the job, unless the payload was asked to stop (Slurm's SIGTERM reaches Ray
+        too) and may still checkpoint."""
+        started, ignored = time.monotonic(), False
+        while True:
+            stop.take_signals(payload)
+            if stop.reason is None:
+                why = stop.warning(payload_started=True)
+                if why:
+                    stop.ask(why)
+            stop.deliver(payload, started)
+            code = payload.poll()
+            if code is not None:
+                return self._outcome(code if code >= 0 else 128 - code, stop, requeuer)
+            watch.refresh()
+            failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
+                or watch.lost_nodes()
+            if failed and stop.reason is None:
+                return failed
+            if failed and not ignored:
+                ignored = True
+                self.node.log.info("%s; waiting for the payload, which was asked to stop",
+                                   failed.cause)
+            self.heartbeat.beat("running")
+            time.sleep(TICK_S)
+
+    def _outcome(self, status: int, stop: StopControl, requeuer: Requeuer) -> Outcome:
+        cause = f"payload exited with status {status}"
+        if stop.reason:
+            cause += f" after the stop request ({stop.reason})"
+        if status != REQUEUE_EXIT_CODE:
+            return Outcome(cause, status, self.node.ctx.hostname)
+        return requeuer.after_request(f"{cause}: checkpointed, asks to be requeued", status)

@@ -1,0 +1,220 @@
+"""Launch: this node's address and ports, the rendezvous, and the Ray process (and, on the
+head, the GCS watcher) started in the job's container.
+
+The head picks its address and a free port block, writes the auth token and publishes both;
+a worker waits for that publication and joins, with its own per-node ports when the head's are
+taken on its machine.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.agent import rendezvous as rdv
+from hpcrl.agent.jobfile import AgentJob
+from hpcrl.agent.node import AgentError, Heartbeat, Node
+from hpcrl.agent.ports import PortBlock, find_free_block, first_index, port_is_free
+from hpcrl.agent.procs import Child, processes_mentioning
+from hpcrl.netaddr import (
+    NetworkPolicy,
+    NodeAddress,
+    choose_address,
+    format_host,
+    format_hostport,
+    host_name_addresses,
+    socket_ifname_env,
+)
+
+WATCHER = "gcs_watch.py"
+LAUNCHER = "ray_launch.py"
+
+
+def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
+    """The profile's `ray.version_env` variables that apply to `ray_version`."""
+    if not job.version_env:
+        return {}
+    from hpcrl.profiles import env_for_ray_version, profile_from_dict  # type: ignore[import-not-found]
+
+    return dict(env_for_ray_version(profile_from_dict(job.profile).ray.version_env, ray_version))
+
+
+@dataclass
+class HeadCluster:
+    """What the head launched: its address, the GCS address, the Ray processes' environment,
+    its Ray process, and the watcher's output lines (JSON, one per change of the GCS's alive
+    nodes)."""
+
+    address: NodeAddress
+    gcs: str
+    env: dict[str, str]
+    ray: Child
+    gcs_lines: queue.Queue[str]
+
+
+@dataclass
+class Launcher:
+    """Starts this node's part of the Ray cluster."""
+
+    node: Node
+    heartbeat: Heartbeat
+    addresses: Callable[[], list[NodeAddress]]
+
+    def head(self) -> HeadCluster:
+        """Address, port block, token, publication; then Ray's head and the GCS watcher."""
+        node, job, ctx = self.node, self.node.job, self.node.ctx
+        addr = self._address(job.network)
+        ports = find_free_block(job.ports, first_index(ctx.job_id, ctx.restart, job.ports))
+        token = rdv.write_token(node.paths)
+        gcs = format_hostport(addr.address, ports.gcs)
+        self._describe(addr, ports)
+        self._copy_helpers()
+        rdv.publish(
+            node.paths,
+            {
+                "job_id": ctx.job_id,
+                "restart": ctx.restart,
+                "head": ctx.hostname,
+                "address": addr.address,
+                "gcs_address": gcs,
+                "family": addr.family,
+                "ports": ports.to_dict(),
+                "token_path": str(token),
+                "nodes": list(ctx.nodes),
+            },
+        )
+        node.log.info(
+            "head address %s (%s), GCS %s, port block %d-%d, token in run directory",
+            addr.address,
+            addr.interface or "interface unknown",
+            gcs,
+            ports.gcs,
+            ports.max_worker_port,
+        )
+        self.heartbeat.write("starting")
+        env = self._ray_env(token, ports, addr.interface)
+        ray = self._start_ray(True, addr.address, ports, gcs, env)
+        lines: queue.Queue[str] = queue.Queue()
+        argv = [node.python, str(node.paths.root / WATCHER), gcs, "0.1"]
+        node.start("watch", "gcs-watch", argv, env, str(node.tmp), f"gcs-watch-{node.tag}.log",
+                   str(node.tmp), on_line=lines.put)
+        return HeadCluster(addr, gcs, env, ray, lines)
+
+    def worker(self, keep_waiting: Callable[[], str | None]) -> Child:
+        """Wait for the head's publication (or `keep_waiting`'s reason to stop), then start Ray;
+        returns the Ray process."""
+        node, job, ctx = self.node, self.node.job, self.node.ctx
+        self.heartbeat.write("waiting")
+        info = rdv.wait_for_publication(
+            node.paths, ctx.nodes[0], job.join_timeout_s, keep_waiting=keep_waiting
+        )
+        addr = self._address(NetworkPolicy(job.network.interface, info["family"]))
+        head_ports = PortBlock.from_dict(info["ports"])
+        ports = head_ports
+        same_host = addr.address == info["address"]  # several agents on one machine
+        if same_host or not all(map(port_is_free, head_ports.node_ports())):
+            head_index = (head_ports.gcs - job.ports.base) // job.ports.block_size
+            local = find_free_block(
+                job.ports, head_index + ctx.node_rank, ports_of=PortBlock.node_ports
+            )
+            ports = head_ports.with_node_ports_from(local)
+            node.log.info(
+                "head's per-node ports are taken here; using %d-%d on this node",
+                ports.node_manager,
+                ports.max_worker_port,
+            )
+        self._describe(addr, ports)
+        self.heartbeat.write("starting")
+        env = self._ray_env(Path(info["token_path"]), ports, addr.interface)
+        return self._start_ray(False, addr.address, ports, info["gcs_address"], env)
+
+    def _describe(self, addr: NodeAddress, ports: PortBlock) -> None:
+        """What the other nodes learn of this one from its heartbeat file."""
+        self.heartbeat.info = {
+            "address": addr.address,
+            "node_manager_port": ports.node_manager,
+            "interface": addr.interface,
+        }
+
+    def _address(self, policy: NetworkPolicy) -> NodeAddress:
+        return choose_address(self.addresses(), policy, host_name_addresses())
+
+    def _ray_env(self, token: Path, ports: PortBlock, iface: str | None) -> dict[str, str]:
+        return {
+            **self.node.env,
+            **self.node.job.env,
+            **self._version_env(),
+            **ports.env(),
+            **socket_ifname_env(iface),
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+
+    def _version_env(self) -> dict[str, str]:
+        """Profile variables chosen by the Ray version in the container (asked only if needed)."""
+        node = self.node
+        if not node.job.version_env:
+            return {}
+        argv, env = node.in_container(
+            "version",
+            [node.python, "-c", "import ray; print(ray.__version__)"],
+            node.env,
+            str(node.run_dir),
+        )
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise AgentError(
+                f"cannot read Ray's version in the container on `{node.ctx.hostname}` "
+                f"({out.stderr.strip()[-300:]}); is Ray installed in the image?"
+            )
+        return ray_version_env(node.job, out.stdout.strip().splitlines()[-1])
+
+    def _start_ray(
+        self, head: bool, address: str, ports: PortBlock, gcs: str, env: dict[str, str]
+    ) -> Child:
+        node, job = self.node, self.node.job
+        self._remove_stale_temp_dirs()
+        node.tmp.mkdir(mode=0o700, parents=True)
+        argv = [
+            "start",
+            "--block",
+            f"--node-ip-address={format_host(address)}",
+            f"--temp-dir={node.tmp}",
+            "--disable-usage-stats",
+            *ports.ray_start_args(head, job.dashboard),
+        ]
+        if head:
+            argv += ["--head", f"--include-dashboard={str(job.dashboard).lower()}"]
+            if job.dashboard:
+                argv += [f"--dashboard-host={job.dashboard_host}"]
+        else:
+            argv += [f"--address={gcs}"]
+        node.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
+        if head:
+            argv = [node.python, "-m", "ray.scripts.scripts", *argv]
+        else:  # Ray's CLI loads now and runs once the head node is alive (see ray_launch.py)
+            go, timeout = str(node.paths.head_alive), f"{job.join_timeout_s:.0f}"
+            argv = [node.python, str(node.paths.root / LAUNCHER), go, timeout, "--", *argv]
+        ray = node.start("ray", "ray", argv, env, str(node.tmp), f"ray-start-{node.tag}.log",
+                         str(node.tmp))
+        self.heartbeat.info["ray_pid"] = ray.pid
+        return ray
+
+    def _remove_stale_temp_dirs(self) -> None:
+        """Temp dirs of this job's earlier runs on this node whose agent was killed."""
+        ctx, tmp = self.node.ctx, self.node.tmp
+        for stale in tmp.parent.glob(f"hr-{ctx.job_id}-*-{ctx.node_rank}"):
+            if stale == tmp or not processes_mentioning(str(stale)):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _copy_helpers(self) -> None:
+        """Put the scripts that run next to Ray (in the container) into the run directory,
+        before the workers learn of it."""
+        for name in (WATCHER, LAUNCHER):
+            text = Path(__file__).with_name(name).read_text()
+            rdv.atomic_write_text(self.node.paths.root / name, text, 0o600)

@@ -1,0 +1,191 @@
+"""What every part of the node agent shares: the node's identity, its log, its heartbeat file,
+and the one way its processes enter the job's container.
+
+`Node` exists only once the job file is read, so nothing that holds one checks for the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcrl.agent import rendezvous as rdv
+from hpcrl.agent.jobfile import AgentJob
+from hpcrl.agent.procs import Child
+from hpcrl.slurm_env import JobContext
+
+ContainerWrap = Callable[
+    [AgentJob, Sequence[str], Mapping[str, str], Sequence[str], str, str],
+    tuple[list[str], dict[str, str]],
+]
+"""(job, argv, env for the container, binds, workdir, container name) -> (argv that runs `argv`
+in the job's container, variables to add to that command's own environment)."""
+
+TICK_S = 0.1
+"""How often every loop of the agent looks again."""
+
+
+class AgentError(RuntimeError):
+    """The job cannot go on; the message names the node and the cause."""
+
+
+@dataclass
+class Outcome:
+    """Why the node's part of the job ended, with what status, and what is left to do once the
+    node is torn down (`then`: the deferred requeue, returning what happened)."""
+
+    cause: str
+    exit_code: int
+    node: str
+    then: Callable[[], str] | None = None
+
+
+def container_wrap(
+    job: AgentJob,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    binds: Sequence[str],
+    workdir: str,
+    name: str,
+) -> tuple[list[str], dict[str, str]]:
+    """Runtime `none` runs `argv` as is; the others through `hpcrl.containers`."""
+    if job.runtime == "none":
+        return list(argv), dict(env)
+    try:
+        from hpcrl.containers import container_command  # type: ignore[import-not-found]
+        from hpcrl.profiles import profile_from_dict  # type: ignore[import-not-found]
+    except ImportError:
+        raise AgentError(
+            f"container runtime `{job.runtime}` needs `hpcrl.containers`, which this "
+            "installation lacks; install the full hpcrl or set `container.runtime: none`"
+        ) from None
+    profile = profile_from_dict(job.profile)
+    cmd = container_command(
+        profile.container,
+        argv,
+        env,
+        passthrough=job.secrets,
+        binds=binds,
+        workdir=workdir,
+        name=name,
+    )
+    return list(cmd.argv), dict(cmd.env)
+
+
+def node_tag(ctx: JobContext) -> str:
+    """`RANK-HOST`: names this node's log files."""
+    return f"{ctx.node_rank}-{ctx.hostname}"
+
+
+def node_tmp(ctx: JobContext) -> Path:
+    """This run's private temp dir on this node (Ray's `--temp-dir`, bound into containers)."""
+    return Path(f"/tmp/hr-{ctx.job_id}-{ctx.restart}-{ctx.node_rank}")
+
+
+def container_name(ctx: JobContext, role: str) -> str:
+    """The name of the container running `role` (ray, watch, payload, version) on this node."""
+    return f"hr-{ctx.job_id}-{ctx.restart}-{ctx.node_rank}-{role}"
+
+
+def open_log(paths: rdv.RunPaths, ctx: JobContext) -> logging.Logger:
+    """Create the run's per-restart directories and the node's logger (file and stderr)."""
+    paths.create(ctx.hostname)
+    log = logging.getLogger(f"hpcrl.agent.{node_tag(ctx)}")
+    fmt = logging.Formatter(
+        f"%(asctime)s hpcrl-agent[{ctx.hostname} rank {ctx.node_rank}] %(message)s"
+    )
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for handler in (
+        logging.FileHandler(paths.logs / f"agent-{node_tag(ctx)}.log"),
+        logging.StreamHandler(sys.stderr),
+    ):
+        handler.setFormatter(fmt)
+        log.addHandler(handler)
+    return log
+
+
+def close_log(log: logging.Logger) -> None:
+    for handler in list(log.handlers):
+        handler.close()
+        log.removeHandler(handler)
+
+
+@dataclass
+class Heartbeat:
+    """This node's file in the run directory: its state, what the others need to know of it
+    (address, ports, Ray's pid), refreshed every 2 s while it lives."""
+
+    paths: rdv.RunPaths
+    ctx: JobContext
+    info: dict[str, Any] = field(default_factory=dict)
+    last: float = 0.0
+
+    def write(self, state: str, **extra: Any) -> None:
+        rdv.write_node(
+            self.paths,
+            self.ctx.node_rank,
+            {"host": self.ctx.hostname, "state": state, **self.info, **extra},
+        )
+
+    def beat(self, state: str) -> None:
+        """Refresh the file every 2 s: the heartbeat the other nodes watch."""
+        if time.monotonic() - self.last > 2:
+            self.write(state)
+            self.last = time.monotonic()
+
+
+@dataclass
+class Node:
+    """One node of a job whose job file was read: who it is, where it logs, and how it starts
+    its processes (in the job's container, recorded in `children` for the teardown)."""
+
+    run_dir: Path
+    env: dict[str, str]
+    ctx: JobContext
+    paths: rdv.RunPaths
+    job: AgentJob
+    log: logging.Logger
+    wrap: ContainerWrap
+    children: dict[str, Child]
+
+    @property
+    def tmp(self) -> Path:
+        return node_tmp(self.ctx)
+
+    @property
+    def tag(self) -> str:
+        return node_tag(self.ctx)
+
+    @property
+    def python(self) -> str:
+        """The Python that runs Ray, the watcher and the payload (in the container)."""
+        return self.job.python or sys.executable
+
+    def in_container(
+        self, role: str, argv: Sequence[str], env: Mapping[str, str], workdir: str
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command running `argv` in the job's container, and its process environment."""
+        # the container gets what the agent adds and, always, the profile's environment (the batch
+        # script exported it to the agent too, but a container starts from a clean environment)
+        extra = {k: v for k, v in env.items() if k in self.job.env or self.env.get(k) != v}
+        binds = [str(self.run_dir), str(self.tmp)]
+        name = container_name(self.ctx, role)
+        wrapped, add = self.wrap(self.job, argv, extra, binds, workdir, name)
+        return wrapped, {**env, **add}
+
+    def start(
+        self, role: str, label: str, argv: Sequence[str], env: Mapping[str, str], workdir: str,
+        log_name: str, cwd: str, **child_args: Any,
+    ) -> Child:
+        """Start `argv` as `role` in the container; the teardown stops and removes it."""
+        wrapped, proc_env = self.in_container(role, argv, env, workdir)
+        child = Child(label, wrapped, proc_env, self.paths.logs / log_name, cwd=cwd, **child_args)
+        self.children[role] = child
+        return child
+

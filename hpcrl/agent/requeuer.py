@@ -1,0 +1,95 @@
+"""The head's requeue decision: after the payload asked to be requeued (or the warning came
+before it started), decide with :func:`~hpcrl.agent.requeue.decide_requeue` and requeue the job
+from the host, once: after the teardown, or at once when the job's end is too near to wait.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.agent import requeue as rq
+from hpcrl.agent.jobfile import AgentJob
+from hpcrl.agent.node import Outcome
+from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
+from hpcrl.slurm import SlurmError, parse_slurm_time, show_job
+from hpcrl.slurm_env import JobContext
+
+REQUEUE_FIRST_S = 60.0
+"""With less time than this before the job's end, requeue before the teardown, not after: the
+teardown (Ray stopped on every node, containers removed) can take 10-20 s on a loaded node, and
+Slurm enforces the time limit on its own clock (its periodic check), so a requeue that comes
+after the limit is killed with the job, which then ends TIMEOUT and never runs again."""
+
+
+@dataclass
+class Requeuer:
+    """Decides and performs the requeue of this job; `requeue` is the one seam that asks Slurm."""
+
+    ctx: JobContext
+    job: AgentJob
+    run_dir: Path
+    inbox: SignalInbox
+    stop: StopControl
+    deadline: Deadline
+    log: logging.Logger
+
+    def after_request(self, what: str, status: int) -> Outcome:
+        """Decide with `decide_requeue`; the outcome names the decision and, when the job is to
+        be requeued after the teardown, carries that requeue as `then` (Slurm ends every
+        process of the job at once and kills what is left `KillWait` later)."""
+        terminated_by = self.stop.terminated_by
+        preempted = bool(terminated_by) and not self.ctx.local and self._preempted()
+        decision = rq.decide_requeue(
+            self.ctx, self.job.max_requeues, str(self.run_dir), terminated_by, preempted
+        )
+        message, then = decision.message, None
+        if decision.action == rq.REQUEUE:
+            target = rq.requeue_target(self.ctx)
+            left = self.deadline.left()
+            if left is not None and left < REQUEUE_FIRST_S:
+                message = f"{message}; {self.requeue_now(target)}"
+            else:
+                then = functools.partial(self.requeue_now, target)
+        log = self.log.error if decision.action == rq.MAX_REACHED else self.log.info
+        log("%s", message)
+        return Outcome(f"{what}; {message}", status, self.ctx.hostname, then)
+
+    def requeue_now(self, target: str) -> str:
+        """Requeue `target`; returns what happened."""
+        if signal.SIGTERM in self.inbox.noted and not self.stop.terminated_by:
+            return (f"not requeueing job {target}: SIGTERM arrived meanwhile (`scancel`, "
+                    "preemption or `scontrol requeue`); Slurm decides whether it runs again")
+        try:
+            self.requeue(target)
+        except (SlurmError, OSError, subprocess.SubprocessError) as exc:
+            if rq.already_requeued(str(exc)):
+                return f"Slurm is already requeueing job {target}"
+            self.log.error("could not requeue job %s: %s", target, exc)
+            return f"could not requeue job {target}: {exc}"
+        return (
+            f"requeued job {target} with `scontrol requeue` (restart {self.ctx.restart + 1} of "
+            f"at most {self.job.max_requeues})"
+        )
+
+    def requeue(self, target: str) -> None:
+        """The one place that requeues the job (on the host, never in the container)."""
+        rq.scontrol_requeue(target)
+
+    def _preempted(self) -> bool:
+        """Whether Slurm is preempting the job with a grace time (it then ends the job without
+        requeueing it if it stops in time); the job's new end time becomes the deadline."""
+        try:
+            info = show_job(self.ctx.job_id)
+        except (SlurmError, OSError) as exc:
+            self.log.info("cannot ask Slurm about the job: %s", exc)
+            return False
+        if not rq.preempted_in_grace(info):
+            return False
+        self.deadline.end_time = parse_slurm_time(info.get("EndTime", "")) or self.deadline.end_time
+        return True
+

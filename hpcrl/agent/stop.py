@@ -1,0 +1,162 @@
+"""Stop: signals reach the agent, become a stop request to the payload, which checkpoints and
+exits; and the clock that says when the job's time is nearly up.
+
+Signal handlers only note the signal in a :class:`SignalInbox`; the agent's loops act on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcrl.agent import requeue as rq
+from hpcrl.agent.jobfile import AgentJob
+from hpcrl.agent.procs import Child
+from hpcrl.agent.rendezvous import RunPaths
+from hpcrl.runtimes import get as runtime
+from hpcrl.slurm import SlurmError
+from hpcrl.slurm_env import JobContext
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PAYLOAD_ARM_S = 30.0
+"""A payload that does not handle the stop signal after this long gets it anyway."""
+
+
+@dataclass
+class SignalInbox:
+    """The signals that reached the agent and are not yet acted on, oldest first."""
+
+    noted: list[int] = field(default_factory=list)
+    _previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        """Note every forwarded signal from now on (until :meth:`restore`)."""
+        self._previous = {sig: signal.signal(sig, self._note) for sig in FORWARDED_SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum: int, _frame: object) -> None:
+        self.noted.append(signum)
+
+    def take(self) -> list[int]:
+        """The noted signals, which are then no longer pending."""
+        taken = []
+        while self.noted:  # a handler may append meanwhile: pop, never clear
+            taken.append(self.noted.pop(0))
+        return taken
+
+    def stopping(self) -> int | None:
+        """The first pending signal that asks the job to end (SIGTERM, SIGINT), if any."""
+        return next((s for s in STOPPING_SIGNALS if s in self.noted), None)
+
+
+@dataclass
+class Deadline:
+    """When Slurm ends the job (None: no known end). Preemption may move it earlier."""
+
+    end_time: float | None
+
+    @classmethod
+    def learn(cls, ctx: JobContext, env: Mapping[str, str], job: AgentJob,
+              log: logging.Logger) -> Deadline:
+        """`SLURM_JOB_END_TIME` (or, locally, the end-time variable), else `scontrol show job`."""
+        end = ctx.end_time or (rq.end_time_from_env(env) if ctx.local else None)
+        if end is None and not ctx.local:
+            try:
+                end = rq.scontrol_end_time(ctx.job_id)
+            except (SlurmError, OSError) as exc:
+                log.info("cannot read the job's end time from Slurm: %s", exc)
+        if end is not None:
+            log.info("%s; the payload is asked to stop %.0f s before",
+                     rq.describe_end(end, time.time()), job.signal_lead_s)
+        return cls(end)
+
+    def left(self) -> float | None:
+        """Seconds before the end, None without a known end."""
+        return None if self.end_time is None else self.end_time - time.time()
+
+
+@dataclass
+class StopControl:
+    """The head's stop request to the payload: why it was asked (`reason`), whether Slurm
+    ended the job (`terminated_by`), and the stop signal waiting for the payload to handle it."""
+
+    job: AgentJob
+    paths: RunPaths
+    inbox: SignalInbox
+    deadline: Deadline
+    log: logging.Logger
+    reason: str | None = None
+    """Why the payload was asked to stop (warning, clock, SIGTERM); None while it was not."""
+    terminated_by: str | None = None
+    """`SIGTERM` once Slurm (or anyone) asked the job to end; the agent then never requeues."""
+    _pending: int | None = None
+
+    def warning(self, payload_started: bool) -> str | None:
+        """Why the time limit is near: the batch script noted Slurm's warning, or the agent's
+        own clock says the warning is due (Slurm may signal late, or, through submitit, only to
+        a shell that cannot act on it)."""
+        if self.paths.warning.exists():
+            return "Slurm's time-limit warning reached the batch script"
+        warning = int(getattr(signal, f"SIG{self.job.warning_signal}"))
+        if not payload_started and warning in self.inbox.noted:
+            return f"the warning signal SIG{self.job.warning_signal} reached the agent"
+        now, end = time.time(), self.deadline.end_time
+        if end is not None and rq.warning_due(end, self.job.signal_lead_s, now):
+            return (
+                f"{rq.describe_end(end, now)} (the warning is due "
+                f"{self.job.signal_lead_s:.0f} s before)"
+            )
+        return None
+
+    def ask(self, reason: str) -> None:
+        """Ask the payload, once, to checkpoint and stop."""
+        if self.reason is not None:
+            return
+        self.reason = reason
+        self._pending = int(getattr(signal, f"SIG{self.job.stop_signal}"))
+        self.log.info(
+            "%s; asking the payload to checkpoint and stop (SIG%s)", reason, self.job.stop_signal
+        )
+
+    def take_signals(self, payload: Child) -> None:
+        """Act on the noted signals: SIGTERM goes to the payload as is (and means Slurm ends
+        the job); the warning signal becomes a stop request; others pass through."""
+        for sig in self.inbox.take():
+            name = signal.Signals(sig).name
+            if sig == signal.SIGTERM:
+                self.terminated_by = self.terminated_by or name
+                self.reason = self.reason or name
+            elif name == f"SIG{self.job.warning_signal}":
+                self.ask(f"the warning signal {name} reached the agent")
+                continue
+            self.log.info("forwarding %s to the payload", name)
+            payload.send(sig)
+
+    def deliver(self, payload: Child, started: float) -> None:
+        """Send the pending stop signal once the payload handles it (a signal that arrives
+        before its handler is installed would kill it), or after `PAYLOAD_ARM_S` anyway."""
+        if self._pending is None:
+            return
+        waited = time.monotonic() - started
+        if waited < PAYLOAD_ARM_S and not self._handles(payload, self._pending):
+            return
+        payload.send(self._pending)
+        self._pending = None
+
+    def _handles(self, payload: Child, sig: int) -> bool:
+        if runtime(self.job.runtime).relays_signals:  # the client passes it into the container
+            return True
+        try:
+            status = Path(f"/proc/{payload.pid}/status").read_text()
+        except OSError:
+            return True
+        return sig in rq.caught_signals(status)

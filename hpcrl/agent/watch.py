@@ -1,0 +1,190 @@
+"""Watch: whether the job can go on. Ray on this node, the stop file any node may write, the
+GCS's view of which nodes are alive (head), the other agents' heartbeats, and the head's wait
+until every node joined.
+
+Each check returns an :class:`~hpcrl.agent.node.Outcome` when the job must end, None otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.agent import rendezvous as rdv
+from hpcrl.agent.node import TICK_S, AgentError, Heartbeat, Node, Outcome
+from hpcrl.agent.procs import Child
+from hpcrl.agent.stop import SignalInbox
+
+
+def ray_exited(node: Node, ray: Child) -> Outcome | None:
+    """Ray on this node ended: the node is gone from the cluster."""
+    code = ray.poll()
+    if code is None:
+        return None
+    return Outcome(
+        f"Ray on `{node.ctx.hostname}` exited with code {code}; see `{ray.log_path}`",
+        1,
+        node.ctx.hostname,
+    )
+
+
+def stop_requested(paths: rdv.RunPaths) -> Outcome | None:
+    """Another node (or `hpcrl cancel`) wrote the stop file."""
+    stop = rdv.read_stop(paths)
+    if not stop:
+        return None
+    return Outcome(
+        f"node `{stop.get('by')}` ended the job: {stop.get('reason')}", 1, str(stop.get("by"))
+    )
+
+
+def early_stop_reason(paths: rdv.RunPaths, inbox: SignalInbox) -> str | None:
+    """Why a worker waiting for the head's publication stops waiting."""
+    stop = rdv.read_stop(paths)
+    if stop:
+        return f"{stop.get('by')} asked to stop: {stop.get('reason')}"
+    sig = inbox.stopping()
+    return None if sig is None else f"this agent got {signal.Signals(sig).name}"
+
+
+def signalled_before_payload(node: Node, inbox: SignalInbox) -> Outcome | None:
+    """SIGTERM or SIGINT reached the head before the payload started: the job ends."""
+    sig = inbox.stopping()
+    if sig is None:
+        return None
+    name = signal.Signals(sig).name
+    return Outcome(f"{name} before the payload started", 128 + sig, node.ctx.hostname)
+
+
+@dataclass
+class GcsWatch:
+    """The head's view of the cluster: the newest set of nodes the GCS lists alive
+    (`ADDRESS:NODE_MANAGER_PORT` keys, from the watcher's lines) against the nodes' files."""
+
+    node: Node
+    lines: queue.Queue[str]
+    alive: set[str] = field(default_factory=set)
+
+    def refresh(self) -> None:
+        """Take the watcher's new lines; keep the newest set of alive nodes."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if "alive" in data:
+                self.alive = set(data["alive"])
+
+    def joined(self) -> tuple[set[int], dict[int, dict[str, Any]]]:
+        """The ranks whose Ray node is alive, and every node file."""
+        arrived = rdv.read_nodes(self.node.paths)
+        joined = {r for r, d in arrived.items() if _key(d) in self.alive}
+        return joined, arrived
+
+    def lost_nodes(self) -> Outcome | None:
+        """A node's Ray left the GCS, or its agent stopped its heartbeat."""
+        arrived = rdv.read_nodes(self.node.paths)
+        for rank, d in sorted(arrived.items()):
+            if _key(d) not in self.alive:
+                return Outcome(
+                    f"Ray on node `{d.get('host')}` (rank {rank}) is no longer alive in the GCS",
+                    1,
+                    str(d.get("host")),
+                )
+        for rank in rdv.stale_nodes(arrived, self.node.job.heartbeat_timeout_s):
+            if rank != self.node.ctx.node_rank:
+                host = arrived[rank].get("host")
+                return Outcome(
+                    f"agent on `{host}` (rank {rank}) stopped its heartbeat", 1, str(host)
+                )
+        return None
+
+    def wait_for_cluster(
+        self,
+        heartbeat: Heartbeat,
+        warned: Callable[[], Outcome | None],
+        failure: Callable[[], Outcome | None],
+    ) -> Outcome | None:
+        """Wait until every node's Ray is alive in the GCS (None), or `warned` (the time limit
+        is near, checked first) or `failure` says the job ends. Writes `head-alive` once the
+        head is listed, so the workers start Ray."""
+        node, n = self.node, self.node.ctx.num_nodes
+        deadline = time.monotonic() + node.job.join_timeout_s
+        shown, last_note = -1, time.monotonic()
+        while True:
+            early = warned()
+            if early:
+                return early
+            self.refresh()
+            joined, arrived = self.joined()
+            if 0 in joined and not node.paths.head_alive.exists():
+                rdv.atomic_write_text(node.paths.head_alive, f"{time.time()}\n", 0o600)
+                node.log.info("head node alive in the GCS; workers start Ray now")
+            if len(joined) != shown:
+                shown = len(joined)
+                node.log.info("%d/%d nodes joined", shown, n)
+            if len(joined) == n:
+                return None
+            failed = failure()
+            if failed:
+                return failed
+            heartbeat.beat("starting")
+            now = time.monotonic()
+            missing = rdv.missing_nodes(node.ctx.nodes, arrived, joined)
+            if now - last_note > 10:
+                node.log.info("%d/%d nodes joined; waiting for %s", shown, n, ", ".join(missing))
+                last_note = now
+            if now > deadline:
+                raise AgentError(
+                    f"only {len(joined)}/{n} nodes joined the Ray cluster within "
+                    f"{node.job.join_timeout_s:.0f} s; missing: {'; '.join(missing)}. See their "
+                    f"agent logs in `{node.paths.logs}`"
+                )
+            time.sleep(TICK_S)
+
+
+def _key(node_file: dict[str, Any]) -> str:
+    """How the GCS names a node: its address and node-manager port."""
+    return f"{node_file.get('address')}:{node_file.get('node_manager_port')}"
+
+
+def watch_worker(node: Node, ray: Child, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome:
+    """A worker keeps Ray up until the head ends the job (stop file), its own Ray or the head's
+    heartbeat stops, or, after SIGTERM, the head does not end the job within ten grace times."""
+    term_at: float | None = None
+    while True:
+        stop = rdv.read_stop(node.paths)
+        if stop:
+            by = stop.get("by")
+            mine = stop.get("rank") == node.ctx.node_rank
+            return Outcome(
+                f"stop requested by `{by}`: {stop.get('reason')}", 1 if mine else 0, str(by)
+            )
+        failed = ray_exited(node, ray)
+        if failed:
+            return failed
+        head = rdv.read_nodes(node.paths).get(0)
+        if head and rdv.stale_nodes({0: head}, node.job.heartbeat_timeout_s):
+            return Outcome(
+                f"the head `{node.ctx.nodes[0]}` stopped its heartbeat", 1, node.ctx.nodes[0]
+            )
+        sigs = [signal.Signals(s).name for s in inbox.take()]
+        if sigs:
+            node.log.info("got %s; Ray stays up until the head ends the job", ", ".join(sigs))
+            if ("SIGTERM" in sigs or "SIGINT" in sigs) and term_at is None:
+                term_at = time.monotonic()
+        if term_at is not None and time.monotonic() - term_at > 10 * node.job.grace_s:
+            return Outcome(
+                "SIGTERM and the head did not end the job", 128 + signal.SIGTERM, node.ctx.hostname
+            )
+        heartbeat.beat("running")
+        time.sleep(TICK_S)
