@@ -223,7 +223,8 @@ def run_trl(s: Setup) -> SideResult:
 
 def run_side(side: str, setup: Setup) -> SideResult:
     """Run one side in a fresh process and read back its result line."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(setup.threads), "MKL_NUM_THREADS": str(setup.threads)}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ppo_vs_trl", "--side", side, "--setup", json.dumps(asdict(setup))],

@@ -131,7 +131,7 @@ def _collective_device() -> torch.device:
 
 def global_normalizers(response_mask: torch.Tensor) -> tuple[float, float]:
     """`(tokens, sequences)` of this rank's part of a mini-batch, summed over all ranks."""
-    from trainer.core_algos import loss_normalizers
+    from trainer.algos.core_algos import loss_normalizers
 
     tokens, seqs = all_reduce_sum(loss_normalizers(response_mask))
     return tokens, seqs

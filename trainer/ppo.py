@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import core_algos
 from trainer import models as M
+from trainer.algos import core_algos
 from trainer.config import Config, ConfigError, config_to_dict
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline

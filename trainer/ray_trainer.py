@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import core_algos
 from trainer import models as M
+from trainer.algos import core_algos
 from trainer.config import Config, ConfigError
 from trainer.data import Example
 from trainer.deadline import Deadline

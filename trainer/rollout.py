@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from trainer.core_algos import entropy_from_logits
+from trainer.algos.core_algos import entropy_from_logits
 from trainer.models import log_probs_from_logits
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import core_algos
 from trainer import models as M
 from trainer import parallel as P
+from trainer.algos import core_algos
 from trainer.config import Config
 from trainer.ppo import StepBatch, need, seed_everything
 from trainer.rollout import RolloutBatch, SamplingParams
