@@ -9,7 +9,7 @@ samples), response length, sampling (temperature 1, no top-k/top-p), learning ra
 optimiser (AdamW), on the CPU in float32, without a reference model (no KL) and with one
 optimiser step per batch:
 
-- ours: `trainer.ppo.PPOTrainer.train_step` (rollout through HF `generate`, reward, old
+- ours: `trainer.driver.PPODriver.train_step` (rollout through HF `generate`, reward, old
   log-probs, GRPO advantages, actor update);
 - TRL: `GRPOTrainer.train()` with `per_device_train_batch_size = prompts * n`,
   `num_generations = n`, `steps_per_generation = gradient_accumulation_steps = 1`, `beta = 0`.
@@ -136,7 +136,7 @@ def peak_rss_mib() -> float:
 
 def run_ours(s: Setup) -> SideResult:
     from trainer.config import load_config
-    from trainer.ppo import PPOTrainer
+    from trainer.driver import PPODriver
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config([
@@ -150,7 +150,7 @@ def run_ours(s: Setup) -> SideResult:
             f"trainer.default_local_dir={run_dir}", "trainer.logger=jsonl", f"trainer.seed={s.seed}",
             f"trainer.total_training_steps={s.warmup + s.steps}",
         ])
-        trainer = PPOTrainer(cfg)
+        trainer = PPODriver(cfg)
         ends: list[tuple[float, float]] = []
         totals: list[float] = []
         skipped: list[float] = []

@@ -48,7 +48,7 @@ def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, tmp_path, monkeypatch) -> None:
     from trainer.config import load_config
-    from trainer.ppo import run_training
+    from trainer.driver import run_training
 
     no_ray_address(monkeypatch)
     run = tmp_path / "run"

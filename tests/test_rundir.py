@@ -281,7 +281,7 @@ def test_trainer_takes_sigint_as_stop_under_hpcrl_and_aborts_on_the_second(
 
 
 def test_trainer_restart_marker(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.ppo import launcher_restart
+    from trainer.driver import launcher_restart
 
     monkeypatch.delenv("HPCRL_RESTART", raising=False)
     assert launcher_restart() == 0
