@@ -235,7 +235,7 @@ class TrainerConfig:
         "`nnodes` x `n_gpus_per_node` > 1. Ray is joined at `RAY_ADDRESS` (never `auto`), "
         "or a private local cluster is started when it is unset"
     )
-    device: Literal["auto", "cpu", "cuda"] = _h("torch device of the single-process trainer")
+    device: Literal["auto", "cpu", "cuda"] = _h("torch device of a run on one rank (several ranks: one GPU per rank, or CPUs)")
     save_freq: int = _h("checkpoint every N steps; -1 = only on stop and at the end")
     resume_mode: Literal["auto", "disable", "resume_path"] = _h(
         "auto: newest complete checkpoint; disable: start fresh; resume_path: `resume_from_path`"
