@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow

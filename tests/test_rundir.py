@@ -120,7 +120,7 @@ def test_trainer_defaults_agree_with_trainer_config(tmp_path: Path) -> None:
 
 
 def test_completeness_agrees_with_the_trainer(tmp_path: Path) -> None:
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import full_state as ckpt
 
     def save(step: int) -> Path:
         return ckpt.save_checkpoint(tmp_path, step, {"trainer_state": {"global_step": step}},

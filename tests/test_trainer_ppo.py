@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer.batch import micro_batch_rows
+from trainer.checkpoint import full_state as ckpt
 from trainer.config import load_config
 from trainer.driver import PPODriver, run_training
 from trainer.exit_codes import REQUEUE_EXIT_CODE

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer import models as M
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
+from trainer.checkpoint import full_state as ckpt
 from trainer.config import Config, ConfigError, config_to_dict
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline

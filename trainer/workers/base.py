@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import StepBatch, seed_everything
+from trainer.checkpoint import full_state as ckpt
 from trainer.config import Config, ConfigError
 
 __all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device"]
