@@ -1,7 +1,7 @@
 """Benchmark: tokens per second of a whole GRPO step, this trainer against TRL's `GRPOTrainer`.
 
     python -m bench.ppo_vs_trl [--prompts 8] [--n 4] [--response-length 32] [--steps 6]
-                               [--warmup 1] [--rounds 3]
+                               [--warmup 1] [--rounds 3] [--ranks 1]
 
 Both sides train the same tiny random Llama model (`trainer.tiny`) on the same toy prompts
 (`trainer.rewards.toy`, verl parquet) with the same reward, batch (`--prompts` prompts x `--n`
@@ -9,8 +9,10 @@ samples), response length, sampling (temperature 1, no top-k/top-p), learning ra
 optimiser (AdamW), on the CPU in float32, without a reference model (no KL) and with one
 optimiser step per batch:
 
-- ours: `trainer.ppo.PPOTrainer.train_step` (rollout through HF `generate`, reward, old
+- ours: `trainer.driver.PPODriver.train_step` (rollout through HF `generate`, reward, old
   log-probs, GRPO advantages, actor update);
+  with `--ranks 2` the same loop on two Ray ranks of a private local cluster (its tokens per
+  CPU-second and peak memory count the driver process only);
 - TRL: `GRPOTrainer.train()` with `per_device_train_batch_size = prompts * n`,
   `num_generations = n`, `steps_per_generation = gradient_accumulation_steps = 1`, `beta = 0`.
 
@@ -66,6 +68,8 @@ class Setup:
     """Seed of both runs."""
     threads: int
     """torch intra-op threads of both sides."""
+    ranks: int = 1
+    """Ranks of our side (above 1: Ray worker groups)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ def peak_rss_mib() -> float:
 
 def run_ours(s: Setup) -> SideResult:
     from trainer.config import load_config
-    from trainer.ppo import PPOTrainer
+    from trainer.driver import PPODriver
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config([
@@ -148,9 +152,9 @@ def run_ours(s: Setup) -> SideResult:
             f"actor_rollout_ref.actor.optim.lr={s.lr}", "actor_rollout_ref.actor.optim.weight_decay=0",
             "algorithm.adv_estimator=grpo", "trainer.val_before_train=false", "trainer.device=cpu",
             f"trainer.default_local_dir={run_dir}", "trainer.logger=jsonl", f"trainer.seed={s.seed}",
-            f"trainer.total_training_steps={s.warmup + s.steps}",
+            f"trainer.total_training_steps={s.warmup + s.steps}", f"trainer.n_gpus_per_node={s.ranks}",
         ])
-        trainer = PPOTrainer(cfg)
+        trainer = PPODriver(cfg)
         ends: list[tuple[float, float]] = []
         totals: list[float] = []
         skipped: list[float] = []
@@ -223,7 +227,8 @@ def run_trl(s: Setup) -> SideResult:
 
 def run_side(side: str, setup: Setup) -> SideResult:
     """Run one side in a fresh process and read back its result line."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(setup.threads), "MKL_NUM_THREADS": str(setup.threads)}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ppo_vs_trl", "--side", side, "--setup", json.dumps(asdict(setup))],
@@ -246,7 +251,7 @@ def make_inputs(root: Path, seed: int) -> tuple[Path, Path]:
 
 def report(setup: Setup, results: dict[str, list[SideResult]]) -> None:
     print(f"tiny model, {setup.prompts} prompts x n={setup.n}, response <= {setup.response_length} tokens, "
-          f"{setup.threads} thread(s), {setup.steps} measured steps after {setup.warmup} warm-up, "
+          f"{setup.threads} thread(s), ours on {setup.ranks} rank(s), {setup.steps} measured steps after {setup.warmup} warm-up, "
           f"{len(results['ours'])} round(s)")
     print(f"{'side':6} {'tokens/s':>9} {'tokens/CPU-s':>12} {'s/step':>7} {'tokens/step':>11} {'peak RSS MiB':>12}"
           "  (medians over steps)")
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of each side (1: other processes' load does not stall "
                         "a thread barrier, and CPU time measures the work)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="ranks of our side (above 1: Ray worker groups on a private local cluster)")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--setup", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, train = make_inputs(Path(tmp), args.seed)
         setup = Setup(str(model), str(train), args.prompts, args.n, args.response_length, args.steps,
-                      args.warmup, args.lr, args.seed, args.threads)
+                      args.warmup, args.lr, args.seed, args.threads, args.ranks)
         results: dict[str, list[SideResult]] = {"ours": [], "trl": []}
         for _ in range(args.rounds):
             for side in ("ours", "trl"):

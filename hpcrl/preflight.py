@@ -193,7 +193,7 @@ def model_bytes(path: Path) -> int:
 
 def checkpoint_bytes(model: Path, with_critic: bool) -> int:
     """About one checkpoint: fp32 actor, AdamW's two moments and an HF export (x4 of the fp32
-    weights), a critic's weights and moments (x3) when GAE trains one, plus 10%."""
+    weights), a critic's weights and moments (x3) when the estimator trains one, plus 10%."""
     weights = model_bytes(model)
     if model.suffix == ".gguf":
         weights *= 2  # stored at 16 bits or less, trained in fp32
@@ -249,8 +249,21 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
     if model is not None and not problems:
         estimator, _ = setting("algorithm.adv_estimator", overrides, defaults)
         _, ckpt_root = trainer_dirs(run_dir, overrides)
-        problems += check_space(ckpt_root, model, str(estimator) == "gae", free)
+        problems += check_space(ckpt_root, model, trains_critic(str(estimator)), free)
     return problems
+
+
+def trains_critic(estimator: str) -> bool:
+    """Whether the advantage estimator `estimator` needs a critic, as its registration declares
+    (`trainer.algos.registry`). The registrations import torch; where it is missing (a login
+    node's base install) or the name is unknown (the trainer refuses it at start), the answer is
+    yes: the space check then asks for the larger checkpoint."""
+    try:
+        from trainer.algos import registry
+
+        return registry.adv_estimator(estimator).needs_critic
+    except (ModuleNotFoundError, ValueError):
+        return True
 
 
 def report(problems: Sequence[str], fatal: bool) -> None:

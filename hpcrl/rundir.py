@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint_layout import is_complete, step_of
+from trainer.checkpoint.layout import is_complete, step_of
 from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
 
 METRICS_FILE = "metrics.jsonl"

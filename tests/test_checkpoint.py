@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ck
+from trainer.checkpoint import full_state as ck
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def test_resolve_resume_modes(tmp_path: Path) -> None:
 CHILD = textwrap.dedent(
     """
     import sys, time, torch
-    from trainer.checkpoint import save_checkpoint
+    from trainer.checkpoint.full_state import save_checkpoint
 
     class Stall:
         # Pickling this object signals the parent, then blocks: the write is cut here.

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from trainer import core_algos as ca
+from trainer.algos import core_algos as ca
 
 T = torch.tensor
 
@@ -313,3 +313,56 @@ def test_build_lr_scheduler_drives_optimizer() -> None:
         opt.step()
         sched.step()
     assert seen == [0.0, 1.0, 2.0]
+
+
+# --------------------------------------------------------------------------- registries
+
+
+def test_registries_declare_what_each_estimator_needs() -> None:
+    from trainer.algos import registry
+
+    assert registry.adv_estimator_names() == ["gae", "grpo", "rloo", "reinforce_plus_plus"]
+    needs = {name: (registry.adv_estimator(name).needs_critic, registry.adv_estimator(name).min_group_size)
+             for name in registry.adv_estimator_names()}
+    assert needs == {"gae": (True, 1), "grpo": (False, 2), "rloo": (False, 2), "reinforce_plus_plus": (False, 1)}
+    assert registry.adv_estimator("grpo").fn is ca.compute_grpo_outcome_advantage
+    assert registry.policy_loss("vanilla") is ca.compute_policy_loss
+    with pytest.raises(ValueError, match="Valid values: vanilla"):
+        registry.policy_loss("gspo")
+    with pytest.raises(ValueError, match="registered once"):
+        registry.register_adv_est("grpo")(ca.compute_rloo_outcome_advantage)
+
+
+def test_a_registered_estimator_is_accepted_by_the_config_and_dispatched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding an estimator is one decorated function: the configuration and `compute_advantage`
+    read the registration (its needs included), no list of names."""
+    from trainer.algos import registry
+    from trainer.config import ConfigError, load_config
+
+    monkeypatch.setattr(registry, "_ADV_ESTIMATORS", dict(registry._ADV_ESTIMATORS))
+
+    @registry.register_adv_est("constant_critic", needs_critic=True, min_group_size=3)
+    def constant(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **_: object):
+        return response_mask * 2.0, response_mask
+
+    cfg = load_config(["algorithm.adv_estimator=constant_critic", "actor_rollout_ref.rollout.n=3"])
+    assert cfg.derived.use_critic
+    with pytest.raises(ConfigError, match="needs `actor_rollout_ref.rollout.n` >= 3"):
+        load_config(["algorithm.adv_estimator=constant_critic", "actor_rollout_ref.rollout.n=2"])
+    with pytest.raises(ValueError, match="critic `values`"):
+        ca.compute_advantage("constant_critic", torch.zeros(1, 2), torch.ones(1, 2))
+    adv, _ = ca.compute_advantage("constant_critic", torch.zeros(1, 2), torch.ones(1, 2), values=torch.zeros(1, 2),
+                                  index=[0])
+    assert adv.tolist() == [[2.0, 2.0]]
+    with pytest.raises(ConfigError, match="Valid values: gae, grpo, rloo, reinforce_plus_plus, constant_critic"):
+        load_config(["algorithm.adv_estimator=ppo"])
+    with pytest.raises(ConfigError, match="loss_mode=gspo` is not a registered policy loss"):
+        load_config(["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+
+
+def test_preflight_reads_the_critic_need_from_the_registry() -> None:
+    from hpcrl.preflight import trains_critic
+
+    assert trains_critic("gae") and not trains_critic("grpo") and not trains_critic("rloo")
+    assert trains_critic("no_such_estimator")  # unknown: the larger checkpoint is assumed

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, tmp_path, monkeypatch) -> None:
     from trainer.config import load_config
-    from trainer.ppo import run_training
+    from trainer.driver import run_training
 
     no_ray_address(monkeypatch)
     run = tmp_path / "run"

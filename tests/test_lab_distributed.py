@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import run_hpcrl
 from tests.test_lab_agent import finished, run_logs
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]

@@ -268,7 +268,7 @@ def kill_during_save(lab, job: int, run_dir: Path, point: str, timeout: float = 
     there is one), at `point`: `started` (temporary directory made), `states` (a state file
     written), `export` (HF export under way). Returns the temporary directory's name and the
     newest complete step at the kill."""
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import full_state as ckpt
 
     root = run_dir / "checkpoints"
     deadline = time.monotonic() + timeout
@@ -291,7 +291,7 @@ def kill_during_save(lab, job: int, run_dir: Path, point: str, timeout: float = 
 def test_kill_9_while_writing_a_checkpoint(lab, sites, assets, tmp_path):
     """At several points of a checkpoint write the payload dies (the job fails, exit 137); the
     job requeued by hand resumes from the previous complete checkpoint, never the partial one."""
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import full_state as ckpt
 
     write_site(sites, "rq-kill", tmp_path / "runs", slow_s=0.3, slow_runs="0,1,2")
     run_dir = tmp_path / "runs" / "kill"
@@ -324,7 +324,7 @@ def test_max_requeues_reached_stops_with_a_message(lab, lab_images, sites, asset
     """In Podman, `max_requeues: 0`: a stop request (the run directory's STOP file) ends in a
     checkpoint and status 3, and the agent does not requeue: the job fails with a message saying
     so, and the checkpoint is complete and matches the last step."""
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import full_state as ckpt
 
     write_site(sites, "rq-max", tmp_path / "runs", max_requeues=0, slow_s=0.3,
                extra="container:\n  binds: ['${sys:prefix}', '${sys:base_prefix}', "

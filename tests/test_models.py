@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer import models
-from trainer.core_algos import entropy_from_logits
+from trainer.algos.core_algos import entropy_from_logits
 
 PROMPTS = [[5, 26, 14, 3, 6], [5, 27, 3, 6], [5, 26, 30, 31, 17, 9, 3, 6]]
 RESPONSES = [[17, 9, 3], [40, 41, 42, 43], [3]]  # 3 is EOS

@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from trainer import parallel as P
+from trainer.batch import MiniBatchShare, StepBatch
 from trainer.config import load_config
-from trainer.ppo import StepBatch
 
 
 def test_split_rows_and_balanced_partition() -> None:
@@ -81,12 +81,15 @@ def _overrides(model: str, world: int, variant: str) -> list[str]:
 
 
 def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
-    from trainer.workers import ActorRolloutRefWorker, CriticWorker
+    from trainer.algos.core_algos import loss_normalizers
+    from trainer.workers.actor import ActorRolloutRefWorker
+    from trainer.workers.critic import CriticWorker
 
     torch.set_num_threads(1)
     results = {}
     minis = [_batch(4, 1), _batch(4, 2)]  # two mini-batches of 4 samples: two optimizer steps
-    mine = [m.select(P.split_rows(len(m), world)[rank]) for m in minis]
+    mine = [MiniBatchShare(m.select(P.split_rows(len(m), world)[rank]), *loss_normalizers(m.response_mask))
+            for m in minis]
     for variant in VARIANTS:
         cfg = load_config(_overrides(model, world, variant))
         actor = ActorRolloutRefWorker(cfg, rank, world, total_steps=3)
@@ -155,7 +158,7 @@ def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: 
 
 def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:
     from trainer.config import ConfigError
-    from trainer.ray_trainer import use_ray
+    from trainer.driver import use_ray
 
     assert not use_ray(load_config([]))
     assert use_ray(load_config(["trainer.nnodes=2"]))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trainer import models, tiny
-from trainer.rollout import HFRolloutEngine, RolloutEngine, SamplingParams, response_mask_from_eos
+from trainer.rollout.base import RolloutEngine, SamplingParams, response_mask_from_eos
+from trainer.rollout.hf import HFRolloutEngine
 
 PROMPTS = [[5, 26, 14, 3, 6], [5, 27, 3, 6], [5, 26, 30, 31, 17, 9, 21, 3, 6]]
 PAD, EOS = 0, 3

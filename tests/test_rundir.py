@@ -120,7 +120,7 @@ def test_trainer_defaults_agree_with_trainer_config(tmp_path: Path) -> None:
 
 
 def test_completeness_agrees_with_the_trainer(tmp_path: Path) -> None:
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import full_state as ckpt
 
     def save(step: int) -> Path:
         return ckpt.save_checkpoint(tmp_path, step, {"trainer_state": {"global_step": step}},
@@ -281,7 +281,7 @@ def test_trainer_takes_sigint_as_stop_under_hpcrl_and_aborts_on_the_second(
 
 
 def test_trainer_restart_marker(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.ppo import launcher_restart
+    from trainer.driver import launcher_restart
 
     monkeypatch.delenv("HPCRL_RESTART", raising=False)
     assert launcher_restart() == 0

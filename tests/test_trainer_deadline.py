@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.agent.requeue import caught_signals
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import full_state as ckpt
 from trainer.config import load_config
 from trainer.deadline import Deadline, DeadlineError, parse_end_time
 from trainer.exit_codes import REQUEUE_EXIT_CODE

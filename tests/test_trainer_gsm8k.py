@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import full_state as ckpt
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import read_jsonl
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer.batch import micro_batch_rows
+from trainer.checkpoint import full_state as ckpt
 from trainer.config import load_config
+from trainer.driver import PPODriver, run_training
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 from trainer.metrics import read_jsonl
 from trainer.models import load_actor
-from trainer.ppo import PPOTrainer, micro_batch_rows, run_training
 from trainer.rewards.toy import write_toy_digits
 from trainer.stop import StopRequest
 
@@ -40,6 +41,11 @@ def toy_overrides(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
         "critic.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
         f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "trainer.seed=7", *extra,
     ]
+
+
+def weights(driver: PPODriver, group: str = "actor") -> dict[str, torch.Tensor]:
+    """The full weights of rank 0 of the driver's actor (or critic) group."""
+    return (driver.actor_group if group == "actor" else driver.critic_group).run_rank(0, "state_for_test")
 
 
 def scores(run: Path) -> list[float]:
@@ -126,11 +132,11 @@ def _small(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
 def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     # Uninterrupted: steps 1..3 in one process.
-    whole = PPOTrainer(load_config(_small(tiny_model_dir, toy_data, straight)))
+    whole = PPODriver(load_config(_small(tiny_model_dir, toy_data, straight)))
     assert whole.fit() == 0
     # Interrupted: a STOP file ends the run after step 2 (the CLI exits with the requeue
     # status), then a new process resumes and runs step 3.
-    first = PPOTrainer(load_config(_small(tiny_model_dir, toy_data, broken)))
+    first = PPODriver(load_config(_small(tiny_model_dir, toy_data, broken)))
     first.stop.install = lambda *a: None  # type: ignore[method-assign]
     original = first.train_step
 
@@ -144,12 +150,12 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
     assert first.fit() == REQUEUE_EXIT_CODE
     assert ckpt.find_latest_checkpoint(broken) == broken / "global_step_2"
     assert not (broken / "STOP").exists()
-    resumed = PPOTrainer(load_config(_small(tiny_model_dir, toy_data, broken)))
+    resumed = PPODriver(load_config(_small(tiny_model_dir, toy_data, broken)))
     assert resumed.fit() == 0
-    for name, tensor in whole.actor.state_dict().items():
-        assert torch.equal(tensor, resumed.actor.state_dict()[name]), name
-    for name, tensor in whole.critic.state_dict().items():
-        assert torch.equal(tensor, resumed.critic.state_dict()[name]), name
+    for name, tensor in weights(whole).items():
+        assert torch.equal(tensor, weights(resumed)[name]), name
+    for name, tensor in weights(whole, "critic").items():
+        assert torch.equal(tensor, weights(resumed, "critic")[name]), name
     assert resumed.kl_ctrl.value == whole.kl_ctrl.value
     steps = [r["step"] for r in read_jsonl(broken / "metrics.jsonl")]
     assert steps == [1, 2, 3]
@@ -161,7 +167,7 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
 def test_micro_batch_split_does_not_change_the_update(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     """One step with micro-batches of 1, by tokens, or none gives the same weights."""
-    weights = []
+    updated = []
     for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
                                ["actor_rollout_ref.actor.use_dynamic_bsz=true",
                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"],
@@ -169,12 +175,12 @@ def test_micro_batch_split_does_not_change_the_update(
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
                 if "ppo_micro_batch_size_per_gpu=2" not in o]
         over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
-        t = PPOTrainer(load_config(over))
+        t = PPODriver(load_config(over))
         assert t.fit() == 0
-        weights.append(t.actor.state_dict())
-    for name, tensor in weights[0].items():
-        torch.testing.assert_close(tensor, weights[1][name], rtol=0, atol=1e-6)
-        torch.testing.assert_close(tensor, weights[2][name], rtol=0, atol=1e-6)
+        updated.append(weights(t))
+    for name, tensor in updated[0].items():
+        torch.testing.assert_close(tensor, updated[1][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(tensor, updated[2][name], rtol=0, atol=1e-6)
 
 
 def test_cli_stop_file_gives_requeue_status_and_resume_continues(
@@ -205,7 +211,7 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
     for name in ("reuse", "recompute"):
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
                 if not o.startswith(("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.ppo_mini_batch_size"))]
-        t = PPOTrainer(load_config([*over, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        t = PPODriver(load_config([*over, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                                     "trainer.total_training_steps=2", "trainer.test_freq=-1"]))
         if name == "recompute":
@@ -219,10 +225,10 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
         assert a["actor/entropy"] == pytest.approx(b["actor/entropy"], abs=1e-5)
         assert a["critic/score/mean"] == b["critic/score/mean"]
         assert a["actor/ppo_kl"] == 0.0 and abs(b["actor/ppo_kl"]) < 1e-5
-    for name, tensor in reuse.actor.state_dict().items():
+    for name, tensor in weights(reuse).items():
         # float noise between the two paths' forward passes moves Adam's first steps by ~1e-7;
         # a wrong old log-prob would move them by about the learning rate (1e-3 here)
-        torch.testing.assert_close(tensor, recompute.actor.state_dict()[name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(tensor, weights(recompute)[name], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("score", ["float(len(solution_str.split()) % 2)", "0.5"], ids=["some", "all"])
@@ -238,7 +244,7 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
     for name in ("skip", "every_row"):
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
                 if not o.startswith(("algorithm.", "actor_rollout_ref.actor.use_kl_loss"))]
-        t = PPOTrainer(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
+        t = PPODriver(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
                                     "trainer.test_freq=-1"]))
         if name == "every_row":
             t._rows_to_update = lambda mini, keep_entropy: list(range(len(mini)))  # type: ignore[method-assign]
@@ -251,6 +257,6 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
     else:
         assert any(0.0 < f < 1.0 for f in skipped), skipped
     start = load_actor(tiny_model_dir).state_dict()
-    for name, tensor in skip.actor.state_dict().items():
-        torch.testing.assert_close(tensor, every_row.actor.state_dict()[name], rtol=0, atol=1e-6)
+    for name, tensor in weights(skip).items():
+        torch.testing.assert_close(tensor, weights(every_row)[name], rtol=0, atol=1e-6)
         assert not torch.equal(tensor, start[name]), name  # the optimiser did step

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vllm
 def engine(tiny_model_dir: Path):
     require_vllm()
     from trainer.models import load_tokenizer
-    from trainer.vllm_rollout import VLLMRolloutEngine
+    from trainer.rollout.vllm import VLLMRolloutEngine
 
     tok = load_tokenizer(tiny_model_dir)
     return VLLMRolloutEngine(tiny_model_dir, pad_token_id=tok.pad_token_id,
@@ -37,7 +37,8 @@ def _prompts(tiny_model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_greedy_output_after_sync_equals_hf_generate(engine, tiny_model_dir: Path) -> None:
-    from trainer.rollout import HFRolloutEngine, SamplingParams
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf import HFRolloutEngine
     from trainer.tiny import build_model, vocabulary
 
     ids, mask = _prompts(tiny_model_dir)
@@ -58,7 +59,7 @@ def test_greedy_output_after_sync_equals_hf_generate(engine, tiny_model_dir: Pat
 
 
 def test_sampled_rows_differ_within_a_group(engine, tiny_model_dir: Path) -> None:
-    from trainer.rollout import SamplingParams
+    from trainer.rollout.base import SamplingParams
 
     ids, mask = _prompts(tiny_model_dir)
     torch.manual_seed(0)
@@ -72,7 +73,7 @@ def test_grpo_with_vllm_rollout_learns_like_hf(tiny_model_dir: Path, tmp_path: P
     require_vllm()
     from tests.test_trainer_ppo import scores, toy_overrides
     from trainer.config import load_config
-    from trainer.ppo import run_training
+    from trainer.driver import run_training
     from trainer.rewards.toy import write_toy_digits
 
     data = tmp_path / "data"
@@ -99,8 +100,8 @@ def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tm
     pytest.importorskip("ray", reason="the distributed trainer needs Ray")
     from tests.test_distributed import no_ray_address, overrides
     from trainer.config import load_config
+    from trainer.driver import run_training
     from trainer.metrics import read_jsonl
-    from trainer.ppo import run_training
     from trainer.rewards.toy import write_toy_digits
 
     no_ray_address(monkeypatch)

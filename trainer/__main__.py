@@ -70,10 +70,10 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
         return 0
     from trainer.data import DataError
     from trainer.deadline import DeadlineError
+    from trainer.driver import run_training
     from trainer.metrics import MetricsError
-    from trainer.ppo import run_training
     from trainer.rewards import RewardError
-    from trainer.worker_group import WorkerFailure
+    from trainer.workers.group import WorkerFailure
 
     try:
         return run_training(cfg, stop)

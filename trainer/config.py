@@ -85,6 +85,11 @@ class RefFsdpConfig:
 
 
 @dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = _h("policy loss registered under this name (`trainer.algos.registry`); vanilla = PPO clip")
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     strategy: Literal["fsdp", "fsdp2"] = _h("parallel strategy of the actor workers")
     ppo_mini_batch_size: int = _h("prompts per optimizer step (times `rollout.n` samples)")
@@ -96,6 +101,7 @@ class ActorConfig:
     clip_ratio_low: float | None = _h("lower clip epsilon; null = `clip_ratio`")
     clip_ratio_high: float | None = _h("upper clip epsilon; null = `clip_ratio`")
     clip_ratio_c: float = _h("dual-clip constant for negative advantages (> 1)")
+    policy_loss: PolicyLossConfig = _h("policy loss")
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = _h("how token losses are aggregated")
@@ -205,7 +211,8 @@ class KLCtrlConfig:
 class AlgorithmConfig:
     gamma: float = _h("discount factor")
     lam: float = _h("GAE lambda")
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = _h("advantage estimator")
+    adv_estimator: str = _h("advantage estimator registered under this name (`trainer.algos.registry`): "
+                            "gae, grpo, rloo, reinforce_plus_plus")
     norm_adv_by_std_in_grpo: bool = _h("grpo: divide by the group's standard deviation")
     use_kl_in_reward: bool = _h("subtract a KL penalty from the token rewards")
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = _h("KL estimator of the in-reward penalty")
@@ -228,7 +235,7 @@ class TrainerConfig:
         "`nnodes` x `n_gpus_per_node` > 1. Ray is joined at `RAY_ADDRESS` (never `auto`), "
         "or a private local cluster is started when it is unset"
     )
-    device: Literal["auto", "cpu", "cuda"] = _h("torch device of the single-process trainer")
+    device: Literal["auto", "cpu", "cuda"] = _h("torch device of a run on one rank (several ranks: one GPU per rank, or CPUs)")
     save_freq: int = _h("checkpoint every N steps; -1 = only on stop and at the end")
     resume_mode: Literal["auto", "disable", "resume_path"] = _h(
         "auto: newest complete checkpoint; disable: start fresh; resume_path: `resume_from_path`"
@@ -260,7 +267,7 @@ class TrainerConfig:
 class DerivedConfig:
     """Values computed once from the others (not settable)."""
 
-    use_critic: bool = _h("a critic is trained (adv_estimator is gae)")
+    use_critic: bool = _h("a critic is trained (the estimator needs one, e.g. gae)")
     use_reference: bool = _h("a reference model is needed (KL in reward or KL loss)")
     world_size: int = _h("nnodes x n_gpus_per_node")
 
@@ -307,7 +314,6 @@ NOT_SUPPORTED: dict[str, str] = {
     ),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "sequence parallelism",
     "actor_rollout_ref.actor.use_torch_compile": "",
-    "actor_rollout_ref.actor.policy_loss": "",
     "actor_rollout_ref.actor.checkpoint": "checkpoint contents are fixed",
     "actor_rollout_ref.actor.fsdp_config.wrap_policy": "",
     "actor_rollout_ref.actor.fsdp_config.offload_policy": "",
@@ -671,11 +677,21 @@ def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
     critic["model"]["path"] = _expand(critic["model"]["path"])
     algo = tree["algorithm"]
     tree["derived"] = {
-        "use_critic": algo["adv_estimator"] == "gae",
+        "use_critic": _estimator(str(algo["adv_estimator"])).needs_critic,
         "use_reference": bool(algo["use_kl_in_reward"] or actor["use_kl_loss"]),
         "world_size": trainer["nnodes"] * trainer["n_gpus_per_node"],
     }
     return tree
+
+
+def _estimator(name: str) -> Any:
+    """The registered estimator `name` (:mod:`trainer.algos.registry`), or a `ConfigError`."""
+    from trainer.algos import registry
+
+    try:
+        return registry.adv_estimator(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -719,10 +735,18 @@ def validate(cfg: Config) -> None:
             f"`actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`={micro} must divide the "
             f"{samples // world} samples per worker of one mini-batch",
         )
+    group = _estimator(cfg.algorithm.adv_estimator).min_group_size
     _require(
-        cfg.algorithm.adv_estimator not in ("grpo", "rloo") or rollout.n >= 2,
+        rollout.n >= group,
         f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` compares responses within a "
-        f"group and needs `actor_rollout_ref.rollout.n` >= 2 (got {rollout.n})",
+        f"group and needs `actor_rollout_ref.rollout.n` >= {group} (got {rollout.n})",
+    )
+    from trainer.algos import registry
+
+    _require(
+        actor.policy_loss.loss_mode in registry.policy_loss_names(),
+        f"`actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode}` is not a "
+        f"registered policy loss; valid values: {', '.join(registry.policy_loss_names())}",
     )
     _require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
     _require(

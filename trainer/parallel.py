@@ -7,9 +7,10 @@
 - Data parallelism: on the CPU every rank keeps a full replica and gradients are averaged with
   one flat ``all_reduce`` per optimizer step (:func:`all_reduce_gradients`); on GPUs the model is
   sharded with FSDP2 ``fully_shard`` (:func:`apply_fsdp2`), which reduce-scatters in backward.
-- Loss normalisation: every micro-batch loss is divided by token/sequence counts summed over all
-  ranks (:func:`global_normalizers`) and multiplied by the world size, so the averaged gradient
-  equals the single-process one whatever the number of ranks.
+- Loss normalisation: every micro-batch loss is divided by the token/sequence counts of the
+  whole mini-batch (the driver counts them, :class:`~trainer.batch.MiniBatchShare`) and
+  multiplied by the world size, so the averaged gradient equals the one-rank one whatever the
+  number of ranks.
 - Micro-batches: by sample count, or by token budget with the same number of micro-batches on
   every rank (:func:`rank_micro_batches`), which FSDP needs (its collectives run per forward).
 - Full (gathered) state dicts for checkpoints and weight sync: :func:`full_model_state`,
@@ -32,19 +33,18 @@ __all__ = [
     "DistContext",
     "all_reduce_gradients",
     "all_reduce_max",
-    "all_reduce_sum",
     "apply_fsdp2",
     "balanced_partition",
     "balanced_split",
     "free_port",
     "full_model_state",
     "full_optim_state",
-    "global_normalizers",
     "init_method_url",
     "init_process_group",
     "load_full_model_state",
     "load_full_optim_state",
     "rank_micro_batches",
+    "single_rank",
     "split_rows",
 ]
 
@@ -61,10 +61,19 @@ class DistContext:
     """`gloo` (CPU) or `nccl` (NVIDIA NCCL / AMD RCCL)."""
     fsdp: bool
     """Model sharded with FSDP2 (GPUs) rather than replicated with a gradient all-reduce."""
+    single_device: str = "cpu"
+    """The device of a single rank (`backend` none): `cpu` or `cuda`."""
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        if self.backend == "nccl" or (self.backend == "none" and self.single_device == "cuda"):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def single_rank(device: torch.device) -> DistContext:
+    """A group of one: no process group, no sharding, the model on `device`."""
+    return DistContext(rank=0, world_size=1, backend="none", fsdp=False, single_device=device.type)
 
 
 def init_method_url(host: str, port: int) -> str:
@@ -107,15 +116,6 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(values: Sequence[float]) -> list[float]:
-    """Element-wise sum of `values` over all ranks (float64, so counts stay exact)."""
-    t = torch.tensor(list(values), dtype=torch.float64)
-    if _active():
-        t = t.to(_collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu().tolist()
-
-
 def all_reduce_max(value: int) -> int:
     """The largest `value` over all ranks."""
     t = torch.tensor([value], dtype=torch.int64)
@@ -127,14 +127,6 @@ def all_reduce_max(value: int) -> int:
 
 def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def global_normalizers(response_mask: torch.Tensor) -> tuple[float, float]:
-    """`(tokens, sequences)` of this rank's part of a mini-batch, summed over all ranks."""
-    from trainer.core_algos import loss_normalizers
-
-    tokens, seqs = all_reduce_sum(loss_normalizers(response_mask))
-    return tokens, seqs
 
 
 def all_reduce_gradients(model: torch.nn.Module, world_size: int) -> None:
@@ -219,7 +211,7 @@ def rank_micro_batches(lengths: Sequence[int], micro_batch_size: int | None, use
                        max_token_len: int) -> list[list[int]]:
     """This rank's micro-batches: by count, or by token budget with the number of micro-batches
     agreed over the ranks (the largest any rank needs), so that every rank runs as many forwards."""
-    from trainer.ppo import micro_batch_rows
+    from trainer.batch import micro_batch_rows
 
     if not use_dynamic_bsz:
         return micro_batch_rows(list(lengths), micro_batch_size, False, 0)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint_layout import (
+from trainer.checkpoint.layout import (
     MANIFEST,
     find_latest_checkpoint,
     is_complete,

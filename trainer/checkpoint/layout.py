@@ -1,8 +1,9 @@
 """Names and scans of checkpoint directories, without torch: what a complete checkpoint is.
 
 A checkpoint is ``<root>/global_step_N/`` whose ``manifest.json`` names step N and lists every
-file with its size, all present (see `trainer.checkpoint` for how one is written). The launcher
-(`hpcrl status`, on a login node) reads checkpoints with the same rule through this module.
+file with its size, all present (see `trainer.checkpoint.full_state` for how one is written).
+The launcher (`hpcrl status`, on a login node) reads checkpoints with the same rule through this
+module.
 """
 
 from __future__ import annotations

@@ -7,26 +7,20 @@ An engine takes left-padded prompt token ids and :class:`SamplingParams` and ret
 quantity the actor recomputes as ``old_log_prob``). Rows are ordered prompt-major: the ``n``
 samples of prompt ``i`` are rows ``i*n .. i*n+n-1`` (``prompt_index`` says so).
 
-:class:`HFRolloutEngine` uses transformers' ``generate``; a vLLM engine implements the same
-:class:`RolloutEngine` protocol.
+:class:`~trainer.rollout.hf.HFRolloutEngine` uses transformers' ``generate`` and
+:class:`~trainer.rollout.vllm.VLLMRolloutEngine` vLLM; both implement the :class:`RolloutEngine`
+protocol.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from trainer.core_algos import entropy_from_logits
-from trainer.models import log_probs_from_logits
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
 __all__ = [
-    "HFRolloutEngine",
     "RolloutBatch",
     "RolloutEngine",
     "SamplingParams",
@@ -149,113 +143,3 @@ def response_mask_from_eos(
     is_eos = torch.isin(response_ids, eos).long()
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos
     return (eos_before == 0).long()
-
-
-def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> list[int]:
-    candidates = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
-    if candidates is None:
-        candidates = model.config.eos_token_id
-    if candidates is None:
-        raise ValueError(
-            "No EOS token id: the model's generation config and config have none and "
-            "`eos_token_id` was not given. Fix: pass `eos_token_id=tokenizer.eos_token_id`."
-        )
-    return [candidates] if isinstance(candidates, int) else list(candidates)
-
-
-class HFRolloutEngine:
-    """Rollout through transformers' ``generate`` (CPU or one GPU).
-
-    ``model`` may be the actor itself (weights shared, nothing to sync) or a separate copy
-    kept current with :meth:`sync_weights`. With ``offload=True``, :meth:`sleep` moves a model
-    that lives on an accelerator to the CPU and :meth:`wake_up` moves it back.
-    """
-
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        pad_token_id: int,
-        eos_token_id: int | list[int] | None = None,
-        *,
-        micro_batch_size: int | None = None,
-        offload: bool = False,
-    ) -> None:
-        self.model = model
-        self.pad_token_id = int(pad_token_id)
-        self.eos_token_ids = _eos_ids(model, eos_token_id)
-        self.micro_batch_size = micro_batch_size
-        self.offload = offload
-        self._device = next(model.parameters()).device
-
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(dict(state_dict), strict=True)
-
-    def sleep(self) -> None:
-        if self.offload and self._device.type != "cpu":
-            self.model.to("cpu")  # type: ignore[arg-type]
-            torch.cuda.empty_cache()
-
-    def wake_up(self) -> None:
-        if self.offload and self._device.type != "cpu":
-            self.model.to(self._device)  # type: ignore[arg-type]
-
-    def _generation_config(self, params: SamplingParams) -> object:
-        from transformers import GenerationConfig
-
-        sample = not params.greedy
-        return GenerationConfig(
-            do_sample=sample,
-            temperature=params.temperature if sample else None,
-            top_p=params.top_p if sample else None,
-            top_k=(params.top_k if params.top_k > 0 else 0) if sample else None,
-            max_new_tokens=params.max_response_length,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True,
-            output_logits=True,
-            use_cache=True,
-        )
-
-    def _generate_chunk(
-        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Inference mode (no autograd bookkeeping at all) is cheaper than no_grad; its tensors
-        # cannot enter a backward pass, so what leaves is cloned outside it.
-        with torch.inference_mode():
-            out = self.model.generate(  # type: ignore[operator]
-                input_ids=ids.to(self._device),
-                attention_mask=mask.to(self._device),
-                generation_config=self._generation_config(params),
-            )
-            response = out.sequences[:, ids.shape[1] :].cpu()
-            logits = torch.stack(out.logits, dim=1).cpu().float() / params.logprob_temperature
-            log_probs = log_probs_from_logits(logits, response)
-            entropy = entropy_from_logits(logits)
-        pad = params.max_response_length - response.shape[1]
-        response = torch.nn.functional.pad(response.clone(), (0, pad), value=self.pad_token_id)
-        log_probs, entropy = (
-            torch.nn.functional.pad(t.clone(), (0, pad), value=0.0) for t in (log_probs, entropy)
-        )
-        return response, log_probs, entropy
-
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> RolloutBatch:
-        prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
-        ids, mask = prompt_ids[prompt_index], prompt_mask[prompt_index]
-        size = self.micro_batch_size or ids.shape[0]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            chunks = [
-                self._generate_chunk(ids[i : i + size], mask[i : i + size], params)
-                for i in range(0, ids.shape[0], size)
-            ]
-        finally:
-            self.model.train(was_training)
-        response = torch.cat([c[0] for c in chunks])
-        response_mask = response_mask_from_eos(response, self.eos_token_ids)
-        response = torch.where(response_mask.bool(), response, self.pad_token_id)
-        log_probs = torch.cat([c[1] for c in chunks]) * response_mask
-        entropy = torch.cat([c[2] for c in chunks]) * response_mask
-        return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index, entropy)

@@ -1,14 +1,14 @@
-"""Ray side of the distributed trainer: connecting, placing worker groups, calling them.
+"""The Ray backend of the worker-group interface (:mod:`trainer.workers.group`): connecting,
+placing worker groups, calling them.
 
 - :func:`connect` joins the cluster named by ``RAY_ADDRESS`` (set by the node agent; never
   ``auto``, which may find another job's cluster) or, without it, starts a private local one.
 - :func:`make_placement_group` reserves one bundle per node (``STRICT_SPREAD`` over
   ``trainer.nnodes`` nodes) holding ``n_gpus_per_node`` worker slots; every worker group is
   placed in the same bundles, so rank r of each group lives on node ``r // n_gpus_per_node``.
-- :class:`WorkerGroup` starts one actor per rank, forms the group's torch.distributed group
-  (rank 0's node address and a free port on it) and runs a method on every rank. A rank that
-  raises or whose process dies ends the call at once with :class:`WorkerFailure`, naming the
-  group, rank, node and process.
+- :class:`RayWorkerGroup` starts one actor per rank and runs a method on every rank. A rank
+  that raises or whose process dies ends the call at once with :class:`WorkerFailure`, naming
+  the group, rank, node and process.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WorkerFailure", "WorkerGroup", "WorkerSlot", "connect", "make_placement_group"]
+from trainer.config import Config
+from trainer.workers.group import WorkerFailure, WorkerGroup
+
+__all__ = ["RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group"]
 
 PLACEMENT_TIMEOUT_S = 180.0
-
-
-class WorkerFailure(RuntimeError):
-    """A worker raised or died; the message names the group, rank, node and process."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def connect(world_size: int) -> str:
         ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         return address
     # Workers of the local cluster import this checkout's `trainer` package.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     private_token_auth()
     ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
@@ -149,10 +148,11 @@ def _dead_peer(pending: list[Any], rank_of: dict[Any, int], wait_s: float = 5.0
     return None
 
 
-class WorkerGroup:
+class RayWorkerGroup(WorkerGroup):
     """One Ray actor per rank of a worker class, with its own torch.distributed group."""
 
-    def __init__(self, name: str, cls: type, slot: WorkerSlot, world_size: int, *args: Any) -> None:
+    def __init__(self, name: str, cls: type, cfg: Config, total_steps: int, *, slot: WorkerSlot,
+                 world_size: int) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -165,26 +165,11 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     slot.placement_group, placement_group_bundle_index=rank // slot.per_node),
                 max_restarts=0, max_task_retries=0,
-            ).remote(*args[:1], rank, world_size, *args[1:])
+            ).remote(cfg, rank, world_size, total_steps)
             for rank in range(world_size)
         ]
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(world_size)]
         self.nodes = self.run("node_info")
-
-    def init_dist(self) -> list[dict[str, Any]]:
-        """Form the group's process group at rank 0's node address and a free port there."""
-        master = str(self.nodes[0]["ip"])
-        port = self.run_rank(0, "free_port")
-        return self.run("init_dist", master, port)
-
-    def where(self, rank: int) -> str:
-        node = self.nodes[rank]
-        host, ip, pid = node.get("hostname", "?"), node.get("ip", "?"), node.get("pid", "?")
-        return f"worker group `{self.name}` rank {rank} on node `{host}` ({ip}, pid {pid})"
-
-    def run(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every rank; the results in rank order."""
-        return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         """`method(*per_rank[r])` on rank r."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.rollout import RolloutBatch, SamplingParams, response_mask_from_eos
+from trainer.rollout.base import RolloutBatch, SamplingParams, response_mask_from_eos
 
 if TYPE_CHECKING:
     from trainer.config import Config

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from trainer.algos import registry
+from trainer.algos.registry import register_adv_est, register_policy_loss
+
 __all__ = [
-    "ADV_ESTIMATORS",
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
@@ -53,7 +55,6 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
 
 
 # --------------------------------------------------------------------------- masked statistics
@@ -115,14 +116,19 @@ def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> 
 
 
 # --------------------------------------------------------------------------- advantages
+#
+# Each estimator registers under verl's name with what it needs (`trainer.algos.registry`);
+# `compute_advantage` calls it with keyword arguments, and `**_` takes the inputs it does not use.
 
 
+@register_adv_est("gae", needs_critic=True)
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016), verl's variant.
 
@@ -162,12 +168,14 @@ def _check_index(index: Sequence[Hashable], batch: int) -> None:
         )
 
 
+@register_adv_est("grpo", min_group_size=2)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Sequence[Hashable],
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage: the sequence score minus its group's mean (divided by the group's
     unbiased std when ``norm_adv_by_std_in_grpo``, Dr.GRPO when not).
@@ -190,10 +198,12 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_est("rloo", min_group_size=2)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Sequence[Hashable],
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out: each score minus the mean of the *other* scores of its group.
 
@@ -211,10 +221,12 @@ def compute_rloo_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_est("reinforce_plus_plus")
 def compute_reinforce_plus_plus_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: discounted return-to-go per token, whitened over the whole batch.
 
@@ -242,30 +254,22 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch on verl's ``algorithm.adv_estimator`` name; returns ``(advantages, returns)``."""
-    if adv_estimator == "gae":
-        if values is None:
-            raise ValueError(
-                "`adv_estimator=gae` needs critic `values`, received None. Fix: enable the critic "
-                "or choose `grpo`, `rloo` or `reinforce_plus_plus`."
-            )
-        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
-    if adv_estimator in ("grpo", "rloo"):
-        if index is None:
-            raise ValueError(
-                f"`adv_estimator={adv_estimator}` needs the prompt uid of each row (`index`), "
-                "received None. Fix: pass the uids that group the `n` samples of each prompt."
-            )
-        if adv_estimator == "grpo":
-            return compute_grpo_outcome_advantage(
-                token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo
-            )
-        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
-    if adv_estimator == "reinforce_plus_plus":
-        return compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma)
-    raise ValueError(
-        f"Unknown `algorithm.adv_estimator={adv_estimator!r}`. Valid values: "
-        f"{', '.join(ADV_ESTIMATORS)}."
+    """The estimator registered as verl's ``algorithm.adv_estimator`` name; returns
+    ``(advantages, returns)``. Inputs an estimator declares it needs must not be None."""
+    spec = registry.adv_estimator(adv_estimator)
+    if spec.needs_critic and values is None:
+        raise ValueError(
+            f"`adv_estimator={spec.name}` needs critic `values`, received None. Fix: enable the "
+            "critic or choose an estimator without one (`grpo`, `rloo`, `reinforce_plus_plus`)."
+        )
+    if spec.min_group_size > 1 and index is None:
+        raise ValueError(
+            f"`adv_estimator={spec.name}` needs the prompt uid of each row (`index`), "
+            "received None. Fix: pass the uids that group the `n` samples of each prompt."
+        )
+    return spec.fn(  # type: ignore[no-any-return]
+        token_level_rewards=token_level_rewards, response_mask=response_mask, values=values,
+        index=index, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
     )
 
 
@@ -331,6 +335,7 @@ def agg_loss(
 # --------------------------------------------------------------------------- losses
 
 
+@register_policy_loss("vanilla")
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

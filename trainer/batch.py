@@ -1,0 +1,117 @@
+"""What travels between the driver and the workers: one step's samples (:class:`StepBatch`),
+how they split into micro-batches, and the seeds that make a resumed run draw what an
+unbroken one did."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["MiniBatchShare", "StepBatch", "micro_batch_rows", "need", "seed_everything", "step_seed"]
+
+
+@dataclass
+class StepBatch:
+    """One step's samples: prompt (left-padded) + response (right-padded), and what PPO adds."""
+
+    examples: list[Any]
+    uids: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    sequence_scores: torch.Tensor | None = None
+    token_scores: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def response_length(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.input_ids[:, -self.response_length:]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, rows: list[int]) -> StepBatch:
+        """The rows `rows` of every per-sample field."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        picked: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                picked[f.name] = value[index.to(value.device)]
+            elif isinstance(value, list) and value:  # workers get tensors only (empty lists)
+                picked[f.name] = [value[i] for i in rows]
+        return replace(self, **picked)
+
+    def tensors_only(self) -> StepBatch:
+        """The batch without its examples and uids: what a worker receives."""
+        return replace(self, examples=[], uids=[])
+
+    def to(self, device: torch.device) -> StepBatch:
+        """Every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def micro_batch_rows(
+    lengths: list[int], micro_batch_size: int | None, use_dynamic_bsz: bool, max_token_len: int
+) -> list[list[int]]:
+    """Split rows 0..n-1 into micro-batches: by count, or greedily by token budget."""
+    n = len(lengths)
+    if not use_dynamic_bsz:
+        size = micro_batch_size or n
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    groups: list[list[int]] = [[]]
+    tokens = 0
+    for row, length in enumerate(lengths):
+        if groups[-1] and tokens + length > max_token_len:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(row)
+        tokens += length
+    return groups
+
+
+def need(value: torch.Tensor | None, what: str) -> torch.Tensor:
+    """`value`, which an earlier phase must have filled in."""
+    if value is None:
+        raise RuntimeError(f"`{what}` is missing: the phase that computes it did not run")
+    return value
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """A seed for one step's randomness, so a resumed run draws exactly what an unbroken one did."""
+    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class MiniBatchShare:
+    """One rank's rows of one mini-batch, with the loss normalisers of the whole mini-batch
+    (every rank's rows, skipped rows included), so that the summed gradient does not depend on
+    how the rows were split or which were skipped."""
+
+    batch: StepBatch
+    num_tokens: float
+    """Response tokens of the whole mini-batch."""
+    num_seqs: float
+    """Sequences with at least one response token in the whole mini-batch."""

@@ -1,0 +1,592 @@
+"""The PPO driver: one loop for one rank in this process or many ranks on Ray.
+
+The driver keeps the loop, the data, the rewards, the advantages and the algorithm state; the
+models live in worker groups (:mod:`trainer.workers`): actor + reference + rollout, and the
+critic when the estimator needs one. A group is one rank in this process
+(:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray actor per
+rank across the nodes (:class:`~trainer.workers.ray_group.RayWorkerGroup`); the loop is the same.
+It reads top to bottom, one method per phase:
+`resume -> for step: rollout -> reward -> old/ref log-probs, values -> advantages -> critic update
+-> actor update -> weight sync -> metrics -> maybe validate -> maybe checkpoint -> stop if asked`.
+
+Data flow per step: the prompts are left-padded together and split into contiguous parts, one per
+rank; log-probs and values are computed on row shards; for the updates the driver forms the
+shuffled mini-batches, drops the rows whose loss has no gradient, and gives every rank its share
+of each with the loss normalisers of the whole mini-batch, so the update does not depend on the
+number of ranks. Per-rank metrics (`dp/rank_<r>/...`) show every rank working;
+`<run_dir>/workers.json` maps ranks to nodes.
+
+A stop request (SIGUSR2/SIGTERM or `<run_dir>/STOP`) ends the run after the current step with a
+checkpoint and `REQUEUE_EXIT_CODE`; the next run resumes from it, on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer import models as M
+from trainer.algos import core_algos
+from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
+from trainer.checkpoint import full_state as ckpt
+from trainer.config import Config, ConfigError, config_to_dict
+from trainer.data import Example, PromptDataset, PromptLoader, batches
+from trainer.deadline import Deadline
+from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
+from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
+from trainer.parallel import balanced_split, split_rows
+from trainer.rewards import load_reward_fn, score_responses
+from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.stop import StopRequest
+from trainer.workers.group import WorkerGroup
+
+__all__ = ["PPODriver", "launcher_restart", "run_training", "use_ray"]
+
+
+def use_ray(cfg: Config) -> bool:
+    """`trainer.distributed`, or when null: Ray as soon as there is more than one worker."""
+    chosen = cfg.trainer.distributed
+    return bool(chosen) if chosen is not None else cfg.derived.world_size > 1
+
+
+def launcher_restart() -> int:
+    """Which run of the job this is (`HPCRL_RESTART`, set by hpcrl's node agent; 0 otherwise):
+    recorded with each step so that plots can mark where a run resumed."""
+    raw = os.environ.get("HPCRL_RESTART", "")
+    return int(raw) if raw.strip().isdigit() else 0
+
+
+class Timer:
+    """Collects `timing_s/<phase>` durations for one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
+    return {k: float(np.mean(v)) for k, v in collected.items() if v}
+
+
+def start_worker_groups(cfg: Config, total_steps: int) -> tuple[WorkerGroup, WorkerGroup | None, str]:
+    """The actor group and the critic group (None without a critic), on Ray or in this
+    process, with their process groups formed; and where they run, in words."""
+    from trainer.workers.actor import ActorRolloutRefWorker
+    from trainer.workers.critic import CriticWorker
+
+    if not use_ray(cfg):
+        from trainer.workers.group import LocalWorkerGroup
+
+        actor: WorkerGroup = LocalWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps)
+        critic: WorkerGroup | None = (LocalWorkerGroup("critic", CriticWorker, cfg, total_steps)
+                                      if cfg.derived.use_critic else None)
+        where = "this process"
+    else:
+        from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
+
+        t, world = cfg.trainer, cfg.derived.world_size
+        where = f"Ray at {connect(world)}"
+        slot = make_placement_group(t.nnodes, t.n_gpus_per_node, 2 if cfg.derived.use_critic else 1)
+        actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
+                               world_size=world)
+        critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)
+                  if cfg.derived.use_critic else None)
+    for group in (actor, critic):
+        if group is not None:
+            group.init_dist()
+    return actor, critic, where
+
+
+class PPODriver:
+    """The loop, the data and the algorithm state of one run; the models live in worker groups."""
+
+    def __init__(self, cfg: Config, stop: StopRequest | None = None) -> None:
+        self.cfg = cfg
+        t = cfg.trainer
+        self.ckpt_root = Path(t.default_local_dir or ".")
+        self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
+        seed_everything(t.seed)
+        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+        self._build_data()
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.stop = stop or StopRequest()
+        self.stop.watch(self.run_dir)
+        self.deadline = Deadline.from_env(os.environ, t.deadline_margin_s)
+        self.global_step = 0
+        self.rank_metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps)
+        self.world = self.actor_group.world_size
+        self._write_workers()
+        hosts = len({n["hostname"] for n in self.actor_group.nodes})
+        print(f"trainer: {self.world} rank(s) on {hosts} node(s) in {where}, ready in "
+              f"{time.perf_counter() - start:.1f}s", flush=True)
+
+    # ------------------------------------------------------------------------------ set-up
+
+    def _build_data(self) -> None:
+        data = self.cfg.data
+        common: dict[str, Any] = {"max_prompt_length": data.max_prompt_length, "prompt_key": data.prompt_key,
+                                  "filter_overlong_prompts": data.filter_overlong_prompts,
+                                  "truncation": data.truncation}
+        self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
+        self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        needs_val = self.cfg.trainer.val_before_train or self.cfg.trainer.test_freq > 0
+        self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
+        per_epoch = self.loader.batches_per_epoch * self.cfg.trainer.total_epochs
+        self.total_steps = self.cfg.trainer.total_training_steps or per_epoch
+
+    def _groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor_group, self.critic_group) if g is not None]
+
+    def _write_workers(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        layout = {g.name: g.nodes for g in self._groups()}
+        (self.run_dir / "workers.json").write_text(json.dumps(layout, indent=1))
+
+    def _note(self, phase: str, per_rank: list[float]) -> float:
+        """Record a per-rank figure (`dp/rank_<r>/<phase>`); return the largest."""
+        for rank, value in enumerate(per_rank):
+            self.rank_metrics[f"dp/rank_{rank}/{phase}"] = float(value)
+        return max(per_rank) if per_rank else 0.0
+
+    def _sampling(self, validate: bool) -> SamplingParams:
+        r = self.cfg.actor_rollout_ref.rollout
+        src: Any = r.val_kwargs if validate else r
+        return SamplingParams(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k,
+                              max_response_length=self.cfg.data.max_response_length,
+                              do_sample=src.do_sample)
+
+    # ------------------------------------------------------------------------------ phases
+
+    def generate(self, examples: list[Example], validate: bool = False) -> StepBatch:
+        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part."""
+        ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
+        parts = split_rows(len(examples), self.world)
+        salt = 2000 if validate else 1000
+        args = [(ids[p], mask[p], self._sampling(validate),
+                 step_seed(self.cfg.trainer.seed, self.global_step, salt + rank)) for rank, p in enumerate(parts)]
+        results = self.actor_group.run_each("generate", args)
+        outs: list[RolloutBatch] = []
+        for part, (out, _info) in zip(parts, results, strict=True):
+            if out is not None:
+                out.prompt_index = out.prompt_index + part[0]
+                outs.append(out)
+        if not validate:
+            self._note("gen_rows", [len(p) for p in parts])
+            self._note("gen_tokens", [info["gen_tokens"] for _, info in results])
+            self._note("gen_s", [info["gen"] for _, info in results])
+        rows = torch.cat([o.prompt_index for o in outs]).tolist()  # prompts share one padded width
+        entropy = [o.entropy for o in outs]
+        return StepBatch(examples=[examples[i] for i in rows], uids=rows,
+                         input_ids=torch.cat([o.input_ids for o in outs]),
+                         attention_mask=torch.cat([o.attention_mask for o in outs]),
+                         response_mask=torch.cat([o.response_mask for o in outs]).float(),
+                         entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
+
+    def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
+        """Decode responses, score each with its data source's function, place the score on
+        the last response token."""
+        lengths = batch.response_mask.sum(-1).long().tolist()
+        texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
+                 for row, n in zip(batch.responses, lengths, strict=True)]
+        scores, extras = score_responses(
+            self.reward_fn, [e.data_source for e in batch.examples], texts,
+            [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
+        batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
+        batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
+        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
+
+    def _split(self, batch: StepBatch) -> list[list[int]]:
+        """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
+        token totals (the maths does not depend on the split, only the load does)."""
+        if self.cfg.trainer.balance_batch:
+            return balanced_split(batch.attention_mask.sum(-1).long().tolist(), self.world)
+        return split_rows(len(batch), self.world)
+
+    def _on_ranks(self, group: WorkerGroup, method: str, batch: StepBatch, key: str, phase: str
+                  ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """`method` on every rank's rows of `batch`; its `key` output reassembled in row order."""
+        parts = self._split(batch)
+        results = group.run_each(method, [(batch.select(p).tensors_only(),) for p in parts])
+        self._note(f"{phase}_s", [r["seconds"] for r in results])
+        out = torch.zeros_like(batch.response_mask)
+        for part, res in zip(parts, results, strict=True):
+            if part:
+                out[part] = res[key]
+        return out, results
+
+    def reuses_update_log_probs(self, batch: StepBatch) -> bool:
+        """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
+
+        When the update is one optimiser step over the whole batch (one PPO epoch, one
+        mini-batch) and nothing needs the old log-probs before it (no KL in the reward), every
+        micro-batch's forward runs with the weights the old log-probs would be recomputed with:
+        the old log-probs are that forward's log-probs, detached (the ratio is exactly 1, the
+        on-policy case). With dropout the recomputation would run without it; here it does not.
+        """
+        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
+        return (a.ppo_epochs == 1 and len(batch) <= a.ppo_mini_batch_size * n
+                and not self.cfg.algorithm.use_kl_in_reward)
+
+    def _entropy_metric(self, entropy: torch.Tensor, response_mask: torch.Tensor) -> float:
+        mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
+        return float(core_algos.agg_loss(entropy, response_mask, mode).item())
+
+    def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
+        batch.old_log_probs, results = self._on_ranks(self.actor_group, "compute_log_probs", batch,
+                                                      "log_probs", "old_log_prob")
+        batch.entropy = torch.zeros_like(batch.response_mask)
+        for part, res in zip(self._split(batch), results, strict=True):
+            if part:
+                batch.entropy[part] = res["entropy"]
+        return {"actor/entropy": self._entropy_metric(batch.entropy, batch.response_mask)}
+
+    def compute_ref_log_probs(self, batch: StepBatch) -> None:
+        batch.ref_log_probs, _ = self._on_ranks(self.actor_group, "compute_ref_log_probs", batch,
+                                                "log_probs", "ref")
+
+    def compute_values(self, batch: StepBatch) -> None:
+        assert self.critic_group is not None
+        batch.values, _ = self._on_ranks(self.critic_group, "compute_values", batch, "values", "values")
+
+    def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
+        """KL in the reward (when asked), then the configured advantage estimator."""
+        algo, metrics = self.cfg.algorithm, {}
+        assert batch.token_scores is not None
+        batch.token_rewards = batch.token_scores
+        if algo.use_kl_in_reward:
+            batch.token_rewards, current_kl = core_algos.apply_kl_penalty(
+                batch.token_scores, need(batch.old_log_probs, "old_log_probs"),
+                need(batch.ref_log_probs, "ref_log_probs"), batch.response_mask,
+                self.kl_ctrl.value, algo.kl_penalty)
+            metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
+            self.kl_ctrl.update(current_kl, len(batch))
+        batch.advantages, batch.returns = core_algos.compute_advantage(
+            algo.adv_estimator, batch.token_rewards, batch.response_mask, values=batch.values,
+            index=batch.uids, gamma=algo.gamma, lam=algo.lam,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        return metrics
+
+    # ------------------------------------------------------------------------------ updates
+
+    def _mini_batches(self, batch: StepBatch, mini_size: int, shuffle: bool, salt: int) -> list[StepBatch]:
+        order = list(range(len(batch)))
+        if shuffle:
+            gen = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, self.global_step, salt))
+            order = torch.randperm(len(batch), generator=gen).tolist()
+        return [batch.select(order[i:i + mini_size]) for i in range(0, len(batch), mini_size)]
+
+    def _rows_to_update(self, mini: StepBatch, keep_entropy: bool) -> list[int]:
+        """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
+
+        With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
+        group whose samples scored alike) adds exactly zero to the policy gradient, and the loss
+        normalisers (from the whole mini-batch) still count it. Every row is kept when the update
+        must supply the entropy metric (`keep_entropy`).
+        """
+        a = self.cfg.actor_rollout_ref.actor
+        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss:
+            return list(range(len(mini)))
+        advantages = need(mini.advantages, "advantages") * mini.response_mask
+        return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
+
+    def _fill_to_ranks(self, rows: list[int], size: int) -> list[int]:
+        """`rows` topped up with skipped rows (whose gradient is zero) to a multiple of the
+        number of ranks, so every rank runs as many forward passes (FSDP's collectives need it)."""
+        short = -len(rows) % self.world
+        chosen = set(rows)
+        extra = [r for r in range(size) if r not in chosen][:short]
+        return sorted(rows + extra)
+
+    def _shares(self, mini: StepBatch, rows: list[int]) -> list[MiniBatchShare]:
+        """Each rank's part of `rows` of `mini`, with the normalisers of the whole of `mini`."""
+        tokens, seqs = core_algos.loss_normalizers(mini.response_mask)
+        kept = mini.select(rows).tensors_only()
+        return [MiniBatchShare(kept.select(part), tokens, seqs) for part in self._split(kept)]
+
+    def _rank_minis(self, batch: StepBatch, mini_size: int, shuffle: bool, epochs: int, salt: int,
+                    skip: Any = None) -> tuple[list[tuple[Any, ...]], list[float]]:
+        """Per rank: for each epoch, its share of every mini-batch; and the fraction of rows
+        skipped in each mini-batch (`skip(mini)` gives the rows to keep; None keeps all)."""
+        per_rank: list[list[list[MiniBatchShare]]] = [[] for _ in range(self.world)]
+        skipped: list[float] = []
+        for epoch in range(epochs):
+            shares_of_minis = []
+            for mini in self._mini_batches(batch, mini_size, shuffle, salt + epoch):
+                rows = list(range(len(mini))) if skip is None else self._fill_to_ranks(skip(mini), len(mini))
+                skipped.append(1.0 - len(rows) / len(mini))
+                shares_of_minis.append(self._shares(mini, rows))
+            for rank in range(self.world):
+                per_rank[rank].append([shares[rank] for shares in shares_of_minis])
+        return [(epochs_of_rank,) for epochs_of_rank in per_rank], skipped
+
+    def _merge(self, results: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+        """Rank metrics merged: every value is the mean over ranks and mini-batches (loss shares
+        average to the whole mini-batch's loss because each is scaled by the world size)."""
+        keys = {k for r in results for k in r["metrics"]}
+        merged = {k: float(np.mean([v for r in results for v in r["metrics"].get(k, [])])) for k in keys}
+        self._note(f"{prefix}_s", [r["seconds"] for r in results])
+        self._note(f"{prefix}_tokens", [r["tokens"] for r in results])
+        return merged
+
+    def update_critic(self, batch: StepBatch) -> dict[str, float]:
+        assert self.critic_group is not None
+        c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
+        args, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
+                                   int(c.ppo_epochs or 1), 100)
+        return self._merge(self.critic_group.run_each("update_critic", args), "update_critic")
+
+    def update_actor(self, batch: StepBatch) -> dict[str, float]:
+        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
+        # The old log-probs come from this update and the rollout gave no entropies: measure them here.
+        keep_entropy = batch.old_log_probs is None and batch.entropy is None
+        args, skipped = self._rank_minis(batch, a.ppo_mini_batch_size * n, a.shuffle, a.ppo_epochs, 0,
+                                         skip=lambda mini: self._rows_to_update(mini, keep_entropy))
+        results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
+        metrics = self._merge(results, "update_actor")
+        metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
+        if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
+            metrics["actor/entropy"] = self._update_entropy(batch, [r["entropy"] for r in results])
+        return metrics
+
+    def _update_entropy(self, batch: StepBatch, per_rank: list[torch.Tensor]) -> float:
+        mini = self._mini_batches(batch, len(batch), self.cfg.actor_rollout_ref.actor.shuffle, 0)[0]
+        return self._entropy_metric(torch.cat(per_rank), torch.cat(
+            [mini.select(p).response_mask for p in self._split(mini)]))
+
+    def sync_weights(self) -> None:
+        """Give every rank's rollout engine the actor's current weights (nothing to do where
+        the engine generates with the actor itself)."""
+        self.rank_metrics["timing_s/weight_sync"] = self._note(
+            "weight_sync_s", self.actor_group.run("sync_rollout_weights"))
+
+    # ------------------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Generate with `val_kwargs` (greedy by default) and report the mean score per data source."""
+        assert self.val_set is not None
+        n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
+        by_source: dict[str, list[float]] = {}
+        for examples in batches(self.val_set, self.cfg.data.val_batch_size):
+            batch = self.generate(examples, validate=True)
+            self.compute_rewards(batch)
+            for ex, score in zip(batch.examples, need(batch.sequence_scores, "scores").tolist(), strict=True):
+                by_source.setdefault(ex.data_source, []).append(score)
+        return {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
+
+    # ------------------------------------------------------------------------------ one step
+
+    def _collect(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
+        """Everything between rollout and the updates (reward, log-probs, values, advantages)."""
+        metrics: dict[str, float] = {}
+        with timer.phase("reward"):
+            metrics.update(self.compute_rewards(batch))
+        if not self.reuses_update_log_probs(batch):
+            with timer.phase("old_log_prob"):
+                metrics.update(self.compute_old_log_probs(batch))
+        elif batch.entropy is not None:  # the rollout's entropies stand in for recomputed ones
+            metrics["actor/entropy"] = self._entropy_metric(batch.entropy, batch.response_mask)
+        if self.cfg.derived.use_reference:
+            with timer.phase("ref"):
+                self.compute_ref_log_probs(batch)
+        if self.cfg.derived.use_critic:
+            with timer.phase("values"):
+                self.compute_values(batch)
+        with timer.phase("adv"):
+            metrics.update(self.compute_advantages(batch))
+        return metrics
+
+    def _update(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
+        """Critic update, actor update (after `critic_warmup` steps), weight sync."""
+        metrics: dict[str, float] = {}
+        if self.cfg.derived.use_critic:
+            with timer.phase("update_critic"):
+                metrics.update(self.update_critic(batch))
+        if self.cfg.trainer.critic_warmup <= self.global_step:
+            with timer.phase("update_actor"):
+                metrics.update(self.update_actor(batch))
+            self.sync_weights()
+        return metrics
+
+    def _step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
+        """Data, timing, throughput and progress metrics of the step (verl names)."""
+        metrics = data_metrics(
+            sequence_score=need(batch.sequence_scores, "scores"),
+            sequence_reward=need(batch.token_rewards, "token_rewards").sum(-1),
+            advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
+            values=batch.values, response_mask=batch.response_mask,
+            prompt_mask=batch.attention_mask[:, :-batch.response_length],
+            max_response_length=self.cfg.data.max_response_length)
+        metrics.update(timing_metrics(timer.seconds))
+        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], self.world))
+        metrics.update(self.rank_metrics)
+        metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
+                        "training/total_steps": self.total_steps, "training/restart": launcher_restart()})
+        return metrics
+
+    def train_step(self, examples: list[Example]) -> dict[str, float]:
+        """One PPO step on a batch of prompts; returns its metrics (verl names)."""
+        torch.manual_seed(step_seed(self.cfg.trainer.seed, self.global_step))
+        self.rank_metrics = {}
+        timer = Timer()
+        with timer.phase("step"):
+            with timer.phase("gen"):
+                batch = self.generate(examples)
+            metrics = self._collect(batch, timer)
+            metrics.update(self._update(batch, timer))
+        metrics.update(self._step_metrics(batch, timer))
+        return metrics
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """`<default_local_dir>/global_step_N/`: rank 0 of each group writes its gathered states
+        into the temporary directory, the driver adds the loop state and the config, then commits."""
+        from trainer.config import dump_config
+
+        tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step)
+        try:
+            for group in self._groups():
+                group.run("save_checkpoint", str(tmp))
+            state = {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                     "kl_ctrl": self.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(),
+                     "world_size": self.world}
+            ckpt.write_states(tmp, {"trainer_state": state})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return ckpt.commit_checkpoint(
+            self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
+            metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
+            keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
+
+    def load_checkpoint(self, path: Path) -> int | str:
+        """Load a checkpoint written on any number of ranks; returns that number."""
+        names = {f.name[:-3] for f in path.glob("*.pt")}
+        if self.critic_group is not None and "critic" not in names:
+            raise ConfigError(
+                f"checkpoint `{path}` has no critic but `algorithm.adv_estimator="
+                f"{self.cfg.algorithm.adv_estimator}` needs one; resume with the estimator the run "
+                "started with, or `trainer.resume_mode=disable`")
+        for group in self._groups():
+            group.run("load_checkpoint", str(path))
+        state = ckpt.load_state(path, "trainer_state")
+        self.global_step = int(state["global_step"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        ckpt.restore_rng_state(state["rng"])
+        return state.get("world_size", "?")  # type: ignore[no-any-return]
+
+    def resume(self) -> Path | None:
+        """Load the checkpoint `trainer.resume_mode` selects and give the rollout its weights;
+        return the checkpoint (None: fresh start)."""
+        t = self.cfg.trainer
+        start = time.perf_counter()
+        path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path)
+        if path is not None:
+            saved_on = self.load_checkpoint(path)
+            print(f"trainer: resumed from {path} (step {self.global_step}) (saved on {saved_on} rank(s)) "
+                  f"on {self.world} rank(s) in {time.perf_counter() - start:.1f}s", flush=True)
+        self.sync_weights()
+        return path
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def _open_metrics(self, resumed: bool) -> MetricsLogger:
+        t = self.cfg.trainer
+        return MetricsLogger(self.run_dir, t.logger, keep_through=self.global_step if resumed else -1,
+                             project=t.project_name, experiment=t.experiment_name,
+                             config=config_to_dict(self.cfg))
+
+    def _due(self, freq: int) -> bool:
+        return freq > 0 and self.global_step % freq == 0
+
+    def fit(self) -> int:
+        """Run to `total_steps` or to a stop request; return the process exit code."""
+        t = self.cfg.trainer
+        resumed = self.resume() is not None
+        logger = self._open_metrics(resumed)
+        owned = not self.stop.installed  # `python -m trainer` keeps its handlers to the end
+        self.stop.install()
+        try:
+            if self.val_set is not None and t.val_before_train and not resumed:
+                logger.log(self.global_step, self.validate())
+            return self._loop(logger)
+        finally:
+            if owned:
+                self.stop.uninstall()
+            logger.close()
+
+    def _stop_reason(self) -> str | None:
+        """Why to stop after this step: a request, or the job's end time too near for another."""
+        if self.stop.requested():
+            return self.stop.reason()
+        if self.deadline.reached():
+            return self.deadline.describe()
+        return None
+
+    def _maybe_validate(self, metrics: dict[str, float]) -> None:
+        t = self.cfg.trainer
+        if self.val_set is not None and t.test_freq > 0 and (self._due(t.test_freq)
+                                                             or self.global_step == self.total_steps):
+            start = time.perf_counter()
+            metrics.update(self.validate())
+            metrics["timing_s/testing"] = time.perf_counter() - start
+
+    def _maybe_save(self, stopping: str | None) -> None:
+        if self._due(self.cfg.trainer.save_freq) or stopping or self.global_step == self.total_steps:
+            start = time.perf_counter()
+            path = self.save_checkpoint()
+            self.deadline.record_save(time.perf_counter() - start)
+            print(f"trainer: saved {path} in {time.perf_counter() - start:.1f}s", flush=True)
+
+    def _loop(self, logger: MetricsLogger) -> int:
+        while self.global_step < self.total_steps:
+            began = time.time()
+            examples = self.loader.next_batch()
+            self.global_step += 1
+            metrics = self.train_step(examples)
+            self._maybe_validate(metrics)
+            # Metrics first: a kill between the two leaves a line that resume drops, never a gap.
+            logger.log(self.global_step, metrics)
+            self.deadline.record_step(time.time() - began)
+            stopping = self._stop_reason()
+            self._maybe_save(stopping)
+            if stopping:
+                print(f"trainer: stop requested ({stopping}); checkpointed step "
+                      f"{self.global_step}, exiting with {REQUEUE_EXIT_CODE} (please requeue)", flush=True)
+                self.stop.clear_stop_file()
+                return REQUEUE_EXIT_CODE
+        return OK_EXIT_CODE
+
+
+def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
+    """Build the driver and its worker groups from `cfg` (on Ray when `trainer.distributed`
+    says so), run it, and shut a Ray connection down; the return value is the exit code.
+    `stop`: a request whose handlers are already installed (`python -m trainer` does that)."""
+    try:
+        return PPODriver(cfg, stop).fit()
+    finally:
+        if use_ray(cfg):
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()

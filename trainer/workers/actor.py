@@ -1,0 +1,208 @@
+"""The actor + reference + rollout worker of one rank.
+
+The actor (trained), the reference policy (frozen, when a KL term needs it) and the rollout
+engine live in one process, so that the rollout gets the actor's weights in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from trainer import models as M
+from trainer import parallel as P
+from trainer.algos import core_algos, registry
+from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.workers.base import Worker
+
+__all__ = ["ActorRolloutRefWorker"]
+
+CLIP_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
+class ActorRolloutRefWorker(Worker):
+    """Actor + reference + rollout of one rank."""
+
+    role = "actor_rollout_ref"
+
+    def build(self) -> None:
+        arr = self.cfg.actor_rollout_ref
+        self.tokenizer = M.load_tokenizer(self.cfg.data.tokenizer or arr.model.path)
+        self.model = self._place(M.load_actor(
+            arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing))
+        self.model.train()
+        self.ref: Any = None
+        if self.cfg.derived.use_reference:
+            self.ref = self._place(M.load_actor(arr.model.path).eval().requires_grad_(False))
+        self._optimizer(arr.actor.optim)
+        self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
+        self.rollout, self.shares_weights = self._build_rollout()
+
+    def _build_rollout(self) -> tuple[Any, bool]:
+        """The engine, and whether it generates with the training model itself (no sync)."""
+        from trainer.rollout.hf import HFRolloutEngine
+
+        arr = self.cfg.actor_rollout_ref
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        if arr.rollout.name == "vllm":
+            from trainer.rollout.vllm import VLLMRolloutEngine
+
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, seed=self.cfg.trainer.seed + self.rank), False
+        assert self.ctx is not None
+        if not self.ctx.fsdp:
+            return HFRolloutEngine(self.model, pad, eos), True
+        # A sharded model cannot generate rank by rank (its forwards are collectives): keep a
+        # full copy for generation and sync it from the gathered weights.
+        copy: Any = M.load_actor(arr.model.path)
+        copy = copy.to(self.device).eval()
+        return HFRolloutEngine(copy, pad, eos, offload=True), False
+
+    # ------------------------------------------------------------------ rollout
+
+    def sync_rollout_weights(self) -> float:
+        """Copy the actor's current weights into the rollout engine (a collective under FSDP);
+        the engine wakes for it and stays awake until the next rollout. Returns seconds."""
+        start = time.perf_counter()
+        if not self.shares_weights:
+            self.rollout.wake_up()
+            self.rollout.sync_weights(P.full_model_state(self.model, every_rank=True))
+        return time.perf_counter() - start
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
+        last sync."""
+        if prompt_ids.shape[0] == 0:
+            self.rollout.sleep()  # awake since the weight sync
+            return None, {"gen": 0.0, "gen_tokens": 0.0}
+        start = time.perf_counter()
+        torch.manual_seed(seed)
+        self.rollout.wake_up()
+        try:
+            out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+        finally:
+            self.rollout.sleep()
+        out = RolloutBatch(*(t.cpu() for t in (out.prompt_ids, out.prompt_mask, out.response_ids,
+                                              out.response_mask, out.log_probs, out.prompt_index)),
+                           entropy=None if out.entropy is None else out.entropy.cpu())
+        return out, {"gen": time.perf_counter() - start, "gen_tokens": float(out.response_mask.sum())}
+
+    # ------------------------------------------------------------------ log-probs
+
+    @torch.no_grad()
+    def _log_probs(self, model: Any, batch: StepBatch, section: Any, entropy: bool) -> dict[str, Any]:
+        start = time.perf_counter()
+        batch = batch.to(self.device)
+        rows = self._micro(batch, section.log_prob_micro_batch_size_per_gpu,
+                           bool(section.log_prob_use_dynamic_bsz), int(section.log_prob_max_token_len_per_gpu or 0))
+        temperature = self.cfg.actor_rollout_ref.rollout.temperature
+        lp = torch.zeros_like(batch.response_mask)
+        ent = torch.zeros_like(batch.response_mask) if entropy else None
+        was_training = model.training
+        model.eval()
+        for part in rows:
+            mb = batch.select(part)
+            out, e = M.compute_log_probs(model, mb.input_ids, mb.attention_mask, batch.response_length,
+                                         temperature=temperature, calculate_entropy=entropy)
+            lp[part] = out
+            if ent is not None and e is not None:
+                ent[part] = e
+        model.train(was_training)
+        return {"log_probs": lp.cpu(), "entropy": None if ent is None else ent.cpu(),
+                "seconds": time.perf_counter() - start}
+
+    def compute_log_probs(self, batch: StepBatch) -> dict[str, Any]:
+        return self._log_probs(self.model, batch, self.cfg.actor_rollout_ref.rollout, True)
+
+    def compute_ref_log_probs(self, batch: StepBatch) -> dict[str, Any]:
+        return self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref, False)
+
+    # ------------------------------------------------------------------ update
+
+    def _micro_loss(self, mb: StepBatch, agg: dict[str, Any], keep_entropy: bool
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch. Without old log-probs (the driver's
+        `reuses_update_log_probs`) its own log-probs, detached, stand in for them; `keep_entropy`
+        keeps its entropies in `mb.entropy` for the metric."""
+        a = self.cfg.actor_rollout_ref.actor
+        log_prob, entropy = M.compute_log_probs(
+            self.model, mb.input_ids, mb.attention_mask, mb.response_length,
+            temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+            calculate_entropy=a.entropy_coeff != 0 or keep_entropy, entropy_grad=a.entropy_coeff != 0)
+        if keep_entropy:
+            mb.entropy = need(entropy, "entropy").detach()
+        old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss(
+            old, log_prob, need(mb.advantages, "advantages"), mb.response_mask,
+            float(a.clip_ratio_low or a.clip_ratio), float(a.clip_ratio_high or a.clip_ratio),
+            a.clip_ratio_c, a.loss_agg_mode, **agg)
+        loss, info = pg_loss, {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
+                               "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": clipfrac_lower.item()}
+        if a.entropy_coeff != 0 and entropy is not None:
+            loss = loss - a.entropy_coeff * core_algos.agg_loss(entropy, mb.response_mask, a.loss_agg_mode, **agg)
+        if a.use_kl_loss:
+            kld = core_algos.kl_penalty(log_prob, need(mb.ref_log_probs, "ref_log_probs"), a.kl_loss_type)
+            kl_loss = core_algos.agg_loss(kld, mb.response_mask, a.loss_agg_mode, **agg)
+            loss = loss + a.kl_loss_coef * kl_loss
+            info["actor/kl_loss"] = kl_loss.item()
+            info["actor/kl_coef"] = a.kl_loss_coef
+        return loss, info
+
+    def _update_mini(self, share: MiniBatchShare, keep_entropy: bool, collected: dict[str, list[float]]
+                     ) -> torch.Tensor | None:
+        """One optimizer step on this rank's rows of one mini-batch (which may be none: every
+        row of the mini-batch was skipped); with `keep_entropy`, the entropy of each row."""
+        a = self.cfg.actor_rollout_ref.actor
+        mini = share.batch.to(self.device)
+        agg, sums = self._agg_kwargs(share.num_tokens, share.num_seqs), defaultdict[str, float](float)
+        entropy = torch.zeros_like(mini.response_mask) if keep_entropy else None
+        if len(mini) == 0:
+            self._zero_grads()
+            for key in CLIP_METRICS:
+                collected[key].append(0.0)
+        for rows in self._micro(mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+                                a.ppo_max_token_len_per_gpu) if len(mini) else []:
+            mb = mini.select(rows)
+            loss, info = self._micro_loss(mb, agg, keep_entropy)
+            loss.backward()
+            if entropy is not None:
+                entropy[rows] = need(mb.entropy, "entropy")
+            sums["actor/pg_loss"] += info.pop("actor/pg_loss")
+            sums["actor/kl_loss"] += info.pop("actor/kl_loss", 0.0)
+            for key, value in info.items():
+                collected[key].append(value)
+        collected["actor/pg_loss"].append(sums["actor/pg_loss"])
+        if a.use_kl_loss:
+            collected["actor/kl_loss"].append(sums["actor/kl_loss"])
+        collected["actor/grad_norm"].append(self._optimizer_step(a.grad_clip))
+        return entropy
+
+    def update_actor(self, epochs: list[list[MiniBatchShare]], keep_entropy: bool = False) -> dict[str, Any]:
+        """One optimizer step per mini-batch; `epochs[e][m]` is this rank's part of mini-batch m.
+        With `keep_entropy` (one mini-batch whose forward supplies the old log-probs) the result
+        holds the entropy of each of this rank's rows."""
+        start, tokens = time.perf_counter(), 0.0
+        collected: dict[str, list[float]] = defaultdict(list)
+        entropy: torch.Tensor | None = None
+        self.model.train()
+        for minis in epochs:
+            for share in minis:
+                tokens += float(share.batch.attention_mask.sum())
+                entropy = self._update_mini(share, keep_entropy, collected)
+        self.sched.step()
+        collected["actor/lr"].append(self.lr())
+        return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
+                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu()}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, tmp: str) -> float:
+        arr = self.cfg.actor_rollout_ref
+        return self.save(tmp, "actor", self.cfg.data.tokenizer or arr.model.path)
+
+    def load_checkpoint(self, path: str) -> float:
+        return self.load(path, "actor")

@@ -1,0 +1,185 @@
+"""What every worker class shares: identity, its torch.distributed group, optimizer and
+scheduler, the optimizer step and gathered (world-size free) checkpoints.
+
+A worker is a plain class: a worker group runs one instance per rank, as a Ray actor
+(:mod:`trainer.workers.ray_group`) or in the driver's process (:mod:`trainer.workers.group`,
+one rank). One rank forms no process group: the model is a plain module on the configured
+device. Several ranks form one group per worker group (gloo on CPU, NCCL/RCCL on GPUs, where the
+model is sharded with FSDP2).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from trainer import models as M
+from trainer import parallel as P
+from trainer.algos import core_algos
+from trainer.batch import StepBatch, seed_everything
+from trainer.checkpoint import full_state as ckpt
+from trainer.config import Config, ConfigError
+
+__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device"]
+
+#: Environment every worker process sets before heavy imports (vLLM's engine stays in-process).
+WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
+              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (the host name's address outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def container_runtime() -> str:
+    """The container runtime this process runs in (`none` on the host): each runtime of
+    `hpcrl.runtimes` says how it recognises its containers."""
+    from hpcrl.runtimes import running_in
+
+    return running_in()
+
+
+def resolve_device(name: str) -> torch.device:
+    """`trainer.device` of a single rank: `auto` is the GPU when torch sees one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("`trainer.device=cuda` but torch sees no GPU; use `trainer.device=cpu`")
+    return torch.device(name)
+
+
+class Worker:
+    """One rank of a worker group; subclasses build their models in :meth:`build`."""
+
+    role = "worker"
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, total_steps: int) -> None:
+        for key, value in WORKER_ENV.items():
+            os.environ.setdefault(key, value)
+        self.cfg, self.rank, self.world_size, self.total_steps = cfg, rank, world_size, total_steps
+        self.ctx: P.DistContext | None = None
+        self.model: Any = None
+        self.optim: Any = None
+        self.sched: Any = None
+
+    # ------------------------------------------------------------------ identity and group
+
+    def node_info(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "hostname": socket.gethostname(),
+                "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available(),
+                "container": container_runtime()}
+
+    def free_port(self) -> int:
+        return P.free_port(node_ip())
+
+    def init_dist(self, master_addr: str | None, master_port: int | None) -> dict[str, Any]:
+        """Join the group (several ranks) or take the configured device (one rank), then build."""
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if self.world_size == 1:
+            self.ctx = P.single_rank(resolve_device(self.cfg.trainer.device))
+        else:
+            assert master_addr is not None and master_port is not None, "several ranks need a rendezvous"
+            self.ctx = P.init_process_group(self.rank, self.world_size, master_addr, master_port)
+        seed_everything(self.cfg.trainer.seed)
+        self.build()
+        return {"backend": self.ctx.backend, "fsdp": self.ctx.fsdp, "threads": torch.get_num_threads()}
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        assert self.ctx is not None, "init_dist must run first"
+        return self.ctx.device
+
+    def _place(self, model: torch.nn.Module) -> Any:
+        model = model.to(self.device)
+        return P.apply_fsdp2(model) if self.ctx is not None and self.ctx.fsdp else model
+
+    def _optimizer(self, optim: Any) -> None:
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+                                       weight_decay=optim.weight_decay)
+        warmup = core_algos.resolve_warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio,
+                                                 self.total_steps)
+        self.sched = core_algos.build_lr_scheduler(self.optim, warmup, self.total_steps,
+                                                   optim.warmup_style, optim.min_lr_ratio)
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def _micro(self, batch: StepBatch, micro: int | None, dynamic: bool, max_len: int) -> list[list[int]]:
+        lengths = batch.attention_mask.sum(-1).long().tolist()
+        return P.rank_micro_batches(lengths, micro, dynamic, max_len)
+
+    def _agg_kwargs(self, num_tokens: float, num_seqs: float) -> dict[str, Any]:
+        """Loss normalisers of the whole mini-batch (all ranks, skipped rows included)."""
+        return {"global_num_tokens": num_tokens, "global_num_seqs": num_seqs, "dp_size": self.world_size,
+                "norm_length": float(self.cfg.data.max_response_length)}
+
+    def _zero_grads(self) -> None:
+        """Zero gradients where no backward pass left one (this rank skipped every row of a
+        mini-batch), so that the optimizer step matches one over zero-gradient rows."""
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _optimizer_step(self, grad_clip: float) -> float:
+        assert self.ctx is not None
+        if not self.ctx.fsdp:
+            P.all_reduce_gradients(self.model, self.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        if torch.isfinite(grad_norm):
+            self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def lr(self) -> float:
+        return float(self.sched.get_last_lr()[0])
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None) -> float:
+        """Gather the full model and optimizer (a collective) and let rank 0 write
+        `<prefix>.pt`, `<prefix>_optim.pt`, `<prefix>_sched.pt` into `tmp`. Returns seconds."""
+        start = time.perf_counter()
+        model_state = P.full_model_state(self.model)
+        optim_state = P.full_optim_state(self.model, self.optim)
+        if self.rank == 0:
+            states = {prefix: model_state, f"{prefix}_optim": optim_state,
+                      f"{prefix}_sched": self.sched.state_dict()}
+            if hf_tokenizer_path is None:  # no HF export (the critic)
+                ckpt.write_states(tmp, states)
+            else:
+                ckpt.write_states(tmp, states, hf_model=self.model, hf_state_dict=model_state,
+                                  hf_tokenizer=M.load_tokenizer(hf_tokenizer_path))
+        return time.perf_counter() - start
+
+    def load(self, path: str, prefix: str) -> float:
+        """Load `<prefix>*.pt` of a checkpoint written with any world size. Returns seconds."""
+        start = time.perf_counter()
+        P.load_full_model_state(self.model, ckpt.load_state(path, prefix))
+        P.load_full_optim_state(self.model, self.optim, ckpt.load_state(path, f"{prefix}_optim"))
+        self.sched.load_state_dict(ckpt.load_state(path, f"{prefix}_sched"))
+        return time.perf_counter() - start
+
+    def state_for_test(self) -> dict[str, torch.Tensor]:
+        """The full model weights on every rank, on the CPU (a collective under FSDP)."""
+        return {k: v.cpu() for k, v in P.full_model_state(self.model, every_rank=True).items()}
+
+    def ping(self) -> int:
+        return self.rank

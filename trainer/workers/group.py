@@ -1,0 +1,74 @@
+"""One worker-group interface, two backends.
+
+A :class:`WorkerGroup` runs one instance of a worker class per rank and calls a method on every
+rank (:meth:`~WorkerGroup.run`, :meth:`~WorkerGroup.run_each`) or on one
+(:meth:`~WorkerGroup.run_rank`); the driver sees nothing else. Backends:
+
+- :class:`LocalWorkerGroup`: one rank in the driver's own process, a direct call (the embedded
+  default: `trainer.distributed=false`, or one rank);
+- :class:`~trainer.workers.ray_group.RayWorkerGroup`: one Ray actor per rank across the nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from trainer.config import Config
+
+__all__ = ["LocalWorkerGroup", "WorkerFailure", "WorkerGroup"]
+
+
+class WorkerFailure(RuntimeError):
+    """A worker raised or died; the message names the group, rank, node and process."""
+
+
+class WorkerGroup:
+    """The ranks of one worker class; a backend implements :meth:`run_each` and :meth:`run_rank`."""
+
+    name: str
+    world_size: int
+    nodes: list[dict[str, Any]]
+    """`node_info()` of each rank (host name, address, pid): where a failure happened."""
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every rank; the results in rank order."""
+        return self.run_each(method, [args] * self.world_size)
+
+    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+        """`method(*per_rank[r])` on rank r; the results in rank order."""
+        raise NotImplementedError
+
+    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
+        """`method(*args)` on rank `rank` alone."""
+        raise NotImplementedError
+
+    def init_dist(self) -> list[dict[str, Any]]:
+        """Let the ranks form their process group (at rank 0's node address and a free port
+        there) and build their models; one rank forms none."""
+        if self.world_size == 1:
+            return self.run("init_dist", None, None)
+        master = str(self.nodes[0]["ip"])
+        port = self.run_rank(0, "free_port")
+        return self.run("init_dist", master, port)
+
+    def where(self, rank: int) -> str:
+        node = self.nodes[rank]
+        host, ip, pid = node.get("hostname", "?"), node.get("ip", "?"), node.get("pid", "?")
+        return f"worker group `{self.name}` rank {rank} on node `{host}` ({ip}, pid {pid})"
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """One rank in this process: a method call is a plain call, a failure the worker's own
+    exception."""
+
+    def __init__(self, name: str, cls: type, cfg: Config, total_steps: int) -> None:
+        self.name, self.world_size = name, 1
+        self.workers: list[Any] = [cls(cfg, 0, 1, total_steps)]
+        self.nodes = self.run("node_info")
+
+    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+        return [getattr(w, method)(*args) for w, args in zip(self.workers, per_rank, strict=True)]
+
+    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return getattr(self.workers[rank], method)(*args)
