@@ -204,3 +204,225 @@ def test_rng_state_round_trip(tmp_path: Path) -> None:
     ck.restore_rng_state(ck.load_state(path, "rng"))
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+# --------------------------------------------------------------------------- sharded (DCP) states
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+
+
+def _placed(fsdp: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The test network, sharded with FSDP2 over the process group when `fsdp`, and its AdamW."""
+    model = _net()
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _trained(world: int, rank: int, fsdp: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from trainer import parallel as P
+
+    model, optim = _placed(fsdp)
+    for step in range(2):
+        x = torch.arange(128.0).reshape(2, 64) / 100 + step + rank
+        model(x).pow(2).mean().backward()
+        if not fsdp:
+            P.all_reduce_gradients(model, world)
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, object]:
+    """The whole state gathered on rank 0 (the reference the sharded paths must reproduce)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from trainer import parallel as P
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": P.full_model_state(model), "optim": get_optimizer_state_dict(model, optim, options=options)}
+
+
+def _failing_writer(error: BaseException):  # noqa: ANN202
+    """A DCP file-system writer whose data write raises `error` (the storage seam's stand-in)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Failing(FileSystemWriter):
+        def write_data(self, plan, planner):  # noqa: ANN001, ANN202
+            raise error
+
+    return lambda path: Failing(path, sync_files=False)
+
+
+def _rank_main(rank: int, world: int, port: int, mode: str, root: str) -> None:
+    """One rank of a gloo group: `save` (FSDP2 shards of a trained net, plus the gathered
+    reference on rank 0), `load` (into fresh FSDP2 shards, gathered on rank 0) or `fail` (rank 1's
+    storage fails mid-save; every rank records what it raised)."""
+    import torch.distributed as dist
+
+    from trainer.checkpoint import sharded
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = Path(root)
+    try:
+        if mode == "save":
+            model, optim = _trained(world, rank, fsdp=True)
+            sharded.save_group_state(out / "ckpt" / "actor", model, optim)
+            full = _full(model, optim)
+            if rank == 0:
+                torch.save(full, out / "reference.pt")
+        elif mode == "load":
+            model, optim = _placed(fsdp=True)
+            sharded.load_group_state(out / "ckpt", "actor", model, optim)
+            full = _full(model, optim)
+            if rank == 0:
+                torch.save(full, out / f"loaded_on_{world}.pt")
+        else:
+            model, optim = _trained(world, rank, fsdp=False)
+            if rank == 1:
+                sharded._storage_writer = _failing_writer(RuntimeError("rank 1 lost its storage"))
+            try:
+                sharded.save_group_state(out / "failed" / "actor", model, optim)
+                (out / f"raised_{rank}").write_text("nothing")
+            except BaseException as exc:  # noqa: BLE001 - recorded for the parent to check
+                (out / f"raised_{rank}").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, mode: str, root: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from trainer import parallel as P
+
+    mp.spawn(_rank_main, args=(world, P.free_port("127.0.0.1"), mode, str(root)), nprocs=world)
+
+
+def _assert_same_state(got: dict, expected: dict) -> None:  # type: ignore[type-arg]
+    assert got["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        torch.testing.assert_close(got["model"][name], tensor, rtol=0, atol=0, msg=name)
+    assert got["optim"]["state"].keys() == expected["optim"]["state"].keys()
+    for name, moments in expected["optim"]["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(got["optim"]["state"][name][key], value, rtol=0, atol=0, msg=f"{name} {key}")
+
+
+def test_sharded_state_written_on_two_ranks_loads_on_one_and_three(tmp_path: Path) -> None:
+    """Two FSDP2 ranks over gloo each write only their own shards; the state loads bit for bit
+    into one plain process and into three FSDP2 ranks (uneven shards), and reads offline."""
+    from trainer.checkpoint import sharded
+
+    _spawn(2, "save", tmp_path)
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    shards = sorted((tmp_path / "ckpt" / "actor").glob("*.distcp"))
+    assert len(shards) == 2 and (tmp_path / "ckpt" / "actor" / sharded.DCP_METADATA).is_file()
+    total = sharded.state_bytes(reference)
+    for shard in shards:  # each rank wrote about half of the state, not all of it
+        assert shard.stat().st_size < 0.75 * total, (shard.name, shard.stat().st_size, total)
+    _assert_same_state(sharded.read_group_state(tmp_path / "ckpt", "actor"), reference)
+    model, optim = _placed(fsdp=False)  # one rank, no process group
+    sharded.load_group_state(tmp_path / "ckpt", "actor", model, optim)
+    _assert_same_state(_full(model, optim), reference)
+    _spawn(3, "load", tmp_path)
+    _assert_same_state(torch.load(tmp_path / "loaded_on_3.pt", weights_only=False), reference)
+
+
+def test_a_rank_failing_mid_save_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's storage fails while rank 0 writes: both ranks raise (none hangs or returns), and
+    DCP's `.metadata` is never written, so the directory can never pass for a saved state."""
+    from trainer.checkpoint import sharded
+
+    _spawn(2, "fail", tmp_path)
+    for rank in (0, 1):
+        raised = (tmp_path / f"raised_{rank}").read_text()
+        assert raised.startswith("CheckpointException") and "rank 1 lost its storage" in raised, raised
+    assert not sharded.has_group_state(tmp_path / "failed", "actor")
+
+
+FSIZE_CHILD = textwrap.dedent(
+    """
+    import resource, signal, sys, torch
+    from trainer.checkpoint import sharded
+
+    model = torch.nn.Linear(200, 100)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 200)).sum().backward()
+    optim.step()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    try:
+        sharded.save_group_state(sys.argv[1], model, optim)
+    except sharded.CheckpointWriteError as exc:
+        print(exc)
+        sys.exit(3)
+    """
+)
+
+
+def test_a_file_size_limit_gives_a_clear_error_naming_directory_and_space(tmp_path: Path) -> None:
+    """A real write failure (RLIMIT_FSIZE, as a quota would) becomes one clear error."""
+    script = tmp_path / "child.py"
+    script.write_text(FSIZE_CHILD)
+    target = tmp_path / "ckpt" / "actor"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), str(target)], env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr[-3000:])
+    needed = (200 * 100 + 100) * 4 * 3 + 2 * 4  # weights, two Adam moments, two step counters
+    assert f"writing the checkpoint to `{target}` failed: File too large (EFBIG)" in proc.stdout
+    assert f"needs about 0.00 GiB ({needed} bytes); free space there now:" in proc.stdout, proc.stdout
+    assert "trainer.default_local_dir" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def toy_digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.rewards.toy import write_toy_digits
+
+    out = tmp_path_factory.mktemp("toy")
+    write_toy_digits(out, train_size=32, val_size=4, seed=0)
+    return out
+
+
+def test_driver_save_out_of_space_keeps_the_previous_checkpoint_and_refuses_old_ones(
+        tmp_path: Path, tiny_model_dir: Path, toy_digits: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank in process: a full disk at the storage seam ends the save with an error naming
+    the directory and the space needed, removes the temporary directory, and leaves the previous
+    checkpoint the newest, which then loads; a gathered (`actor.pt`) checkpoint is refused."""
+    import errno
+
+    from trainer.checkpoint import sharded
+    from trainer.config import load_config
+    from trainer.driver import PPODriver
+
+    run = tmp_path / "run"
+    driver = PPODriver(load_config([
+        f"data.train_files={toy_digits / 'train.parquet'}", f"data.val_files={toy_digits / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8", "data.train_batch_size=4",
+        f"actor_rollout_ref.model.path={tiny_model_dir}", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.device=cpu", f"trainer.default_local_dir={run}", "trainer.logger=jsonl",
+        "trainer.total_training_steps=3"]))
+    driver.global_step = 1
+    first = driver.save_checkpoint()
+    assert sharded.has_group_state(first, "actor") and ck.is_complete(first)
+    driver.global_step = 2
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sharded, "_storage_writer", _failing_writer(full))
+    with pytest.raises(sharded.CheckpointWriteError, match=r"\.tmp-global_step_2-.*No space left on "
+                       r"device \(ENOSPC\)\. The checkpoint needs about .* GiB \(\d+ bytes\)") as raised:
+        driver.save_checkpoint()
+    assert str(run) in str(raised.value)
+    assert ck.find_latest_checkpoint(run) == first and ck.read_latest_marker(run) == 1
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp-")]
+    assert driver.load_checkpoint(first) == 1 and driver.global_step == 1
+    old = ck.save_checkpoint(run, 3, {"actor": {"w": torch.zeros(1)}, "trainer_state": {"global_step": 3}})
+    with pytest.raises(sharded.CheckpointFormatError, match="gathered full state .*`actor.pt`.*"
+                       "trainer.resume_mode=disable"):
+        driver.load_checkpoint(old)

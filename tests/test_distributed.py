@@ -1,6 +1,6 @@
 """The distributed trainer on a private local Ray cluster (2 CPU ranks, gloo): both ranks
-generate and train (per-rank metrics), a checkpoint saved on 2 ranks resumes on 1, and a worker
-killed mid-run ends `python -m trainer` with status 1 and a message naming its node and rank."""
+generate and train (per-rank metrics), sharded checkpoints saved on 2 (4) ranks resume on 1 (2)
+and continue as an uninterrupted run would, and a worker killed mid-run ends `python -m trainer` with status 1 and a message naming its node and rank."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from trainer.checkpoint import full_state as ckpt
+from trainer.checkpoint import sharded
 from trainer.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -46,43 +48,94 @@ def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, tmp_path, monkeypatch) -> None:
+#: Greedy rollouts (no per-rank sampling streams) and one checkpoint per step, so that runs on
+#: different numbers of ranks see the same data and can be compared step by step.
+COMMON = ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+          "actor_rollout_ref.rollout.do_sample=false", "trainer.save_freq=1")
+#: Weights of a resumed run against an uninterrupted one: float noise between world sizes moves
+#: Adam's steps by ~1e-6; a resume that lost the Adam moments, the LR schedule or the data
+#: position moves them by about the learning rate (1e-3), which the test checks is detectable.
+RESUME_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, toy: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two steps on one rank in process, uninterrupted: what every resumed run must reproduce."""
+    from trainer.config import load_config
+    from trainer.driver import run_training
+
+    run = tmp_path_factory.mktemp("reference")
+    assert run_training(load_config(overrides(tiny_model_dir, toy, run, *COMMON, "trainer.total_training_steps=2"))) == 0
+    return run
+
+
+def assert_resume_matches(run: Path, reference: Path, step: int) -> None:
+    """Step `step` of `run` (resumed) equals the reference's: weights within `RESUME_ATOL` (which
+    the reference's own last update exceeds tenfold) and the same rewards."""
+    for group in ("actor", "critic"):
+        got = sharded.read_group_state(run / f"global_step_{step}", group)["model"]
+        want = sharded.read_group_state(reference / f"global_step_{step}", group)["model"]
+        before = sharded.read_group_state(reference / f"global_step_{step - 1}", group)["model"]
+        assert max(float((want[k] - before[k]).abs().max()) for k in want) > 10 * RESUME_ATOL, group
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=RESUME_ATOL, msg=f"{group} {name}")
+    mine, theirs = read_jsonl(run / "metrics.jsonl")[-1], read_jsonl(reference / "metrics.jsonl")[step - 1]
+    assert mine["step"] == theirs["step"] == step
+    assert mine["critic/score/mean"] == theirs["critic/score/mean"]
+
+
+def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, reference, tmp_path, monkeypatch) -> None:
     from trainer.config import load_config
     from trainer.driver import run_training
 
     no_ray_address(monkeypatch)
     run = tmp_path / "run"
-    common = ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
-              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40")
-    cfg = load_config(overrides(tiny_model_dir, toy, run, *common, "trainer.n_gpus_per_node=2",
-                                "trainer.total_training_steps=2"))
+    cfg = load_config(overrides(tiny_model_dir, toy, run, *COMMON, "trainer.n_gpus_per_node=2",
+                                "trainer.total_training_steps=1"))
     assert run_training(cfg) == 0
     # the private cluster used a token of its own, not one written into the user's home
     assert os.environ["RAY_AUTH_MODE"] == "token" and not (Path.home() / ".ray").exists()
     rows = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        for rank in (0, 1):
-            assert r[f"dp/rank_{rank}/gen_rows"] == 4, r
-            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/update_actor_tokens"] > 0
-            assert r[f"dp/rank_{rank}/update_critic_tokens"] > 0
-        assert {"timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
-                "timing_s/update_actor", "timing_s/update_critic", "timing_s/weight_sync"} <= set(r)
+    assert [r["step"] for r in rows] == [1]
+    for rank in (0, 1):
+        assert rows[0][f"dp/rank_{rank}/gen_rows"] == 4, rows[0]
+        assert rows[0][f"dp/rank_{rank}/gen_tokens"] > 0 and rows[0][f"dp/rank_{rank}/update_actor_tokens"] > 0
+        assert rows[0][f"dp/rank_{rank}/update_critic_tokens"] > 0
+    assert {"timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
+            "timing_s/update_actor", "timing_s/update_critic", "timing_s/weight_sync"} <= set(rows[0])
     workers = json.loads((run / "workers.json").read_text())
     assert [w["rank"] for w in workers["actor_rollout_ref"]] == [0, 1]
     assert [w["rank"] for w in workers["critic"]] == [0, 1]
     saved = ckpt.find_latest_checkpoint(run)
-    assert saved == run / "global_step_2"
+    assert saved == run / "global_step_1"
     assert ckpt.load_state(saved, "trainer_state")["world_size"] == 2
+    assert sharded.has_group_state(saved, "actor") and sharded.has_group_state(saved, "critic")
     assert (saved / "huggingface" / "config.json").is_file()
     # the same run continues on one rank (still on Ray) from the 2-rank checkpoint
-    cfg = load_config(overrides(tiny_model_dir, toy, run, *common, "trainer.n_gpus_per_node=1",
-                                "trainer.distributed=true", "trainer.total_training_steps=3"))
+    cfg = load_config(overrides(tiny_model_dir, toy, run, *COMMON, "trainer.n_gpus_per_node=1",
+                                "trainer.distributed=true", "trainer.total_training_steps=2"))
     assert run_training(cfg) == 0
     rows = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert "dp/rank_1/gen_rows" not in rows[-1] and rows[-1]["dp/rank_0/gen_rows"] == 8
-    assert ckpt.load_state(run / "global_step_3", "trainer_state")["world_size"] == 1
+    assert ckpt.load_state(run / "global_step_2", "trainer_state")["world_size"] == 1
+    assert_resume_matches(run, reference, 2)
+
+
+def test_four_ranks_checkpoint_resumes_on_two(tiny_model_dir, toy, reference, tmp_path, monkeypatch) -> None:
+    from trainer.config import load_config
+    from trainer.driver import run_training
+
+    no_ray_address(monkeypatch)
+    run = tmp_path / "run"
+    for ranks, steps in ((4, 1), (2, 2)):
+        cfg = load_config(overrides(tiny_model_dir, toy, run, *COMMON, f"trainer.n_gpus_per_node={ranks}",
+                                    f"trainer.total_training_steps={steps}"))
+        assert run_training(cfg) == 0
+        assert ckpt.load_state(run / f"global_step_{steps}", "trainer_state")["world_size"] == ranks
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    assert_resume_matches(run, reference, 2)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:

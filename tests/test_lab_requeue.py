@@ -183,8 +183,10 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
                                                        "HPCRL_RUN_DIR": str(ref),
                                                        "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    mine = torch.load(run_dir / "checkpoints" / "global_step_12" / "actor.pt")
-    theirs = torch.load(ref / "checkpoints" / "global_step_12" / "actor.pt")
+    from trainer.checkpoint import sharded
+
+    mine = sharded.read_group_state(run_dir / "checkpoints" / "global_step_12", "actor")["model"]
+    theirs = sharded.read_group_state(ref / "checkpoints" / "global_step_12", "actor")["model"]
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
@@ -265,7 +267,7 @@ def trainer_pid(run_dir: Path) -> int | None:
 
 def kill_during_save(lab, job: int, run_dir: Path, point: str, timeout: float = 300) -> tuple[str, int]:
     """Kill -9 the trainer while it writes a checkpoint newer than the newest complete one (once
-    there is one), at `point`: `started` (temporary directory made), `states` (a state file
+    there is one), at `point`: `started` (temporary directory made), `states` (a shard file
     written), `export` (HF export under way). Returns the temporary directory's name and the
     newest complete step at the kill."""
     from trainer.checkpoint import full_state as ckpt
@@ -279,7 +281,7 @@ def kill_during_save(lab, job: int, run_dir: Path, point: str, timeout: float = 
         newest = ckpt.find_latest_checkpoint(root)
         for tmp in (root.glob(".tmp-global_step_*") if newest and pid else []):
             step = int(re.findall(r"global_step_(\d+)", tmp.name)[0])
-            reached = {"started": True, "states": (tmp / "actor.pt").exists(),
+            reached = {"started": True, "states": any((tmp / "actor").glob("*.distcp")),
                        "export": (tmp / "huggingface").exists()}
             if step > ckpt.step_of(newest) and reached[point] and tmp.is_dir():
                 os.kill(pid, signal.SIGKILL)

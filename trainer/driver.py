@@ -38,6 +38,7 @@ from trainer import models as M
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
+from trainer.checkpoint import sharded
 from trainer.config import Config, ConfigError, config_to_dict
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline
@@ -458,30 +459,49 @@ class PPODriver:
     # ------------------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        """`<default_local_dir>/global_step_N/`: rank 0 of each group writes its gathered states
-        into the temporary directory, the driver adds the loop state and the config, then commits."""
+        """`<default_local_dir>/global_step_N/`: every rank of each group writes its shards into
+        the temporary directory, the driver adds the loop state and the config, then commits. A
+        failed write removes the temporary directory (the previous checkpoint stays the newest)
+        and, when the storage is out of room, says where and how much is needed."""
         from trainer.config import dump_config
 
-        tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step)
+        tmp = None
         try:
+            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step)
             for group in self._groups():
                 group.run("save_checkpoint", str(tmp))
-            state = {"global_step": self.global_step, "loader": self.loader.state_dict(),
-                     "kl_ctrl": self.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(),
-                     "world_size": self.world}
-            ckpt.write_states(tmp, {"trainer_state": state})
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            ckpt.write_states(tmp, {"trainer_state": self._trainer_state()})
+            return ckpt.commit_checkpoint(
+                self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
+                metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
+                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
+        except BaseException as exc:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, sharded.CheckpointWriteError):  # a group's own, with its exact size
+                raise
+            error = sharded.out_of_space_error(exc, tmp or self.ckpt_root, self._previous_checkpoint_bytes())
+            if error is not None:
+                raise error from exc
             raise
-        return ckpt.commit_checkpoint(
-            self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
-            metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
-            keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What the driver owns: step, data position, KL controller, RNG (small, world-size free)."""
+        return {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(), "world_size": self.world}
+
+    def _previous_checkpoint_bytes(self) -> int | None:
+        """The size of the newest complete checkpoint: what the next one needs, about."""
+        from trainer.checkpoint.layout import read_manifest
+
+        newest = ckpt.find_latest_checkpoint(self.ckpt_root)
+        manifest = read_manifest(newest) if newest is not None else None
+        return None if manifest is None else sum(int(n) for n in manifest["files"].values())
 
     def load_checkpoint(self, path: Path) -> int | str:
         """Load a checkpoint written on any number of ranks; returns that number."""
-        names = {f.name[:-3] for f in path.glob("*.pt")}
-        if self.critic_group is not None and "critic" not in names:
+        sharded.require_group_state(path, "actor")  # refuses the gathered format of old runs
+        if self.critic_group is not None and not sharded.has_group_state(path, "critic"):
             raise ConfigError(
                 f"checkpoint `{path}` has no critic but `algorithm.adv_estimator="
                 f"{self.cfg.algorithm.adv_estimator}` needs one; resume with the estimator the run "

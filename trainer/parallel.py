@@ -13,8 +13,8 @@
   number of ranks.
 - Micro-batches: by sample count, or by token budget with the same number of micro-batches on
   every rank (:func:`rank_micro_batches`), which FSDP needs (its collectives run per forward).
-- Full (gathered) state dicts for checkpoints and weight sync: :func:`full_model_state`,
-  :func:`full_optim_state` and their loaders, in the same layout whatever the world size.
+- Full (gathered) model state for weight sync and the HF export: :func:`full_model_state`
+  (checkpoints are sharded, :mod:`trainer.checkpoint.sharded`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,8 @@ __all__ = [
     "balanced_split",
     "free_port",
     "full_model_state",
-    "full_optim_state",
     "init_method_url",
     "init_process_group",
-    "load_full_model_state",
-    "load_full_optim_state",
     "rank_micro_batches",
     "single_rank",
     "split_rows",
@@ -232,32 +229,10 @@ def _full_options(cpu_offload: bool = True) -> Any:
 def full_model_state(model: torch.nn.Module, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's state (gathered from the shards under FSDP; a collective).
 
-    By default it lands on the CPU, and under FSDP only rank 0 receives it (enough for a
-    checkpoint); `every_rank=True` gives every rank the full tensors on its device (weight sync).
+    By default it lands on the CPU, and under FSDP only rank 0 receives it (enough for the HF
+    export); `every_rank=True` gives every rank the full tensors on its device (weight sync).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state: dict[str, Any] = get_model_state_dict(model, options=_full_options(cpu_offload=not every_rank))
     return state
-
-
-def full_optim_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state keyed by parameter name, gathered to the CPU of rank 0 (a collective
-    under FSDP; other ranks may receive an empty state)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optim, options=_full_options())
-
-
-def load_full_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    """Load a full state written by :func:`full_model_state` (any world size)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
-def load_full_optim_state(model: torch.nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a full optimizer state written by :func:`full_optim_state` (any world size)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))

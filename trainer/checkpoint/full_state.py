@@ -1,8 +1,9 @@
 """Checkpoints as self-describing directories ``<root>/global_step_N/``.
 
-A checkpoint is written under a temporary sibling name (``.tmp-global_step_N-...``): every
-named state goes to ``<name>.pt`` (``torch.save``), optional text/bytes files and an HF export
-of the actor (``huggingface/``) follow, then ``manifest.json`` listing every file and its size
+A checkpoint is written under a temporary sibling name (``.tmp-global_step_N-...``): each
+worker group's ranks write their shards into ``<group>/`` (:mod:`trainer.checkpoint.sharded`),
+small named states (trainer state, LR schedulers) go to ``<name>.pt`` (``torch.save``), optional
+text/bytes files and an HF export of the actor (``huggingface/``) follow, then ``manifest.json`` listing every file and its size
 is written last. All files and directories are fsynced, the directory is renamed to
 ``global_step_N``, and only then is the marker ``latest_checkpointed_iteration.txt`` (verl's
 name) replaced atomically. A directory without a valid manifest, or whose files do not match

@@ -1,5 +1,5 @@
 """What every worker class shares: identity, its torch.distributed group, optimizer and
-scheduler, the optimizer step and gathered (world-size free) checkpoints.
+scheduler, the optimizer step and sharded (world-size free) checkpoints.
 
 A worker is a plain class: a worker group runs one instance per rank, as a Ray actor
 (:mod:`trainer.workers.ray_group`) or in the driver's process (:mod:`trainer.workers.group`,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import StepBatch, seed_everything
 from trainer.checkpoint import full_state as ckpt
+from trainer.checkpoint import sharded
 from trainer.config import Config, ConfigError
 
 __all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device"]
@@ -154,26 +156,26 @@ class Worker:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None) -> float:
-        """Gather the full model and optimizer (a collective) and let rank 0 write
-        `<prefix>.pt`, `<prefix>_optim.pt`, `<prefix>_sched.pt` into `tmp`. Returns seconds."""
+        """Write this rank's shards of the model and optimizer into `tmp/<prefix>/` (a collective,
+        :mod:`~trainer.checkpoint.sharded`); rank 0 adds the scheduler (`<prefix>_sched.pt`) and,
+        for the actor, the HF export. Returns seconds."""
         start = time.perf_counter()
-        model_state = P.full_model_state(self.model)
-        optim_state = P.full_optim_state(self.model, self.optim)
+        sharded.save_group_state(Path(tmp) / prefix, self.model, self.optim)
+        hf_state = None if hf_tokenizer_path is None else P.full_model_state(self.model)
         if self.rank == 0:
-            states = {prefix: model_state, f"{prefix}_optim": optim_state,
-                      f"{prefix}_sched": self.sched.state_dict()}
+            states = {f"{prefix}_sched": self.sched.state_dict()}
             if hf_tokenizer_path is None:  # no HF export (the critic)
                 ckpt.write_states(tmp, states)
-            else:
-                ckpt.write_states(tmp, states, hf_model=self.model, hf_state_dict=model_state,
+            else:  # the HF export still gathers the model (not the optimizer) on rank 0
+                ckpt.write_states(tmp, states, hf_model=self.model, hf_state_dict=hf_state,
                                   hf_tokenizer=M.load_tokenizer(hf_tokenizer_path))
         return time.perf_counter() - start
 
     def load(self, path: str, prefix: str) -> float:
-        """Load `<prefix>*.pt` of a checkpoint written with any world size. Returns seconds."""
+        """Load `<prefix>/` (the shards that overlap this rank's) and `<prefix>_sched.pt` of a
+        checkpoint written with any world size. Returns seconds."""
         start = time.perf_counter()
-        P.load_full_model_state(self.model, ckpt.load_state(path, prefix))
-        P.load_full_optim_state(self.model, self.optim, ckpt.load_state(path, f"{prefix}_optim"))
+        sharded.load_group_state(path, prefix, self.model, self.optim)
         self.sched.load_state_dict(ckpt.load_state(path, f"{prefix}_sched"))
         return time.perf_counter() - start
 
