@@ -205,6 +205,9 @@ def test_logs_of_one_restart(run: Path) -> None:
     assert f"agent-0-{HOST}.log <==" in agent.stdout and "starting the payload" in agent.stdout
     bad = run_hpcrl(["logs", str(run), "--restart", "7"], env)
     assert bad.returncode == 2 and "has runs 0, 1" in bad.stderr
+    absent = run_hpcrl(["logs", str(run), "--restart", "0", "--node", "3"], env)
+    assert absent.returncode == 2 and "the agents of run 0 were nodes 0 (the state file)" in \
+        absent.stderr, absent.stderr
 
 
 # ----------------------------------------------------------------------------- progress
