@@ -133,7 +133,9 @@ def submit(run: Path, overrides: Sequence[str], resume: bool) -> int:
 
 
 def plot(run: Path) -> Path | None:
-    out = run / "metrics.png"
+    from hpcrl import rundir
+
+    out = rundir.RunDir(run).plot
     proc = subprocess.run([sys.executable, "-m", "hpcrl", "plot", str(run), "-o", str(out)],
                           capture_output=True, text=True)
     if proc.returncode != 0:

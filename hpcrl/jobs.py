@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.rundir import LOGS, SUBMISSION_FILE, RunDir, RunFileError, read_submission
 from hpcrl.slurm import SlurmError, check_job_id, show_job
-from hpcrl.submission import SUBMISSION_FILE
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class JobRef:
 def run_dir_from_stdout(stdout: str) -> Path | None:
     """`<run>/logs/slurm-12.out` or `<run>/submitit/12_0_log.out` -> `<run>`."""
     p = Path(stdout)
-    if p.parent.name in ("logs", "submitit") and p.is_absolute():
+    if p.parent.name in (LOGS, "submitit") and p.is_absolute():
         return p.parent.parent
     return None
 
@@ -31,13 +30,13 @@ def resolve(arg: str) -> JobRef:
     """A job id (asks `scontrol`) or a run directory (reads its `submission.json`)."""
     if os.sep in arg or Path(arg).is_dir():
         run_dir = Path(arg).expanduser().absolute()
-        sub = run_dir / SUBMISSION_FILE
+        sub = RunDir(run_dir).submission
         if not sub.is_file():
             raise SlurmError(f"`{run_dir}` has no {SUBMISSION_FILE}: it is not the run directory "
                              "of a submitted job")
         try:
-            return JobRef(str(json.loads(sub.read_text())["job_id"]), run_dir)
-        except (ValueError, KeyError, TypeError) as exc:
+            return JobRef(str(read_submission(run_dir)["job_id"]), run_dir)
+        except (RunFileError, KeyError) as exc:
             raise SlurmError(f"`{sub}` is damaged ({type(exc).__name__}: {exc}); give the job "
                              "id instead of the run directory") from None
     job = check_job_id(arg)
@@ -50,8 +49,7 @@ def resolve(arg: str) -> JobRef:
 
 def log_files(run_dir: Path, job_id: str, node: int | None = None) -> list[Path]:
     """The job's log files that exist: batch log first, then per-node logs (or just `node`)."""
-    sub = json.loads((run_dir / SUBMISSION_FILE).read_text())
-    patterns: dict[str, str] = sub["logs"]
+    patterns: dict[str, str] = read_submission(run_dir)["logs"]
     out: list[Path] = []
     if node is None and "batch" in patterns:
         out.append(Path(patterns["batch"].replace("%j", job_id)))

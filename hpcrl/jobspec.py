@@ -2,7 +2,7 @@
 
 Contract with the node agent (`python -m hpcrl.agent <RUN_DIR>`, one per node):
 
-- ``JobSpec.from_json((run_dir / JOB_FILE).read_text())`` gives the job.
+- ``JobSpec.from_dict(hpcrl.rundir.read_job(run_dir))`` gives the job.
 - ``profile`` is the fully resolved site profile as plain data; rebuild the dataclasses with
   :func:`hpcrl.profiles.profile_from_dict`.
 - ``payload`` is the argv of the payload run on the head inside the container (default
@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-JOB_FILE = "job.json"
+from hpcrl.rundir import RunDir, RunFileError, read_job
+
 SPEC_VERSION = 1
 
 
@@ -79,6 +80,11 @@ class JobSpec:
         except json.JSONDecodeError as exc:
             raise JobSpecError(f"job.json is not valid JSON ({exc}); rewrite it with "
                                "`hpcrl submit`/`hpcrl render`") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobSpec:
+        """The job from the decoded `job.json`, every field checked."""
         if not isinstance(data, dict):
             raise JobSpecError(f"job.json must hold an object, got {type(data).__name__}")
         if data.get("version") != SPEC_VERSION:
@@ -109,9 +115,6 @@ class RunDirError(ValueError):
     """The run directory exists and is not empty, or cannot be created."""
 
 
-CANARY_FILE = "canary"
-
-
 def canary_nonce(spec: JobSpec, run_dir: str | Path) -> str:
     """The value every node must find in `<run_dir>/canary` (exported as `HPCRL_CANARY`): a
     digest of this submission, so a node with its own copy of the run directory fails fast."""
@@ -140,16 +143,19 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(run_dir, 0o700)
-        (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
-        _write_private(run_dir / CANARY_FILE, canary_nonce(spec, run_dir))
+        RunDir(run_dir).logs.mkdir(mode=0o700, exist_ok=True)
+        _write_private(RunDir(run_dir).canary, canary_nonce(spec, run_dir))
     except OSError as exc:
         raise RunDirError(
             f"cannot create the run directory `{run_dir}`: {exc.strerror or exc} "
             f"(`{exc.filename}`); choose a `--run-dir` on a writable file system the nodes "
             "share") from None
-    target = run_dir / JOB_FILE
+    target = RunDir(run_dir).job
     if resume and target.exists():
-        JobSpec.from_json(target.read_text())  # refuse a damaged job.json before submitting
+        try:  # refuse a damaged job.json before submitting
+            JobSpec.from_dict(read_job(run_dir, "rewrite it with `hpcrl submit`/`hpcrl render`"))
+        except RunFileError as exc:
+            raise JobSpecError(str(exc)) from None
         return run_dir
     _write_private(target, spec.to_json())
     return run_dir
@@ -158,12 +164,12 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
 def _nearby_runs(parent: Path, limit: int = 5) -> str:
     """`; run directories in PARENT: a, b` (newest first), for an error about a mistyped path."""
     try:
-        runs = [d for d in parent.iterdir() if (d / JOB_FILE).is_file()]
+        runs = [d for d in parent.iterdir() if RunDir(d).job.is_file()]
     except OSError:
         return f" (`{parent}` does not exist either)"
     if not runs:
         return f" (`{parent}` holds no run directory)"
-    runs.sort(key=lambda d: (d / JOB_FILE).stat().st_mtime, reverse=True)
+    runs.sort(key=lambda d: RunDir(d).job.stat().st_mtime, reverse=True)
     more = f" and {len(runs) - limit} more" if len(runs) > limit else ""
     return f"; run directories in `{parent}`: " + ", ".join(d.name for d in runs[:limit]) + more
 

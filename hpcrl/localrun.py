@@ -11,7 +11,6 @@ checkpoint and exit (status 3); the second aborts the step. SIGTERM is forwarded
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -38,11 +37,8 @@ def next_restart(run_dir: Path) -> int:
 
 def local_job_id(run_dir: Path) -> str:
     """The job id of an earlier run of `run_dir` (resume), or a new `local-<hex>`."""
-    try:
-        previous = json.loads((run_dir / "submission.json").read_text()).get("job_id", "")
-    except (OSError, ValueError):
-        previous = ""
-    if isinstance(previous, str) and previous.startswith("local-"):
+    previous = rundir.submitted_job_id(run_dir) or ""
+    if previous.startswith("local-"):
         return previous
     return f"local-{secrets.token_hex(4)}"
 
@@ -144,22 +140,20 @@ def _follow(proc: subprocess.Popen[bytes], watcher: RunWatcher, progress: Progre
 
 
 def _record_submission(run_dir: Path, job_id: str) -> None:
-    sub = run_dir / "submission.json"
     try:
-        data = json.loads(sub.read_text())
-    except (OSError, ValueError):
+        data = rundir.read_submission(run_dir)
+    except rundir.RunFileError:
         data = {"via": "local", "run_dir": str(run_dir),
-                "logs": {"node": str(run_dir / "logs" / "local-node0.out")}}
+                "logs": {"node": rundir.log_patterns(str(run_dir))["local_node"]}}
     data["job_id"] = job_id
     data.pop("exit_status", None)
-    sub.write_text(json.dumps(data, indent=2) + "\n")
+    rundir.write_submission(run_dir, data)
 
 
 def trainer_errors(run_dir: Path, restart: int) -> list[str]:
     """The trainer's own error lines (`python -m trainer: error: ...`) of one run."""
-    log = run_dir / str(restart) / "logs" / "payload.log"
     try:
-        text = log.read_text(errors="replace")
+        text = rundir.RunPaths(run_dir, restart).payload_log.read_text(errors="replace")
     except OSError:
         return []
     return [ln for ln in text.splitlines() if ln.startswith("python -m trainer: error:")]
@@ -189,8 +183,8 @@ def end_lines(report: rundir.RunReport, code: int, run_dir: Path, resume_hint: s
             out += ["the trainer refused its input:", *("  " + e.removeprefix(
                 "python -m trainer: error: ") for e in errors)]
         else:
-            payload = run_dir / str(restart) / "logs" / "payload.log"
-            agent = sorted((run_dir / str(restart) / "logs").glob("agent-0-*.log"))
+            paths = rundir.RunPaths(run_dir, restart)
+            payload, agent = paths.payload_log, paths.agent_logs(0)
             tail_of = payload if payload.exists() else (agent[0] if agent else payload)
             out += [f"the job failed (exit status {code}); last lines of {tail_of}:",
                     *("  " + ln for ln in log_tail(tail_of))]

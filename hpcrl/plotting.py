@@ -2,12 +2,12 @@
 
 matplotlib is imported only here, when a plot is asked for, with the Agg backend (no display).
 Restarts (a run that resumed from a checkpoint) are dashed vertical lines at the first step of
-each later run, labelled `restart N`.
+each later run, labelled `restart N` and how the run before it ended (from the state file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,10 @@ def series(records: Sequence[dict[str, Any]], panel: Panel) -> tuple[str | None,
     return None, [], []
 
 
-def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
-    """The matplotlib Figure: one row per panel, shared step axis, restarts marked."""
+def build_figure(records: Sequence[dict[str, Any]], title: str = "",
+                 endings: Mapping[int, str] | None = None) -> Any:
+    """The matplotlib Figure: one row per panel, shared step axis, restarts marked (with how
+    the run before each one ended, from `endings`: restart -> words)."""
     if not records:
         raise PlotError("no steps to plot: the run has not logged any step yet (`metrics.jsonl` "
                         "is empty); wait for the first step or check `hpcrl logs RUN`")
@@ -74,7 +76,10 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
         for restart, step in restarts:
             ax.axvline(step - 0.5, color="tab:red", linestyle="--", linewidth=1)
             if panel is PANELS[0]:
-                ax.annotate(f"restart {restart}: resumed after step {step - 1}", xy=(step - 0.5, 1), xycoords=("data", "axes fraction"),
+                why = (endings or {}).get(restart)
+                ax.annotate(f"restart {restart}: resumed after step {step - 1}"
+                            + (f" ({why})" if why else ""), xy=(step - 0.5, 1),
+                            xycoords=("data", "axes fraction"),
                             xytext=(3, -12), textcoords="offset points", color="tab:red",
                             fontsize="small")
     from matplotlib.ticker import MaxNLocator
@@ -90,14 +95,28 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
     return fig
 
 
+def restart_endings(run_dir: Path) -> dict[int, str]:
+    """restart R -> how run R-1 ended, from the state file (`run 0 stopped, requeued`)."""
+    from hpcrl.agent.requeue import REQUEUE
+
+    out = {}
+    for r in rundir.restart_indices(run_dir):
+        info = rundir.read_restart(run_dir, r)
+        if info.ended is not None:
+            requeued = ", requeued" if info.requeue_action == REQUEUE else ""
+            out[r + 1] = f"run {r} {rundir.restart_state(info, alive=False)}{requeued}"
+    return out
+
+
 def plot_run(run_dir: Path, output: Path | None = None) -> tuple[Path, Any]:
     """Write the PNG of `run_dir` (default `RUN/metrics.png`); return (path, figure)."""
     metrics = rundir.find_metrics(run_dir)
     if metrics is None:
         raise PlotError(f"no `metrics.jsonl` in `{run_dir}` (searched 3 levels deep): is it a run "
                         "directory, and has the trainer logged a step yet?")
-    fig = build_figure(rundir.read_metrics(metrics), title=str(run_dir))
-    out = output or run_dir / "metrics.png"
+    fig = build_figure(rundir.read_metrics(metrics), title=str(run_dir),
+                       endings=restart_endings(run_dir))
+    out = output or rundir.RunDir(run_dir).plot
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out, fig

@@ -1,9 +1,9 @@
 """Progress of a run that fits a terminal: what it waits for, then one line per training step.
 
-:class:`RunWatcher` turns the run directory into events (pure reading of the files the node
-agent and the trainer write); :class:`Progress` prints them. On a terminal the waiting state is
-one line rewritten in place and each step a line of its own; when stdout is not a terminal only
-state changes and step lines are printed, plainly.
+:class:`RunWatcher` turns the run directory into events (pure reading of the state file the
+node agents append to and of the trainer's metrics); :class:`Progress` prints them. On a
+terminal the waiting state is one line rewritten in place and each step a line of its own; when
+stdout is not a terminal only state changes and step lines are printed, plainly.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class RunWatcher:
 
     def info(self) -> rundir.RestartInfo | None:
         r = self.current_restart()
-        if r is None or not (self.run_dir / str(r)).is_dir():
+        if r is None or not rundir.RunPaths(self.run_dir, r).root.is_dir():
             return None
         return rundir.read_restart(self.run_dir, r)
 

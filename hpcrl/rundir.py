@@ -1,13 +1,21 @@
-"""What a run directory says about its job: every run (restart) and how it ended, node states,
-metrics and checkpoints.
+"""The run directory: where every file of a job lives, the one reader of `job.json` and
+`submission.json`, the job's state file, and what they say about the job (every run, how it
+ended, metrics and checkpoints).
 
-Reads only files (light: no Slurm, no torch). Layout, as the submission, the node agent and
-the trainer write it::
+No other module joins path names inside a run directory: the submission, the node agent, the
+commands and the trainer's reader ask :class:`RunDir` and :class:`RunPaths`. Reading stays light
+(no Slurm, no torch). Layout::
 
     RUN/job.json               the job (payload = trainer argv with its overrides)
     RUN/submission.json        job id and log patterns
+    RUN/canary                 nonce written at submission; every node checks it
+    RUN/state.jsonl            the job's state file: one JSON object per line, appended by the
+                               node agents (phase changes, exit statuses, requeues)
+    RUN/logs/                  the batch script's and the nodes' output (Slurm's log files)
     RUN/<R>/                   one directory per run of the job (restart R = 0, 1, ...):
-        rendezvous.json nodes/<rank>.json stop.json summary.txt logs/agent-*.log logs/payload.log
+        token rendezvous.json head-alive nodes/<rank>.json stop.json warning summary.txt
+        logs/agent-<rank>-<host>.log logs/payload.log
+    RUN/metrics.png            `hpcrl plot`'s picture
     <trainer.run_dir>/metrics.jsonl              one JSON object per step
     <trainer.default_local_dir>/global_step_N/   checkpoints (complete: the trainer's rule,
                                                  a manifest naming the step and every file
@@ -16,13 +24,16 @@ the trainer write it::
 Launched by hpcrl (`HPCRL_RUN_DIR` set), the trainer writes its metrics to RUN and its
 checkpoints to `RUN/checkpoints`; explicit `trainer.run_dir=`/`trainer.default_local_dir=`
 overrides in the payload are followed (relative ones from RUN, its working directory).
+
+The state of a job (`hpcrl status`, `--follow`, `cancel`, a local run's progress) is read from
+`state.jsonl` alone; the agents' logs are for people and are never parsed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,98 +41,374 @@ from typing import Any
 
 from trainer.checkpoint.layout import is_complete, step_of
 from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
+from trainer.metrics import METRICS_FILE  # the trainer writes it; named once, there
 
-METRICS_FILE = "metrics.jsonl"
+JOB_FILE = "job.json"
+SUBMISSION_FILE = "submission.json"
+CANARY_FILE = "canary"
+STATE_FILE = "state.jsonl"
+LOGS = "logs"
+PAYLOAD_LOG = "payload.log"
 CHECKPOINTS = "checkpoints"
-JOINED_RE = re.compile(r"(\d+)/(\d+) nodes joined")
-PAYLOAD_STARTED = "starting the payload"
+
+
+class RunFileError(ValueError):
+    """A file of the run directory is missing or damaged."""
+
+
+# ----------------------------------------------------------------------------- layout
 
 
 @dataclass(frozen=True)
-class RestartInfo:
-    """One run of the job (`RUN/<index>/`)."""
+class RunPaths:
+    """Where one run (job + restart) keeps its files: `RUN/<restart>/`."""
 
-    index: int = field(metadata={"help": "restart number (0 = first run)"})
-    nodes_total: int | None = field(metadata={"help": "nodes in the allocation (head's view)"})
-    nodes_joined: int = field(metadata={"help": "nodes in the Ray cluster, from the agent log"})
-    payload_started: bool = field(metadata={"help": "the head started the payload"})
-    node_states: dict[int, str] = field(metadata={"help": "rank -> agent state"})
-    ended: str | None = field(metadata={"help": "first line of summary.txt once the run ended"})
-    exit_code: int | None = field(metadata={"help": "the payload's exit status, when known"})
-    head_pid: int | None = field(metadata={"help": "process id of the head's agent"})
-    started: float | None = field(metadata={"help": "time the head published the rendezvous"})
+    run_dir: Path
+    restart: int
+
+    @property
+    def root(self) -> Path:
+        return self.run_dir / str(self.restart)
+
+    @property
+    def token(self) -> Path:
+        return self.root / "token"
+
+    @property
+    def rendezvous(self) -> Path:
+        return self.root / "rendezvous.json"
+
+    @property
+    def head_alive(self) -> Path:
+        return self.root / "head-alive"
+
+    @property
+    def nodes(self) -> Path:
+        return self.root / "nodes"
+
+    @property
+    def stop(self) -> Path:
+        return self.root / "stop.json"
+
+    @property
+    def summary(self) -> Path:
+        """The run's summary for people: a headline, then one line per node."""
+        return self.root / "summary.txt"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS
+
+    @property
+    def payload_log(self) -> Path:
+        return self.logs / PAYLOAD_LOG
+
+    @property
+    def warning(self) -> Path:
+        """Written by the batch script's trap when Slurm's warning signal arrives (the signal
+        itself stays in the batch shell: sent through `srun` it would reach every process of the
+        step, Ray's included, and kill them)."""
+        return self.root / "warning"
+
+    def node_file(self, rank: int) -> Path:
+        return self.nodes / f"{rank}.json"
+
+    def agent_log(self, rank: int, host: str) -> Path:
+        return self.logs / f"agent-{rank}-{host}.log"
+
+    def node_log(self, role: str, rank: int, host: str) -> Path:
+        """The output of a process the agent of node `rank` started (`ray-start`, `gcs-watch`),
+        or, for `ray`, the directory of Ray's own logs kept after the run."""
+        return self.logs / (f"{role}-{rank}-{host}" + ("" if role == "ray" else ".log"))
+
+    def helper(self, name: str) -> Path:
+        """A script the head copies here for the processes next to Ray (in the container)."""
+        return self.root / name
+
+    def agent_logs(self, rank: int | None = None) -> list[Path]:
+        """The agents' logs present (every node, or node `rank`), by rank."""
+        pattern = f"agent-{rank}-*.log" if rank is not None else "agent-*.log"
+        return sorted(self.logs.glob(pattern), key=lambda p: (int(p.name.split("-")[1]), p.name))
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+@dataclass(frozen=True)
+class RunDir:
+    """Where the job as a whole keeps its files: `RUN/`."""
+
+    path: Path
+
+    @property
+    def job(self) -> Path:
+        return self.path / JOB_FILE
+
+    @property
+    def submission(self) -> Path:
+        return self.path / SUBMISSION_FILE
+
+    @property
+    def canary(self) -> Path:
+        return self.path / CANARY_FILE
+
+    @property
+    def state(self) -> Path:
+        return self.path / STATE_FILE
+
+    @property
+    def plot(self) -> Path:
+        """Where `hpcrl plot` writes its PNG unless told otherwise."""
+        return self.path / "metrics.png"
+
+    @property
+    def logs(self) -> Path:
+        """Slurm's output files of the batch script and the nodes (`local-node0.out` locally)."""
+        return self.path / LOGS
+
+    def looks_like_one(self) -> bool:
+        """A directory hpcrl wrote: it holds `job.json` or the trainer's metrics."""
+        return (self.job.is_file() or (self.path / METRICS_FILE).is_file()
+                or any(self.path.glob(f"*/{METRICS_FILE}")))
+
+
+# The submission names the run's files in the scripts it renders: as text, exactly as given.
+
+
+def log_patterns(run_dir: str) -> dict[str, str]:
+    """Where Slurm (or submitit, or the local job script) writes each log (`%j` = job id,
+    `%n`/`%t` = node index)."""
+    return {
+        "batch": f"{run_dir}/{LOGS}/slurm-%j.out",
+        "node": f"{run_dir}/{LOGS}/%j-node%n.out",
+        "local_node": f"{run_dir}/{LOGS}/local-node0.out",
+        "submitit_folder": f"{run_dir}/submitit",
+        "submitit_node": f"{run_dir}/submitit/%j_%t_log.out",
+        "submitit_node_err": f"{run_dir}/submitit/%j_%t_log.err",
+    }
+
+
+def script_file(run_dir: str, local: bool) -> str:
+    """The rendered job script: `job.sh` run by bash here, `job.sbatch` given to sbatch."""
+    return f"{run_dir}/{'job.sh' if local else 'job.sbatch'}"
+
+
+def job_file(run_dir: str) -> str:
+    return f"{run_dir}/{JOB_FILE}"
 
 
 def restart_indices(run_dir: Path) -> list[int]:
-    """The restarts present in `run_dir`, oldest first."""
+    """The restarts present in `run_dir` (`RUN/<N>/`), oldest first."""
     try:
         return sorted(int(p.name) for p in run_dir.iterdir() if p.name.isdigit() and p.is_dir())
     except FileNotFoundError:
         return []
 
 
-def joined_from_log(text: str) -> tuple[int, int] | None:
-    """The last `N/M nodes joined` an agent log reports, as (N, M)."""
-    found = JOINED_RE.findall(text)
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
+# ----------------------------------------------------------------------------- job.json, submission.json
 
 
-def _agent_log(root: Path) -> str:
-    parts = []
-    for log in sorted((root / "logs").glob("agent-0-*.log")):
-        try:
-            parts.append(log.read_text(errors="replace"))
-        except OSError:
-            pass
-    return "".join(parts)
-
-
-def read_restart(run_dir: Path, index: int) -> RestartInfo:
-    """Everything `RUN/<index>/` says about that run."""
-    root = run_dir / str(index)
-    rdv = _read_json(root / "rendezvous.json") or {}
-    nodes: dict[int, dict[str, Any]] = {}
-    for f in (root / "nodes").glob("*.json"):
-        data = _read_json(f)
-        if f.stem.isdigit() and data is not None:
-            nodes[int(f.stem)] = data
-    log = _agent_log(root)
-    joined = joined_from_log(log)
-    total = len(rdv["nodes"]) if isinstance(rdv.get("nodes"), list) else (joined[1] if joined else None)
-    stop = _read_json(root / "stop.json") or {}
-    ended = None
+def _read_object(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in `path`; a :class:`RunFileError` naming the file, the fault and `fix`."""
     try:
-        ended = (root / "summary.txt").read_text().splitlines()[0]
-    except (OSError, IndexError):
-        pass
-    code = stop.get("exit_code")
-    head = nodes.get(0, {})
+        text = path.read_text()
+    except OSError as exc:
+        raise RunFileError(f"cannot read `{path}` ({exc.strerror}); {fix}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RunFileError(f"`{path}` is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(data, dict):
+        raise RunFileError(f"`{path}` holds {type(data).__name__}, expected a JSON object; {fix}")
+    return data
+
+
+JOB_FIX = "the run directory must be created by `hpcrl submit` and be visible on every node"
+
+
+def read_job(run_dir: Path, fix: str = JOB_FIX) -> dict[str, Any]:
+    """The decoded `job.json` (its fields are checked by whoever uses them: `JobSpec`, the
+    agent's `parse_job`); an error names the file, the fault and `fix`."""
+    return _read_object(RunDir(run_dir).job, fix)
+
+
+def read_submission(run_dir: Path) -> dict[str, Any]:
+    """The decoded `submission.json`: `job_id`, `via`, `logs` (patterns with `%j`, `%n`)."""
+    return _read_object(RunDir(run_dir).submission, "give the job id instead of the run "
+                        "directory, or submit again with `--resume`")
+
+
+def submitted_job_id(run_dir: Path) -> str | None:
+    """The job id `submission.json` records, None when there is none to read."""
+    try:
+        job_id = read_submission(run_dir).get("job_id")
+    except RunFileError:
+        return None
+    return None if job_id is None else str(job_id)
+
+
+def write_submission(run_dir: Path, data: dict[str, Any]) -> None:
+    """Record the submission (job id, how, log patterns) for `status`, `logs` and `cancel`."""
+    RunDir(run_dir).submission.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- the state file
+
+STATE_LINE_MAX = 4000
+"""Bytes of one state line at most: below `PIPE_BUF`, so one `write` with `O_APPEND` lands whole
+and lines from several writers never interleave inside a line."""
+TEXT_MAX = 600
+"""Characters kept of a free-text field (a cause, a message) in a state line."""
+
+# The events, each line also carrying `time`, `restart`, `rank` and `host` of its writer:
+AGENT_STARTED = "agent_started"
+"""Every node, first: `pid` of the agent, `nodes` in the allocation, `job_id`."""
+NODES_JOINED = "nodes_joined"
+"""Head, at each change while it waits for the cluster: `joined` of `total` nodes in Ray."""
+PAYLOAD_STARTED = "payload_started"
+"""Head: the payload runs (`pid`, `nodes`)."""
+STOP_REQUESTED = "stop_requested"
+"""Head, once: why the payload was asked to checkpoint and stop (`reason`, `payload_started`,
+`terminated_by`: the signal with which Slurm ended the job, if one did)."""
+PAYLOAD_EXITED = "payload_exited"
+"""Head: the payload's exit `status` (3: checkpointed, asks to be requeued) and `stop_reason`."""
+REQUEUE_DECIDED = "requeue_decided"
+"""Head: `action` (`hpcrl.agent.requeue`: requeue, no-slurm, ...), `message`, `deferred`
+(the requeue waits for the teardown)."""
+REQUEUE_DONE = "requeue_done"
+"""Head: what `scontrol requeue` did (`target`, `message`)."""
+RUN_ENDED = "run_ended"
+"""Head, as the teardown begins: `summary` (the headline of `summary.txt`), `cause`,
+`exit_code` of the job."""
+TEARDOWN_DONE = "teardown_done"
+"""Every node, last: its processes are stopped (`exit_code` of the node's part)."""
+
+
+@dataclass(frozen=True)
+class StateWriter:
+    """One node's voice in the state file: every line it appends names its run and node."""
+
+    run_dir: Path
+    restart: int
+    rank: int
+    host: str
+
+    def append(self, event: str, **fields: Any) -> None:
+        """Append one line `{"time", "event", "restart", "rank", "host", **fields}`."""
+        record = {key: _short(value) for key, value in fields.items()}
+        record.update(time=round(time.time(), 3), event=event, restart=self.restart,
+                      rank=self.rank, host=self.host)
+        append_line(RunDir(self.run_dir).state, record)
+
+
+def _short(value: Any) -> Any:
+    return value[:TEXT_MAX] if isinstance(value, str) else value
+
+
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    """Append `record` as one line with a single `write` on an `O_APPEND` descriptor: never a
+    rewrite, so a reader sees whole lines (and at worst a torn last one after a kill -9).
+
+    Local file systems, Lustre and GPFS append atomically for every writer; NFS does so only
+    for writers on one client, which is why the head writes nearly every line and a worker
+    only its start and its end."""
+    data = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    if len(data) > STATE_LINE_MAX:
+        raise RunFileError(f"a state line of {len(data)} bytes for `{path}` (at most "
+                           f"{STATE_LINE_MAX}, one atomic append); shorten its fields")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer was killed mid-line (or
+            data = b"\n" + data  # is mid-copy): end that line first; readers skip empty lines
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_state(run_dir: Path, restart: int | None = None) -> list[dict[str, Any]]:
+    """The state file's records (of run `restart`, or all), oldest first. A last line without
+    its newline (the writer was killed mid-write) and lines that are not JSON objects are
+    skipped."""
+    try:
+        raw = RunDir(run_dir).state.read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in raw[: raw.rfind(b"\n") + 1].splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("event"), str) and (
+                restart is None or record.get("restart") == restart):
+            out.append(record)
+    return out
+
+
+# ----------------------------------------------------------------------------- one run of the job
+
+
+@dataclass(frozen=True)
+class RestartInfo:
+    """One run of the job (`RUN/<index>/`), as its state lines tell it."""
+
+    index: int = field(metadata={"help": "restart number (0 = first run)"})
+    nodes_total: int | None = field(metadata={"help": "nodes in the allocation (head's view)"})
+    nodes_joined: int = field(metadata={"help": "nodes in the Ray cluster"})
+    payload_started: bool = field(metadata={"help": "the head started the payload"})
+    node_states: dict[int, str] = field(metadata={"help": "rank -> the node's last event"})
+    ended: str | None = field(metadata={"help": "the head's headline once the run ended"})
+    exit_code: int | None = field(metadata={"help": "the payload's exit status, when known"})
+    head_pid: int | None = field(metadata={"help": "process id of the head's agent"})
+    head_host: str | None = field(metadata={"help": "host of the head's agent"})
+    started: float | None = field(metadata={"help": "time the head's agent started"})
+    requeue: str | None = field(default=None, metadata={
+        "help": "the head's requeue decision (or what the requeue did), when it made one"})
+    requeue_action: str | None = field(default=None, metadata={
+        "help": "the decision's kind (`hpcrl.agent.requeue`: requeue, no-slurm, ...)"})
+
+
+def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> RestartInfo:
+    """Fold run `index`'s state lines into a :class:`RestartInfo`."""
+    head: dict[str, Any] = {}
+    total = joined = exit_code = None
+    ended = requeue = action = None
+    started = False
+    states: dict[int, str] = {}
+    for r in records:
+        event, rank = r["event"], r.get("rank")
+        if isinstance(rank, int):
+            states[rank] = event
+        if event == AGENT_STARTED and rank == 0:
+            head, total = r, r.get("nodes", total)
+        elif event == NODES_JOINED:
+            joined, total = r.get("joined"), r.get("total", total)
+        elif event == PAYLOAD_STARTED:
+            started = True
+        elif event == PAYLOAD_EXITED:
+            exit_code = r.get("status")
+        elif event == RUN_ENDED and ended is None:
+            ended = str(r.get("summary"))
+        elif event in (REQUEUE_DECIDED, REQUEUE_DONE):
+            requeue = str(r.get("message"))
+            action = r.get("action", action)
     return RestartInfo(
         index=index,
-        nodes_total=total,
-        nodes_joined=joined[0] if joined else 0,
-        payload_started=PAYLOAD_STARTED in log,
-        node_states={r: str(d.get("state", "?")) for r, d in sorted(nodes.items())},
+        nodes_total=total if isinstance(total, int) else None,
+        nodes_joined=joined if isinstance(joined, int) else 0,
+        payload_started=started,
+        node_states=dict(sorted(states.items())),
         ended=ended,
-        exit_code=int(code) if isinstance(code, int) else None,
-        head_pid=int(head["pid"]) if isinstance(head.get("pid"), int) else None,
-        started=_mtime(root / "rendezvous.json"),
+        exit_code=exit_code if isinstance(exit_code, int) else None,
+        head_pid=head.get("pid") if isinstance(head.get("pid"), int) else None,
+        head_host=head.get("host") if isinstance(head.get("host"), str) else None,
+        started=head.get("time") if isinstance(head.get("time"), int | float) else None,
+        requeue=requeue,
+        requeue_action=action if isinstance(action, str) else None,
     )
 
 
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
+def read_restart(run_dir: Path, index: int) -> RestartInfo:
+    """Everything the state file says about run `index` of the job."""
+    return restart_from_state(index, read_state(run_dir, index))
 
 
 def pid_alive(pid: int) -> bool:
@@ -164,7 +451,10 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
 
 def payload_overrides(run_dir: Path) -> dict[str, str]:
     """`key=value` arguments of the payload in `RUN/job.json` (empty if unreadable)."""
-    job = _read_json(run_dir / "job.json") or {}
+    try:
+        job = read_job(run_dir)
+    except RunFileError:
+        job = {}
     out: dict[str, str] = {}
     for arg in job.get("payload", []):
         if isinstance(arg, str) and "=" in arg and not arg.startswith("-"):
@@ -331,22 +621,17 @@ class RunReport:
 
 def run_report(run_dir: Path, alive: bool | None = None) -> RunReport:
     """Read `run_dir` into a :class:`RunReport`; `alive`: whether the job is known to be
-    running (None: judge by the head agent's process on this machine)."""
+    running (None: judge by the head agent's process when it runs on this machine)."""
+    import socket
+
     restarts = [read_restart(run_dir, r) for r in restart_indices(run_dir)]
     if not restarts:
         state = "not started"
     else:
         last = restarts[-1]
         if alive is None and last.ended is None and last.head_pid is not None:
-            alive = pid_alive(last.head_pid) if _same_host(run_dir, last.index) else None
+            alive = pid_alive(last.head_pid) if last.head_host == socket.gethostname() else None
         state = restart_state(last, alive)
     metrics = find_metrics(run_dir)
     return RunReport(run_dir=run_dir, state=state, restarts=restarts, records=read_metrics(metrics),
                      checkpoint=latest_checkpoint(run_dir), metrics=metrics)
-
-
-def _same_host(run_dir: Path, index: int) -> bool:
-    import socket
-
-    head = (_read_json(run_dir / str(index) / "nodes" / "0.json") or {}).get("host")
-    return head == socket.gethostname()

@@ -42,14 +42,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl import rundir
 from hpcrl.agent.rendezvous import CANARY_ENV
 from hpcrl.containers import container_command
-from hpcrl.jobspec import JOB_FILE, JobSpec, canary_nonce
+from hpcrl.jobspec import JobSpec, canary_nonce
 from hpcrl.profiles import SiteProfile, parse_time_minutes, profile_to_dict
+from hpcrl.rundir import JOB_FILE
 
 TEMPLATE = "job.sbatch.j2"
 LOCAL_TEMPLATE = "local.sh.j2"
-SUBMISSION_FILE = "submission.json"
 VIAS = ("submitit", "sbatch")
 LOCAL_VIA = "local"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -179,17 +180,6 @@ def signal_name(profile: SiteProfile) -> str:
     return profile.slurm.signal.upper().removeprefix("SIG")
 
 
-def log_paths(run_dir: str) -> dict[str, str]:
-    """Where each log goes (`%j` = job id, `%n`/`%t` = node index)."""
-    return {
-        "batch": f"{run_dir}/logs/slurm-%j.out",
-        "node": f"{run_dir}/logs/%j-node%n.out",
-        "submitit_folder": f"{run_dir}/submitit",
-        "submitit_node": f"{run_dir}/submitit/%j_%t_log.out",
-        "submitit_node_err": f"{run_dir}/submitit/%j_%t_log.err",
-    }
-
-
 def srun_argv(python: str, run_dir: str, logs: Mapping[str, str]) -> list[str]:
     """The step starting one node agent per node (after `--nodes=$SLURM_JOB_NUM_NODES`)."""
     return ["--kill-on-bad-exit=1", "--export=ALL", "--open-mode=append",
@@ -222,7 +212,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
 
     if profile.scheduler == "local":
         return render_local_script(profile, spec, run_dir, python)
-    logs = log_paths(run_dir)
+    logs = rundir.log_patterns(run_dir)
     sig = signal_name(profile)
     options = slurm_options(profile, f"{profile.slurm.job_name}-{profile.name}")
     options += [("requeue", True), ("open-mode", "append"), ("output", logs["batch"]),
@@ -239,7 +229,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
         identity=list(IDENTITY_LINES),
         run_dir=shlex.quote(run_dir),
-        job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
+        job_file=shlex.quote(rundir.job_file(run_dir)),
         setup=list(profile.slurm.setup),
         signal=sig,
         warning_dir=warning_dir(run_dir),
@@ -259,11 +249,11 @@ def render_local_script(profile: SiteProfile, spec: JobSpec, run_dir: str, pytho
         site=profile.name,
         comments=preview,
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
-        job_file=shlex.quote(f"{run_dir}/{JOB_FILE}"),
+        job_file=shlex.quote(rundir.job_file(run_dir)),
         run_dir=shlex.quote(run_dir),
         setup=list(profile.slurm.setup),
         signal=signal_name(profile),
-        agent=f"{agent} >> {shlex.quote(run_dir + '/logs/local-node0.out')} 2>&1",
+        agent=f"{agent} >> {shlex.quote(rundir.log_patterns(run_dir)['local_node'])} 2>&1",
     )
 
 
@@ -310,7 +300,7 @@ def setup_lines(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) 
               "# signal before the job ends; it ignores it and the node agents keep their own clock",
               f"trap '' {signal_name(profile)}"]
     lines += list(profile.slurm.setup)
-    job_file = shlex.quote(f"{run_dir}/{JOB_FILE}")
+    job_file = shlex.quote(rundir.job_file(run_dir))
     lines.append(f'[ -r {job_file} ] || {{ echo "hpcrl: "{job_file}" is missing" >&2; exit 2; }}')
     return lines
 
@@ -329,13 +319,15 @@ def build_request(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
     script = render_script(profile, spec, run_dir, python)
     if via == LOCAL_VIA:
         return Request(via=via, site=profile.name, run_dir=run_dir, spec=spec, script=script,
-                       sbatch_argv=("/bin/bash", f"{run_dir}/job.sh"), submitit_params={},
-                       python=python, logs={"node": f"{run_dir}/logs/local-node0.out"})
+                       sbatch_argv=("/bin/bash", rundir.script_file(run_dir, local=True)),
+                       submitit_params={}, python=python,
+                       logs={"node": rundir.log_patterns(run_dir)["local_node"]})
     params = submitit_params(profile, spec, run_dir, python)
-    sbatch = ("sbatch", f"--export={export_value(spec.secrets)}", f"{run_dir}/job.sbatch")
+    sbatch = ("sbatch", f"--export={export_value(spec.secrets)}",
+              rundir.script_file(run_dir, local=False))
     return Request(via=via, site=profile.name, run_dir=run_dir, spec=spec, script=script,
                    sbatch_argv=sbatch, submitit_params=params, python=python,
-                   logs=log_paths(run_dir))
+                   logs=rundir.log_patterns(run_dir))
 
 
 def make_spec(profile: SiteProfile, payload: Sequence[str], *, nodes: int | None = None,
@@ -425,7 +417,7 @@ def submit(req: Request) -> Submitted:
             raise SlurmError(sbatch_refusal(str(exc))) from None
         job_id = str(job.job_id)
     done = Submitted(job_id=job_id, run_dir=req.run_dir, via=req.via, logs=job_logs(req))
-    (run_dir / SUBMISSION_FILE).write_text(json.dumps(dataclasses.asdict(done), indent=2) + "\n")
+    rundir.write_submission(run_dir, dataclasses.asdict(done))
     return done
 
 
@@ -446,7 +438,7 @@ def run_local(req: Request) -> Submitted:
 
     hint = f"hpcrl submit --site {req.site} --run-dir {shlex.quote(req.run_dir)} --resume"
     rc = run_foreground(list(req.sbatch_argv), Path(req.run_dir), hint)
-    job_id = str(json.loads((Path(req.run_dir) / SUBMISSION_FILE).read_text())["job_id"])
+    job_id = str(rundir.read_submission(Path(req.run_dir))["job_id"])
     return Submitted(job_id=job_id, run_dir=req.run_dir, via=req.via, logs=job_logs(req),
                      exit_status=rc)
 

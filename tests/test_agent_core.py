@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl import rundir
 from hpcrl.agent import core
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import parse_job
@@ -44,6 +45,10 @@ def test_missing_job_file_fails_fast_and_tells_the_others(tmp_path: Path) -> Non
     stop = json.loads((tmp_path / "0" / "stop.json").read_text())
     assert stop["rank"] == 0 and "JobFileError" in stop["reason"]
     assert "exit 1" in (tmp_path / "0" / "summary.txt").read_text()
+    events = [(r["event"], r["rank"]) for r in rundir.read_state(tmp_path, 0)]
+    assert events == [("agent_started", 0), ("run_ended", 0), ("teardown_done", 0)]
+    info = rundir.read_restart(tmp_path, 0)
+    assert "JobFileError" in str(info.ended) and rundir.restart_state(info) == "failed"
 
 
 def test_run_dir_missing_on_this_node(tmp_path: Path) -> None:

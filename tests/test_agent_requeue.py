@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl import rundir
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import JobFileError, load_job, parse_job
-from hpcrl.agent.rendezvous import RunPaths
 from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
+from hpcrl.rundir import RunPaths
 from hpcrl.slurm import SlurmError, parse_scontrol_show_job, parse_slurm_time
 from hpcrl.slurm_env import job_context
 from tests.agent_helpers import leftovers, start_agent, wait_for_text
@@ -219,6 +220,12 @@ def test_warning_note_stops_the_payload_and_the_agent_requeues(tmp_path: Path) -
     summary = (run / "0" / "summary.txt").read_text()
     assert "Slurm's time-limit warning reached the batch script" in summary
     assert f"requeued job 9{os.getpid()} with `scontrol requeue` (restart 1 of at most 2)" in summary
+    state = {r["event"]: r for r in rundir.read_state(run, 0)}
+    assert state["stop_requested"]["reason"] == "Slurm's time-limit warning reached the batch script"
+    assert state["payload_exited"]["status"] == 3
+    assert state["requeue_decided"]["action"] == "requeue" and state["requeue_decided"]["deferred"]
+    assert state["requeue_done"]["message"].startswith(f"requeued job 9{os.getpid()} with")
+    assert rundir.read_restart(run, 0).requeue == state["requeue_done"]["message"]
     assert leftovers(run) == []
 
 

@@ -52,6 +52,22 @@ def test_figure_has_the_five_series_and_the_restart(run: Path) -> None:
     assert "6 steps of 6, 1 restart" in fig.texts[0].get_text()
 
 
+def test_restart_says_how_the_run_before_it_ended(run: Path) -> None:
+    """The state file tells why run 0 ended: it checkpointed (status 3) and was requeued."""
+    from hpcrl import rundir
+    from hpcrl.agent.requeue import REQUEUE
+
+    for index in (0, 1):
+        rundir.RunPaths(run, index).root.mkdir()
+    head = rundir.StateWriter(run, 0, 0, "n1")
+    head.append(rundir.PAYLOAD_EXITED, status=3)
+    head.append(rundir.REQUEUE_DECIDED, action=REQUEUE, message="requeueing job 5")
+    head.append(rundir.RUN_ENDED, summary="job 5 restart 0: payload exited with status 3")
+    _, fig = plot_run(run, run / "plot.png")
+    texts = [t.get_text() for t in fig.get_axes()[0].texts]
+    assert "restart 1: resumed after step 3 (run 0 stopped, requeued)" in texts, texts
+
+
 def test_step_axis_has_whole_numbers_only() -> None:
     fig = build_figure([{"step": s, "critic/score/mean": 0.1 * s} for s in (1, 2, 3, 4)])
     ticks = [t for t in fig.get_axes()[-1].get_xticks() if 1 <= t <= 4]

@@ -17,7 +17,7 @@ from hpcrl.agent import rendezvous as rdv
 def paths(tmp_path: Path, restart: int = 0) -> rdv.RunPaths:
     p = rdv.RunPaths(tmp_path / "run", restart)
     p.run_dir.mkdir(exist_ok=True)
-    p.create("node1")
+    rdv.create_run_dirs(p, "node1")
     return p
 
 
@@ -37,7 +37,7 @@ def test_run_dir_is_private_and_token_is_0600(tmp_path: Path) -> None:
 def test_missing_run_dir_is_not_created(tmp_path: Path) -> None:
     p = rdv.RunPaths(tmp_path / "not-shared", 0)
     with pytest.raises(rdv.RendezvousError, match="does not exist on node `node2`.*shared"):
-        p.create("node2")
+        rdv.create_run_dirs(p, "node2")
     assert not p.run_dir.exists()
 
 

@@ -39,25 +39,28 @@ def write_metrics(path: Path, records: list[dict]) -> None:
 
 def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payload: bool = True,
                  exit_code: int | None = 0, pid: int | None = None) -> None:
-    """`RUN/<index>/` as the head's agent leaves it."""
-    root = run / str(index)
-    (root / "nodes").mkdir(parents=True)
-    (root / "logs").mkdir()
-    (root / "rendezvous.json").write_text(json.dumps({"nodes": [f"n{i}" for i in range(total)]}))
+    """`RUN/<index>/` and the state lines of that run as the head's agent leaves them (written
+    with the agent's own writer); the agent's log is for people and read by no command."""
+    paths = rundir.RunPaths(run, index)
+    paths.nodes.mkdir(parents=True)
+    paths.logs.mkdir()
+    head = rundir.StateWriter(run, index, 0, HOST)
+    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id="local-1")
+    for n in range(joined + 1):
+        head.append(rundir.NODES_JOINED, joined=n, total=total)
     log = [f"2026-01-01 00:00:00,000 hpcrl-agent[{HOST} rank 0] {n}/{total} nodes joined"
            for n in range(joined + 1)]
     if payload:
+        head.append(rundir.PAYLOAD_STARTED, pid=1, nodes=total)
         log.append(f"2026-01-01 00:00:01,000 hpcrl-agent[{HOST} rank 0] all {total} nodes joined; "
                    "starting the payload: python -m trainer")
-    (root / "logs" / f"agent-0-{HOST}.log").write_text("\n".join(log) + "\n")
-    state = "running" if exit_code is None else "exited"
-    (root / "nodes" / "0.json").write_text(json.dumps(
-        {"rank": 0, "host": HOST, "state": state, "pid": pid or os.getpid(), "time": 0}))
+    paths.agent_log(0, HOST).write_text("\n".join(log) + "\n")
     if exit_code is not None:
-        (root / "stop.json").write_text(json.dumps({"exit_code": exit_code, "by": HOST}))
-        (root / "summary.txt").write_text(
+        head.append(rundir.PAYLOAD_EXITED, status=exit_code)
+        head.append(rundir.RUN_ENDED, exit_code=exit_code, summary=(
             f"job local-1 restart {index}: payload exited with status {exit_code} "
-            f"(exit {exit_code})\nnode {HOST} (rank 0): ...\n")
+            f"(exit {exit_code})"))
+        head.append(rundir.TEARDOWN_DONE, exit_code=exit_code)
 
 
 def make_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
@@ -202,6 +205,9 @@ def test_logs_of_one_restart(run: Path) -> None:
     assert f"agent-0-{HOST}.log <==" in agent.stdout and "starting the payload" in agent.stdout
     bad = run_hpcrl(["logs", str(run), "--restart", "7"], env)
     assert bad.returncode == 2 and "has runs 0, 1" in bad.stderr
+    absent = run_hpcrl(["logs", str(run), "--restart", "0", "--node", "3"], env)
+    assert absent.returncode == 2 and "the agents of run 0 were nodes 0 (the state file)" in \
+        absent.stderr, absent.stderr
 
 
 # ----------------------------------------------------------------------------- progress
@@ -364,3 +370,71 @@ def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
         refuse_if_running(run)
     make_restart(run, 1, exit_code=3)
     refuse_if_running(run)
+
+
+# ----------------------------------------------------------------------------- the state file
+
+APPENDER = """
+import sys
+from pathlib import Path
+from hpcrl import rundir
+run, rank, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+writer = rundir.StateWriter(run, 0, rank, "node%d" % rank)
+for i in range(count):
+    writer.append(rundir.NODES_JOINED, seq=i, a=str(rank) * 600, b="b" * 600, c="c" * 600,
+                  d="d" * 600, e="e" * 600)
+"""
+
+
+def test_appends_from_two_processes_interleave_whole_lines(tmp_path: Path) -> None:
+    """Two agents append 3 KB lines at once: every line of the file is one whole record, and
+    each writer's lines keep their order."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    count = 400
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", APPENDER, str(tmp_path), str(rank),
+                               str(count)], env=env) for rank in (1, 2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    text = (tmp_path / rundir.STATE_FILE).read_bytes()
+    assert text.endswith(b"\n")
+    # an empty line may appear: a writer that saw the other's line half-copied ends it first
+    records = [json.loads(line) for line in text.split(b"\n") if line]
+    assert len(records) == 2 * count
+    for rank in (1, 2):
+        mine = [r for r in records if r["rank"] == rank]
+        assert [r["seq"] for r in mine] == list(range(count))
+        assert all(r["a"] == str(rank) * 600 and r["e"] == "e" * 600 for r in mine)
+    assert rundir.read_state(tmp_path) == records
+
+
+def test_a_torn_last_line_is_skipped_and_ended_by_the_next_writer(tmp_path: Path) -> None:
+    """kill -9 mid-write leaves half a line: readers skip it without an error, and the next
+    append (a requeued run's agent) ends it first, so its own line stays whole."""
+    head = rundir.StateWriter(tmp_path, 0, 0, HOST)
+    head.append(rundir.AGENT_STARTED, pid=7, nodes=2)
+    head.append(rundir.PAYLOAD_STARTED, pid=8, nodes=2)
+    with open(tmp_path / rundir.STATE_FILE, "ab") as fh:
+        fh.write(b'{"event":"payload_exited","restart":0,"sta')
+    assert [r["event"] for r in rundir.read_state(tmp_path)] == ["agent_started",
+                                                                 "payload_started"]
+    info = rundir.read_restart(tmp_path, 0)
+    assert info.payload_started and info.exit_code is None and info.head_pid == 7
+    rundir.StateWriter(tmp_path, 1, 0, HOST).append(rundir.AGENT_STARTED, pid=9, nodes=2)
+    assert [(r["event"], r["restart"]) for r in rundir.read_state(tmp_path)] == [
+        ("agent_started", 0), ("payload_started", 0), ("agent_started", 1)]
+    assert rundir.read_restart(tmp_path, 1).head_pid == 9
+
+
+def test_a_state_line_stays_small(tmp_path: Path) -> None:
+    """Free text is cut to `TEXT_MAX`; a line that would still not fit one atomic append is
+    refused, naming its size and the limit."""
+    writer = rundir.StateWriter(tmp_path, 0, 0, HOST)
+    writer.append(rundir.RUN_ENDED, summary="x" * 10_000)
+    assert rundir.read_state(tmp_path)[0]["summary"] == "x" * rundir.TEXT_MAX
+    with pytest.raises(rundir.RunFileError, match=r"at most 4000, one atomic append"):
+        writer.append(rundir.RUN_ENDED, **{f"f{i}": "y" * 500 for i in range(10)})
+    assert len(rundir.read_state(tmp_path)) == 1

@@ -4,6 +4,7 @@ with `actor_rollout_ref.rollout.name=vllm` learns like the HF one."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,27 @@ from tests.vllm_support import require_vllm
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
+def finalize_engines():
+    """vLLM's parallel state is process-wide, and an engine shuts it down when it is finalized:
+    an engine a test dropped (the trainer's, in-process) is finalized here, after its test, never
+    in the middle of another test's engine's life."""
+    yield
+    gc.collect()
+
+
+@pytest.fixture
 def engine(tiny_model_dir: Path):
+    """Each test its own engine (about 3 s), closed after it."""
     require_vllm()
     from trainer.models import load_tokenizer
     from trainer.rollout.vllm import VLLMRolloutEngine
 
     tok = load_tokenizer(tiny_model_dir)
-    return VLLMRolloutEngine(tiny_model_dir, pad_token_id=tok.pad_token_id,
-                             eos_token_ids=[tok.eos_token_id], max_model_len=64, seed=0)
+    engine = VLLMRolloutEngine(tiny_model_dir, pad_token_id=tok.pad_token_id,
+                               eos_token_ids=[tok.eos_token_id], max_model_len=64, seed=0)
+    yield engine
+    engine.close()
 
 
 def _prompts(tiny_model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,12 +30,14 @@ from hpcrl.agent.node import (
     Outcome,
     container_wrap,
     open_log,
+    state_writer,
 )
 from hpcrl.agent.procs import Child
 from hpcrl.agent.stop import SignalInbox
 from hpcrl.agent.teardown import Teardown
 from hpcrl.agent.watch import early_stop_reason, watch_worker
 from hpcrl.netaddr import NodeAddress, local_addresses
+from hpcrl.rundir import AGENT_STARTED, RunPaths
 from hpcrl.slurm_env import JobContext, job_context
 
 __all__ = ["Agent", "AgentError", "ContainerWrap", "Outcome", "container_wrap"]
@@ -57,7 +59,7 @@ class Agent:
         self.wrap = wrap
         self.addresses = addresses
         self.ctx = context or job_context(self.env)
-        self.paths = rdv.RunPaths(self.run_dir, self.ctx.restart)
+        self.paths = RunPaths(self.run_dir, self.ctx.restart)
 
     def run(self) -> int:
         try:
@@ -71,6 +73,8 @@ class Agent:
         outcome = Outcome("agent error", 1, self.ctx.hostname)
         inbox.install()
         try:
+            state_writer(self.run_dir, self.ctx).append(
+                AGENT_STARTED, pid=os.getpid(), nodes=self.ctx.num_nodes, job_id=self.ctx.job_id)
             nonce = self.env.get(rdv.CANARY_ENV)
             if nonce:
                 rdv.verify_canary(self.run_dir, nonce, self.ctx.hostname)

@@ -20,6 +20,7 @@ from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
 from hpcrl.agent.watch import GcsWatch, ray_exited, signalled_before_payload, stop_requested
 from hpcrl.netaddr import format_host
+from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
 
@@ -47,6 +48,7 @@ class Head:
             if why is None:
                 return None
             node.log.info("%s before the payload started: not starting it", why)
+            node.state.append(STOP_REQUESTED, reason=why, payload_started=False)
             return requeuer.after_request(f"{why} before the payload started", REQUEUE_EXIT_CODE)
 
         failed = watch.wait_for_cluster(
@@ -83,8 +85,11 @@ class Head:
             " ".join(job.payload),
         )
         host_cwd = workdir if job.runtime == "none" else str(node.run_dir)
-        return node.start("payload", "payload", job.payload, self._payload_env(cluster, deadline),
-                          workdir, "payload.log", host_cwd, echo=sys.stdout)
+        child = node.start("payload", "payload", job.payload,
+                           self._payload_env(cluster, deadline), workdir,
+                           node.paths.payload_log, host_cwd, echo=sys.stdout)
+        node.state.append(PAYLOAD_STARTED, pid=child.pid, nodes=node.ctx.num_nodes)
+        return child
 
     def _watch_payload(
         self, payload: Child, ray: Child, watch: GcsWatch, stop: StopControl, requeuer: Requeuer
@@ -92,7 +97,7 @@ class Head:
         """Until the payload exits: signals and the clock reach it as a stop request; a lost
         node ends the job, unless the payload was asked to stop (Slurm's SIGTERM reaches Ray
         too) and may still checkpoint."""
-        started, ignored = time.monotonic(), False
+        started, ignored, noted = time.monotonic(), False, False
         while True:
             stop.take_signals(payload)
             if stop.reason is None:
@@ -100,6 +105,7 @@ class Head:
                 if why:
                     stop.ask(why)
             stop.deliver(payload, started)
+            noted = noted or self._note_stop(stop)
             code = payload.poll()
             if code is not None:
                 return self._outcome(code if code >= 0 else 128 - code, stop, requeuer)
@@ -115,7 +121,16 @@ class Head:
             self.heartbeat.beat("running")
             time.sleep(TICK_S)
 
+    def _note_stop(self, stop: StopControl) -> bool:
+        """Record the stop request in the state file once there is one; True when recorded."""
+        if stop.reason is None:
+            return False
+        self.node.state.append(STOP_REQUESTED, reason=stop.reason, payload_started=True,
+                               terminated_by=stop.terminated_by)
+        return True
+
     def _outcome(self, status: int, stop: StopControl, requeuer: Requeuer) -> Outcome:
+        self.node.state.append(PAYLOAD_EXITED, status=status, stop_reason=stop.reason)
         cause = f"payload exited with status {status}"
         if stop.reason:
             cause += f" after the stop request ({stop.reason})"

@@ -8,7 +8,6 @@ validated by the profile loader, not here. An optional `agent` mapping tunes tim
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from hpcrl.agent.ports import PortRange
 from hpcrl.netaddr import NetworkPolicy
+from hpcrl.rundir import RunFileError, read_job
 
 AGENT_KEYS = ("join_timeout_s", "grace_s", "heartbeat_timeout_s")
 AGENT_TEXT_KEYS = ("stop_signal",)
@@ -155,18 +155,8 @@ def signal_name(value: Any, where: str) -> str:
 
 
 def load_job(run_dir: Path) -> AgentJob:
-    path = run_dir / "job.json"
+    """The agent's view of `RUN_DIR/job.json` (read by :func:`hpcrl.rundir.read_job`)."""
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise JobFileError(
-            f"cannot read `{path}` ({exc.strerror}); the run directory must be created by "
-            "`hpcrl submit` and be visible on every node"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise JobFileError(f"`{path}` is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise JobFileError(f"`{path}` holds {type(data).__name__}, expected a JSON object")
-    return parse_job(data)
+        return parse_job(read_job(run_dir))
+    except RunFileError as exc:
+        raise JobFileError(str(exc)) from None

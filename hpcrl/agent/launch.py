@@ -99,8 +99,9 @@ class Launcher:
         env = self._ray_env(token, ports, addr.interface)
         ray = self._start_ray(True, addr.address, ports, gcs, env)
         lines: queue.Queue[str] = queue.Queue()
-        argv = [node.python, str(node.paths.root / WATCHER), gcs, "0.1"]
-        node.start("watch", "gcs-watch", argv, env, str(node.tmp), f"gcs-watch-{node.tag}.log",
+        argv = [node.python, str(node.paths.helper(WATCHER)), gcs, "0.1"]
+        log = node.paths.node_log("gcs-watch", ctx.node_rank, ctx.hostname)
+        node.start("watch", "gcs-watch", argv, env, str(node.tmp), log,
                    str(node.tmp), on_line=lines.put)
         return HeadCluster(addr, gcs, env, ray, lines)
 
@@ -199,8 +200,9 @@ class Launcher:
             argv = [node.python, "-m", "ray.scripts.scripts", *argv]
         else:  # Ray's CLI loads now and runs once the head node is alive (see ray_launch.py)
             go, timeout = str(node.paths.head_alive), f"{job.join_timeout_s:.0f}"
-            argv = [node.python, str(node.paths.root / LAUNCHER), go, timeout, "--", *argv]
-        ray = node.start("ray", "ray", argv, env, str(node.tmp), f"ray-start-{node.tag}.log",
+            argv = [node.python, str(node.paths.helper(LAUNCHER)), go, timeout, "--", *argv]
+        log = node.paths.node_log("ray-start", node.ctx.node_rank, node.ctx.hostname)
+        ray = node.start("ray", "ray", argv, env, str(node.tmp), log,
                          str(node.tmp))
         self.heartbeat.info["ray_pid"] = ray.pid
         return ray
@@ -217,4 +219,4 @@ class Launcher:
         before the workers learn of it."""
         for name in (WATCHER, LAUNCHER):
             text = Path(__file__).with_name(name).read_text()
-            rdv.atomic_write_text(self.node.paths.root / name, text, 0o600)
+            rdv.atomic_write_text(self.node.paths.helper(name), text, 0o600)

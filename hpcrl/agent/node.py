@@ -17,6 +17,7 @@ from typing import Any
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
+from hpcrl.rundir import RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext
 
 ContainerWrap = Callable[
@@ -78,7 +79,7 @@ def container_wrap(
 
 
 def node_tag(ctx: JobContext) -> str:
-    """`RANK-HOST`: names this node's log files."""
+    """`RANK-HOST`: names this node's logger."""
     return f"{ctx.node_rank}-{ctx.hostname}"
 
 
@@ -92,9 +93,14 @@ def container_name(ctx: JobContext, role: str) -> str:
     return f"hr-{ctx.job_id}-{ctx.restart}-{ctx.node_rank}-{role}"
 
 
-def open_log(paths: rdv.RunPaths, ctx: JobContext) -> logging.Logger:
+def state_writer(run_dir: Path, ctx: JobContext) -> StateWriter:
+    """This node's voice in the job's state file (what `hpcrl status` and `--follow` read)."""
+    return StateWriter(run_dir, ctx.restart, ctx.node_rank, ctx.hostname)
+
+
+def open_log(paths: RunPaths, ctx: JobContext) -> logging.Logger:
     """Create the run's per-restart directories and the node's logger (file and stderr)."""
-    paths.create(ctx.hostname)
+    rdv.create_run_dirs(paths, ctx.hostname)
     log = logging.getLogger(f"hpcrl.agent.{node_tag(ctx)}")
     fmt = logging.Formatter(
         f"%(asctime)s hpcrl-agent[{ctx.hostname} rank {ctx.node_rank}] %(message)s"
@@ -102,7 +108,7 @@ def open_log(paths: rdv.RunPaths, ctx: JobContext) -> logging.Logger:
     log.setLevel(logging.INFO)
     log.propagate = False
     for handler in (
-        logging.FileHandler(paths.logs / f"agent-{node_tag(ctx)}.log"),
+        logging.FileHandler(paths.agent_log(ctx.node_rank, ctx.hostname)),
         logging.StreamHandler(sys.stderr),
     ):
         handler.setFormatter(fmt)
@@ -121,7 +127,7 @@ class Heartbeat:
     """This node's file in the run directory: its state, what the others need to know of it
     (address, ports, Ray's pid), refreshed every 2 s while it lives."""
 
-    paths: rdv.RunPaths
+    paths: RunPaths
     ctx: JobContext
     info: dict[str, Any] = field(default_factory=dict)
     last: float = 0.0
@@ -148,19 +154,19 @@ class Node:
     run_dir: Path
     env: dict[str, str]
     ctx: JobContext
-    paths: rdv.RunPaths
+    paths: RunPaths
     job: AgentJob
     log: logging.Logger
     wrap: ContainerWrap
     children: dict[str, Child]
 
     @property
-    def tmp(self) -> Path:
-        return node_tmp(self.ctx)
+    def state(self) -> StateWriter:
+        return state_writer(self.run_dir, self.ctx)
 
     @property
-    def tag(self) -> str:
-        return node_tag(self.ctx)
+    def tmp(self) -> Path:
+        return node_tmp(self.ctx)
 
     @property
     def python(self) -> str:
@@ -181,11 +187,11 @@ class Node:
 
     def start(
         self, role: str, label: str, argv: Sequence[str], env: Mapping[str, str], workdir: str,
-        log_name: str, cwd: str, **child_args: Any,
+        log: Path, cwd: str, **child_args: Any,
     ) -> Child:
         """Start `argv` as `role` in the container; the teardown stops and removes it."""
         wrapped, proc_env = self.in_container(role, argv, env, workdir)
-        child = Child(label, wrapped, proc_env, self.paths.logs / log_name, cwd=cwd, **child_args)
+        child = Child(label, wrapped, proc_env, log, cwd=cwd, **child_args)
         self.children[role] = child
         return child
 

@@ -1,15 +1,9 @@
 """Rendezvous of a job's node agents through the run directory on the shared filesystem.
 
-Layout of one run (restart `R`) inside `RUN_DIR`:
-
-    canary                 nonce written at submission; nodes check it (`verify_canary`)
-    R/token                Ray auth token (0600), written by the head
-    R/rendezvous.json      head address, ports, token path; written atomically by the head
-    R/head-alive           written by the head once the GCS lists the head node alive
-    R/nodes/<rank>.json    one per node: arrival, state, heartbeat, final summary
-    R/stop.json            first request to end the job (who and why); first writer wins
-    R/warning              written by the batch script when Slurm's time-limit warning arrives
-    R/logs/                agent, Ray and payload logs
+The files of one run (restart `R`), named by :class:`hpcrl.rundir.RunPaths`: the canary
+(`RUN/canary`, checked by every node), the Ray token, the head's publication, `head-alive`, one
+file per node (arrival, state, heartbeat, final summary), the stop request (first writer wins)
+and the batch script's `warning`.
 
 Every file is written to a temporary name, flushed to disk and renamed, so a reader sees either
 nothing or a complete file.
@@ -23,9 +17,10 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hpcrl.rundir import RunDir, RunPaths
 
 RENDEZVOUS_VERSION = 2  # 2: workers start Ray once `head-alive` appears
 POLL_S = 0.1
@@ -81,63 +76,18 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-@dataclass(frozen=True)
-class RunPaths:
-    """Where one run (job + restart) keeps its files."""
-
-    run_dir: Path
-    restart: int
-
-    @property
-    def root(self) -> Path:
-        return self.run_dir / str(self.restart)
-
-    @property
-    def token(self) -> Path:
-        return self.root / "token"
-
-    @property
-    def rendezvous(self) -> Path:
-        return self.root / "rendezvous.json"
-
-    @property
-    def head_alive(self) -> Path:
-        return self.root / "head-alive"
-
-    @property
-    def nodes(self) -> Path:
-        return self.root / "nodes"
-
-    @property
-    def stop(self) -> Path:
-        return self.root / "stop.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def warning(self) -> Path:
-        """Written by the batch script's trap when Slurm's warning signal arrives (the signal
-        itself stays in the batch shell: sent through `srun` it would reach every process of the
-        step, Ray's included, and kill them)."""
-        return self.root / "warning"
-
-    def node_file(self, rank: int) -> Path:
-        return self.nodes / f"{rank}.json"
-
-    def create(self, host: str) -> None:
-        """Make this run's directories inside the existing run directory (made at submission,
-        never here: a node that lacks it does not share the filesystem), closed to others."""
-        if not self.run_dir.is_dir():
-            raise RendezvousError(
-                f"run directory `{self.run_dir}` does not exist on node `{host}`; it must be on "
-                "a filesystem shared by the submitting host and every node (set `run_dir` in "
-                "the site profile to a shared path)"
-            )
-        secure_dir(self.run_dir)
-        for d in (self.root, self.nodes, self.logs):
-            d.mkdir(mode=0o700, exist_ok=True)
+def create_run_dirs(paths: RunPaths, host: str) -> None:
+    """Make this run's directories inside the existing run directory (made at submission,
+    never here: a node that lacks it does not share the filesystem), closed to others."""
+    if not paths.run_dir.is_dir():
+        raise RendezvousError(
+            f"run directory `{paths.run_dir}` does not exist on node `{host}`; it must be on "
+            "a filesystem shared by the submitting host and every node (set `run_dir` in "
+            "the site profile to a shared path)"
+        )
+    secure_dir(paths.run_dir)
+    for d in (paths.root, paths.nodes, paths.logs):
+        d.mkdir(mode=0o700, exist_ok=True)
 
 
 def secure_dir(path: Path) -> None:
@@ -166,13 +116,13 @@ def write_canary(run_dir: Path) -> str:
     the environment variable `HPCRL_CANARY` so that every node can check what it sees."""
     nonce = secrets.token_hex(16)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "canary", nonce, mode=0o600)
+    atomic_write_text(RunDir(run_dir).canary, nonce, mode=0o600)
     return nonce
 
 
 def verify_canary(run_dir: Path, expected: str, host: str) -> None:
     """Fail fast when this node cannot see the submitter's run directory."""
-    canary = run_dir / "canary"
+    canary = RunDir(run_dir).canary
     try:
         seen = canary.read_text().strip()
     except OSError as exc:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import AgentJob
-from hpcrl.agent.node import Outcome
+from hpcrl.agent.node import Outcome, state_writer
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
+from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE
 from hpcrl.slurm import SlurmError, parse_slurm_time, show_job
 from hpcrl.slurm_env import JobContext
 
@@ -57,10 +58,17 @@ class Requeuer:
                 then = functools.partial(self.requeue_now, target)
         log = self.log.error if decision.action == rq.MAX_REACHED else self.log.info
         log("%s", message)
+        state_writer(self.run_dir, self.ctx).append(
+            REQUEUE_DECIDED, action=decision.action, message=message, deferred=then is not None)
         return Outcome(f"{what}; {message}", status, self.ctx.hostname, then)
 
     def requeue_now(self, target: str) -> str:
-        """Requeue `target`; returns what happened."""
+        """Requeue `target`; returns what happened (also in the state file)."""
+        done = self._requeue_now(target)
+        state_writer(self.run_dir, self.ctx).append(REQUEUE_DONE, target=target, message=done)
+        return done
+
+    def _requeue_now(self, target: str) -> str:
         if signal.SIGTERM in self.inbox.noted and not self.stop.terminated_by:
             return (f"not requeueing job {target}: SIGTERM arrived meanwhile (`scancel`, "
                     "preemption or `scontrol requeue`); Slurm decides whether it runs again")

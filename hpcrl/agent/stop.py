@@ -17,7 +17,7 @@ from typing import Any
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
-from hpcrl.agent.rendezvous import RunPaths
+from hpcrl.rundir import RunPaths
 from hpcrl.runtimes import get as runtime
 from hpcrl.slurm import SlurmError
 from hpcrl.slurm_env import JobContext

@@ -20,10 +20,11 @@ from hpcrl.agent.node import (
     Outcome,
     close_log,
     container_name,
-    node_tag,
     node_tmp,
+    state_writer,
 )
 from hpcrl.agent.procs import Child, kill_all, processes_mentioning
+from hpcrl.rundir import RUN_ENDED, TEARDOWN_DONE, RunPaths
 from hpcrl.runtimes import get as runtime
 from hpcrl.slurm_env import JobContext
 
@@ -37,7 +38,7 @@ class Teardown:
     """Ends one node's part of the job. `children` are the processes the node started, by role
     (`payload`, `watch`, `ray`); `job` is None when the job file could not be read."""
 
-    paths: rdv.RunPaths
+    paths: RunPaths
     ctx: JobContext
     log: logging.Logger
     heartbeat: Heartbeat
@@ -64,9 +65,17 @@ class Teardown:
         if outcome.then is not None:
             done = outcome.then()
             self.log.info("%s", done)
-            with open(self.paths.root / "summary.txt", "a") as fh:
+            with open(self.paths.summary, "a") as fh:
                 fh.write(done + "\n")
+        self._record(TEARDOWN_DONE, exit_code=outcome.exit_code)
         close_log(self.log)
+
+    def _record(self, event: str, **fields: object) -> None:
+        """A line in the state file; a run directory gone or full must not stop the teardown."""
+        try:
+            state_writer(self.paths.run_dir, self.ctx).append(event, **fields)
+        except OSError as exc:
+            self.log.info("could not write the state file: %s", exc)
 
     def _announce(self, outcome: Outcome) -> None:
         """Tell every node the job ends; the first request names the cause, later ones change
@@ -75,9 +84,12 @@ class Teardown:
         try:
             rdv.request_stop(self.paths, self.ctx.node_rank, self.ctx.hostname, outcome.cause, code)
             if self.ctx.is_head:
-                rdv.atomic_write_text(self.paths.root / "summary.txt", self._headline(outcome) + "\n")
+                rdv.atomic_write_text(self.paths.summary, self._headline(outcome) + "\n")
         except OSError:
             pass
+        if self.ctx.is_head:
+            self._record(RUN_ENDED, summary=self._headline(outcome), cause=outcome.cause,
+                         exit_code=outcome.exit_code)
 
     def _stop_children(self) -> None:
         """The payload gets its grace time; then the watcher and Ray stop, and their containers
@@ -114,7 +126,7 @@ class Teardown:
         if src.is_dir():
             shutil.copytree(
                 src,
-                self.paths.logs / f"ray-{node_tag(self.ctx)}",
+                self.paths.node_log("ray", self.ctx.node_rank, self.ctx.hostname),
                 dirs_exist_ok=True,
                 ignore_dangling_symlinks=True,
                 symlinks=False,
@@ -148,4 +160,4 @@ class Teardown:
             )
         for line in lines:
             self.log.info("%s", line)
-        rdv.atomic_write_text(self.paths.root / "summary.txt", "\n".join(lines) + "\n", 0o600)
+        rdv.atomic_write_text(self.paths.summary, "\n".join(lines) + "\n", 0o600)

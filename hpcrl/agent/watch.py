@@ -19,6 +19,7 @@ from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.node import TICK_S, AgentError, Heartbeat, Node, Outcome
 from hpcrl.agent.procs import Child
 from hpcrl.agent.stop import SignalInbox
+from hpcrl.rundir import NODES_JOINED, RunPaths
 
 
 def ray_exited(node: Node, ray: Child) -> Outcome | None:
@@ -33,7 +34,7 @@ def ray_exited(node: Node, ray: Child) -> Outcome | None:
     )
 
 
-def stop_requested(paths: rdv.RunPaths) -> Outcome | None:
+def stop_requested(paths: RunPaths) -> Outcome | None:
     """Another node (or `hpcrl cancel`) wrote the stop file."""
     stop = rdv.read_stop(paths)
     if not stop:
@@ -43,7 +44,7 @@ def stop_requested(paths: rdv.RunPaths) -> Outcome | None:
     )
 
 
-def early_stop_reason(paths: rdv.RunPaths, inbox: SignalInbox) -> str | None:
+def early_stop_reason(paths: RunPaths, inbox: SignalInbox) -> str | None:
     """Why a worker waiting for the head's publication stops waiting."""
     stop = rdv.read_stop(paths)
     if stop:
@@ -132,6 +133,7 @@ class GcsWatch:
             if len(joined) != shown:
                 shown = len(joined)
                 node.log.info("%d/%d nodes joined", shown, n)
+                node.state.append(NODES_JOINED, joined=shown, total=n)
             if len(joined) == n:
                 return None
             failed = failure()

@@ -38,12 +38,12 @@ def run_dir_of(arg: str) -> Any:
     from pathlib import Path
 
     from hpcrl.jobs import resolve
+    from hpcrl.rundir import RunDir
     from hpcrl.slurm import SlurmError
 
     path = Path(arg).expanduser()
     if path.is_dir():
-        if not (path / "job.json").is_file() and not any(path.glob("*/metrics.jsonl")) \
-                and not (path / "metrics.jsonl").is_file():
+        if not RunDir(path).looks_like_one():
             raise SlurmError(f"`{path}` is not a run directory (no `job.json`, no "
                              "`metrics.jsonl`); name the directory `hpcrl submit` printed")
         return path.absolute()

@@ -25,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def restart_logs(run_dir: Path, restart: str | None, node: int | None, payload: bool
                  ) -> list[Path]:
     """The agent logs (one per node, or `node`) and the trainer's log of one run of the job."""
-    from hpcrl.rundir import restart_indices
+    from hpcrl.rundir import AGENT_STARTED, RunPaths, read_state, restart_indices
     from hpcrl.slurm import SlurmError
 
     found = restart_indices(run_dir)
@@ -39,12 +39,14 @@ def restart_logs(run_dir: Path, restart: str | None, node: int | None, payload: 
     else:
         raise SlurmError(f"`--restart {restart}`: this run directory has runs "
                          f"{', '.join(map(str, found))}; pass one of them or `last`")
-    logs = run_dir / str(index) / "logs"
+    paths = RunPaths(run_dir, index)
     if payload:
-        return [logs / "payload.log"]
-    pattern = f"agent-{node}-*.log" if node is not None else "agent-*.log"
-    agents = sorted(logs.glob(pattern), key=lambda p: (int(p.name.split("-")[1]), p.name))
-    return agents + ([logs / "payload.log"] if node in (None, 0) else [])
+        return [paths.payload_log]
+    started = sorted({r["rank"] for r in read_state(run_dir, index) if r["event"] == AGENT_STARTED})
+    if node is not None and started and node not in started:
+        raise SlurmError(f"`--node {node}`: the agents of run {index} were nodes "
+                         f"{', '.join(map(str, started))} (the state file); pass one of them")
+    return paths.agent_logs(node) + ([paths.payload_log] if node in (None, 0) else [])
 
 
 def job_logs(arg: str, node: int | None) -> list[Path]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from hpcrl.commands._common import user_errors
@@ -32,19 +31,12 @@ def slurm_lines(job_id: str) -> tuple[list[str], bool]:
     return lines, bool(queued)
 
 
-def submitted_job_id(run_dir: Path) -> str | None:
-    try:
-        return str(json.loads((run_dir / "submission.json").read_text())["job_id"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 @user_errors
 def run(args: argparse.Namespace) -> int:
     import shutil
 
     from hpcrl.commands._common import run_dir_of
-    from hpcrl.rundir import run_report
+    from hpcrl.rundir import run_report, submitted_job_id
 
     run_dir = run_dir_of(args.job)
     job_id = args.job if not Path(args.job).expanduser().is_dir() else submitted_job_id(run_dir)

@@ -109,6 +109,14 @@ class VLLMRolloutEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Shut the engine down now rather than whenever the garbage collector finalizes it.
+        vLLM keeps its parallel state per process: an engine finalized late tears down the state
+        of an engine built after it in the same process."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     def sleep(self) -> None:
         if self.gpu and not self.asleep:
             self.llm.sleep(level=1)
