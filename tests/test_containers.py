@@ -117,6 +117,15 @@ def test_image_build_and_pull_commands(tmp_path: Path) -> None:
 
 
 PRINT_ENV = ["-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+def test_apptainer_home_travels_as_home_flag(tmp_path: Path) -> None:
+    """Apptainer ignores `APPTAINERENV_HOME`: a profile's HOME becomes `--home`, never a no-op."""
+    p = profile("mi300-cluster-apptainer", tmp_path)
+    cmd = container_command(p.container, ["true"], {"HOME": "/scratch/u", "A": "1"}, environ={})
+    argv = list(cmd.argv)
+    assert argv[argv.index("--home") + 1] == "/scratch/u"
+    assert "APPTAINERENV_HOME" not in cmd.env and cmd.env["APPTAINERENV_A"] == "1"
+
+
 HOSTILE = ["$(echo subst)", "`echo tick`", "${HOME} $HOME", "it's", 'q"q', "back\\slash",
            "trail\\", '\\"', "new\nline", "tab\there", "semi;colon|&", "\\$", "!x *"]
 

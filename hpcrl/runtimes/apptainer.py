@@ -3,7 +3,8 @@
 Variables travel as ``APPTAINERENV_NAME=value`` in the client's environment (they arrive even
 with ``--cleanenv``). Apptainer evaluates these values as if inside double quotes (``$(...)``,
 backticks and ``$NAME`` would expand), so :func:`apptainer_env_value` escapes ``\\``, ``$`` and
-backticks: the container sees each value exactly as given. Apptainer shares the host's /dev,
+backticks: the container sees each value exactly as given. ``HOME`` is the exception Apptainer
+makes (it ignores ``APPTAINERENV_HOME``): it travels as ``--home PATH``, which also binds it. Apptainer shares the host's /dev,
 network and /dev/shm, so the OCI-only settings do not apply; ``gpu`` and ``cleanenv`` do.
 """
 
@@ -47,7 +48,9 @@ class Apptainer(Runtime):
             flags += ["--bind", b]
         if workdir:
             flags += ["--pwd", workdir]
-        child = {f"APPTAINERENV_{k}": apptainer_env_value(v) for k, v in values.items()}
+        if "HOME" in values:  # Apptainer refuses APPTAINERENV_HOME; `--home` sets and binds it
+            flags += ["--home", values["HOME"]]
+        child = {f"APPTAINERENV_{k}": apptainer_env_value(v) for k, v in values.items() if k != "HOME"}
         return ContainerCommand(
             (*_head(c, "exec"), *flags, *c.extra_flags, str(c.image), *argv), child)
 
