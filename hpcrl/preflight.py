@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.config import ConfigError, load_defaults, override_values
+
 GIB = 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DEMO_HINT = "`make demo` shows a complete command line"
@@ -49,25 +51,18 @@ def check_local_nodes(site: str, scheduler: str, nodes: int) -> list[str]:
 # ----------------------------------------------------------------------------- overrides
 
 
-def parse_overrides(args: Sequence[str]) -> dict[str, str]:
-    """`key=value` trainer overrides (a leading `+` is dropped, as Hydra allows)."""
-    out = {}
-    for arg in args:
-        if "=" in arg and not arg.startswith("-"):
-            key, value = arg.split("=", 1)
-            out[key.lstrip("+")] = value.strip().strip("'\"")
-    return out
+def parse_overrides(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """The trainer overrides among `args`, read by the trainer's own rules (verl's grammar,
+    interpolations resolved): the value each key ends with, or the problem the trainer would
+    stop on at its start."""
+    try:
+        return override_values(args), []
+    except ConfigError as err:
+        return {}, [f"the trainer overrides are refused: {err}"]
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys; empty when the
-    trainer is not installed here."""
-    try:
-        from trainer.config import load_defaults
-
-        tree = load_defaults()
-    except (ModuleNotFoundError, FileNotFoundError):
-        return {}
+    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -77,7 +72,7 @@ def trainer_defaults() -> dict[str, Any]:
         else:
             flat[prefix[:-1]] = node
 
-    walk("", tree)
+    walk("", load_defaults())
     return flat
 
 
@@ -242,7 +237,9 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
     """Every check of a trainer job whose payload overrides are `payload_args`."""
     from hpcrl.rundir import trainer_dirs
 
-    overrides = parse_overrides(payload_args)
+    overrides, problems = parse_overrides(payload_args)
+    if problems:
+        return problems
     defaults = trainer_defaults()
     model, problems = check_model(overrides, defaults, run_dir)
     problems += check_data(overrides, defaults, run_dir, read_columns)

@@ -34,12 +34,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.layout import is_complete, step_of
+from trainer.config import ConfigError, override_values
 from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import METRICS_FILE  # the trainer writes it; named once, there
 
@@ -449,18 +450,13 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
 # ----------------------------------------------------------------------------- trainer's files
 
 
-def payload_overrides(run_dir: Path) -> dict[str, str]:
-    """`key=value` arguments of the payload in `RUN/job.json` (empty if unreadable)."""
+def payload_overrides(run_dir: Path) -> dict[str, Any]:
+    """The trainer overrides of the payload in `RUN/job.json`, read by the trainer's rules
+    (empty if the file is unreadable or the trainer refuses them)."""
     try:
-        job = read_job(run_dir)
-    except RunFileError:
-        job = {}
-    out: dict[str, str] = {}
-    for arg in job.get("payload", []):
-        if isinstance(arg, str) and "=" in arg and not arg.startswith("-"):
-            key, value = arg.split("=", 1)
-            out[key] = value
-    return out
+        return override_values([a for a in read_job(run_dir).get("payload", []) if isinstance(a, str)])
+    except (RunFileError, ConfigError):
+        return {}
 
 
 def _in_run(run_dir: Path, value: str) -> Path:
@@ -468,7 +464,7 @@ def _in_run(run_dir: Path, value: str) -> Path:
     return path if path.is_absolute() else run_dir / path
 
 
-def trainer_dirs(run_dir: Path, overrides: dict[str, str] | None = None) -> tuple[Path, Path]:
+def trainer_dirs(run_dir: Path, overrides: Mapping[str, Any] | None = None) -> tuple[Path, Path]:
     """(metrics directory, checkpoint root) the trainer uses for this run."""
     o = payload_overrides(run_dir) if overrides is None else overrides
     ckpt = o.get("trainer.default_local_dir")

@@ -141,3 +141,21 @@ def test_slurm_site_without_sbatch(tmp_path: Path) -> None:
                       "a=1"], {"PATH": str(tmp_path), "HOME": str(tmp_path)})
     assert proc.returncode == 2 and "`sbatch` is not on PATH" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_overrides_the_trainer_refuses_stop_the_submission(tmp_path: Path, model: Path, data: Path) -> None:
+    """Read by the trainer's own rules (verl's grammar, interpolations): a refused override is
+    fatal at submit, and the values the checks see are the resolved ones."""
+    problems = pf.check_trainer_job(args(model, data / "train.parquet", "data.max_prompt_length=${nope}"),
+                                    tmp_path / "run")
+    assert len(problems) == 1 and "the trainer overrides are refused" in problems[0]
+    assert "the interpolation cannot be resolved" in problems[0]
+    resolved = [f"actor_rollout_ref.model.path={model}", "trainer.experiment_name=" + str(data),
+                "data.train_files=${trainer.experiment_name}/raw.parquet", "trainer.val_before_train=false"]
+    assert any("lacks column(s)" in p for p in pf.check_trainer_job(resolved, tmp_path / "run"))
+    run = tmp_path / "run"
+    proc = run_hpcrl(["submit", "--site", "local", "--run-dir", str(run), "--",
+                      *args(model, data / "train.parquet", "data.train_files=a.parquet,b.parquet")],
+                     {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "is a sweep in Hydra's grammar" in proc.stderr, proc.stderr
+    assert not run.exists()

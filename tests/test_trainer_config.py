@@ -205,3 +205,62 @@ def test_cli_print_config_validates_and_prints() -> None:
     bad = subprocess.run([sys.executable, "-m", "trainer", "--print-config", "data.nope=1"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "unknown key `data.nope`" in bad.stderr
+
+
+# ------------------------------------------------------------------ verl's override grammar
+
+
+def test_add_force_add_and_delete_follow_verls_grammar() -> None:
+    assert load_config(["++data.seed=9"]).data.seed == 9
+    restored = load_config(["data.max_prompt_length=77", "~data.max_prompt_length"])
+    assert restored.data.max_prompt_length == load_config([]).data.max_prompt_length
+    assert load_config(["data.max_prompt_length=77", "~data.max_prompt_length=77"]).data.max_prompt_length != 77
+    with pytest.raises(ConfigError, match="only while it equals the given value, but it is 77"):
+        load_config(["data.max_prompt_length=77", "~data.max_prompt_length=78"])
+    with pytest.raises(ConfigError, match="unknown key `data.no_such_key`"):
+        load_config(["~data.no_such_key"])
+    # removing a verl key this trainer does not have leaves nothing to remove
+    load_config(["~data.return_raw_input_ids"])
+
+
+def test_null_lists_and_quoting_as_verl_writes_them() -> None:
+    cfg = load_config(["trainer.logger=[console, 'wandb']", "data.train_files=['/d/a.parquet', \"/d/b.parquet\"]",
+                       "trainer.experiment_name=007", "trainer.project_name='two words'",
+                       "actor_rollout_ref.actor.optim.lr=1e-6", "trainer.logger=[\"console\",\"jsonl\"]"])
+    assert cfg.trainer.logger == ["console", "jsonl"]  # the last override of a key wins
+    assert cfg.data.train_files == ["/d/a.parquet", "/d/b.parquet"]
+    assert cfg.trainer.experiment_name == "007" and cfg.trainer.project_name == "two words"
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert load_config(["data.val_batch_size=null"]).data.val_batch_size is None
+    with pytest.raises(ConfigError, match="null is not allowed here"):
+        load_config(["data.train_batch_size=null"])
+    with pytest.raises(ConfigError, match="got a dict; expected a int"):
+        load_config(["data.train_batch_size={a: 1}"])
+    with pytest.raises(ConfigError, match="is a sweep in Hydra's grammar"):
+        load_config(["data.train_files=a.parquet,b.parquet"])
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_config(["trainer.experiment_name=a=b"])
+
+
+def test_interpolations_resolve_against_the_final_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCRL_TEST_NAME", "from-env")
+    cfg = load_config([
+        "data.max_response_length=${data.max_prompt_length}",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=${data.max_response_length}",
+        "trainer.experiment_name=run_${data.max_prompt_length}_${oc.env:HPCRL_TEST_NAME}",
+        "data.max_prompt_length=96",  # given after the references: they still see it
+    ])
+    assert cfg.data.max_response_length == 96
+    assert cfg.actor_rollout_ref.rollout.max_num_batched_tokens == 96
+    assert cfg.trainer.experiment_name == "run_96_from-env"
+    with pytest.raises(ConfigError, match="the interpolation cannot be resolved"):
+        load_config(["trainer.experiment_name=${data.no_such_key}"])
+    with pytest.raises(ConfigError, match="expected a int"):
+        load_config(["data.max_prompt_length=${trainer.experiment_name}"])
+
+
+def test_the_launcher_reads_overrides_by_the_same_rules() -> None:
+    values = C.override_values(["--flag", "data.max_prompt_length=64", "trainer.default_local_dir=/ck/${data.max_prompt_length}",
+                                "~data.seed", "trainer.val_only=false"])
+    assert values == {"data.max_prompt_length": 64, "trainer.default_local_dir": "/ck/64",
+                      "data.seed": load_config([]).data.seed}

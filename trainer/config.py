@@ -12,7 +12,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -573,44 +573,213 @@ def _not_supported_message(key: str, item: str, why: str) -> str:
     return f"`{key}` is not supported yet{detail}; remove the override `{item}`"
 
 
-def parse_override(item: str) -> tuple[str, str]:
-    """`key=value` (optionally with Hydra's `+`/`++` prefix) -> (key, value text)."""
-    if "=" not in item:
+@dataclass(frozen=True)
+class Override:
+    """One command-line override in verl's grammar (Hydra's override grammar, parsed by Hydra)."""
+
+    item: str
+    """The override as given."""
+    key: str
+    """The dotted key."""
+    op: Literal["set", "add", "force_add", "delete"]
+    """`key=v`, `+key=v`, `++key=v`, `~key` / `~key=v`."""
+    value: Any
+    """The value as Hydra's grammar reads it (scalars, lists, dicts, None); None for `~key`."""
+    text: str | None
+    """The value text as given (None for `~key`): unquoted scalars are read from it with this
+    trainer's types, so `trainer.experiment_name=007` stays the string `007`."""
+
+    @property
+    def interpolated(self) -> bool:
+        """The value names other keys (`${a.b}`), resolved against the final config."""
+        return self.text is not None and "${" in self.text
+
+
+_OPS = {"CHANGE": "set", "ADD": "add", "FORCE_ADD": "force_add", "DEL": "delete"}
+
+
+def _hydra_parser() -> Any:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
+def parse_override(item: str, parser: Any = None) -> Override:
+    """Read one override in verl's grammar: `key=value`, `+key=value` (add), `++key=value`
+    (force add), `~key` or `~key=value` (delete), `key=null`, lists `[a,'b,c']`, dicts `{k: v}`,
+    quoted strings and `${a.b}` interpolations."""
+    from hydra.errors import HydraException
+
+    if "=" not in item and not item.startswith("~"):
         raise ConfigError(
             f"override `{item}` has no `=`; write overrides as `dotted.key=value`, "
-            "e.g. `data.train_batch_size=64`"
+            "e.g. `data.train_batch_size=64` (or `~dotted.key` to restore a key's default)"
         )
-    key, text = item.split("=", 1)
-    key = key.strip().lstrip("+")
-    if not key:
-        raise ConfigError(f"override `{item}` has an empty key; write `dotted.key=value`")
-    return key, text
+    try:
+        o = (parser or _hydra_parser()).parse_override(item)
+    except HydraException as err:
+        detail = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"override `{item}` does not parse ({detail}); write `dotted.key=value` and quote "
+            "values with spaces or special characters: `key='a b'`"
+        ) from None
+    if o.is_sweep_override():
+        raise ConfigError(
+            f"override `{item}` is a sweep in Hydra's grammar (several values); a run takes one "
+            "value: write a list as `key=[a,b]`, or quote a string that holds a comma: `key='a,b'`"
+        )
+    if o.package is not None:
+        raise ConfigError(f"override `{item}`: `@package` overrides select config groups, "
+                          "which this trainer does not have; write `dotted.key=value`")
+    key = o.key_or_group
+    text = item.split("=", 1)[1] if "=" in item else None
+    return Override(item=item, key=key, op=_OPS[o.type.name], value=o.value() if text is not None else None,
+                    text=text)
+
+
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def typed_value(value: Any, text: str | None, tp: Any) -> Any:
+    """A value read by the grammar (`text` is its unquoted text, when it has one) as type `tp`;
+    raise ValueError naming the rule."""
+    inner, optional = _split_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError("null is not allowed here")
+    if typing.get_origin(inner) is list:
+        seq = value if isinstance(value, list) else [value]
+        return [typed_value(v, text if len(seq) == 1 and not isinstance(value, list) else None,
+                            typing.get_args(inner)[0]) for v in seq]
+    if isinstance(value, dict):
+        raise ValueError("got a dict")
+    if isinstance(value, list):
+        raise ValueError("got a list")
+    if isinstance(value, str):
+        return value if inner is str else parse_value(value, tp)
+    raw = text.strip() if text is not None and not _quoted(text) else _scalar_text(value)
+    return parse_value(raw, tp)
+
+
+def _quoted(text: str) -> bool:
+    text = text.strip()
+    return len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+
+
+def _default_of(parts: list[str]) -> Any:
+    node: Any = load_defaults()
+    for part in parts:
+        node = node[part]
+    return node
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of the nested dict `tree` with the dotted overrides applied."""
+    """Return a copy of the nested dict `tree` with the overrides applied in order (the last one
+    of a key wins, as in Hydra). `+key`/`++key` set the key like `key=value` (verl scripts add
+    with `+` the keys verl's own yaml lacks; here every key has a default); `~key` restores the
+    default. Interpolations (`${a.b}`, `${oc.env:NAME}`) are resolved by OmegaConf against the
+    config after every override, then typed like any value."""
     import copy
 
     tree = copy.deepcopy(tree)
+    parser = _hydra_parser() if overrides else None
+    deferred: list[tuple[Override, list[str], Any]] = []
     for item in overrides:
-        key, text = parse_override(item)
-        if _check_accepted_only_as(key, text):
+        o = parse_override(item, parser)
+        if o.op == "delete" and _not_supported(o.key) is not None:
+            continue  # removing a key this trainer does not have leaves nothing to remove
+        if o.op != "delete" and _check_accepted_only_as(o.key, o.text or ""):
             continue
-        why = _not_supported(key)
+        why = _not_supported(o.key)
         if why is not None:
-            raise ConfigError(_not_supported_message(key, item, why))
-        parts, tp = _resolve_key(key)
-        try:
-            value = parse_value(text, tp)
-        except ValueError as err:
-            raise ConfigError(
-                f"`{key}={text}`: {err}; expected a {_type_name(tp)}"
-            ) from None
+            raise ConfigError(_not_supported_message(o.key, item, why))
+        parts, tp = _resolve_key(o.key)
         node = tree
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = value
+        deferred = [d for d in deferred if d[0].key != o.key]
+        if o.op == "delete":
+            if o.text is not None and node.get(parts[-1]) != _override_value(o, tp):
+                raise ConfigError(f"`{item}` deletes `{o.key}` only while it equals the given "
+                                  f"value, but it is {node.get(parts[-1])!r}; write `~{o.key}`")
+            node[parts[-1]] = copy.deepcopy(_default_of(parts))
+        elif o.interpolated:
+            node[parts[-1]] = o.value
+            deferred.append((o, parts, tp))
+        else:
+            node[parts[-1]] = _override_value(o, tp)
+    if deferred:
+        _resolve_interpolations(tree, deferred)
     return tree
+
+
+def is_override(arg: str) -> bool:
+    """Whether a command-line word is a trainer override (`key=value`, `~key`), not a flag."""
+    return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
+
+
+def override_values(args: Sequence[str]) -> dict[str, Any]:
+    """The keys the overrides among `args` set and the value each ends with (verl's grammar,
+    interpolations resolved, `~key` back to its default): how the launcher reads a payload's
+    overrides (submit's checks, the run directory's paths), by the trainer's own rules. Keys
+    this trainer does not have are left out. Raises ConfigError as the trainer would."""
+    items = [a for a in args if is_override(a)]
+    tree = apply_overrides(load_defaults(), items)
+    parser = _hydra_parser() if items else None
+    out: dict[str, Any] = {}
+    for item in items:
+        key = parse_override(item, parser).key
+        found, value = _lookup(tree, key)
+        if found:
+            out[key] = value
+    return out
+
+
+def _lookup(tree: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """(whether dotted `key` is in `tree`, its value)."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _override_value(o: Override, tp: Any) -> Any:
+    try:
+        return typed_value(o.value, o.text, tp)
+    except ValueError as err:
+        raise ConfigError(f"`{o.item}`: {err}; expected a {_type_name(tp)}") from None
+
+
+def _resolve_interpolations(tree: dict[str, Any], deferred: list[tuple[Override, list[str], Any]]) -> None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    conf = OmegaConf.create(tree)
+    resolved = []
+    for o, parts, tp in deferred:
+        try:
+            value = OmegaConf.select(conf, o.key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as err:
+            detail = str(err).strip().splitlines()[0]
+            raise ConfigError(
+                f"`{o.item}`: the interpolation cannot be resolved ({detail}); `${{...}}` must "
+                "name a key of the final config, e.g. `${data.max_prompt_length}`, or a "
+                "variable, `${oc.env:NAME}`"
+            ) from None
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        resolved.append((parts, _override_value(dataclasses.replace(o, value=value, text=None), tp)))
+    for parts, value in resolved:
+        node = tree
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = value
 
 
 # ------------------------------------------------------------------------------ build + derive

@@ -84,5 +84,7 @@ def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
               + pf.check_local_nodes(profile.name, profile.scheduler, req.spec.nodes), fatal=True)
     if args.whole_command or args.resume:
         return
-    problems = pf.check_trainer_job(list(req.spec.payload[3:]), Path(req.run_dir))
-    pf.report(problems, fatal=profile.scheduler == "local")
+    payload = list(req.spec.payload[3:])
+    # overrides the trainer refuses stop it on every node: refused here on any site
+    pf.report(pf.parse_overrides(payload)[1], fatal=True)
+    pf.report(pf.check_trainer_job(payload, Path(req.run_dir)), fatal=profile.scheduler == "local")
