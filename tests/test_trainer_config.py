@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 import subprocess
 import sys
@@ -49,12 +50,15 @@ TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
 def supported_part(words: list[str]) -> list[str]:
-    """The seed line with tensor-parallel vLLM rollout (not implemented) set back to 1, after
-    checking that the line as written is refused with "not supported yet" naming it."""
+    """The seed line with tensor-parallel rollout (not implemented) set back to 1, after checking
+    that the line as written is refused naming it: with vLLM "not supported yet", with the HF
+    rollout (the default engine) as a setting that would do nothing."""
     tp = [w for w in words if w.startswith(TP_KEY + "=") and w.split("=", 1)[1] != "1"]
-    if not tp or not any(w == "actor_rollout_ref.rollout.name=vllm" for w in words):
+    if not tp:
         return words
-    with pytest.raises(C.ConfigError, match="tensor-parallel rollout is not supported yet"):
+    vllm = any(w == "actor_rollout_ref.rollout.name=vllm" for w in words)
+    with pytest.raises(C.ConfigError, match="tensor-parallel rollout is not supported yet" if vllm
+                       else "the HF rollout does not shard the model over ranks"):
         load_config(words)
     return [f"{TP_KEY}=1" if w in tp else w for w in words]
 
@@ -264,3 +268,29 @@ def test_the_launcher_reads_overrides_by_the_same_rules() -> None:
                                 "~data.seed", "trainer.val_only=false"])
     assert values == {"data.max_prompt_length": 64, "trainer.default_local_dir": "/ck/64",
                       "data.seed": load_config([]).data.seed}
+
+
+def test_every_accepted_key_acts_or_is_marked_compatibility_only() -> None:
+    """No silent no-ops: every key the trainer accepts is read by the trainer's code (attribute
+    access outside its declaration) or is listed in `COMPAT` with the reason nothing is lost.
+    A static check: a new key without code behind it fails here."""
+    trainer_dir = Path(C.__file__).parent
+    source = "\n".join(p.read_text() for p in trainer_dir.rglob("*.py"))
+    silent = [key for key, _, _ in C.describe_keys()
+              if key not in C.COMPAT and not re.search(r"\." + re.escape(key.split(".")[-1]) + r"\b", source)]
+    assert silent == [], f"keys accepted but read nowhere: {silent}; make them act, refuse them, or add to COMPAT"
+    for key in C.COMPAT:  # only real keys, each shown as compatibility-only
+        C._resolve_key(key)
+    printed = C.dump_config(load_config([]))
+    assert printed.count("# compatibility only:") == len(C.COMPAT)
+    assert yaml.safe_load(printed) == C.config_to_dict(load_config([]))
+
+
+def test_settings_that_would_do_nothing_are_refused() -> None:
+    with pytest.raises(ConfigError, match="the HF rollout does not shard the model over ranks"):
+        load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="a separate rollout deployment is not supported"):
+        load_config(["actor_rollout_ref.hybrid_engine=false"])
+    with pytest.raises(ConfigError, match="one limit applies to both"):
+        load_config(["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"])
+    assert load_config(["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"]).trainer.max_critic_ckpt_to_keep == 2

@@ -90,6 +90,18 @@ def test_missing_column_and_file_errors(tmp_path, tokenizer) -> None:
         PromptDataset([tmp_path / "nope.parquet"], tokenizer, max_prompt_length=8)
 
 
+def test_reward_fn_key_names_the_column_that_selects_the_reward(tmp_path, tokenizer) -> None:
+    """`data.reward_fn_key` (verl): another column than `data_source` picks the scorer."""
+    rows = pq.read_table(SAMPLE).to_pylist()[:2]
+    renamed = tmp_path / "renamed.parquet"
+    pq.write_table(pa.Table.from_pylist([{**{k: v for k, v in r.items() if k != "data_source"},
+                                          "task": f"task-{i}"} for i, r in enumerate(rows)]), renamed)
+    ds = PromptDataset([renamed], tokenizer, max_prompt_length=512, reward_fn_key="task")
+    assert [e.data_source for e in ds.examples] == ["task-0", "task-1"]
+    with pytest.raises(DataError, match="lacks column.*`data_source`"):
+        PromptDataset([renamed], tokenizer, max_prompt_length=512)
+
+
 def test_shuffle_is_seeded_and_differs_by_epoch() -> None:
     a = epoch_order(50, 0, shuffle=True, seed=1)
     assert a == epoch_order(50, 0, shuffle=True, seed=1) and sorted(a) == list(range(50))

@@ -58,7 +58,7 @@ class DataConfig:
 class ModelConfig:
     path: str = _h("HF model directory (or hub id) of the actor and reference")
     enable_gradient_checkpointing: bool = _h("recompute activations in backward to save memory")
-    use_remove_padding: bool = _h("accepted for verl compatibility; padded maths gives the same result")
+    use_remove_padding: bool = _h("verl's padding-free packing (compatibility only, see COMPAT)")
     trust_remote_code: bool = _h("allow model code shipped with the checkpoint")
 
 
@@ -141,9 +141,10 @@ class RolloutConfig:
     do_sample: bool = _h("sample (false = greedy)")
     n: int = _h("responses per prompt (group size for grpo/rloo)")
     gpu_memory_utilization: float = _h("vLLM: share of GPU memory for weights and KV cache")
-    tensor_model_parallel_size: int = _h("vLLM: GPUs per inference engine")
+    tensor_model_parallel_size: int = _h("ranks per inference engine; must be 1 (tensor-parallel "
+                                         "rollout is not supported yet)")
     enforce_eager: bool = _h("vLLM: no CUDA graphs")
-    free_cache_engine: bool = _h("vLLM: release the KV cache between rollouts")
+    free_cache_engine: bool = _h("vLLM on GPUs: release the KV cache (sleep) between rollouts")
     max_num_batched_tokens: int = _h("vLLM: tokens per scheduler step")
     max_num_seqs: int = _h("vLLM: sequences per scheduler step")
     max_model_len: int | None = _h("vLLM: context length; null = prompt + response length")
@@ -157,7 +158,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = _h("actor and rollout share weights (always true here)")
+    hybrid_engine: bool = _h("actor and rollout share weights; must be true (a separate rollout "
+                             "deployment is not supported)")
     model: ModelConfig = _h("actor/reference model")
     actor: ActorConfig = _h("actor training")
     ref: RefConfig = _h("reference model")
@@ -167,9 +169,9 @@ class ActorRolloutRefConfig:
 @dataclass(frozen=True)
 class CriticModelConfig:
     path: str | None = _h("critic model directory; null = the actor's model path")
-    tokenizer_path: str | None = _h("critic tokenizer; null = the critic model's path")
+    tokenizer_path: str | None = _h("critic tokenizer (compatibility only, see COMPAT)")
     enable_gradient_checkpointing: bool = _h("recompute activations in backward")
-    use_remove_padding: bool = _h("accepted for verl compatibility; padded maths gives the same result")
+    use_remove_padding: bool = _h("verl's padding-free packing (compatibility only, see COMPAT)")
     trust_remote_code: bool = _h("allow model code shipped with the checkpoint")
     fsdp_config: FsdpConfig = _h("critic FSDP options")
 
@@ -258,7 +260,8 @@ class TrainerConfig:
         "step and a checkpoint would not fit"
     )
     max_actor_ckpt_to_keep: int | None = _h("keep the newest K checkpoints; null = all")
-    max_critic_ckpt_to_keep: int | None = _h("accepted for verl compatibility; critic lives in the same checkpoint")
+    max_critic_ckpt_to_keep: int | None = _h(
+        "null or the same as `max_actor_ckpt_to_keep`: the critic is saved in the same checkpoint")
     balance_batch: bool = _h("give data-parallel workers equal sample counts of similar token totals")
     seed: int = _h("seed of model init, sampling and mini-batch shuffles")
 
@@ -367,6 +370,19 @@ NOT_SUPPORTED: dict[str, str] = {
     "trainer.worker_nsight_options": "profiling",
     "ray_init": "",
     "ray_kwargs": "",
+}
+
+_PADDING = ("verl's padding-free packing is a speed-up only; the padded computation here gives "
+            "the same losses")
+#: Keys accepted for verl compatibility that change nothing here, and why nothing is lost;
+#: `--print-config` and `--list-keys` mark them. Every other key acts or is refused.
+COMPAT: dict[str, str] = {
+    "actor_rollout_ref.model.use_remove_padding": _PADDING,
+    "critic.model.use_remove_padding": _PADDING,
+    "actor_rollout_ref.actor.strategy": "`fsdp` and `fsdp2` both shard with FSDP2 here",
+    "critic.strategy": "`fsdp` and `fsdp2` both shard with FSDP2 here",
+    "critic.model.tokenizer_path": ("the critic scores the actor's tokens and has no HF export, "
+                                    "so it loads no tokenizer"),
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
@@ -922,11 +938,31 @@ def validate(cfg: Config) -> None:
         cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path is not None,
         "`trainer.resume_mode=resume_path` needs `trainer.resume_from_path=<checkpoint dir>`",
     )
+    tp = rollout.tensor_model_parallel_size
     _require(
-        rollout.name != "vllm" or rollout.tensor_model_parallel_size == 1,
-        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}`: "
-        "each rank runs its own in-process vLLM engine, so tensor-parallel rollout is not "
-        "supported yet; set it to 1",
+        rollout.name != "vllm" or tp == 1,
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}`: each rank runs its own "
+        "in-process vLLM engine, so tensor-parallel rollout is not supported yet; set it to 1",
+    )
+    _require(
+        rollout.name != "hf" or tp == 1,
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` with "
+        "`actor_rollout_ref.rollout.name=hf`: the HF rollout does not shard the model over ranks "
+        "(every rank generates with the whole model, data-parallel), so the setting would do "
+        "nothing; set it to 1",
+    )
+    _require(
+        arr.hybrid_engine,
+        "`actor_rollout_ref.hybrid_engine=false`: the actor and the rollout always share one set "
+        "of weights here (verl's hybrid engine); a separate rollout deployment is not supported. "
+        "Fix: remove the override",
+    )
+    keep = cfg.trainer.max_critic_ckpt_to_keep
+    _require(
+        keep is None or keep == cfg.trainer.max_actor_ckpt_to_keep,
+        f"`trainer.max_critic_ckpt_to_keep={keep}`: the critic is saved inside each checkpoint "
+        "with the actor, so one limit applies to both; set `trainer.max_actor_ckpt_to_keep` "
+        f"instead (it is {cfg.trainer.max_actor_ckpt_to_keep})",
     )
     c = cfg.critic
     if cfg.derived.use_critic and c.ppo_mini_batch_size is not None:
@@ -965,8 +1001,25 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     return cfg
 
 
+class _Dumper(yaml.SafeDumper):
+    """Sections as blocks (one key per line), lists inline."""
+
+
+_Dumper.add_representer(
+    list, lambda d, data: d.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True))
+
+
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
+    """The config as YAML; the keys accepted only for compatibility carry a comment saying so."""
+    text = yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+    lines, path = [], []
+    for line in text.splitlines():
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.strip().split(":", 1)[0]
+        path = [*path[:depth], name]
+        why = COMPAT.get(".".join(path))
+        lines.append(f"{line}  # compatibility only: {why}" if why and ":" in line else line)
+    return "\n".join(lines) + "\n"
 
 
 def describe_keys() -> list[tuple[str, str, str]]:
@@ -982,7 +1035,9 @@ def describe_keys() -> list[tuple[str, str, str]]:
             if _is_section(tp):
                 walk(tp, key + ".")
             else:
-                rows.append((key, _type_name(tp), f.metadata["help"]))
+                why = COMPAT.get(key)
+                rows.append((key, _type_name(tp),
+                             f.metadata["help"] + (f" [compatibility only: {why}]" if why else "")))
 
     walk(Config, "")
     return rows

@@ -1,7 +1,8 @@
 """Prompt data in verl's parquet format, tokenised through the chat template, and a loader
 whose position is part of the checkpoint.
 
-A row holds `data_source` (selects the reward function), `prompt` (a chat: list of
+A row holds `data_source` (selects the reward function; another column with
+`data.reward_fn_key`), `prompt` (a chat: list of
 `{"role", "content"}`), `ability`, `reward_model` (`{"style", "ground_truth"}`) and
 `extra_info` (free-form).
 """
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 Truncation = Literal["error", "left", "right", "middle"]
 
 
@@ -43,7 +43,8 @@ class Example:
         return self.reward_model.get("ground_truth")
 
 
-def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt") -> list[dict[str, Any]]:
+def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt",
+              reward_fn_key: str = "data_source") -> list[dict[str, Any]]:
     """All rows of the parquet `files`, in order; fail naming a missing file or column."""
     import pyarrow.parquet as pq
 
@@ -57,7 +58,7 @@ def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt") -> list[d
                 "`data.train_files`/`data.val_files`"
             )
         table = pq.read_table(path)
-        required = (prompt_key, *[c for c in REQUIRED_COLUMNS if c != "prompt"])
+        required = (prompt_key, reward_fn_key, "reward_model")
         missing = [c for c in required if c not in table.column_names]
         if missing:
             raise DataError(
@@ -114,13 +115,14 @@ class PromptDataset:
         *,
         max_prompt_length: int,
         prompt_key: str = "prompt",
+        reward_fn_key: str = "data_source",
         filter_overlong_prompts: bool = False,
         truncation: Truncation = "error",
     ) -> None:
         self.files = [str(f) for f in files]
         self.num_filtered = 0
         self.examples: list[Example] = []
-        for index, row in enumerate(read_rows(files, prompt_key)):
+        for index, row in enumerate(read_rows(files, prompt_key, reward_fn_key)):
             where = f"row {index} of {', '.join(self.files)}"
             messages = _check_messages(row[prompt_key], where)
             ids = chat_prompt_ids(tokenizer, messages)
@@ -129,7 +131,7 @@ class PromptDataset:
                 continue
             self.examples.append(Example(
                 index=index,
-                data_source=str(row["data_source"]),
+                data_source=str(row[reward_fn_key]),
                 prompt=messages,
                 ability=str(row.get("ability") or ""),
                 reward_model=dict(row["reward_model"] or {}),

@@ -122,7 +122,8 @@ class PPODriver:
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         seed_everything(t.seed)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-        self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+        self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
+                                          trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
         self._build_data()
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -144,6 +145,7 @@ class PPODriver:
     def _build_data(self) -> None:
         data = self.cfg.data
         common: dict[str, Any] = {"max_prompt_length": data.max_prompt_length, "prompt_key": data.prompt_key,
+                                  "reward_fn_key": data.reward_fn_key,
                                   "filter_overlong_prompts": data.filter_overlong_prompts,
                                   "truncation": data.truncation}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)

@@ -110,13 +110,13 @@ def resolve_model_path(path: str | Path) -> tuple[str, str | None]:
 # --------------------------------------------------------------------------- loading
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of a model path, padding on the left, with a pad token (EOS if none)."""
     from transformers import AutoTokenizer
 
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(directory, **kwargs)
+    tok = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -151,6 +151,7 @@ def load_actor(
     dtype: str | torch.dtype = "float32",
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A causal LM for the actor or the reference policy (in train mode, on the CPU)."""
     from transformers import AutoModelForCausalLM
@@ -158,7 +159,8 @@ def load_actor(
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code, **kwargs
     )
     if gguf_file:
         _forget_gguf_origin(model)
@@ -201,6 +203,7 @@ def load_critic(
     dtype: str | torch.dtype = "float32",
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
 ) -> CriticModel:
     """A critic whose backbone is initialised from the model at ``path`` (the LM head is
     dropped); the value head is new, drawn from the current torch RNG."""
@@ -209,7 +212,8 @@ def load_critic(
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     backbone = AutoModel.from_pretrained(
-        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code, **kwargs
     )
     if gguf_file:
         _forget_gguf_origin(backbone)

@@ -59,7 +59,8 @@ class VLLMRolloutEngine:
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, max_num_seqs: int = 1024,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
-                 disable_log_stats: bool = True) -> None:
+                 disable_log_stats: bool = True, free_cache_engine: bool = True,
+                 trust_remote_code: bool = False) -> None:
         for key, value in engine_env().items():
             os.environ.setdefault(key, value)
         try:
@@ -75,6 +76,7 @@ class VLLMRolloutEngine:
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = list(eos_token_ids)
         self.gpu = torch.cuda.is_available()
+        self.free_cache = free_cache_engine
         self.asleep = False
         self.llm = LLM(
             model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
@@ -82,7 +84,8 @@ class VLLMRolloutEngine:
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
-            enable_prefix_caching=True, enable_sleep_mode=self.gpu)
+            enable_prefix_caching=True, enable_sleep_mode=self.gpu and free_cache_engine,
+            trust_remote_code=trust_remote_code)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, seed: int = 0) -> VLLMRolloutEngine:
@@ -94,7 +97,9 @@ class VLLMRolloutEngine:
                    gpu_memory_utilization=r.gpu_memory_utilization,
                    tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                   enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats)
+                   enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
+                   free_cache_engine=r.free_cache_engine,
+                   trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
 
     # ------------------------------------------------------------------ RolloutEngine
 
@@ -118,7 +123,9 @@ class VLLMRolloutEngine:
             llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        if self.gpu and not self.asleep:
+        """Release the KV cache (and offload the weights) between rollouts when
+        `rollout.free_cache_engine` asks for it; vLLM sleeps only on GPUs."""
+        if self.gpu and self.free_cache and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
 

@@ -31,16 +31,25 @@ class ActorRolloutRefWorker(Worker):
 
     def build(self) -> None:
         arr = self.cfg.actor_rollout_ref
-        self.tokenizer = M.load_tokenizer(self.cfg.data.tokenizer or arr.model.path)
+        trust = arr.model.trust_remote_code
+        self.tokenizer = M.load_tokenizer(self.cfg.data.tokenizer or arr.model.path, trust_remote_code=trust)
         self.model = self._place(M.load_actor(
-            arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing))
+            arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+            trust_remote_code=trust), arr.actor.fsdp_config,
+            "actor_rollout_ref.actor.fsdp_config")
         self.model.train()
         self.ref: Any = None
         if self.cfg.derived.use_reference:
-            self.ref = self._place(M.load_actor(arr.model.path).eval().requires_grad_(False))
+            self.ref = self._place(M.load_actor(arr.model.path, trust_remote_code=trust)
+                                   .eval().requires_grad_(False), arr.ref.fsdp_config,
+                                   "actor_rollout_ref.ref.fsdp_config")
         self._optimizer(arr.actor.optim)
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
         self.rollout, self.shares_weights = self._build_rollout()
+
+    @property
+    def fsdp_config(self) -> Any:
+        return self.cfg.actor_rollout_ref.actor.fsdp_config
 
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
@@ -57,7 +66,7 @@ class ActorRolloutRefWorker(Worker):
             return HFRolloutEngine(self.model, pad, eos), True
         # A sharded model cannot generate rank by rank (its forwards are collectives): keep a
         # full copy for generation and sync it from the gathered weights.
-        copy: Any = M.load_actor(arr.model.path)
+        copy: Any = M.load_actor(arr.model.path, trust_remote_code=arr.model.trust_remote_code)
         copy = copy.to(self.device).eval()
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 

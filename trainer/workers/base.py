@@ -104,13 +104,36 @@ class Worker:
         raise NotImplementedError
 
     @property
+    def fsdp_config(self) -> Any:
+        """This worker's `fsdp_config` section (`param_offload`, `optimizer_offload`)."""
+        raise NotImplementedError
+
+    @property
     def device(self) -> torch.device:
         assert self.ctx is not None, "init_dist must run first"
         return self.ctx.device
 
-    def _place(self, model: torch.nn.Module) -> Any:
-        model = model.to(self.device)
-        return P.apply_fsdp2(model) if self.ctx is not None and self.ctx.fsdp else model
+    def _place(self, model: torch.nn.Module, fsdp_config: Any, section: str) -> Any:
+        """`model` on this rank's device, sharded with FSDP2 in a group. `param_offload` keeps
+        the parameters (and under FSDP2 their gradients and the optimizer step) in host memory,
+        copied to the GPU unit by unit for each forward and backward. On the CPU they are in
+        host memory already."""
+        assert self.ctx is not None
+        offload = bool(fsdp_config.param_offload) and self.device.type != "cpu"
+        if offload and not self.ctx.fsdp:
+            raise ConfigError(
+                f"`{section}.param_offload=true` on a single GPU rank: offloading "
+                "works through FSDP2, which needs a group of two or more ranks. Fix: set it to "
+                "false, or train on more GPUs")
+        if self.ctx.fsdp:
+            return P.apply_fsdp2(model.to("cpu" if offload else self.device), cpu_offload=offload)
+        return model.to(self.device)
+
+    def _optimizer_to(self, device: torch.device) -> None:
+        for state in self.optim.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device, non_blocking=True)
 
     def _optimizer(self, optim: Any) -> None:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
@@ -145,8 +168,15 @@ class Worker:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
+        # under FSDP2's CPU offload (`param_offload`) the step already runs in host memory
+        f = self.fsdp_config
+        offload = f.optimizer_offload and not f.param_offload and self.device.type != "cpu"
         if torch.isfinite(grad_norm):
+            if offload:  # the moments live in host memory between steps
+                self._optimizer_to(self.device)
             self.optim.step()
+            if offload:
+                self._optimizer_to(torch.device("cpu"))
         self.optim.zero_grad(set_to_none=True)
         return float(grad_norm)
 

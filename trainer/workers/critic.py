@@ -24,9 +24,15 @@ class CriticWorker(Worker):
     def build(self) -> None:
         c = self.cfg.critic
         assert c.model.path is not None
-        self.model = self._place(M.load_critic(c.model.path, gradient_checkpointing=c.model.enable_gradient_checkpointing))
+        self.model = self._place(M.load_critic(c.model.path, gradient_checkpointing=c.model.enable_gradient_checkpointing,
+                                               trust_remote_code=c.model.trust_remote_code),
+                                 c.model.fsdp_config, "critic.model.fsdp_config")
         self.model.train()
         self._optimizer(c.optim)
+
+    @property
+    def fsdp_config(self) -> Any:
+        return self.cfg.critic.model.fsdp_config
 
     @torch.no_grad()
     def compute_values(self, batch: StepBatch) -> dict[str, Any]:
