@@ -138,7 +138,7 @@ def test_unknown_key_lists_valid_keys_at_that_level() -> None:
 
 
 def test_unsupported_verl_keys_say_not_supported_yet() -> None:
-    for item in ("actor_rollout_ref.model.lora_rank=8", "reward_model.enable=True",
+    for item in ("actor_rollout_ref.model.lora_rank=8",
                  "trainer.default_hdfs_dir=hdfs://x", "actor_rollout_ref.rollout.multi_turn.enable=True",
                  "data.return_raw_chat=True"):
         with pytest.raises(ConfigError, match="not supported yet"):
@@ -148,6 +148,17 @@ def test_unsupported_verl_keys_say_not_supported_yet() -> None:
                  "actor_rollout_ref.model.lora_rank=0"])
     with pytest.raises(ConfigError, match="derived here; set `data.max_response_length`"):
         load_config(["actor_rollout_ref.rollout.response_length=64"])
+    # features we do not have: one error each naming the feature, never "unknown key"
+    for item, feature in (("reward_model.enable=True", "the reward model worker"),
+                          ("reward_model.model.path=/m", "the reward model worker"),
+                          ("reward_model.micro_batch_size_per_gpu=4", "the reward model worker"),
+                          ("actor_rollout_ref.rollout.name=sglang", "SGLang rollout"),
+                          ("actor_rollout_ref.actor.strategy=megatron", "Megatron-LM training"),
+                          ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "Megatron-LM"),
+                          ("data.image_key=images", "multimodal data")):
+        with pytest.raises(ConfigError, match=feature) as err:
+            load_config([item])
+        assert "unknown key" not in str(err.value)
 
 
 def test_bad_values_name_key_and_expected_type() -> None:

@@ -260,3 +260,34 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
     for name, tensor in weights(skip).items():
         torch.testing.assert_close(tensor, weights(every_row)[name], rtol=0, atol=1e-6)
         assert not torch.equal(tensor, start[name]), name  # the optimiser did step
+
+
+def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`batch` (one call with lists) scored in a thread while the workers compute gives the run
+    that `naive` scored inline gives; `dapo`'s overlong penalty lands in the scores and metrics."""
+    fn = tmp_path / "reward.py"
+    fn.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
+                  "def per_row(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return toy_digits_score(solution_str)\n\n"
+                  "def rows(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                  "    return [toy_digits_score(s) for s in solution_strs]\n")
+
+    def run(name: str, *extra: str) -> list[dict]:
+        cfg = load_config(toy_overrides(
+            tiny_model_dir, toy_data, tmp_path / name, "algorithm.adv_estimator=grpo",
+            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=2",
+            f"custom_reward_function.path={fn}", "custom_reward_function.name=per_row", *extra))
+        assert run_training(cfg) == 0
+        return read_jsonl(tmp_path / name / "metrics.jsonl")
+
+    naive = run("naive")
+    batch = run("batch", "custom_reward_function.name=rows", "reward_model.reward_manager=batch",
+                "reward_model.launch_reward_fn_async=true")
+    assert [r["critic/score/mean"] for r in batch] == [r["critic/score/mean"] for r in naive]
+    dapo = run("dapo", "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
+               "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.log=true")
+    first = dapo[0]  # same seed: the first rollout equals naive's; only the penalty differs
+    assert first["reward_extra/overlong_reward/mean"] < 0 < first["reward_extra/overlong/mean"]
+    assert first["critic/score/mean"] == pytest.approx(
+        naive[0]["critic/score/mean"] + first["reward_extra/overlong_reward/mean"], abs=1e-6)

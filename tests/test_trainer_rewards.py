@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from trainer import preprocess
+from trainer import rewards as R
 from trainer.rewards import (
     RewardError,
     default_compute_score,
@@ -111,3 +112,22 @@ def test_toy_prompts_and_sevens_have_no_unknown_tokens_in_the_tiny_tokenizer() -
         assert unk not in chat_prompt_ids(tok, row["prompt"])
     ids = tok("7 7 7 7", add_special_tokens=False)["input_ids"]
     assert toy.toy_digits_score(tok.decode(ids, skip_special_tokens=True)) == 1.0
+
+
+def test_batch_manager_calls_once_with_lists() -> None:
+    calls = []
+
+    def batch_fn(data_sources, solution_strs, ground_truths, extra_infos):  # verl's batch signature
+        calls.append(len(solution_strs))
+        return [len(s) / 10 if i % 2 else {"score": 1.0, "acc": 1} for i, s in enumerate(solution_strs)]
+
+    scores, extras = R.score_batch(batch_fn, ["a", "b", "c"], ["x", "yy", "zzz"], [None] * 3, [None] * 3)
+    assert calls == [3] and scores == [1.0, 0.2, 1.0] and extras == {"acc": [1.0, 1.0]}
+    with pytest.raises(R.RewardError, match="returned 2 results for 3 responses"):
+        R.score_batch(lambda **kw: [0.0, 0.0], ["a"] * 3, ["x"] * 3, [None] * 3, [None] * 3)
+
+
+def test_dapo_overlong_penalty_rises_linearly_over_the_buffer() -> None:
+    # limit 10 tokens, buffer 4: no penalty up to 6 tokens, -0.25 per token after, -1 at 10
+    assert R.overlong_penalty([3, 6, 7, 8, 10], 10, 4, 1.0) == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert R.overlong_penalty([10], 10, 4, 0.5) == [-0.5]

@@ -202,6 +202,25 @@ class CustomRewardConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool = _h("dapo: penalise responses that run into the last `len` tokens of the limit")
+    len: int = _h("dapo: tokens before `data.max_response_length` where the penalty starts")
+    penalty_factor: float = _h("dapo: penalty at the limit (rising linearly over the buffer)")
+    log: bool = _h("dapo: report the penalty and whether the response was overlong as metrics")
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool = _h("a model-based reward model; must be false (rule-based rewards only)")
+    reward_manager: Literal["naive", "dapo", "batch"] = _h(
+        "how the reward function is called: `naive` once per response, `batch` once per step with "
+        "lists (`data_sources`, `solution_strs`, `ground_truths`, `extra_infos`), `dapo` per response "
+        "plus the overlong penalty")
+    launch_reward_fn_async: bool = _h("score the responses in a thread while the log-probs are computed")
+    overlong_buffer: OverlongBufferConfig = _h("DAPO's soft overlong punishment")
+
+
+@dataclass(frozen=True)
 class KLCtrlConfig:
     type: Literal["fixed", "adaptive"] = _h("KL coefficient controller for the in-reward penalty")
     kl_coef: float = _h("initial KL coefficient")
@@ -280,6 +299,7 @@ class Config:
     data: DataConfig = _h("training and validation data")
     actor_rollout_ref: ActorRolloutRefConfig = _h("actor, rollout and reference")
     critic: CriticConfig = _h("critic (value model)")
+    reward_model: RewardModelConfig = _h("how responses are scored (rule-based)")
     custom_reward_function: CustomRewardConfig = _h("user reward function")
     algorithm: AlgorithmConfig = _h("advantage and KL settings")
     trainer: TrainerConfig = _h("loop, logging, checkpoints")
@@ -351,8 +371,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "critic.model.external_lib": "",
     "critic.model.lora_rank": "LoRA",
     "critic.optim.total_training_steps": _DERIVED_HINT.format("trainer.total_training_steps"),
-    "reward_model": "model-based reward models (rule-based rewards via `data_source` and "
-    "`custom_reward_function` are supported)",
     "custom_reward_function.reward_kwargs": "",
     "algorithm.use_pf_ppo": "",
     "algorithm.pf_ppo": "",
@@ -388,8 +406,6 @@ COMPAT: dict[str, str] = {
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "trainer.default_hdfs_dir": None,
-    "reward_model.enable": False,
-    "reward_model.reward_manager": "naive",
     "actor_rollout_ref.model.lora_rank": 0,
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
@@ -403,11 +419,36 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
 }
 
 
+_REWARD_MODEL_WORKER = ("model-based reward models (the reward model worker) are not supported; "
+                        "rule-based rewards via `data_source` and `custom_reward_function` are")
+#: Values of a key that name a feature this trainer does not have: one clear error each.
+UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
+    "actor_rollout_ref.rollout.name": {"sglang": "SGLang rollout", "trtllm": "TensorRT-LLM rollout",
+                                       "hf_server": "server-mode rollout"},
+    "actor_rollout_ref.actor.strategy": {"megatron": "Megatron-LM training"},
+    "actor_rollout_ref.ref.strategy": {"megatron": "Megatron-LM training"},
+    "critic.strategy": {"megatron": "Megatron-LM training"},
+}
+
+
 def _not_supported(key: str) -> str | None:
     for prefix, why in NOT_SUPPORTED.items():
         if key == prefix or key.startswith(prefix + "."):
             return why
+    if ".megatron." in f".{key}." and not key.startswith("reward_model."):
+        return "Megatron-LM training (FSDP2 only)"
+    if key.startswith("reward_model."):
+        try:
+            _resolve_key(key)
+        except ConfigError:
+            return _REWARD_MODEL_WORKER
     return None
+
+
+def _unsupported_value(key: str, text: str) -> str | None:
+    feature = UNSUPPORTED_VALUES.get(key, {}).get(_unquote(text))
+    return None if feature is None else (f"`{key}={_unquote(text)}`: {feature} is not supported; "
+                                         "this trainer runs FSDP2 training with HF or vLLM rollout")
 
 
 # ------------------------------------------------------------------------------ value parsing
@@ -585,6 +626,8 @@ def _not_supported_message(key: str, item: str, why: str) -> str:
         return f"`{key}` {why}"
     if why.startswith("deprecated"):
         return f"`{key}` is not supported: {why}"
+    if why == _REWARD_MODEL_WORKER:
+        return f"`{key}`: {why}; remove the override `{item}`"
     detail = f" ({why})" if why else ""
     return f"`{key}` is not supported yet{detail}; remove the override `{item}`"
 
@@ -713,6 +756,9 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         why = _not_supported(o.key)
         if why is not None:
             raise ConfigError(_not_supported_message(o.key, item, why))
+        refused = None if o.op == "delete" else _unsupported_value(o.key, o.text or "")
+        if refused is not None:
+            raise ConfigError(refused)
         parts, tp = _resolve_key(o.key)
         node = tree
         for part in parts[:-1]:
@@ -950,6 +996,19 @@ def validate(cfg: Config) -> None:
         "`actor_rollout_ref.rollout.name=hf`: the HF rollout does not shard the model over ranks "
         "(every rank generates with the whole model, data-parallel), so the setting would do "
         "nothing; set it to 1",
+    )
+    _require(not cfg.reward_model.enable, f"`reward_model.enable=true`: {_REWARD_MODEL_WORKER}. Fix: "
+             "remove the override, and score with `custom_reward_function.path=<file.py>`")
+    buffer = cfg.reward_model.overlong_buffer
+    _require(
+        not buffer.enable or 0 < buffer.len <= data.max_response_length,
+        f"`reward_model.overlong_buffer.len={buffer.len}` must be between 1 and "
+        f"`data.max_response_length`={data.max_response_length} when the buffer is enabled",
+    )
+    _require(
+        not buffer.enable or cfg.reward_model.reward_manager == "dapo",
+        "`reward_model.overlong_buffer.enable=true` acts only with `reward_model.reward_manager=dapo` "
+        f"(it is `{cfg.reward_model.reward_manager}`); set both",
     )
     _require(
         arr.hybrid_engine,

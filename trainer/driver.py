@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
 from trainer.parallel import balanced_split, split_rows
-from trainer.rewards import load_reward_fn, score_responses
+from trainer.rewards import load_reward_fn, overlong_penalty, score_batch, score_responses
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stop import StopRequest
 from trainer.workers.group import WorkerGroup
@@ -122,6 +123,7 @@ class PPODriver:
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         seed_everything(t.seed)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
         self._build_data()
@@ -209,9 +211,19 @@ class PPODriver:
         lengths = batch.response_mask.sum(-1).long().tolist()
         texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
                  for row, n in zip(batch.responses, lengths, strict=True)]
-        scores, extras = score_responses(
+        rm = self.cfg.reward_model
+        score = score_batch if rm.reward_manager == "batch" else score_responses
+        scores, extras = score(
             self.reward_fn, [e.data_source for e in batch.examples], texts,
             [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
+        buffer = rm.overlong_buffer
+        if rm.reward_manager == "dapo" and buffer.enable:
+            penalties = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len,
+                                         buffer.penalty_factor)
+            scores = [s + p for s, p in zip(scores, penalties, strict=True)]
+            if buffer.log:
+                extras["overlong_reward"] = penalties
+                extras["overlong"] = [float(p < 0) for p in penalties]
         batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
         return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
@@ -400,8 +412,12 @@ class PPODriver:
     def _collect(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
         """Everything between rollout and the updates (reward, log-probs, values, advantages)."""
         metrics: dict[str, float] = {}
-        with timer.phase("reward"):
-            metrics.update(self.compute_rewards(batch))
+        rewards: Future[dict[str, float]] | None = None
+        if self.cfg.reward_model.launch_reward_fn_async:  # scored while the workers compute
+            rewards = self._reward_thread.submit(self.compute_rewards, batch)
+        else:
+            with timer.phase("reward"):
+                metrics.update(self.compute_rewards(batch))
         if not self.reuses_update_log_probs(batch):
             with timer.phase("old_log_prob"):
                 metrics.update(self.compute_old_log_probs(batch))
@@ -413,6 +429,9 @@ class PPODriver:
         if self.cfg.derived.use_critic:
             with timer.phase("values"):
                 self.compute_values(batch)
+        if rewards is not None:
+            with timer.phase("reward"):  # only the wait for the scoring thread
+                metrics.update(rewards.result())
         with timer.phase("adv"):
             metrics.update(self.compute_advantages(batch))
         return metrics

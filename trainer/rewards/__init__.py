@@ -83,6 +83,40 @@ def _as_score(result: Any, data_source: str) -> tuple[float, dict[str, float]]:
     )
 
 
+def score_batch(
+    fn: RewardFn,
+    data_sources: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict[str, Any] | None],
+) -> tuple[list[float], dict[str, list[float]]]:
+    """verl's `batch` reward manager: one call with lists (`data_sources`, `solution_strs`,
+    `ground_truths`, `extra_infos`) returning one float or dict per response."""
+    results = fn(data_sources=list(data_sources), solution_strs=list(responses),
+                 ground_truths=list(ground_truths), extra_infos=list(extra_infos))
+    if not isinstance(results, Sequence) or isinstance(results, str) or len(results) != len(responses):
+        got = f"{len(results)} results" if isinstance(results, Sequence) else type(results).__name__
+        raise RewardError(
+            f"`reward_model.reward_manager=batch`: the reward function returned {got} for "
+            f"{len(responses)} responses; return a list with one float (or dict with `score`) each")
+    scores: list[float] = []
+    extras: dict[str, list[float]] = {}
+    for source, result in zip(data_sources, results, strict=True):
+        score, more = _as_score(result, source)
+        scores.append(score)
+        for key, value in more.items():
+            extras.setdefault(key, []).append(value)
+    return scores, extras
+
+
+def overlong_penalty(lengths: Sequence[int], max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to `max_response_length - buffer_len` tokens, then
+    falling linearly to `-penalty_factor` at the limit (verl's `dapo` reward manager)."""
+    expected = max_response_length - buffer_len
+    return [min(-(n - expected) / buffer_len * penalty_factor, 0.0) for n in lengths]
+
+
 def score_responses(
     fn: RewardFn,
     data_sources: Sequence[str],
