@@ -291,3 +291,30 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     assert first["reward_extra/overlong_reward/mean"] < 0 < first["reward_extra/overlong/mean"]
     assert first["critic/score/mean"] == pytest.approx(
         naive[0]["critic/score/mean"] + first["reward_extra/overlong_reward/mean"], abs=1e-6)
+
+
+def test_newer_verl_keys_act_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`trainer.log_val_generations` logs the same validation prompts at every validation;
+    `optim.clip_grad` (the newer name of `grad_clip`) clips the update."""
+    reward = tmp_path / "reward.py"  # responses differ in length: no group is all ties
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return len(solution_str) / 10\n")
+    cfg = load_config(toy_overrides(
+        tiny_model_dir, toy_data, tmp_path, "algorithm.adv_estimator=grpo", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=2", "trainer.test_freq=1", "trainer.val_before_train=true",
+        "trainer.log_val_generations=3", "actor_rollout_ref.actor.optim.clip_grad=1e-9",
+        "trainer.logger=[console,jsonl]", f"custom_reward_function.path={reward}"))
+    assert cfg.actor_rollout_ref.actor.grad_clip == 1e-9
+    driver = PPODriver(cfg)
+    before = {k: v.clone() for k, v in weights(driver).items()}
+    assert driver.fit() == 0
+    rows = read_jsonl(tmp_path / "val_generations.jsonl")
+    assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [r["input"] for r in rows[:3]] == [r["input"] for r in rows[3:6]] == [r["input"] for r in rows[6:]]
+    assert all(isinstance(r["output"], str) and isinstance(r["score"], float) for r in rows)
+    # lr 1e-3: an unclipped Adam step moves weights by about 1e-3; clipped to a norm of 1e-9
+    # the gradient is far below Adam's eps and the weights barely move
+    moved = max(float((weights(driver)[k] - v).abs().max()) for k, v in before.items())
+    assert 0 < moved < 1e-4, moved
+    assert any(r.get("actor/grad_norm", 0) > 1e-6 for r in read_jsonl(tmp_path / "metrics.jsonl"))

@@ -49,6 +49,7 @@ class DataConfig:
     shuffle: bool = _h("shuffle the training prompts every epoch")
     seed: int = _h("seed of the training-data shuffle")
     filter_overlong_prompts: bool = _h("drop prompts longer than `max_prompt_length`")
+    return_raw_chat: bool = _h("keep the prompt's chat messages (compatibility only, see COMPAT)")
     truncation: Literal["error", "left", "right", "middle"] = _h(
         "what to do with a prompt longer than `max_prompt_length` that was not filtered"
     )
@@ -71,6 +72,7 @@ class OptimConfig:
     warmup_style: Literal["constant", "cosine"] = _h("schedule after warm-up")
     weight_decay: float = _h("AdamW weight decay")
     betas: list[float] = _h("AdamW betas")
+    clip_grad: float | None = _h("newer verl name of the section's `grad_clip`; when set it replaces it")
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class ActorRolloutRefConfig:
+    nccl_timeout: int = _h("seconds a collective of the worker groups may wait before the group "
+                           "fails (torch.distributed's timeout; NCCL/RCCL on GPUs, gloo on CPUs)")
     hybrid_engine: bool = _h("actor and rollout share weights; must be true (a separate rollout "
                              "deployment is not supported)")
     model: ModelConfig = _h("actor/reference model")
@@ -250,6 +254,9 @@ class TrainerConfig:
         "metric sinks; the JSONL file in `run_dir` is always written"
     )
     nnodes: int = _h("nodes of the Ray cluster")
+    log_val_generations: int = _h(
+        "at each validation, log this many samples (the same prompts every time: input, output, "
+        "score) to `val_generations.jsonl` in `run_dir` and, with the console logger, print them")
     n_gpus_per_node: int = _h("workers (GPUs) per node; CPU worker slots on nodes without GPUs")
     distributed: bool | None = _h(
         "run on Ray worker groups (true) or in this process (false); null = Ray when "
@@ -312,7 +319,6 @@ _DERIVED_HINT = "is derived here; set `{}` instead"
 #: Keys of verl's config that this trainer does not implement; setting one is an error.
 NOT_SUPPORTED: dict[str, str] = {
     "data.return_raw_input_ids": "",
-    "data.return_raw_chat": "",
     "data.return_full_prompt": "",
     "data.image_key": "multimodal data",
     "data.video_key": "multimodal data",
@@ -378,7 +384,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "trainer.default_hdfs_dir": "HDFS upload",
     "trainer.del_local_ckpt_after_load": "",
     "trainer.val_only": "",
-    "trainer.log_val_generations": "",
     "trainer.validation_data_dir": "",
     "trainer.rollout_data_dir": "",
     "trainer.ray_wait_register_center_timeout": "",
@@ -399,6 +404,8 @@ COMPAT: dict[str, str] = {
     "critic.model.use_remove_padding": _PADDING,
     "actor_rollout_ref.actor.strategy": "`fsdp` and `fsdp2` both shard with FSDP2 here",
     "critic.strategy": "`fsdp` and `fsdp2` both shard with FSDP2 here",
+    "data.return_raw_chat": ("every prompt's chat messages are kept with its batch anyway "
+                             "(`Example.prompt`)"),
     "critic.model.tokenizer_path": ("the critic scores the actor's tokens and has no HF export, "
                                     "so it loads no tokenizer"),
 }
@@ -413,7 +420,6 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.rollout.mode": "sync",
     "actor_rollout_ref.rollout.ignore_eos": False,
     "trainer.val_only": False,
-    "trainer.log_val_generations": 0,
     "trainer.del_local_ckpt_after_load": False,
     "algorithm.use_pf_ppo": False,
 }
@@ -881,6 +887,9 @@ def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
             section["log_prob_use_dynamic_bsz"] = actor["use_dynamic_bsz"]
         if section["log_prob_max_token_len_per_gpu"] is None:
             section["log_prob_max_token_len_per_gpu"] = actor["ppo_max_token_len_per_gpu"]
+    for section in (actor, critic):
+        if section["optim"]["clip_grad"] is not None:
+            section["grad_clip"] = section["optim"]["clip_grad"]
     for name in ("clip_ratio_low", "clip_ratio_high"):
         if actor[name] is None:
             actor[name] = actor["clip_ratio"]
@@ -997,6 +1006,9 @@ def validate(cfg: Config) -> None:
         "(every rank generates with the whole model, data-parallel), so the setting would do "
         "nothing; set it to 1",
     )
+    _require(cfg.trainer.log_val_generations >= 0,
+             f"`trainer.log_val_generations={cfg.trainer.log_val_generations}` must be 0 or more")
+    _require(arr.nccl_timeout > 0, f"`actor_rollout_ref.nccl_timeout={arr.nccl_timeout}` must be positive")
     _require(not cfg.reward_model.enable, f"`reward_model.enable=true`: {_REWARD_MODEL_WORKER}. Fix: "
              "remove the override, and score with `custom_reward_function.path=<file.py>`")
     buffer = cfg.reward_model.overlong_buffer

@@ -51,7 +51,10 @@ from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stop import StopRequest
 from trainer.workers.group import WorkerGroup
 
-__all__ = ["PPODriver", "launcher_restart", "run_training", "use_ray"]
+__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "launcher_restart", "run_training", "use_ray"]
+
+#: `trainer.log_val_generations` samples, one JSON object per line, in `trainer.run_dir`.
+VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
 
 def use_ray(cfg: Config) -> bool:
@@ -400,12 +403,41 @@ class PPODriver:
         assert self.val_set is not None
         n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         by_source: dict[str, list[float]] = {}
+        samples: list[dict[str, Any]] = []
         for examples in batches(self.val_set, self.cfg.data.val_batch_size):
             batch = self.generate(examples, validate=True)
             self.compute_rewards(batch)
-            for ex, score in zip(batch.examples, need(batch.sequence_scores, "scores").tolist(), strict=True):
+            scores = need(batch.sequence_scores, "scores").tolist()
+            for ex, score in zip(batch.examples, scores, strict=True):
                 by_source.setdefault(ex.data_source, []).append(score)
+            samples += self._generations(batch, scores, self.cfg.trainer.log_val_generations - len(samples))
+        if samples:
+            self._log_generations(samples)
         return {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
+
+    def _generations(self, batch: StepBatch, scores: list[float], count: int) -> list[dict[str, Any]]:
+        """The first `count` rows of a validation batch as text (`trainer.log_val_generations`):
+        the validation set's order is fixed, so every validation shows the same prompts."""
+        rows = []
+        prompt_len = batch.input_ids.shape[1] - batch.response_length
+        for i in range(min(max(count, 0), len(batch))):
+            prompt = batch.input_ids[i, :prompt_len][batch.attention_mask[i, :prompt_len].bool()]
+            response = batch.responses[i][batch.response_mask[i].bool()]
+            rows.append({"step": self.global_step, "data_source": batch.examples[i].data_source,
+                         "input": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
+                         "output": self.tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                         "score": scores[i]})
+        return rows
+
+    def _log_generations(self, samples: list[dict[str, Any]]) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / VAL_GENERATIONS_FILE, "a") as fh:
+            for row in samples:
+                fh.write(json.dumps(row) + "\n")
+        if "console" in self.cfg.trainer.logger:
+            for row in samples:
+                print(f"val generation (step {row['step']}, score {row['score']:.3f}): "
+                      f"{row['input']!r} -> {row['output']!r}", flush=True)
 
     # ------------------------------------------------------------------------------ one step
 

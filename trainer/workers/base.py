@@ -95,7 +95,8 @@ class Worker:
             self.ctx = P.single_rank(resolve_device(self.cfg.trainer.device))
         else:
             assert master_addr is not None and master_port is not None, "several ranks need a rendezvous"
-            self.ctx = P.init_process_group(self.rank, self.world_size, master_addr, master_port)
+            self.ctx = P.init_process_group(self.rank, self.world_size, master_addr, master_port,
+                                            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
         seed_everything(self.cfg.trainer.seed)
         self.build()
         return {"backend": self.ctx.backend, "fsdp": self.ctx.fsdp, "threads": torch.get_num_threads()}
