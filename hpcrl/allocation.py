@@ -417,7 +417,7 @@ def node_allocation(
     sources: dict[str, str] = {}
 
     cpu_source, cpus = _cpus(env, files, node_cpus or os.cpu_count() or 1)
-    sources["cpus"] = cpu_source
+    sources["cpus"], derived_cpus = cpu_source, cpus
     if overrides.num_cpus is not None:
         cpus, sources["cpus"] = overrides.num_cpus, "profile ray.num_cpus"
 
@@ -427,7 +427,7 @@ def node_allocation(
     if overrides.num_gpus is not None:
         gpus, sources["gpus"] = overrides.num_gpus, "profile ray.num_gpus"
 
-    mem_source, memory = _memory(env, files, cpus, gpus)
+    mem_source, memory = _memory(env, files, derived_cpus, gpus)
     sources["memory"] = mem_source
     if overrides.memory is not None:
         memory, sources["memory"] = overrides.memory, "profile ray.memory"

@@ -294,3 +294,10 @@ def test_ray_start_argv_is_sized_for_head_and_worker(tmp_path: Path) -> None:
                             f"--temp-dir={tmp_path}", "--disable-usage-stats"]
         assert argv[5:9] == sized
         assert ("--head" in argv) == head and ("--address=10.0.0.1:6379" in argv) != head
+
+
+def test_memory_per_cpu_counts_the_granted_cpus_not_the_override(tmp_path: Path) -> None:
+    files = v2_tree(tmp_path, cpus="0-1")
+    alloc = node_allocation({**SLURM, "SLURM_MEM_PER_CPU": "1024"},
+                            RayOverrides(num_cpus=8), files=files, node_cpus=64)
+    assert alloc.cpus == 8 and alloc.memory_bytes == 2 * GIB
