@@ -14,7 +14,8 @@ Every quantity is the smallest of what its sources say:
   `HIP_VISIBLE_DEVICES`; AMD nodes use ROCR/HIP), Slurm's ids (`SLURM_STEP_GPUS`, else
   `SLURM_JOB_GPUS`) and count (`SLURM_GPUS_ON_NODE`). The device ids are the shortest visible list
   (what Slurm set for the step, renumbered where it constrains devices), else Slurm's ids, else
-  `0..n-1`. Inside a Slurm job without any of these the job has no GPU (0); outside Slurm the
+  `0..n-1`; each list is exported cut to the count, and `ROCR_VISIBLE_DEVICES` alone gains
+  `HIP_VISIBLE_DEVICES=0..n-1` (Ray on AMD reads only HIP's). Inside a Slurm job without any of these the job has no GPU (0); outside Slurm the
   count is left to Ray (None).
 - Memory: `SLURM_MEM_PER_NODE`, `SLURM_MEM_PER_CPU` x CPUs, `SLURM_MEM_PER_GPU` x GPUs (MiB), the
   cgroup's `memory.max` (v1 `memory.limit_in_bytes`; the smallest along the cgroup's ancestors),
@@ -368,6 +369,10 @@ def _gpus(env: Mapping[str, str], in_slurm: bool
     # with none set, CUDA_VISIBLE_DEVICES names Slurm's devices (HIP honours it too)
     export = {n: ",".join(v[:count]) for n, v in visible.items()} if visible else (
         {"CUDA_VISIBLE_DEVICES": ",".join(ids)} if ids else {})
+    if "ROCR_VISIBLE_DEVICES" in visible and "HIP_VISIBLE_DEVICES" not in visible:
+        # Ray on AMD reads HIP_VISIBLE_DEVICES only (and refuses ROCR_ alone); HIP numbers the
+        # devices ROCR_ leaves visible from 0
+        export["HIP_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(count))
     return where, count, ids, export
 
 

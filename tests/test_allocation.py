@@ -148,6 +148,8 @@ def test_amd_nodes_keep_rocr_and_hip_each_in_its_own_numbering(tmp_path: Path) -
     assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3"}
     env = {**SLURM, "ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1"}
     assert node_allocation(env, files=v2_tree(tmp_path / "b")).gpus == 2
+    alloc = node_allocation({**SLURM, "ROCR_VISIBLE_DEVICES": "4,6"}, files=v2_tree(tmp_path / "c"))
+    assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,6", "HIP_VISIBLE_DEVICES": "0,1"}
 
 
 def test_a_slurm_job_without_gpus_gets_none_and_outside_slurm_ray_counts(tmp_path: Path) -> None:
