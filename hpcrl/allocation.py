@@ -169,7 +169,7 @@ class CgroupFiles:
     def _text(self, path: Path) -> str | None:
         try:
             return path.read_text().strip()
-        except (FileNotFoundError, NotADirectoryError, PermissionError, ProcessLookupError):
+        except OSError:  # missing, unreadable, or not a file: this source says nothing
             return None
 
     def _memberships(self) -> dict[str, str]:
