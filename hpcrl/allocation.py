@@ -226,10 +226,11 @@ class CgroupFiles:
                 best = _tighter(best, str(d / "cpu.max"),
                                 _ratio(quota, period or "100000", str(d / "cpu.max")))
         for d in self._dirs("cpu"):
-            quota, period = self._text(d / "cpu.cfs_quota_us"), self._text(d / "cpu.cfs_period_us")
-            if quota and period and not quota.startswith("-"):
+            v1_quota, v1_period = (self._text(d / "cpu.cfs_quota_us"),
+                                   self._text(d / "cpu.cfs_period_us"))
+            if v1_quota and v1_period and not v1_quota.startswith("-"):
                 where = str(d / "cpu.cfs_quota_us")
-                best = _tighter(best, where, _ratio(quota, period, where))
+                best = _tighter(best, where, _ratio(v1_quota, v1_period, where))
         return best
 
     def memory_limit(self) -> tuple[str, int] | None:
