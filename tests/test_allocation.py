@@ -4,12 +4,14 @@ and fake cgroup trees (real files under tmp_path), the profile's `ray.*` overrid
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from hpcrl.agent.jobfile import JobFileError, parse_job
 from hpcrl.agent.launch import ray_start_argv
+from hpcrl.agent.node import Node
 from hpcrl.agent.ports import PortRange, block_at
 from hpcrl.allocation import (
     MIB,
@@ -23,6 +25,8 @@ from hpcrl.allocation import (
     node_allocation,
     parse_size,
 )
+from hpcrl.rundir import RunPaths
+from hpcrl.slurm_env import job_context
 
 GIB = 1024**3
 SLURM = {"SLURM_JOB_ID": "42"}
@@ -303,3 +307,22 @@ def test_memory_per_cpu_counts_the_granted_cpus_not_the_override(tmp_path: Path)
     alloc = node_allocation({**SLURM, "SLURM_MEM_PER_CPU": "1024"},
                             RayOverrides(num_cpus=8), files=files, node_cpus=64)
     assert alloc.cpus == 8 and alloc.memory_bytes == 2 * GIB
+
+
+def test_the_granted_devices_reach_the_container_even_when_slurm_set_them(tmp_path: Path) -> None:
+    """A container starts from a clean environment: the agent passes the device variables
+    although they equal its own (Slurm set them for the step), and not the rest of its env."""
+    env = {**SLURM, "SLURM_JOB_NODELIST": "n1", "SLURM_NODEID": "0", "CUDA_VISIBLE_DEVICES": "2,3",
+           "UNRELATED": "x"}
+    job = parse_job({"payload": ["true"],
+                     "profile": {"container": {"runtime": "podman", "image": "img"}}})
+    seen: list[dict[str, str]] = []
+
+    def wrap(job, argv, values, binds, workdir, name):
+        seen.append(dict(values))
+        return list(argv), {}
+
+    ctx = job_context(env)
+    node = Node(tmp_path, env, ctx, RunPaths(tmp_path, 0), job, logging.getLogger("t"), wrap, {})
+    node.in_container("ray", ["ray", "start"], {**env, "RAY_AUTH_MODE": "token"}, "/w")
+    assert seen == [{"CUDA_VISIBLE_DEVICES": "2,3", "RAY_AUTH_MODE": "token"}]
