@@ -42,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from hpcrl.allocation import AllocationError, RayOverrides
 from hpcrl.runtimes import NAMES as RUNTIME_NAMES
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -166,6 +167,19 @@ class RayConfig:
     port_base: int | None = _f("first of the ports given to Ray; null: chosen per job", None)
     version_env: tuple[VersionEnvRule, ...] = _f("variables chosen by Ray version at run time",
                                                  factory=tuple)
+    num_cpus: int | None = _f("CPUs Ray offers on each node (`ray start --num-cpus`); null: what "
+                              "Slurm granted the job there (`SLURM_CPUS_ON_NODE`, the cgroup's "
+                              "cpuset and CPU quota), never the whole node", None)
+    num_gpus: int | None = _f("GPUs Ray offers on each node (`--num-gpus`); null: the job's GPUs "
+                              "there (`SLURM_STEP_GPUS`/`SLURM_JOB_GPUS`, `SLURM_GPUS_ON_NODE`, "
+                              "`CUDA_`/`ROCR_`/`HIP_VISIBLE_DEVICES`)", None)
+    memory: str | None = _f("memory Ray may use on each node, object store included (e.g. "
+                            "`64G`; K/M/G/T are powers of 1024, a bare number is bytes); null: "
+                            "the job's memory there (`SLURM_MEM_PER_NODE`/`_PER_CPU`/`_PER_GPU`, "
+                            "the cgroup's `memory.max`, the node's available memory)", None)
+    object_store_memory: str | None = _f("Ray's object store on each node, part of `memory` "
+                                         "(`--object-store-memory`, e.g. `20G`); null: 30% of "
+                                         "the memory, at most 200 GB", None)
 
 
 @dataclass(frozen=True)
@@ -535,6 +549,17 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
     for i, name in enumerate(p.secrets):
         if not ENV_NAME_RE.match(name):
             raise err(f"secrets[{i}]", f"holds {name!r}, not a variable name")
+    sizes = {k: getattr(p.ray, k) for k in ("num_cpus", "num_gpus", "memory",
+                                            "object_store_memory")}
+    for key in sizes:  # each alone first, so that the error names the key's own file
+        try:
+            RayOverrides.from_profile({key: sizes[key]})
+        except AllocationError as exc:
+            raise err(f"ray.{key}", str(exc).split("` ", 1)[-1]) from None
+    try:
+        RayOverrides.from_profile(sizes)
+    except AllocationError as exc:
+        raise err("ray.object_store_memory", str(exc).split("` ", 1)[-1]) from None
     for i, rule in enumerate(p.ray.version_env):
         if rule.min_version is None and rule.below_version is None:
             raise err("ray.version_env", f"rule {i} needs `min_version` or `below_version`")

@@ -261,6 +261,10 @@ TEXT_MAX = 600
 # The events, each line also carrying `time`, `restart`, `rank` and `host` of its writer:
 AGENT_STARTED = "agent_started"
 """Every node, first: `pid` of the agent, `nodes` in the allocation, `job_id`."""
+RAY_RESOURCES = "ray_resources"
+"""Head, as its Ray starts: `allocation` (what `ray start` got on the head's node: `cpus`,
+`gpus`, `gpu_ids`, `memory_bytes`, `object_store_bytes`, `heap_bytes`, `sources`; every node's
+own is in its log and its `nodes/RANK.json`)."""
 NODES_JOINED = "nodes_joined"
 """Head, at each change while it waits for the cluster: `joined` of `total` nodes in Ray."""
 PAYLOAD_STARTED = "payload_started"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.agent.ports import PortRange
+from hpcrl.allocation import AllocationError, RayOverrides
 from hpcrl.netaddr import NetworkPolicy
 from hpcrl.rundir import RunFileError, read_job
 
@@ -65,6 +66,9 @@ class AgentJob:
     """Seconds before the time limit the warning is due (profile `slurm.signal_lead_s`)."""
     stop_signal: str = "USR2"
     """What the head's agent sends the payload to ask for a checkpoint and a stop."""
+    ray_overrides: RayOverrides = RayOverrides()
+    """Profile `ray.num_cpus`, `num_gpus`, `memory`, `object_store_memory`: replace what the
+    agent derives from the job's allocation on the node (None: derive it)."""
 
     @property
     def runtime(self) -> str:
@@ -122,6 +126,10 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         raise JobFileError(
             f"`max_requeues` is {max_requeues!r}; expected a whole number of at least 0"
         )
+    try:
+        overrides = RayOverrides.from_profile(ray, "profile.ray")
+    except AllocationError as exc:
+        raise JobFileError(str(exc)) from None
     return AgentJob(
         payload=tuple(payload),
         nodes=nodes,
@@ -140,6 +148,7 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         warning_signal=signal_name(slurm.get("signal") or "USR1", "profile.slurm.signal"),
         signal_lead_s=float(slurm.get("signal_lead_s", 300)),
         stop_signal=signal_name(agent.get("stop_signal") or "USR2", "profile.agent.stop_signal"),
+        ray_overrides=overrides,
         **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
     )
 

@@ -12,7 +12,7 @@ import queue
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.agent import rendezvous as rdv
@@ -20,6 +20,7 @@ from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.node import AgentError, Heartbeat, Node
 from hpcrl.agent.ports import PortBlock, find_free_block, first_index, port_is_free
 from hpcrl.agent.procs import Child, processes_mentioning
+from hpcrl.allocation import Allocation, AllocationError, CgroupFiles, node_allocation
 from hpcrl.netaddr import (
     NetworkPolicy,
     NodeAddress,
@@ -29,6 +30,7 @@ from hpcrl.netaddr import (
     host_name_addresses,
     socket_ifname_env,
 )
+from hpcrl.rundir import RAY_RESOURCES
 
 WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"
@@ -41,6 +43,31 @@ def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
     from hpcrl.profiles import env_for_ray_version, profile_from_dict  # type: ignore[import-not-found]
 
     return dict(env_for_ray_version(profile_from_dict(job.profile).ray.version_env, ray_version))
+
+
+def ray_start_argv(
+    job: AgentJob, head: bool, address: str, temp_dir: Path, ports: PortBlock, gcs: str,
+    alloc: Allocation,
+) -> list[str]:
+    """`ray start ...` for this node (the arguments after `ray`): sized to the job's allocation,
+    on this run's address, ports and temp dir; the head with or without the dashboard, a worker
+    joining `gcs`."""
+    argv = [
+        "start",
+        "--block",
+        f"--node-ip-address={format_host(address)}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *alloc.ray_start_args(),
+        *ports.ray_start_args(head, job.dashboard),
+    ]
+    if head:
+        argv += ["--head", f"--include-dashboard={str(job.dashboard).lower()}"]
+        if job.dashboard:
+            argv += [f"--dashboard-host={job.dashboard_host}"]
+    else:
+        argv += [f"--address={gcs}"]
+    return argv
 
 
 @dataclass
@@ -63,6 +90,8 @@ class Launcher:
     node: Node
     heartbeat: Heartbeat
     addresses: Callable[[], list[NodeAddress]]
+    cgroup: CgroupFiles = field(default_factory=CgroupFiles)
+    """Where the allocation reads the cgroup, /proc/meminfo and /dev/shm (a fake tree in tests)."""
 
     def head(self) -> HeadCluster:
         """Address, port block, token, publication; then Ray's head and the GCS watcher."""
@@ -96,8 +125,10 @@ class Launcher:
             ports.max_worker_port,
         )
         self.heartbeat.write("starting")
-        env = self._ray_env(token, ports, addr.interface)
-        ray = self._start_ray(True, addr.address, ports, gcs, env)
+        alloc = self.allocation()
+        node.state.append(RAY_RESOURCES, allocation=alloc.to_dict())
+        env = self._ray_env(token, ports, addr.interface, alloc)
+        ray = self._start_ray(True, addr.address, ports, gcs, env, alloc)
         lines: queue.Queue[str] = queue.Queue()
         argv = [node.python, str(node.paths.helper(WATCHER)), gcs, "0.1"]
         log = node.paths.node_log("gcs-watch", ctx.node_rank, ctx.hostname)
@@ -130,8 +161,21 @@ class Launcher:
             )
         self._describe(addr, ports)
         self.heartbeat.write("starting")
-        env = self._ray_env(Path(info["token_path"]), ports, addr.interface)
-        return self._start_ray(False, addr.address, ports, info["gcs_address"], env)
+        alloc = self.allocation()
+        env = self._ray_env(Path(info["token_path"]), ports, addr.interface, alloc)
+        return self._start_ray(False, addr.address, ports, info["gcs_address"], env, alloc)
+
+    def allocation(self) -> Allocation:
+        """What this job was granted on this node (Slurm, the cgroup, the profile's `ray.*`
+        overrides): Ray is started with exactly that; logged and kept in the heartbeat file."""
+        node = self.node
+        try:
+            alloc = node_allocation(node.env, node.job.ray_overrides, self.cgroup)
+        except AllocationError as exc:
+            raise AgentError(f"cannot size Ray on `{node.ctx.hostname}`: {exc}") from None
+        node.log.info("allocation on this node: %s", alloc.describe())
+        self.heartbeat.info["allocation"] = alloc.to_dict()
+        return alloc
 
     def _describe(self, addr: NodeAddress, ports: PortBlock) -> None:
         """What the other nodes learn of this one from its heartbeat file."""
@@ -144,11 +188,14 @@ class Launcher:
     def _address(self, policy: NetworkPolicy) -> NodeAddress:
         return choose_address(self.addresses(), policy, host_name_addresses())
 
-    def _ray_env(self, token: Path, ports: PortBlock, iface: str | None) -> dict[str, str]:
+    def _ray_env(
+        self, token: Path, ports: PortBlock, iface: str | None, alloc: Allocation
+    ) -> dict[str, str]:
         return {
             **self.node.env,
             **self.node.job.env,
             **self._version_env(),
+            **alloc.device_env,  # the devices this job was granted, over the profile's list
             **ports.env(),
             **socket_ifname_env(iface),
             "RAY_AUTH_MODE": "token",
@@ -176,25 +223,13 @@ class Launcher:
         return ray_version_env(node.job, out.stdout.strip().splitlines()[-1])
 
     def _start_ray(
-        self, head: bool, address: str, ports: PortBlock, gcs: str, env: dict[str, str]
+        self, head: bool, address: str, ports: PortBlock, gcs: str, env: dict[str, str],
+        alloc: Allocation,
     ) -> Child:
         node, job = self.node, self.node.job
         self._remove_stale_temp_dirs()
         node.tmp.mkdir(mode=0o700, parents=True)
-        argv = [
-            "start",
-            "--block",
-            f"--node-ip-address={format_host(address)}",
-            f"--temp-dir={node.tmp}",
-            "--disable-usage-stats",
-            *ports.ray_start_args(head, job.dashboard),
-        ]
-        if head:
-            argv += ["--head", f"--include-dashboard={str(job.dashboard).lower()}"]
-            if job.dashboard:
-                argv += [f"--dashboard-host={job.dashboard_host}"]
-        else:
-            argv += [f"--address={gcs}"]
+        argv = ray_start_argv(job, head, address, node.tmp, ports, gcs, alloc)
         node.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
         if head:
             argv = [node.python, "-m", "ray.scripts.scripts", *argv]

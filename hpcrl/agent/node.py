@@ -17,6 +17,7 @@ from typing import Any
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
+from hpcrl.allocation import DEVICE_VARS
 from hpcrl.rundir import RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext
 
@@ -178,8 +179,10 @@ class Node:
     ) -> tuple[list[str], dict[str, str]]:
         """The command running `argv` in the job's container, and its process environment."""
         # the container gets what the agent adds and, always, the profile's environment (the batch
-        # script exported it to the agent too, but a container starts from a clean environment)
-        extra = {k: v for k, v in env.items() if k in self.job.env or self.env.get(k) != v}
+        # script exported it to the agent too, but a container starts from a clean environment),
+        # and the devices of the job's allocation (Slurm set them for the agent's step)
+        extra = {k: v for k, v in env.items()
+                 if k in self.job.env or k in DEVICE_VARS or self.env.get(k) != v}
         binds = [str(self.run_dir), str(self.tmp)]
         name = container_name(self.ctx, role)
         wrapped, add = self.wrap(self.job, argv, extra, binds, workdir, name)
