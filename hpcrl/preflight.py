@@ -15,6 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcrl.rundir import trainer_dirs
+from trainer.algos import registry
+from trainer.config import load_defaults
+
 GIB = 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DEMO_HINT = "`make demo` shows a complete command line"
@@ -60,13 +64,11 @@ def parse_overrides(args: Sequence[str]) -> dict[str, str]:
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys; empty when the
-    trainer is not installed here."""
+    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys; empty when that file
+    is missing."""
     try:
-        from trainer.config import load_defaults
-
         tree = load_defaults()
-    except (ModuleNotFoundError, FileNotFoundError):
+    except FileNotFoundError:
         return {}
     flat: dict[str, Any] = {}
 
@@ -240,8 +242,6 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
                       read_columns: Callable[[Path], list[str] | None] = parquet_columns,
                       free: Callable[[Path], int] = disk_free) -> list[str]:
     """Every check of a trainer job whose payload overrides are `payload_args`."""
-    from hpcrl.rundir import trainer_dirs
-
     overrides = parse_overrides(payload_args)
     defaults = trainer_defaults()
     model, problems = check_model(overrides, defaults, run_dir)
@@ -254,15 +254,12 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
 
 
 def trains_critic(estimator: str) -> bool:
-    """Whether the advantage estimator `estimator` needs a critic, as its registration declares
-    (`trainer.algos.registry`). The registrations import torch; where it is missing (a login
-    node's base install) or the name is unknown (the trainer refuses it at start), the answer is
-    yes: the space check then asks for the larger checkpoint."""
+    """Whether the advantage estimator `estimator` needs a critic, as its declaration in
+    `trainer.algos.registry` says (no torch needed). For an unknown name (the trainer refuses it
+    at start) the answer is yes: the space check then asks for the larger checkpoint."""
     try:
-        from trainer.algos import registry
-
         return registry.adv_estimator(estimator).needs_critic
-    except (ModuleNotFoundError, ValueError):
+    except ValueError:
         return True
 
 
