@@ -16,7 +16,7 @@ from hpcrl.agent import core, node
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import parse_job
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run_agent(run: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
