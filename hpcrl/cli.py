@@ -8,6 +8,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from hpcrl import __version__
+
 # name -> module. Every module defines HELP (one line), configure(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
     "sites": "hpcrl.commands.sites",
@@ -22,8 +24,6 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hpcrl import __version__
-
     parser = argparse.ArgumentParser(
         prog="hpcrl",
         description="Run RL training of language models as Slurm batch jobs.",

@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpcrl import rundir
+
 DEFAULT_DIR = "~/hpcrl-demo"
 TASK = "toy_digits: answer with sevens; reward = share of 7s among the first 4 answer tokens"
 GSM8K_TASK = "GSM8K with SmolLM2-135M-Instruct; reward = 1 for the right number after ####"
@@ -133,8 +135,6 @@ def submit(run: Path, overrides: Sequence[str], resume: bool) -> int:
 
 
 def plot(run: Path) -> Path | None:
-    from hpcrl import rundir
-
     out = rundir.RunDir(run).plot
     proc = subprocess.run([sys.executable, "-m", "hpcrl", "plot", str(run), "-o", str(out)],
                           capture_output=True, text=True)
@@ -146,12 +146,9 @@ def plot(run: Path) -> Path | None:
 
 def summary(run: Path, seconds: float, plot_path: Path | None, task: str = TASK) -> list[str]:
     """The closing lines: steps, reward before -> after, checkpoint and plot."""
-    from hpcrl import rundir
-    from hpcrl.progress import format_duration
-
     report = rundir.run_report(run, alive=False)
     steps = report.last["step"] if report.last else 0
-    lines = [f"demo: {report.state}: {steps} GRPO steps in {format_duration(seconds)} "
+    lines = [f"demo: {report.state}: {steps} GRPO steps in {rundir.format_duration(seconds)} "
              f"(task {task})"]
     change = report.reward_change()
     if change:

@@ -43,17 +43,6 @@ def local_job_id(run_dir: Path) -> str:
     return f"local-{secrets.token_hex(4)}"
 
 
-def refuse_if_running(run_dir: Path) -> None:
-    """Two runs of one job at once would write the same checkpoints: refuse the second."""
-    from hpcrl.submission import RequestError
-
-    info = rundir.running_restart(run_dir)
-    if info is not None:
-        raise RequestError(f"run {info.index} of `{run_dir}` is still running (agent pid "
-                           f"{info.head_pid}); stop it first with `hpcrl cancel {run_dir}` or "
-                           "Ctrl-C in its terminal, then `--resume`")
-
-
 @dataclass
 class _Interrupts:
     """Signals received by the launcher, to forward from the main loop."""
@@ -98,7 +87,6 @@ def run_foreground(argv: list[str], run_dir: Path, resume_hint: str,
     """Run the job script `argv` for `run_dir`, print progress and a summary; the exit status
     is the job's (0 done, 3 stopped with a checkpoint, 2 bad input, 130 aborted)."""
     stream = stream or sys.stdout
-    refuse_if_running(run_dir)
     restart = next_restart(run_dir)
     job_id = local_job_id(run_dir)
     env = {**(os.environ if environ is None else environ), "HPCRL_JOB_ID": job_id,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl import rundir
+from hpcrl.agent.requeue import REQUEUE
 
 
 class PlotError(ValueError):
@@ -97,8 +98,6 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
 
 def restart_endings(run_dir: Path) -> dict[int, str]:
     """restart R -> how run R-1 ended, from the state file (`run 0 stopped, requeued`)."""
-    from hpcrl.agent.requeue import REQUEUE
-
     out = {}
     for r in rundir.restart_indices(run_dir):
         info = rundir.read_restart(run_dir, r)

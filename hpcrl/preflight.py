@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcrl.rundir import trainer_dirs
+from trainer.algos import registry
 from trainer.config import ConfigError, load_defaults, override_values
 
 GIB = 1024**3
@@ -235,8 +237,6 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
                       read_columns: Callable[[Path], list[str] | None] = parquet_columns,
                       free: Callable[[Path], int] = disk_free) -> list[str]:
     """Every check of a trainer job whose payload overrides are `payload_args`."""
-    from hpcrl.rundir import trainer_dirs
-
     overrides, problems = parse_overrides(payload_args)
     if problems:
         return problems
@@ -251,15 +251,12 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
 
 
 def trains_critic(estimator: str) -> bool:
-    """Whether the advantage estimator `estimator` needs a critic, as its registration declares
-    (`trainer.algos.registry`). The registrations import torch; where it is missing (a login
-    node's base install) or the name is unknown (the trainer refuses it at start), the answer is
-    yes: the space check then asks for the larger checkpoint."""
+    """Whether the advantage estimator `estimator` needs a critic, as its declaration in
+    `trainer.algos.registry` says (no torch needed). For an unknown name (the trainer refuses it
+    at start) the answer is yes: the space check then asks for the larger checkpoint."""
     try:
-        from trainer.algos import registry
-
         return registry.adv_estimator(estimator).needs_critic
-    except (ModuleNotFoundError, ValueError):
+    except ValueError:
         return True
 
 

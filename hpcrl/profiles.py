@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from hpcrl.allocation import AllocationError, RayOverrides
+from hpcrl.resources import data_dir
 from hpcrl.runtimes import NAMES as RUNTIME_NAMES
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -236,8 +237,6 @@ class LoadedProfile:
 
 def search_path(environ: Mapping[str, str] | None = None) -> list[Path]:
     """Directories holding profiles, lowest priority first."""
-    from hpcrl.resources import data_dir
-
     environ = os.environ if environ is None else environ
     dirs = [data_dir("site_profiles")]
     config_home = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME", "~")) / ".config")

@@ -17,34 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcrl import rundir
-
-
-def format_duration(seconds: float) -> str:
-    """`42s`, `3m05s`, `2h07m`."""
-    s = max(0, int(round(seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
-def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
-    """`step 3/15  reward 0.068  kl 0.0923  entropy 3.87  len 7.5  9.6s/step  ETA 1m55s`."""
-    total = record.get("training/total_steps")
-    parts = [f"step {record['step']}" + (f"/{total}" if isinstance(total, int) else "")]
-    for label, names, fmt in (("reward", rundir.REWARD, "{:.3f}"), ("kl", rundir.KL, "{:.3g}"),
-                              ("entropy", rundir.ENTROPY, "{:.3g}"),
-                              ("len", rundir.RESPONSE_LENGTH, "{:.1f}")):
-        found = rundir.pick(record, names)
-        if found:
-            parts.append(f"{label} {fmt.format(found[1])}")
-    step_time = rundir.pick(record, rundir.STEP_TIME)
-    if step_time:
-        parts.append(f"{step_time[1]:.1f}s/step")
-    if eta_s is not None:
-        parts.append(f"ETA {format_duration(eta_s)}")
-    return "  ".join(parts)
+from hpcrl.rundir import format_step
 
 
 def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) -> float | None:

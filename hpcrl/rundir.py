@@ -572,6 +572,34 @@ def restart_starts(records: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- a run in words
 
 
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
+    """`step 3/15  reward 0.068  kl 0.0923  entropy 3.87  len 7.5  9.6s/step  ETA 1m55s`."""
+    total = record.get("training/total_steps")
+    parts = [f"step {record['step']}" + (f"/{total}" if isinstance(total, int) else "")]
+    for label, names, fmt in (("reward", REWARD, "{:.3f}"), ("kl", KL, "{:.3g}"),
+                              ("entropy", ENTROPY, "{:.3g}"),
+                              ("len", RESPONSE_LENGTH, "{:.1f}")):
+        found = pick(record, names)
+        if found:
+            parts.append(f"{label} {fmt.format(found[1])}")
+    step_time = pick(record, STEP_TIME)
+    if step_time:
+        parts.append(f"{step_time[1]:.1f}s/step")
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
+    return "  ".join(parts)
+
+
 @dataclass(frozen=True)
 class RunReport:
     """What `hpcrl status RUN` and the end of a local run print."""
@@ -607,8 +635,6 @@ class RunReport:
             if change:
                 out.append(f"  reward: {change[0]:.3f} (step {self.records[0]['step']}) -> "
                            f"{change[1]:.3f} (step {self.last['step']})")
-            from hpcrl.progress import format_step
-
             out.append(f"  latest: {format_step(self.last)}")
         else:
             out.append("  steps: none logged yet")

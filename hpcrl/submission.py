@@ -42,12 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hpcrl
 from hpcrl import rundir
 from hpcrl.agent.rendezvous import CANARY_ENV
 from hpcrl.containers import container_command
 from hpcrl.jobspec import JobSpec, canary_nonce
+from hpcrl.localrun import run_foreground
 from hpcrl.profiles import SiteProfile, parse_time_minutes, profile_to_dict
 from hpcrl.rundir import JOB_FILE
+from hpcrl.slurm import SlurmError, parse_sbatch_output, run_slurm
+from hpcrl.templates import render_template
 
 TEMPLATE = "job.sbatch.j2"
 LOCAL_TEMPLATE = "local.sh.j2"
@@ -208,8 +212,6 @@ def comment_lines(text: str) -> list[str]:
 
 def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str) -> str:
     """The standalone sbatch script (pure: same inputs, same text)."""
-    from hpcrl.templates import render_template
-
     if profile.scheduler == "local":
         return render_local_script(profile, spec, run_dir, python)
     logs = rundir.log_patterns(run_dir)
@@ -239,8 +241,6 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
 
 def render_local_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str) -> str:
     """The script running the node agent directly on this machine (`scheduler: local`)."""
-    from hpcrl.templates import render_template
-
     preview = [] if profile.container.runtime == "none" else comment_lines(
         "container:\n" + container_preview(profile, spec, python, run_dir))
     agent = shlex.join([python, "-m", "hpcrl.agent", run_dir])
@@ -398,13 +398,9 @@ def submit(req: Request) -> Submitted:
     if req.via == LOCAL_VIA:
         return run_local(req)
     if req.via == "sbatch":
-        from hpcrl.slurm import parse_sbatch_output, run_slurm
-
         job_id = parse_sbatch_output(run_slurm(req.sbatch_argv))
     else:
         import submitit
-
-        import hpcrl
 
         executor = submitit.SlurmExecutor(folder=req.logs["submitit_folder"],
                                           python=shlex.quote(req.python))
@@ -412,8 +408,6 @@ def submit(req: Request) -> Submitted:
         try:
             job = executor.submit(hpcrl.agent_entry, req.run_dir)
         except submitit.core.utils.FailedJobError as exc:
-            from hpcrl.slurm import SlurmError
-
             raise SlurmError(sbatch_refusal(str(exc))) from None
         job_id = str(job.job_id)
     done = Submitted(job_id=job_id, run_dir=req.run_dir, via=req.via, logs=job_logs(req))
@@ -431,11 +425,19 @@ def sbatch_refusal(stderr: str) -> str:
     return f"sbatch refused the job: {said}. {fix}"
 
 
+def refuse_if_running(run_dir: Path) -> None:
+    """Two runs of one job at once would write the same checkpoints: refuse the second."""
+    info = rundir.running_restart(run_dir)
+    if info is not None:
+        raise RequestError(f"run {info.index} of `{run_dir}` is still running (agent pid "
+                           f"{info.head_pid}); stop it first with `hpcrl cancel {run_dir}` or "
+                           "Ctrl-C in its terminal, then `--resume`")
+
+
 def run_local(req: Request) -> Submitted:
     """Run the job script in the foreground on this machine (`scheduler: local`), following
     its progress (see :mod:`hpcrl.localrun`)."""
-    from hpcrl.localrun import run_foreground
-
+    refuse_if_running(Path(req.run_dir))
     hint = f"hpcrl submit --site {req.site} --run-dir {shlex.quote(req.run_dir)} --resume"
     rc = run_foreground(list(req.sbatch_argv), Path(req.run_dir), hint)
     job_id = str(rundir.read_submission(Path(req.run_dir))["job_id"])

@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from hpcrl.resources import data_dir
+
 
 @functools.lru_cache(maxsize=1)
 def _environment() -> Any:
     import jinja2
-
-    from hpcrl.resources import data_dir
 
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(data_dir("sbatch_templates"))),

@@ -12,16 +12,29 @@ import argparse
 import errno
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainer.stop import StopRequest
-from trainer.exit_codes import (
+from trainer.stop import StopRequest
+
+# `python -m trainer` installs the stop handlers before the imports below load torch (seconds):
+# a stop request arriving during start-up is kept, not fatal (SIGUSR2's default action ends the
+# process). Imported as a module (tests), `main` installs them itself.
+_STARTUP_STOP = StopRequest() if __name__ == "__main__" else None
+if _STARTUP_STOP is not None:
+    _STARTUP_STOP.install()
+
+from trainer.config import ConfigError, describe_keys, dump_config, load_config  # noqa: E402
+from trainer.data import DataError  # noqa: E402
+from trainer.deadline import DeadlineError  # noqa: E402
+from trainer.driver import run_training  # noqa: E402
+from trainer.exit_codes import (  # noqa: E402
     ABORTED_EXIT_CODE,
     NO_SPACE_EXIT_CODE,
     USAGE_EXIT_CODE,
     WORKER_FAILURE_EXIT_CODE,
 )
+from trainer.metrics import MetricsError  # noqa: E402
+from trainer.rewards import RewardError  # noqa: E402
+from trainer.workers.group import WorkerFailure  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,9 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from trainer.stop import StopRequest
-
-    stop = StopRequest()
+    stop = _STARTUP_STOP or StopRequest()
     stop.install()  # first: a stop request during start-up is kept, not fatal
     try:
         return _main(argv, stop)
@@ -53,8 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
-    from trainer.config import ConfigError, describe_keys, dump_config, load_config
-
     args = build_parser().parse_args(argv)
     if args.list_keys:
         for key, type_name, help_text in describe_keys():
@@ -68,13 +77,6 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    from trainer.data import DataError
-    from trainer.deadline import DeadlineError
-    from trainer.driver import run_training
-    from trainer.metrics import MetricsError
-    from trainer.rewards import RewardError
-    from trainer.workers.group import WorkerFailure
-
     try:
         return run_training(cfg, stop)
     except (ConfigError, DataError, RewardError, MetricsError, DeadlineError,

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.algos import registry
+
 DEFAULTS_FILE = Path(__file__).with_name("config.yaml")
 RUN_DIR_ENV = "HPCRL_RUN_DIR"
 """Set by hpcrl's node agent: the job's run directory (shared by every restart)."""
@@ -926,8 +928,6 @@ def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
 
 def _estimator(name: str) -> Any:
     """The registered estimator `name` (:mod:`trainer.algos.registry`), or a `ConfigError`."""
-    from trainer.algos import registry
-
     try:
         return registry.adv_estimator(name)
     except ValueError as err:
@@ -981,7 +981,6 @@ def validate(cfg: Config) -> None:
         f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` compares responses within a "
         f"group and needs `actor_rollout_ref.rollout.n` >= {group} (got {rollout.n})",
     )
-    from trainer.algos import registry
 
     _require(
         actor.policy_loss.loss_mode in registry.policy_loss_names(),

@@ -69,6 +69,17 @@ def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt",
     return rows
 
 
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write `rows` to the parquet file `path` (what :func:`read_rows` reads), atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    tmp.replace(path)
+
+
 def chat_prompt_ids(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template, ready to generate."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

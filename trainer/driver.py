@@ -40,7 +40,8 @@ from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
-from trainer.config import Config, ConfigError, config_to_dict
+from trainer.checkpoint.layout import read_manifest
+from trainer.config import Config, ConfigError, config_to_dict, dump_config
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -49,7 +50,10 @@ from trainer.parallel import balanced_split, split_rows
 from trainer.rewards import load_reward_fn, overlong_penalty, score_batch, score_responses
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stop import StopRequest
-from trainer.workers.group import WorkerGroup
+from trainer.workers.actor import ActorRolloutRefWorker
+from trainer.workers.critic import CriticWorker
+from trainer.workers.group import LocalWorkerGroup, WorkerGroup
+from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
 
 __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "launcher_restart", "run_training", "use_ray"]
 
@@ -90,19 +94,12 @@ def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
 def start_worker_groups(cfg: Config, total_steps: int) -> tuple[WorkerGroup, WorkerGroup | None, str]:
     """The actor group and the critic group (None without a critic), on Ray or in this
     process, with their process groups formed; and where they run, in words."""
-    from trainer.workers.actor import ActorRolloutRefWorker
-    from trainer.workers.critic import CriticWorker
-
     if not use_ray(cfg):
-        from trainer.workers.group import LocalWorkerGroup
-
         actor: WorkerGroup = LocalWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps)
         critic: WorkerGroup | None = (LocalWorkerGroup("critic", CriticWorker, cfg, total_steps)
                                       if cfg.derived.use_critic else None)
         where = "this process"
     else:
-        from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
-
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         slot = make_placement_group(t.nnodes, t.n_gpus_per_node, 2 if cfg.derived.use_critic else 1)
@@ -516,8 +513,6 @@ class PPODriver:
         the temporary directory, the driver adds the loop state and the config, then commits. A
         failed write removes the temporary directory (the previous checkpoint stays the newest)
         and, when the storage is out of room, says where and how much is needed."""
-        from trainer.config import dump_config
-
         tmp = None
         try:
             tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step)
@@ -545,8 +540,6 @@ class PPODriver:
 
     def _previous_checkpoint_bytes(self) -> int | None:
         """The size of the newest complete checkpoint: what the next one needs, about."""
-        from trainer.checkpoint.layout import read_manifest
-
         newest = ckpt.find_latest_checkpoint(self.ckpt_root)
         manifest = read_manifest(newest) if newest is not None else None
         return None if manifest is None else sum(int(n) for n in manifest["files"].values())

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.batch import micro_batch_rows
+
 __all__ = [
     "DistContext",
     "all_reduce_gradients",
@@ -210,8 +212,6 @@ def rank_micro_batches(lengths: Sequence[int], micro_batch_size: int | None, use
                        max_token_len: int) -> list[list[int]]:
     """This rank's micro-batches: by count, or by token budget with the number of micro-batches
     agreed over the ranks (the largest any rank needs), so that every rank runs as many forwards."""
-    from trainer.batch import micro_batch_rows
-
     if not use_dynamic_bsz:
         return micro_batch_rows(list(lengths), micro_batch_size, False, 0)
     needed = len(micro_batch_rows(list(lengths), None, True, max_token_len))

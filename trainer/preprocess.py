@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.data import write_rows
+from trainer.rewards.toy import write_toy_digits
+
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SPLITS = ("train", "test")
@@ -95,16 +98,6 @@ def find_split_files(input_path: Path) -> dict[str, Path]:
     return found
 
 
-def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.replace(path)
-
-
 def preprocess_gsm8k(input_path: Path, output_dir: Path) -> dict[str, int]:
     """Write `output_dir/<split>.parquet` for each split found; return rows per split."""
     counts = {}
@@ -128,8 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("gsm8k needs `--input DIR_OR_FILE` (a local GSM8K copy)")
     try:
         if args.dataset == "toy_digits":
-            from trainer.rewards.toy import write_toy_digits
-
             write_toy_digits(args.output, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
             counts = {"train": args.train_size, "test": args.val_size}
         else:

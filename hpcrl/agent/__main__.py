@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from hpcrl.agent.core import Agent
+
 USAGE = "usage: python -m hpcrl.agent RUN_DIR"
 
 
@@ -12,7 +14,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 2
-    from hpcrl.agent.core import Agent
 
     return Agent(Path(argv[0])).run()
 

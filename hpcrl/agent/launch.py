@@ -30,6 +30,7 @@ from hpcrl.netaddr import (
     host_name_addresses,
     socket_ifname_env,
 )
+from hpcrl.profiles import env_for_ray_version, profile_from_dict
 from hpcrl.rundir import RAY_RESOURCES
 
 WATCHER = "gcs_watch.py"
@@ -40,7 +41,6 @@ def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
     """The profile's `ray.version_env` variables that apply to `ray_version`."""
     if not job.version_env:
         return {}
-    from hpcrl.profiles import env_for_ray_version, profile_from_dict  # type: ignore[import-not-found]
 
     return dict(env_for_ray_version(profile_from_dict(job.profile).ray.version_env, ray_version))
 

@@ -18,6 +18,8 @@ from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
 from hpcrl.allocation import DEVICE_VARS
+from hpcrl.containers import container_command
+from hpcrl.profiles import profile_from_dict
 from hpcrl.rundir import RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext
 
@@ -58,14 +60,6 @@ def container_wrap(
     """Runtime `none` runs `argv` as is; the others through `hpcrl.containers`."""
     if job.runtime == "none":
         return list(argv), dict(env)
-    try:
-        from hpcrl.containers import container_command  # type: ignore[import-not-found]
-        from hpcrl.profiles import profile_from_dict  # type: ignore[import-not-found]
-    except ImportError:
-        raise AgentError(
-            f"container runtime `{job.runtime}` needs `hpcrl.containers`, which this "
-            "installation lacks; install the full hpcrl or set `container.runtime: none`"
-        ) from None
     profile = profile_from_dict(job.profile)
     cmd = container_command(
         profile.container,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hpcrl.slurm import parse_slurm_time, run_slurm, show_job
 from hpcrl.slurm_env import JobContext
 from trainer.deadline import END_TIME_ENV  # the job's end time, passed to the payload
 
@@ -133,13 +134,9 @@ def describe_end(end_time: float, now: float) -> str:
 
 def scontrol_requeue(target: str) -> None:
     """Requeue job `target` with `scontrol requeue` (on the host: the container may lack it)."""
-    from hpcrl.slurm import run_slurm
-
     run_slurm(["scontrol", "requeue", target])
 
 
 def scontrol_end_time(target: str) -> float | None:
     """The job's end time from `scontrol show job` (None when Slurm does not say)."""
-    from hpcrl.slurm import parse_slurm_time, show_job
-
     return parse_slurm_time(show_job(target).get("EndTime", ""))

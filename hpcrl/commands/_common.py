@@ -8,20 +8,22 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from hpcrl.containers import ContainerError
+from hpcrl.jobs import resolve
+from hpcrl.jobspec import JobSpecError, RunDirError, default_payload
+from hpcrl.plotting import PlotError
+from hpcrl.preflight import PreflightError
+from hpcrl.profiles import ProfileError, load_profile, replace_slurm
+from hpcrl.rundir import RunDir
+from hpcrl.slurm import SlurmError
+from hpcrl.submission import RequestError, build_request, default_python, default_run_dir, make_spec
+
 
 def user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Print hpcrl's own errors as one line (`hpcrl: error: ...`) and return status 2."""
 
     @wraps(fn)
     def run(args: argparse.Namespace) -> int:
-        from hpcrl.containers import ContainerError
-        from hpcrl.jobspec import JobSpecError, RunDirError
-        from hpcrl.plotting import PlotError
-        from hpcrl.preflight import PreflightError
-        from hpcrl.profiles import ProfileError
-        from hpcrl.slurm import SlurmError
-        from hpcrl.submission import RequestError
-
         try:
             return fn(args)
         except (ProfileError, RequestError, RunDirError, JobSpecError, ContainerError,
@@ -36,10 +38,6 @@ def run_dir_of(arg: str) -> Any:
     """The run directory named by `arg`: a directory holding `job.json`, or a job id that
     `scontrol` still knows."""
     from pathlib import Path
-
-    from hpcrl.jobs import resolve
-    from hpcrl.rundir import RunDir
-    from hpcrl.slurm import SlurmError
 
     path = Path(arg).expanduser()
     if path.is_dir():
@@ -88,14 +86,8 @@ def prepare(args: argparse.Namespace) -> Any:
     import os
     from pathlib import Path
 
-    from hpcrl.jobspec import default_payload
-    from hpcrl.profiles import load_profile, replace_slurm
-    from hpcrl.submission import build_request, default_python, default_run_dir, make_spec
-
     profile = load_profile(site_name(args)).profile
     if args.nodes is not None and args.nodes < 1:
-        from hpcrl.submission import RequestError
-
         raise RequestError(f"`--nodes {args.nodes}`: a job needs at least 1 node")
     profile = replace_slurm(profile, nodes=args.nodes, time=args.time, partition=args.partition)
     python = default_python(profile)
@@ -104,16 +96,12 @@ def prepare(args: argparse.Namespace) -> Any:
         payload = payload[1:]
     if args.whole_command:
         if not payload:
-            from hpcrl.submission import RequestError
-
             raise RequestError("`--command` needs the command after `--`, e.g. "
                                "`hpcrl submit --command -- env`")
         argv = tuple(payload)
     else:
         argv = default_payload(profile.container.python or python, payload)
     if args.run_dir is not None and not args.run_dir.strip():
-        from hpcrl.submission import RequestError
-
         raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
                            "new one under the profile's `run_root`")
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl import rundir
 from hpcrl.commands._common import user_errors
+from hpcrl.jobs import resolve
+from hpcrl.slurm import SlurmError, check_job_id, run_slurm
 
 HELP = ("cancel a job (job id or run directory); a local run is asked to stop with a "
         "checkpoint, like Ctrl-C")
@@ -21,9 +24,6 @@ def stop_local(run_dir: object) -> str:
     import signal
     from pathlib import Path
 
-    from hpcrl import rundir
-    from hpcrl.slurm import SlurmError
-
     run = Path(str(run_dir))
     info = rundir.running_restart(run)
     if info is None or info.head_pid is None:
@@ -35,9 +35,6 @@ def stop_local(run_dir: object) -> str:
 
 @user_errors
 def run(args: argparse.Namespace) -> int:
-    from hpcrl.jobs import resolve
-    from hpcrl.slurm import check_job_id, run_slurm
-
     ref = resolve(args.job)
     if str(ref.job_id).startswith("local-") and ref.run_dir is not None:
         print(stop_local(ref.run_dir))

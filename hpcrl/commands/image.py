@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from hpcrl.commands._common import add_site, site_name, user_errors
+from hpcrl.containers import ContainerError, build_command, pull_command
+from hpcrl.profiles import load_profile
+from hpcrl.resources import data_dir
 
 HELP = "build or pull the site's container image with its runtime's own command"
 
@@ -27,16 +30,12 @@ def resolve_recipe(recipe: str) -> str:
     """A name of a file in hpcrl's `containers/`, a path, or a `scheme://` reference."""
     from pathlib import Path
 
-    from hpcrl.resources import data_dir
-
     if "://" in recipe:
         return recipe
     shipped = data_dir("containers") / recipe
     if "/" not in recipe and shipped.is_file():
         return str(shipped)
     if not Path(recipe).expanduser().exists():
-        from hpcrl.containers import ContainerError
-
         raise ContainerError(f"recipe `{recipe}` not found (neither a path nor a file in "
                              f"{data_dir('containers')})")
     return str(Path(recipe).expanduser())
@@ -47,9 +46,6 @@ def run(args: argparse.Namespace) -> int:
     import os
     import subprocess
     from pathlib import Path
-
-    from hpcrl.containers import ContainerError, build_command, pull_command
-    from hpcrl.profiles import load_profile
 
     c = load_profile(site_name(args)).profile.container
     context = None

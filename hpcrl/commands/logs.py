@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpcrl.commands._common import user_errors
+from hpcrl.commands._common import run_dir_of, user_errors
+from hpcrl.jobs import log_files, resolve
+from hpcrl.rundir import AGENT_STARTED, RunPaths, read_state, restart_indices
+from hpcrl.slurm import SlurmError
 
 HELP = ("print (or follow with -f) a job's logs: batch script and every node, one node, or one "
         "run's agent and trainer logs")
@@ -25,9 +28,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def restart_logs(run_dir: Path, restart: str | None, node: int | None, payload: bool
                  ) -> list[Path]:
     """The agent logs (one per node, or `node`) and the trainer's log of one run of the job."""
-    from hpcrl.rundir import AGENT_STARTED, RunPaths, read_state, restart_indices
-    from hpcrl.slurm import SlurmError
-
     found = restart_indices(run_dir)
     if not found:
         raise SlurmError(f"`{run_dir}` has no run yet (no `<N>/` directory); the job has not "
@@ -50,9 +50,6 @@ def restart_logs(run_dir: Path, restart: str | None, node: int | None, payload: 
 
 
 def job_logs(arg: str, node: int | None) -> list[Path]:
-    from hpcrl.jobs import log_files, resolve
-    from hpcrl.slurm import SlurmError
-
     ref = resolve(arg)
     if ref.run_dir is None or ref.job_id is None:
         raise SlurmError(f"cannot find the run directory of job {arg}; name the run "
@@ -63,8 +60,6 @@ def job_logs(arg: str, node: int | None) -> list[Path]:
 @user_errors
 def run(args: argparse.Namespace) -> int:
     import os
-
-    from hpcrl.commands._common import run_dir_of
 
     if args.restart is not None or args.payload:
         files = restart_logs(run_dir_of(args.job), args.restart, args.node, args.payload)

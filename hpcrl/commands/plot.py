@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hpcrl.commands._common import user_errors
+from hpcrl.commands._common import run_dir_of, user_errors
+from hpcrl.plotting import plot_run
 
 HELP = "write a PNG of reward, KL, entropy, response length and step time per step (restarts marked)"
 
@@ -17,9 +18,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 @user_errors
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from hpcrl.commands._common import run_dir_of
-    from hpcrl.plotting import plot_run
 
     out, _ = plot_run(run_dir_of(args.run), Path(args.output).expanduser() if args.output else None)
     print(out)

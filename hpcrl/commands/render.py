@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
+from hpcrl.jobspec import prepare_run_dir
 
 HELP = "print the sbatch script of a job (prepares its run directory); `| sbatch` submits it"
 
@@ -19,8 +20,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 @user_errors
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from hpcrl.jobspec import prepare_run_dir
 
     _, req = prepare(args)
     if not args.no_prepare:

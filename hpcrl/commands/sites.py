@@ -6,6 +6,14 @@ import argparse
 import json
 
 from hpcrl.commands._common import user_errors
+from hpcrl.profiles import (
+    ProfileError,
+    available_profiles,
+    flatten,
+    load_profile,
+    profile_to_dict,
+    source_of,
+)
 
 HELP = "list site profiles, or show one resolved with the file of each value"
 
@@ -18,8 +26,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 @user_errors
 def run(args: argparse.Namespace) -> int:
-    from hpcrl.profiles import ProfileError, available_profiles, load_profile
-
     if args.action == "list":
         found = available_profiles()
         width = max((len(n) for n in found), default=0)
@@ -40,8 +46,6 @@ def run(args: argparse.Namespace) -> int:
 
 def show_lines(name: str) -> list[str]:
     """`key = value  # file` for every resolved value of profile `name`."""
-    from hpcrl.profiles import flatten, load_profile, profile_to_dict, source_of
-
     loaded = load_profile(name)
     lines = [f"# {name}: " + " -> ".join(loaded.chain)]
     rows = flatten(profile_to_dict(loaded.profile))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hpcrl.commands._common import user_errors
+from hpcrl.commands._common import run_dir_of, user_errors
+from hpcrl.rundir import run_report, submitted_job_id
+from hpcrl.slurm import SlurmUnavailable, describe_job, queue_entries, show_job
 
 HELP = "show a job's state, restarts, last checkpoint and latest metrics (job id or run directory)"
 
@@ -16,8 +18,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def slurm_lines(job_id: str) -> tuple[list[str], bool]:
     """What Slurm says of `job_id`, and whether it still runs or waits."""
-    from hpcrl.slurm import SlurmUnavailable, describe_job, queue_entries, show_job
-
     try:
         queued = queue_entries(job_id)
         info = show_job(job_id)
@@ -34,9 +34,6 @@ def slurm_lines(job_id: str) -> tuple[list[str], bool]:
 @user_errors
 def run(args: argparse.Namespace) -> int:
     import shutil
-
-    from hpcrl.commands._common import run_dir_of
-    from hpcrl.rundir import run_report, submitted_job_id
 
     run_dir = run_dir_of(args.job)
     job_id = args.job if not Path(args.job).expanduser().is_dir() else submitted_job_id(run_dir)

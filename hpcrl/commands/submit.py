@@ -6,7 +6,13 @@ import argparse
 import sys
 from typing import Any
 
+from hpcrl import preflight as pf
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
+from hpcrl.jobspec import prepare_run_dir
+from hpcrl.progress import NO_ANSWER, Progress, follow
+from hpcrl.rundir import run_report
+from hpcrl.slurm import SlurmUnavailable, queue_entries
+from hpcrl.submission import dry_run_text, submit
 
 HELP = "submit a job (`--dry-run` prints exactly what would be submitted)"
 
@@ -25,9 +31,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 @user_errors
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from hpcrl.jobspec import prepare_run_dir
-    from hpcrl.submission import dry_run_text, submit
 
     profile, req = prepare(args)
     if args.dry_run:
@@ -48,9 +51,6 @@ def run(args: argparse.Namespace) -> int:
 def queue_state(job_id: str) -> tuple[str, str] | None:
     """(state, reason) from `squeue`, None once the job has left the queue; `NO_ANSWER` with
     Slurm's message while Slurm does not answer (following goes on)."""
-    from hpcrl.progress import NO_ANSWER
-    from hpcrl.slurm import SlurmUnavailable, queue_entries
-
     try:
         entries = queue_entries(job_id)
     except SlurmUnavailable as exc:
@@ -59,9 +59,6 @@ def queue_state(job_id: str) -> tuple[str, str] | None:
 
 
 def follow_job(job_id: str, run_dir: Any) -> None:
-    from hpcrl.progress import Progress, follow
-    from hpcrl.rundir import run_report
-
     progress = Progress(sys.stdout)
     try:
         follow(run_dir, lambda: queue_state(job_id), progress)
@@ -77,8 +74,6 @@ def follow_job(job_id: str, run_dir: Any) -> None:
 def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
     """Stop before anything is created when the job cannot work (see `hpcrl.preflight`)."""
     from pathlib import Path
-
-    from hpcrl import preflight as pf
 
     pf.report(pf.check_scheduler(profile.name, profile.scheduler)
               + pf.check_local_nodes(profile.name, profile.scheduler, req.spec.nodes), fatal=True)

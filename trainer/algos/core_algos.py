@@ -117,11 +117,11 @@ def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> 
 
 # --------------------------------------------------------------------------- advantages
 #
-# Each estimator registers under verl's name with what it needs (`trainer.algos.registry`);
-# `compute_advantage` calls it with keyword arguments, and `**_` takes the inputs it does not use.
+# Each estimator is declared, with what it needs, in `trainer.algos.registry.ADV_ESTIMATORS` and
+# registers its function here under verl's name; `compute_advantage` calls it with keyword arguments, and `**_` takes the inputs it does not use.
 
 
-@register_adv_est("gae", needs_critic=True)
+@register_adv_est("gae")
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -168,7 +168,7 @@ def _check_index(index: Sequence[Hashable], batch: int) -> None:
         )
 
 
-@register_adv_est("grpo", min_group_size=2)
+@register_adv_est("grpo")
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -198,7 +198,7 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_est("rloo", min_group_size=2)
+@register_adv_est("rloo")
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -267,6 +267,8 @@ def compute_advantage(
             f"`adv_estimator={spec.name}` needs the prompt uid of each row (`index`), "
             "received None. Fix: pass the uids that group the `n` samples of each prompt."
         )
+    if spec.fn is None:
+        raise ValueError(f"`adv_estimator={spec.name}` is declared but no function registers it")
     return spec.fn(  # type: ignore[no-any-return]
         token_level_rewards=token_level_rewards, response_mask=response_mask, values=values,
         index=index, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,

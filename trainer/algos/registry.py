@@ -1,24 +1,28 @@
 """Registries of the RL mathematics, keyed by verl's names (as verl's `register_adv_est` and
 `register_policy_loss`).
 
-An advantage estimator is one function in :mod:`trainer.algos.core_algos` under
-:func:`register_adv_est`, which declares once what it needs (a critic's values, groups of
-`rollout.n >= 2` samples per prompt); the configuration (`algorithm.adv_estimator`, the derived
-`use_critic`) and hpcrl's preflight read those declarations instead of lists of names. Policy
-losses register the same way under :func:`register_policy_loss` (verl's
+What each advantage estimator needs (a critic's values, groups of `rollout.n >= 2` samples per
+prompt) is declared once, here, in :data:`ADV_ESTIMATORS`; the configuration
+(`algorithm.adv_estimator`, the derived `use_critic`) and hpcrl's preflight read those
+declarations instead of lists of names. Policy losses are named in :data:`POLICY_LOSSES` (verl's
 `actor_rollout_ref.actor.policy_loss.loss_mode`).
 
-This module imports no torch: the functions register when :mod:`trainer.algos.core_algos` is
-imported, which the lookups below do on first use.
+The functions themselves are tensor code in :mod:`trainer.algos.core_algos`, bound to their
+declared name by :func:`register_adv_est` and :func:`register_policy_loss`. This module imports no
+torch and imports none of the functions: the declarations are readable on a login node, and
+:func:`adv_estimator` / :func:`policy_loss` return a function once `core_algos` (which the
+trainer imports) has registered it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 __all__ = [
+    "ADV_ESTIMATORS",
+    "POLICY_LOSSES",
     "AdvEstimator",
     "adv_estimator",
     "adv_estimator_names",
@@ -33,81 +37,99 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class AdvEstimator:
-    """A registered advantage estimator and what it needs."""
+    """A declared advantage estimator and what it needs."""
 
     name: str
     """verl's `algorithm.adv_estimator` value."""
-    fn: Callable[..., Any]
-    """`fn(token_level_rewards=, response_mask=, values=, index=, gamma=, lam=,
-    norm_adv_by_std_in_grpo=) -> (advantages, returns)`; it ignores the inputs it does not use."""
-    needs_critic: bool
+    needs_critic: bool = False
     """It bootstraps from a value model: the run trains a critic (`derived.use_critic`)."""
-    min_group_size: int
+    min_group_size: int = 1
     """Samples per prompt it compares (`actor_rollout_ref.rollout.n` at least this); above 1 it
     also needs the prompt uid of each row."""
+    fn: Callable[..., Any] | None = None
+    """`fn(token_level_rewards=, response_mask=, values=, index=, gamma=, lam=,
+    norm_adv_by_std_in_grpo=) -> (advantages, returns)`; it ignores the inputs it does not use.
+    None until :mod:`trainer.algos.core_algos` registers it."""
 
 
-_ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
-_POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+ADV_ESTIMATORS: dict[str, AdvEstimator] = {e.name: e for e in (
+    AdvEstimator("gae", needs_critic=True),
+    AdvEstimator("grpo", min_group_size=2),
+    AdvEstimator("rloo", min_group_size=2),
+    AdvEstimator("reinforce_plus_plus"),
+)}
+"""Every advantage estimator, in the order the configuration lists them."""
+
+POLICY_LOSSES: tuple[str, ...] = ("vanilla",)
+"""Every policy loss (`loss_mode`)."""
+
+_POLICY_LOSS_FNS: dict[str, Callable[..., Any]] = {}
 
 
-def register_adv_est(name: str, *, needs_critic: bool = False, min_group_size: int = 1) -> Callable[[F], F]:
-    """Register the decorated function as the advantage estimator `name`."""
+def register_adv_est(name: str) -> Callable[[F], F]:
+    """Bind the decorated function to the advantage estimator `name` declared in
+    :data:`ADV_ESTIMATORS`."""
 
     def wrap(fn: F) -> F:
-        _add(_ADV_ESTIMATORS, name, AdvEstimator(name, fn, needs_critic, min_group_size), "register_adv_est")
+        declared = _declared(ADV_ESTIMATORS, name, "register_adv_est", "ADV_ESTIMATORS")
+        if declared.fn is not None:
+            raise ValueError(_twice("register_adv_est", name))
+        ADV_ESTIMATORS[name] = replace(declared, fn=fn)
         return fn
 
     return wrap
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
-    """Register the decorated function as the policy loss `name` (verl's `loss_mode`)."""
+    """Bind the decorated function to the policy loss `name` (verl's `loss_mode`) declared in
+    :data:`POLICY_LOSSES`."""
 
     def wrap(fn: F) -> F:
-        _add(_POLICY_LOSSES, name, fn, "register_policy_loss")
+        _declared(dict.fromkeys(POLICY_LOSSES), name, "register_policy_loss", "POLICY_LOSSES")
+        if name in _POLICY_LOSS_FNS:
+            raise ValueError(_twice("register_policy_loss", name))
+        _POLICY_LOSS_FNS[name] = fn
         return fn
 
     return wrap
 
 
-def _add(table: dict[str, Any], name: str, entry: Any, decorator: str) -> None:
-    if name in table:
-        raise ValueError(f"`{decorator}({name!r})` was called twice; each name is registered once, "
-                         f"and `{name}` is already taken")
-    table[name] = entry
+def _declared(table: dict[str, Any], name: str, decorator: str, where: str) -> Any:
+    if name not in table:
+        raise ValueError(f"`{decorator}({name!r})`: `{name}` is not declared; add it to `{where}` "
+                         "in trainer/algos/registry.py")
+    return table[name]
 
 
-def _load() -> None:
-    """Import the module whose decorators fill the registries (torch)."""
-    import trainer.algos.core_algos  # noqa: F401
+def _twice(decorator: str, name: str) -> str:
+    return (f"`{decorator}({name!r})` was called twice; each name is registered once, and "
+            f"`{name}` is already taken")
 
 
 def adv_estimator_names() -> list[str]:
-    """Registered estimator names, in registration order."""
-    _load()
-    return list(_ADV_ESTIMATORS)
+    """Declared estimator names, in declaration order."""
+    return list(ADV_ESTIMATORS)
 
 
 def adv_estimator(name: str) -> AdvEstimator:
-    """The estimator registered as `name`; an unknown name lists the valid ones."""
-    _load()
-    if name not in _ADV_ESTIMATORS:
+    """The estimator declared as `name`; an unknown name lists the valid ones."""
+    if name not in ADV_ESTIMATORS:
         raise ValueError(f"Unknown `algorithm.adv_estimator={name!r}`. Valid values: "
-                         f"{', '.join(_ADV_ESTIMATORS)}.")
-    return _ADV_ESTIMATORS[name]
+                         f"{', '.join(ADV_ESTIMATORS)}.")
+    return ADV_ESTIMATORS[name]
 
 
 def policy_loss_names() -> list[str]:
-    """Registered policy-loss names, in registration order."""
-    _load()
-    return list(_POLICY_LOSSES)
+    """Declared policy-loss names, in declaration order."""
+    return list(POLICY_LOSSES)
 
 
 def policy_loss(name: str) -> Callable[..., Any]:
-    """The policy loss registered as `name`; an unknown name lists the valid ones."""
-    _load()
-    if name not in _POLICY_LOSSES:
+    """The policy-loss function registered as `name`; an unknown name lists the valid ones."""
+    if name not in POLICY_LOSSES:
         raise ValueError(f"Unknown `actor_rollout_ref.actor.policy_loss.loss_mode={name!r}`. Valid "
-                         f"values: {', '.join(_POLICY_LOSSES)}.")
-    return _POLICY_LOSSES[name]
+                         f"values: {', '.join(POLICY_LOSSES)}.")
+    if name not in _POLICY_LOSS_FNS:
+        raise ValueError(f"policy loss `{name}` is declared but no function is registered for it "
+                         "(import trainer.algos.core_algos)")
+    return _POLICY_LOSS_FNS[name]

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from trainer.data import write_rows
+
 TOY_DIGITS = "toy_digits"
 TOY_DIGITS_WINDOW = 4
 PROMPT_WORDS = ("copy", "say", "sevens", "the", "digit", "answer")
@@ -50,8 +52,6 @@ def toy_digits_rows(n: int, seed: int, split: str = "train") -> list[dict[str, A
 
 def write_toy_digits(output_dir: str | Path, *, train_size: int, val_size: int, seed: int) -> dict[str, Path]:
     """Write `train.parquet` and `test.parquet` of the toy task in verl's format."""
-    from trainer.preprocess import write_rows
-
     out = Path(output_dir)
     paths = {"train": out / "train.parquet", "test": out / "test.parquet"}
     write_rows(toy_digits_rows(train_size, seed, "train"), paths["train"])

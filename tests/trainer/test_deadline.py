@@ -21,7 +21,7 @@ from trainer.exit_codes import REQUEUE_EXIT_CODE
 from trainer.metrics import read_jsonl
 from trainer.rewards.toy import write_toy_digits
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_parse_end_time() -> None:

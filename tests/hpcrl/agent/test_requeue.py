@@ -26,10 +26,10 @@ from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
 from hpcrl.rundir import RunPaths
 from hpcrl.slurm import SlurmError, parse_scontrol_show_job, parse_slurm_time
 from hpcrl.slurm_env import job_context
-from tests.agent_helpers import leftovers, start_agent, wait_for_text
 from tests.conftest import DATA, write_exe
+from tests.hpcrl.agent.agent_helpers import leftovers, start_agent, wait_for_text
 
-PAYLOAD = Path(__file__).resolve().parent / "payloads" / "stop_payload.py"
+PAYLOAD = Path(__file__).resolve().parents[2] / "payloads" / "stop_payload.py"
 HOST = socket.gethostname()
 
 FAKE_SCONTROL = """#!{python}

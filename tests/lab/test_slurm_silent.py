@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_hpcrl
-from tests.test_lab_agent import finished, run_logs, submit, write_site
+from tests.lab.test_agent import finished, run_logs, submit, write_site
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from trainer.checkpoint import full_state as ckpt
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import read_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
 RESPONSE_LENGTH = 16
 

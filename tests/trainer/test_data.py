@@ -21,7 +21,7 @@ from trainer.data import (
     truncate,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 SAMPLE = DATA / "gsm8k_train_sample.parquet"
 TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' </s> ' }}{% endfor %}"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.conftest import REPO
 from trainer.algos import core_algos as ca
 
 T = torch.tensor
@@ -331,18 +334,34 @@ def test_registries_declare_what_each_estimator_needs() -> None:
         registry.policy_loss("gspo")
     with pytest.raises(ValueError, match="registered once"):
         registry.register_adv_est("grpo")(ca.compute_rloo_outcome_advantage)
+    with pytest.raises(ValueError, match="not declared; add it to `ADV_ESTIMATORS`"):
+        registry.register_adv_est("undeclared")(ca.compute_rloo_outcome_advantage)
+    assert all(registry.adv_estimator(n).fn is not None for n in registry.adv_estimator_names())
+    assert all(registry.policy_loss(n) for n in registry.policy_loss_names())
+
+
+def test_the_declarations_need_no_torch() -> None:
+    """hpcrl's preflight reads what an estimator needs on a login node: the registry module
+    imports no torch and needs no function registered."""
+    code = ("import sys; from trainer.algos import registry; "
+            "print(registry.adv_estimator('gae').needs_critic, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout.split()
+    assert out == ["True", "False"]
 
 
 def test_a_registered_estimator_is_accepted_by_the_config_and_dispatched(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adding an estimator is one decorated function: the configuration and `compute_advantage`
-    read the registration (its needs included), no list of names."""
+    """Adding an estimator is one declaration and one decorated function: the configuration and
+    `compute_advantage` read the declaration (its needs included), no list of names."""
     from trainer.algos import registry
     from trainer.config import ConfigError, load_config
 
-    monkeypatch.setattr(registry, "_ADV_ESTIMATORS", dict(registry._ADV_ESTIMATORS))
+    monkeypatch.setattr(registry, "ADV_ESTIMATORS", {
+        **registry.ADV_ESTIMATORS,
+        "constant_critic": registry.AdvEstimator("constant_critic", needs_critic=True, min_group_size=3)})
 
-    @registry.register_adv_est("constant_critic", needs_critic=True, min_group_size=3)
+    @registry.register_adv_est("constant_critic")
     def constant(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **_: object):
         return response_mask * 2.0, response_mask
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("ray", reason="the launcher runs Ray's CLI (`pip install hpcrl[train]`)")
 
-LAUNCHER = Path(__file__).resolve().parents[1] / "hpcrl" / "agent" / "ray_launch.py"
+LAUNCHER = Path(__file__).resolve().parents[3] / "hpcrl" / "agent" / "ray_launch.py"
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

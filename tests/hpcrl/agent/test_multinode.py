@@ -17,7 +17,7 @@ pytest.importorskip(
 pytestmark = pytest.mark.slow
 
 from hpcrl.netaddr import AddressError, NetworkPolicy, choose_address, local_addresses  # noqa: E402
-from tests.agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
+from tests.hpcrl.agent.agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
 
 
 def has_global_ipv6() -> bool:

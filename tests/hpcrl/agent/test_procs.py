@@ -72,7 +72,7 @@ def test_child_gets_sigterm_when_the_agent_dies(tmp_path: Path) -> None:
         [sys.executable, "-c", parent_code],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[3],
     )
     assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
     assert processes_mentioning(marker)

@@ -15,7 +15,7 @@ import yaml
 from trainer import config as C
 from trainer.config import ConfigError, load_config
 
-SEEDS = Path(__file__).parent / "data" / "verl_seed_overrides.txt"
+SEEDS = Path(__file__).parents[1] / "data" / "verl_seed_overrides.txt"
 SEED_ENV = {
     "MODEL_PATH": "/models/Qwen2.5-0.5B-Instruct",
     "ENGINE": "vllm",

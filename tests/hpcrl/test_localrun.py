@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_plot import png_size
+from tests.hpcrl.test_plotting import png_size
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import torch
 
 from trainer.checkpoint import full_state as ck
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def small_states(step: int) -> dict[str, object]:

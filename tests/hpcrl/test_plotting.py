@@ -9,7 +9,7 @@ import pytest
 
 from hpcrl.plotting import PANELS, PlotError, build_figure, plot_run
 from tests.conftest import run_hpcrl
-from tests.test_rundir import record, write_metrics
+from tests.hpcrl.test_rundir import record, write_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ import pytest
 
 from hpcrl.agent.jobfile import JobFileError, load_job, parse_job
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[2] / "data"
 
 
 def load_job_text(text: str):

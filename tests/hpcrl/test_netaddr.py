@@ -23,7 +23,7 @@ from hpcrl.netaddr import (
     socket_ifname_env,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def lab_node() -> list[NodeAddress]:

@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl import rundir
-from hpcrl.progress import (
-    Progress,
-    RunWatcher,
-    eta_seconds,
-    format_duration,
-    format_step,
-    waiting_text,
-)
+from hpcrl.progress import Progress, RunWatcher, eta_seconds, waiting_text
+from hpcrl.rundir import format_duration, format_step
 from tests.conftest import run_hpcrl
 
 HOST = socket.gethostname()
@@ -362,8 +356,7 @@ def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
 
 
 def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
-    from hpcrl.localrun import refuse_if_running
-    from hpcrl.submission import RequestError
+    from hpcrl.submission import RequestError, refuse_if_running
 
     make_restart(run, 0, exit_code=None)  # this test process stands in for its live agent
     with pytest.raises(RequestError, match="is still running .* `hpcrl cancel "):

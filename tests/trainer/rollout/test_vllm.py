@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.vllm_support import require_vllm
+from tests.trainer.rollout.vllm_support import require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -84,7 +84,7 @@ def test_sampled_rows_differ_within_a_group(engine, tiny_model_dir: Path) -> Non
 @pytest.mark.slow
 def test_grpo_with_vllm_rollout_learns_like_hf(tiny_model_dir: Path, tmp_path: Path) -> None:
     require_vllm()
-    from tests.test_trainer_ppo import scores, toy_overrides
+    from tests.trainer.test_driver import scores, toy_overrides
     from trainer.config import load_config
     from trainer.driver import run_training
     from trainer.rewards.toy import write_toy_digits
@@ -111,7 +111,7 @@ def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tm
     """Each rank's in-process engine gets the actor's weights before every rollout."""
     require_vllm()
     pytest.importorskip("ray", reason="the distributed trainer needs Ray")
-    from tests.test_distributed import no_ray_address, overrides
+    from tests.trainer.test_distributed import no_ray_address, overrides
     from trainer.config import load_config
     from trainer.driver import run_training
     from trainer.metrics import read_jsonl

@@ -23,7 +23,7 @@ from trainer.models import load_actor
 from trainer.rewards.toy import write_toy_digits
 from trainer.stop import StopRequest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

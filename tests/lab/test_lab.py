@@ -17,7 +17,7 @@ from tests.lab.cluster import LAB_LABEL
 from tests.lab.config import INSTANCE, NETNS_PREFIX, V4_NET, V6_NET, LabConfig
 
 pytestmark = pytest.mark.lab
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 REPORT_STEP = textwrap.dedent("""\
     #!/bin/bash

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_hpcrl
-from tests.test_lab_agent import finished, run_logs
+from tests.lab.test_agent import finished, run_logs
 from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
 
