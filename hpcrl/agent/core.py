@@ -28,6 +28,7 @@ from hpcrl.agent.node import (
     Heartbeat,
     Node,
     Outcome,
+    check_image,
     container_wrap,
     open_log,
     state_writer,
@@ -95,6 +96,7 @@ class Agent:
 
     def _run_node(self, node: Node, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome:
         """The head runs the payload; a worker keeps its Ray up until the job ends."""
+        check_image(node.job, node.ctx.hostname)
         if node.job.nodes != node.ctx.num_nodes:
             node.log.info(
                 "job asked for %d nodes, the allocation has %d; using %d",

@@ -7,6 +7,7 @@ and the one way its processes enter the job's container.
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl import runtimes
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
@@ -71,6 +73,27 @@ def container_wrap(
         name=name,
     )
     return list(cmd.argv), dict(cmd.env)
+
+
+def exit_status(argv: Sequence[str]) -> int:
+    """Run `argv` quietly and return its exit status (127 when the program is not installed)."""
+    try:
+        return subprocess.run(list(argv), capture_output=True, timeout=120, check=False).returncode
+    except FileNotFoundError:
+        return 127
+    except subprocess.TimeoutExpired:
+        return 0  # the runtime is slow to answer, not proof of a missing image: go on
+
+
+def check_image(job: AgentJob, hostname: str, run: Callable[[Sequence[str]], int] = exit_status) -> None:
+    """Fail within seconds, naming this node and the image, when the node cannot start the
+    job's container image (rather than when Ray never joins, minutes later)."""
+    if job.runtime == "none":
+        return
+    container = profile_from_dict(job.profile).container
+    problem = runtimes.get(job.runtime).image_problem(container, run)
+    if problem is not None:
+        raise AgentError(f"node {hostname}: {problem}")
 
 
 def node_tag(ctx: JobContext) -> str:

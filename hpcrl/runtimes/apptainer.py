@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from hpcrl.runtimes.base import ContainerCommand, ContainerError, Runtime, binary_of
+from hpcrl.runtimes.base import (
+    ContainerCommand,
+    ContainerError,
+    Runtime,
+    binary_of,
+    local_file_problem,
+)
 
 if TYPE_CHECKING:
     from hpcrl.profiles import ContainerConfig
@@ -66,6 +72,11 @@ class Apptainer(Runtime):
         """`build SIF RECIPE` (a `.def` file, `docker-archive://FILE.tar` or `docker://REF`)."""
         args = [a for k, v in c.build_args.items() for a in ("--build-arg", f"{k}={v}")]
         return ContainerCommand((*_head(c, "build"), *args, str(c.image), recipe), {})
+
+    def image_problem(self, c: ContainerConfig, run: Callable[[Sequence[str]], int]) -> str | None:
+        """A `.sif` or sandbox path must be there and readable; a URI (`docker://...`,
+        `oras://...`) is pulled by Apptainer itself."""
+        return None if "://" in str(c.image) else local_file_problem(str(c.image))
 
     def running_in(self, environ: Mapping[str, str], exists: Callable[[str], bool]) -> bool:
         """Apptainer sets `APPTAINER_CONTAINER` in every container."""

@@ -7,9 +7,11 @@ happen once in :func:`hpcrl.containers.container_command` before a runtime is as
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # profiles imports this package for its runtime choices
@@ -72,4 +74,20 @@ class Runtime:
     def running_in(self, environ: Mapping[str, str], exists: Callable[[str], bool]) -> bool:
         """Whether the current process runs in one of this runtime's containers."""
         return False
+
+    def image_problem(self, c: ContainerConfig, run: Callable[[Sequence[str]], int]) -> str | None:
+        """Why this node cannot start `container.image` (missing, unreadable), or None when it
+        can or cannot tell (an image the runtime would pull on first use). `run` runs a command
+        and returns its exit status (the one side effect, replaced in tests)."""
+        return None
+
+
+def local_file_problem(image: str) -> str | None:
+    """A file or directory image (`.sif`, `.sqsh`, a sandbox) that is missing or unreadable."""
+    path = Path(image)
+    if not path.exists():
+        return f"the container image `{image}` does not exist on this node"
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        return f"the container image `{image}` is not readable here (permissions of {path})"
+    return None
 

@@ -17,10 +17,16 @@ Mounts are fstab lines with colons (`SRC:DST[:TYPE:OPTIONS]`): a bind `SRC:DST:O
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from hpcrl.runtimes.base import ContainerCommand, ContainerError, Runtime, binary_of
+from hpcrl.runtimes.base import (
+    ContainerCommand,
+    ContainerError,
+    Runtime,
+    binary_of,
+    local_file_problem,
+)
 
 if TYPE_CHECKING:
     from hpcrl.profiles import ContainerConfig
@@ -51,6 +57,10 @@ class Enroot(Runtime):
             out += ["--mount", mount_of(b)]
         inner = ["sh", "-c", CHDIR, "sh", workdir, *argv] if workdir else list(argv)
         return ContainerCommand((*out, *c.extra_flags, str(c.image), *inner), dict(values))
+
+    def image_problem(self, c: ContainerConfig, run: Callable[[Sequence[str]], int]) -> str | None:
+        """A `.sqsh` path must be there and readable (a container name is enroot's to find)."""
+        return local_file_problem(str(c.image)) if str(c.image).endswith(".sqsh") else None
 
     def pull(self, c: ContainerConfig, source: str | None) -> ContainerCommand:
         image = str(c.image)

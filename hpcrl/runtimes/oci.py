@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hpcrl.runtimes.base import ContainerCommand, Runtime, binary_of
@@ -53,6 +53,18 @@ class OciRuntime(Runtime):
         args = [a for k, v in c.build_args.items() for a in ("--build-arg", f"{k}={v}")]
         return ContainerCommand(
             (binary_of(c), "build", *args, "-f", recipe, "-t", str(c.image), context), {})
+
+    def image_problem(self, c: ContainerConfig, run: Callable[[Sequence[str]], int]) -> str | None:
+        """A `localhost/` tag exists only in this node's store (nothing can pull it): it must be
+        there. Other references are pulled by `run` on first use."""
+        image = str(c.image)
+        if not image.startswith("localhost/"):
+            return None
+        if run([binary_of(c), "image", "inspect", "--format", "{{.Id}}", image]) == 0:
+            return None
+        return (f"the container image `{image}` is not in {binary_of(c)}'s image store on this "
+                "node (a `localhost/` tag cannot be pulled): build or load it on every node "
+                "(`hpcrl image build|pull --site ...`)")
 
     def remove(self, binary: str, name: str) -> list[str] | None:
         """A killed `run` client leaves its container running: remove it by name."""

@@ -12,6 +12,7 @@ import pytest
 
 from hpcrl.containers import ContainerError, build_command, container_command, pull_command
 from hpcrl.profiles import ContainerConfig, load_profile
+from hpcrl.runtimes import get as get_runtime
 
 SECRET = "s3cr3t-value-never-in-argv"
 
@@ -232,3 +233,32 @@ def test_runtime_table_is_the_one_list() -> None:
     in_apptainer = runtimes.running_in({"APPTAINER_CONTAINER": "/x.sif"}, lambda p: False)
     assert (on_host, in_podman, on_docker_host, in_apptainer) == ("none", "podman", "none",
                                                                    "apptainer")
+
+
+def test_each_runtime_says_when_a_node_cannot_open_its_image(tmp_path: Path) -> None:
+    """The agent's check before Ray starts: file images must be there and readable; a
+    `localhost/` OCI tag must be in the node's store; references a runtime pulls are left to it."""
+    ran: list[list[str]] = []
+
+    def run(argv):  # the one side effect: `podman image inspect` answering "not found"
+        ran.append(list(argv))
+        return 125
+
+    app = profile("mi300-cluster-apptainer", tmp_path).container
+    sif = tmp_path / "img.sif"
+    assert "does not exist on this node" in get_runtime("apptainer").image_problem(
+        dataclasses.replace(app, image=str(sif)), run)
+    sif.write_bytes(b"SIF")
+    assert get_runtime("apptainer").image_problem(dataclasses.replace(app, image=str(sif)), run) is None
+    sif.chmod(0)
+    if os.geteuid() != 0:  # root reads any file
+        assert "is not readable" in get_runtime("apptainer").image_problem(
+            dataclasses.replace(app, image=str(sif)), run)
+    assert get_runtime("apptainer").image_problem(dataclasses.replace(app, image="docker://x/y"), run) is None
+    pod = profile("mi300-cluster", tmp_path).container
+    problem = get_runtime("podman").image_problem(pod, run)
+    assert pod.image.startswith("localhost/") and "is not in podman's image store" in problem
+    assert ran == [["podman", "image", "inspect", "--format", "{{.Id}}", pod.image]]
+    assert get_runtime("podman").image_problem(dataclasses.replace(pod, image="docker.io/x/y:1"), run) is None
+    assert len(ran) == 1  # a pullable reference is not looked up
+    assert get_runtime("none").image_problem(pod, run) is None

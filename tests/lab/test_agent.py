@@ -219,3 +219,22 @@ def test_render_then_plain_sbatch(lab, sites, tmp_path):
     rec = finished(lab, job, run_dir)
     assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
     check_probe(lab, run_dir, "none")
+
+
+def test_missing_image_fails_fast_naming_node_and_image(lab, lab_images, sites, tmp_path):
+    """A container image the nodes cannot open ends the job within seconds with the node and
+    the image named, instead of a wait for Ray nodes that never join."""
+    missing = tmp_path / "not-here.sif"
+    write_site(sites, "lab-noimage", "slurmlab-apptainer", tmp_path / "runs",
+               f"container:\n  image: {missing}\n")
+    run_dir = tmp_path / "runs" / "noimage"
+    t0 = time.monotonic()
+    job = submit(lab, sites, "lab-noimage", run_dir)
+    rec = finished(lab, job, run_dir, timeout=90)
+    elapsed = time.monotonic() - t0
+    assert rec["JobState"] == "FAILED", rec
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to fail"
+    logs = run_logs(run_dir)
+    assert f"the container image `{missing}` does not exist on this node" in logs, logs
+    assert any(f"node {n}: " in logs for n in ("node1", "node2", "node3")), logs
+    assert not (run_dir / "probe.json").exists()
