@@ -18,8 +18,15 @@ from pathlib import Path
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.node import AgentError, Heartbeat, Node
-from hpcrl.agent.ports import PortBlock, find_free_block, first_index, port_is_free
-from hpcrl.agent.procs import Child, processes_mentioning
+from hpcrl.agent.ports import (
+    PortBlock,
+    PortError,
+    block_at,
+    find_free_block,
+    first_index,
+    port_is_free,
+)
+from hpcrl.agent.procs import Child, port_holders, processes_mentioning
 from hpcrl.allocation import Allocation, AllocationError, CgroupFiles, node_allocation
 from hpcrl.netaddr import (
     NetworkPolicy,
@@ -35,6 +42,16 @@ from hpcrl.rundir import RAY_RESOURCES
 
 WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"
+
+
+def taken_port(block: PortBlock) -> str:
+    """`port P is held by pid N (command)` for the first port of `block` in use here."""
+    for port in block.all_ports():
+        if not port_is_free(port):
+            holders = port_holders(port)
+            return (f"port {port} is held by {', '.join(holders)}" if holders else
+                    f"port {port} is in use (its process is not visible here: another user's)")
+    return "its ports were freed since"
 
 
 def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
@@ -97,7 +114,15 @@ class Launcher:
         """Address, port block, token, publication; then Ray's head and the GCS watcher."""
         node, job, ctx = self.node, self.node.job, self.node.ctx
         addr = self._address(job.network)
-        ports = find_free_block(job.ports, first_index(ctx.job_id, ctx.restart, job.ports))
+        start = first_index(ctx.job_id, ctx.restart, job.ports)
+        first = block_at(job.ports, start)
+        try:
+            ports = find_free_block(job.ports, start)
+        except PortError as exc:
+            raise PortError(f"{exc}; in the first block tried, {taken_port(first)}") from None
+        if ports != first:
+            node.log.info("port block %d-%d is taken here (%s); using %d-%d", first.gcs,
+                          first.max_worker_port, taken_port(first), ports.gcs, ports.max_worker_port)
         token = rdv.write_token(node.paths)
         gcs = format_hostport(addr.address, ports.gcs)
         self._describe(addr, ports)

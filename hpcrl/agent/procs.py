@@ -167,3 +167,42 @@ def kill_all(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def port_holders(port: int, proc: Path = Path("/proc")) -> list[str]:
+    """`pid N (command)` of each process holding a TCP socket on `port` in this network
+    namespace (from `/proc/net/tcp{,6}` and the processes' socket descriptors); empty when the
+    holder is not visible here (another user's process, another namespace)."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                inodes.add(f"socket:[{fields[9]}]")
+    holders: list[str] = []
+    for pid_dir in sorted((p for p in proc.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
+        if inodes and _holds(pid_dir, inodes):
+            try:
+                command = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                command = "?"
+            holders.append(f"pid {pid_dir.name} ({' '.join(command.split())[:120]})")
+    return holders
+
+
+def _holds(pid_dir: Path, sockets: set[str]) -> bool:
+    try:
+        fds = list((pid_dir / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in sockets:
+                return True
+        except OSError:
+            continue
+    return False

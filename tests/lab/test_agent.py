@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.agent.ports import PortRange, first_index
 from tests.conftest import REPO, run_hpcrl
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -238,3 +239,52 @@ def test_missing_image_fails_fast_naming_node_and_image(lab, lab_images, sites, 
     assert f"the container image `{missing}` does not exist on this node" in logs, logs
     assert any(f"node {n}: " in logs for n in ("node1", "node2", "node3")), logs
     assert not (run_dir / "probe.json").exists()
+
+
+HOLD_PORTS = """
+import socket, sys, time
+socks = []
+for port in map(int, sys.argv[1:]):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("0.0.0.0", port))
+    s.listen()
+    socks.append(s)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("free_blocks", [0, 1])
+def test_taken_port_blocks_move_the_job_or_fail_it_naming_the_holder(lab, sites, tmp_path, free_blocks):
+    """Another process holding the job's Ray ports on the head node: the agent moves to a free
+    block (logging which port and which process), or, with none free, fails within seconds
+    naming the port and the process."""
+    from tests.lab.cluster import NETNS_PREFIX
+
+    base, blocks, size = 24000, 64, 256
+    write_site(sites, "lab-ports", "slurmlab", tmp_path / "runs",
+               f"container:\n  runtime: none\nray:\n  port_base: {base}\n")
+    held = [base + i * size for i in range(free_blocks, blocks)]  # each block's GCS port
+    holder = subprocess.Popen(["nsenter", f"--net=/run/netns/{NETNS_PREFIX}node1", sys.executable, "-c",
+                               HOLD_PORTS, *map(str, held)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        run_dir = tmp_path / "runs" / "ports"
+        t0 = time.monotonic()
+        job = submit(lab, sites, "lab-ports", run_dir)
+        rec = finished(lab, job, run_dir, timeout=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    logs = "\n".join(f.read_text() for f in sorted(run_dir.rglob("*.log")))  # whole files
+    if free_blocks == 0:
+        assert rec["JobState"] == "FAILED", rec
+        assert elapsed < 30, f"the job took {elapsed:.1f} s to fail"
+        assert f"every one of the {blocks} port blocks" in logs, logs
+        assert f"is held by pid {holder.pid} (" in logs, logs
+        return
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{logs}"
+    assert json.loads((run_dir / "0" / "rendezvous.json").read_text())["ports"]["gcs"] == base
+    if first_index(str(job), 0, PortRange(base=base, limit=base + blocks * size)) != 0:  # moved
+        assert "is taken here (port" in logs and f"is held by pid {holder.pid} (" in logs, logs

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hpcrl.agent.procs import Child, processes_mentioning, session_members
+from hpcrl.agent.procs import Child, port_holders, processes_mentioning, session_members
 
 # A child that starts a grandchild in a process group of its own (as Ray's workers do); both
 # ignore SIGTERM, so only the session sweep with SIGKILL ends them.
@@ -79,3 +80,13 @@ def test_child_gets_sigterm_when_the_agent_dies(tmp_path: Path) -> None:
     parent.kill()
     parent.wait()
     wait_until(lambda: not processes_mentioning(marker))
+
+
+def test_port_holders_names_the_process_holding_a_port() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        holders = port_holders(port)
+        assert len(holders) == 1 and holders[0].startswith(f"pid {os.getpid()} ("), holders
+    assert port_holders(port) == []
