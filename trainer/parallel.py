@@ -4,9 +4,11 @@
   on AMD GPUs, both named ``nccl`` in torch), rendezvous over TCP at the address and port the
   driver chose; IPv6 addresses are bracketed in the URL. The socket interface comes from
   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, which the node agent exports on every node.
-- Data parallelism: on the CPU every rank keeps a full replica and gradients are averaged with
-  one flat ``all_reduce`` per optimizer step (:func:`all_reduce_gradients`); on GPUs the model is
-  sharded with FSDP2 ``fully_shard`` (:func:`apply_fsdp2`), which reduce-scatters in backward.
+- Data parallelism: with more than one rank the model is sharded with FSDP2 ``fully_shard``
+  (:func:`apply_fsdp2`) on GPUs and on the CPU alike (FSDP2 runs over gloo), so parameters,
+  gradients and Adam moments per rank fall as 1/W; backward reduce-scatters the gradients. One
+  rank forms no process group and keeps a plain module. (:func:`all_reduce_gradients` averages
+  the gradients of replicas with one flat all-reduce, for models kept whole on purpose.)
 - Loss normalisation: every micro-batch loss is divided by the token/sequence counts of the
   whole mini-batch (the driver counts them, :class:`~trainer.batch.MiniBatchShare`) and
   multiplied by the world size, so the averaged gradient equals the one-rank one whatever the
@@ -57,7 +59,7 @@ class DistContext:
     backend: str
     """`gloo` (CPU) or `nccl` (NVIDIA NCCL / AMD RCCL)."""
     fsdp: bool
-    """Model sharded with FSDP2 (GPUs) rather than replicated with a gradient all-reduce."""
+    """Model sharded with FSDP2 (every group of more than one rank, CPU or GPU)."""
     single_device: str = "cpu"
     """The device of a single rank (`backend` none): `cpu` or `cuda`."""
 
@@ -100,13 +102,13 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
                 f"this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
                 f"cannot also be rank {rank} of {world_size}; start one process per rank")
         return DistContext(rank=rank, world_size=world_size, backend=dist.get_backend(),
-                           fsdp=dist.get_backend() == "nccl")
+                           fsdp=world_size > 1)
     if chosen == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
         chosen, init_method=init_method_url(master_addr, master_port), rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=chosen == "nccl")
+    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=world_size > 1)
 
 
 def _active() -> bool:

@@ -2,6 +2,16 @@
 
 The actor (trained), the reference policy (frozen, when a KL term needs it) and the rollout
 engine live in one process, so that the rollout gets the actor's weights in memory.
+
+Which model generates:
+
+- one rank (no process group): HF ``generate`` runs on the training model itself, nothing to sync;
+- several ranks: the actor and the reference are FSDP2-sharded (on the CPU too), and the rollout
+  engine keeps a model of its own, fed after every update by the weight sync
+  (:meth:`ActorRolloutRefWorker.sync_rollout_weights`). Generating with the
+  sharded actor itself (``generate(..., synced_gpus=True)``) would save that copy but make every
+  decoded token an all-gather of every layer on every rank, and force ranks with no prompts to
+  decode along; the separate engine decodes rank by rank, and it is what vLLM needs anyway.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ scheduler, the optimizer step and sharded (world-size free) checkpoints.
 A worker is a plain class: a worker group runs one instance per rank, as a Ray actor
 (:mod:`trainer.workers.ray_group`) or in the driver's process (:mod:`trainer.workers.group`,
 one rank). One rank forms no process group: the model is a plain module on the configured
-device. Several ranks form one group per worker group (gloo on CPU, NCCL/RCCL on GPUs, where the
-model is sharded with FSDP2).
+device. Several ranks form one group per worker group (gloo on CPU, NCCL/RCCL on GPUs) and shard
+the model with FSDP2 on either, so each rank holds 1/W of the parameters, gradients and optimizer
+state.
 """
 
 from __future__ import annotations
