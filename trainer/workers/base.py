@@ -135,6 +135,7 @@ class Worker:
     def _zero_grads(self) -> None:
         """Zero gradients where no backward pass left one (this rank skipped every row of a
         mini-batch), so that the optimizer step matches one over zero-gradient rows."""
+        P.reshard(self.model)  # the sharded parameters, not whole ones left by a log-prob pass
         for p in self.model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
