@@ -1,9 +1,11 @@
-"""Streamed weight sync on the tiny model: buckets stay bounded and every parameter travels
-exactly once; two FSDP2 ranks over gloo sync a separate rollout model while holding at most one
-bucket of gathered tensors, after which it generates what the actor does."""
+"""Streamed weight sync and streamed HF export on the tiny model: buckets stay bounded and every
+parameter travels exactly once; two FSDP2 ranks over gloo sync a separate rollout model while
+holding at most one bucket of gathered tensors, after which it generates what the actor does;
+the sharded export (several safetensors shards + index) loads with transformers."""
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch.multiprocessing as mp
 
 from trainer import parallel as P
 from trainer import tiny
+from trainer.checkpoint.hf_export import INDEX_FILE, plan_shards, shard_names, write_hf_export
 from trainer.rollout.base import SamplingParams, WeightBucket
 from trainer.rollout.hf import HFRolloutEngine
 
@@ -86,9 +89,39 @@ def test_sync_refuses_partial_and_repeated_weights() -> None:
     assert torch.equal(_greedy(engine), _greedy(HFRolloutEngine(_model(1), 0, 3)))
 
 
+def test_one_rank_export_loads_with_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = _model(3)
+    files = write_hf_export(tmp_path, model, 0, tokenizer=tiny.build_tokenizer(), max_shard_bytes=300_000)
+    assert len(files) > 2 and (tmp_path / INDEX_FILE).is_file()
+    _assert_loads_as(tmp_path, model.state_dict())
+    assert (tmp_path / "tokenizer.json").is_file()
+    assert len(write_hf_export(tmp_path / "one", model, 0)) == 1 and not (tmp_path / "one" / INDEX_FILE).exists()
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "one").state_dict(),
+                               model.state_dict(), rtol=0, atol=0)
+
+
+def test_plan_shards() -> None:
+    assert plan_shards([("a", 4), ("b", 4), ("c", 9), ("d", 1)], 8) == [["a", "b"], ["c"], ["d"]]
+    assert shard_names(1) == ["model.safetensors"]
+    assert shard_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def _assert_loads_as(directory: Path, expected: dict[str, torch.Tensor]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    index = json.loads((directory / INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == set(shard_names(len(set(index["weight_map"].values()))))
+    loaded = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+
+
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     """One FSDP2 rank: the actor (seed 1) sharded, the rollout engine a whole seed-0 model;
-    stream-sync it and record what was alive."""
+    stream-sync it, record what was alive, and export the actor."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -99,6 +132,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         engine.sync_weights(P.weight_buckets(actor, BUCKET))
         full = {k: v.clone() for k, v in P.full_model_state(actor, every_rank=True).items()}
         shard_bytes = _nbytes(p.to_local() for p in actor.parameters())
+        write_hf_export(Path(out) / "hf", actor, rank, max_shard_bytes=300_000)
         torch.save({"sizes": engine.bucket_sizes, "alive": engine.alive_before, "greedy": _greedy(engine),
                     "engine": engine.model.state_dict(), "full": full, "shard_bytes": shard_bytes},
                    Path(out) / f"rank{rank}.pt")
@@ -122,3 +156,4 @@ def test_two_fsdp_ranks_stream_one_bucket_at_a_time(tmp_path: Path) -> None:
             torch.testing.assert_close(got["engine"][name], tensor, rtol=0, atol=0, msg=name)
             torch.testing.assert_close(got["full"][name], tensor, rtol=0, atol=0, msg=name)
         assert torch.equal(got["greedy"], want)
+    _assert_loads_as(tmp_path / "hf", actor.state_dict())
