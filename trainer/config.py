@@ -154,6 +154,9 @@ class RolloutConfig:
     max_model_len: int | None = _h("vLLM: context length; null = prompt + response length")
     enable_chunked_prefill: bool = _h("vLLM: chunked prefill")
     disable_log_stats: bool = _h("vLLM: no periodic statistics logging")
+    update_weights_bucket_megabytes: int = _h(
+        "weight sync: MiB of gathered parameters handed to the rollout engine at once (a larger "
+        "tensor goes alone); bounds the sync's memory above the engine's own weights")
     log_prob_micro_batch_size_per_gpu: int | None = _h("samples per old-log-prob forward; null = all")
     log_prob_use_dynamic_bsz: bool | None = _h("token-count micro-batches; null = actor's `use_dynamic_bsz`")
     log_prob_max_token_len_per_gpu: int | None = _h("token budget; null = actor's `ppo_max_token_len_per_gpu`")
@@ -953,7 +956,9 @@ def validate(cfg: Config) -> None:
                        ("trainer.nnodes", cfg.trainer.nnodes),
                        ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
                        ("data.max_prompt_length", data.max_prompt_length),
-                       ("data.max_response_length", data.max_response_length)):
+                       ("data.max_response_length", data.max_response_length),
+                       ("actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+                        rollout.update_weights_bucket_megabytes)):
         _require(value >= 1, f"`{key}`={value} must be at least 1")
     _require(
         data.train_batch_size % actor.ppo_mini_batch_size == 0,

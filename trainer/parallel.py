@@ -4,17 +4,21 @@
   on AMD GPUs, both named ``nccl`` in torch), rendezvous over TCP at the address and port the
   driver chose; IPv6 addresses are bracketed in the URL. The socket interface comes from
   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, which the node agent exports on every node.
-- Data parallelism: on the CPU every rank keeps a full replica and gradients are averaged with
-  one flat ``all_reduce`` per optimizer step (:func:`all_reduce_gradients`); on GPUs the model is
-  sharded with FSDP2 ``fully_shard`` (:func:`apply_fsdp2`), which reduce-scatters in backward.
+- Data parallelism: with more than one rank the model is sharded with FSDP2 ``fully_shard``
+  (:func:`apply_fsdp2`) on GPUs and on the CPU alike (FSDP2 runs over gloo), so parameters,
+  gradients and Adam moments per rank fall as 1/W; backward reduce-scatters the gradients. One
+  rank forms no process group and keeps a plain module. (:func:`all_reduce_gradients` averages
+  the gradients of replicas with one flat all-reduce, for models kept whole on purpose.)
 - Loss normalisation: every micro-batch loss is divided by the token/sequence counts of the
   whole mini-batch (the driver counts them, :class:`~trainer.batch.MiniBatchShare`) and
   multiplied by the world size, so the averaged gradient equals the one-rank one whatever the
   number of ranks.
 - Micro-batches: by sample count, or by token budget with the same number of micro-batches on
   every rank (:func:`rank_micro_batches`), which FSDP needs (its collectives run per forward).
-- Full (gathered) model state for weight sync and the HF export: :func:`full_model_state`
-  (checkpoints are sharded, :mod:`trainer.checkpoint.sharded`).
+- Full parameters one at a time (:func:`full_tensors`, ``DTensor.full_tensor()`` per entry, a
+  collective) in buckets of bounded size (:func:`weight_buckets`): what the weight sync streams to
+  the rollout engine and the HF export writes, never the whole model on one rank.
+  :func:`full_model_state` gathers everything at once (tests and small models only).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +44,15 @@ __all__ = [
     "balanced_split",
     "free_port",
     "full_model_state",
+    "full_tensors",
     "init_method_url",
     "init_process_group",
     "rank_micro_batches",
+    "reshard",
     "single_rank",
     "split_rows",
+    "unique_state_names",
+    "weight_buckets",
 ]
 
 
@@ -59,7 +67,7 @@ class DistContext:
     backend: str
     """`gloo` (CPU) or `nccl` (NVIDIA NCCL / AMD RCCL)."""
     fsdp: bool
-    """Model sharded with FSDP2 (GPUs) rather than replicated with a gradient all-reduce."""
+    """Model sharded with FSDP2 (every group of more than one rank, CPU or GPU)."""
     single_device: str = "cpu"
     """The device of a single rank (`backend` none): `cpu` or `cuda`."""
 
@@ -102,13 +110,13 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
                 f"this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
                 f"cannot also be rank {rank} of {world_size}; start one process per rank")
         return DistContext(rank=rank, world_size=world_size, backend=dist.get_backend(),
-                           fsdp=dist.get_backend() == "nccl")
+                           fsdp=world_size > 1)
     if chosen == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
         chosen, init_method=init_method_url(master_addr, master_port), rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=chosen == "nccl")
+    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=world_size > 1)
 
 
 def _active() -> bool:
@@ -159,6 +167,15 @@ def apply_fsdp2(model: torch.nn.Module, cpu_offload: bool = False) -> torch.nn.M
         fully_shard(layer, offload_policy=policy)
     fully_shard(model, offload_policy=policy)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the whole parameters FSDP2 keeps on the root unit after a forward pass with no
+    backward (it expects the backward to need them): log-prob and value passes call it, and so
+    does an update whose rank ran no forward, so that its parameters are the sharded DTensors
+    again. A no-op for a model without FSDP."""
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -238,3 +255,51 @@ def full_model_state(model: torch.nn.Module, *, every_rank: bool = False) -> dic
 
     state: dict[str, Any] = get_model_state_dict(model, options=_full_options(cpu_offload=not every_rank))
     return state
+
+
+def unique_state_names(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s state dict with tied duplicates left out (the output embedding
+    tied to the input one appears once, under its first name), in state-dict order. The same on
+    every rank: it follows the module tree, not the storage of this rank's shards."""
+    unique = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return [name for name in model.state_dict() if name in unique]
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """`value` gathered whole when it is a DTensor shard (a collective), detached."""
+    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return full.detach()
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, whole tensor)` for each entry of :func:`unique_state_names`, gathered one at a
+    time (`DTensor.full_tensor()`, a collective: every rank must iterate to the end, in step)."""
+    state = model.state_dict()
+    for name in unique_state_names(model):
+        yield name, _whole(state[name])
+
+
+def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every entry of `model`'s state dict, gathered whole, in buckets of at most `bucket_bytes` (a
+    tensor larger than that travels alone). Tied duplicates are sent under each of their names
+    (vLLM's layer-wise reload expects the output embedding even when it is tied). Sizes are known before gathering (a DTensor's shape is the
+    global one), so a tensor is gathered only once its bucket has room: a rank holds at most one
+    bucket of gathered tensors. A bucket is emptied in place when the next one is asked for, so
+    the consumer must copy what it keeps (the tensors may be views of sharded storage on one
+    rank). A collective: every rank must iterate to the end, in step."""
+    if bucket_bytes < 1:
+        raise ValueError(f"`bucket_bytes` must be at least 1, received {bucket_bytes}")
+    state = model.state_dict()
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket.clear()
+            size = 0
+        bucket.append((name, _whole(value)))
+        size += nbytes
+    if bucket:
+        yield bucket
+        bucket.clear()

@@ -10,11 +10,20 @@ samples of prompt ``i`` are rows ``i*n .. i*n+n-1`` (``prompt_index`` says so).
 :class:`~trainer.rollout.hf.HFRolloutEngine` uses transformers' ``generate`` and
 :class:`~trainer.rollout.vllm.VLLMRolloutEngine` vLLM; both implement the :class:`RolloutEngine`
 protocol.
+
+Weight sync is streamed: :meth:`RolloutEngine.sync_weights` takes an iterable of *buckets*, each
+a short sequence of ``(HF parameter name, whole tensor)`` pairs of bounded total size
+(``actor_rollout_ref.rollout.update_weights_bucket_megabytes``), gathered lazily by the trainer
+(:func:`trainer.parallel.weight_buckets`). An engine loads (copies) each bucket before asking for
+the next, since the sender frees a bucket's tensors then; no rank ever holds the whole model on
+top of the engine's own weights. The shape fits an engine in another process too: a server-mode
+backend would send each bucket over IPC and load it on the far side, bucket by bucket.
+:class:`WeightTally` checks that a sync delivered every parameter exactly once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -24,8 +33,13 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "SamplingParams",
+    "WeightBucket",
+    "WeightTally",
     "response_mask_from_eos",
 ]
+
+#: One bucket of a streamed weight sync: `(HF parameter name, whole tensor)` pairs.
+WeightBucket = Sequence[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -122,8 +136,10 @@ class RolloutEngine(Protocol):
         """Sample ``params.n`` responses for each left-padded prompt row."""
         ...
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load the actor's current weights (HF parameter names) into the engine."""
+    def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Load the actor's current weights (HF parameter names), one bucket at a time: copy
+        each bucket's tensors in before asking for the next bucket, and fail unless the buckets
+        held every parameter exactly once."""
         ...
 
     def sleep(self) -> None:
@@ -143,3 +159,34 @@ def response_mask_from_eos(
     is_eos = torch.isin(response_ids, eos).long()
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos
     return (eos_before == 0).long()
+
+
+class WeightTally:
+    """What a streamed weight sync delivered: :meth:`add` refuses a name sent twice,
+    :meth:`check` refuses an empty sync or (given the names the engine expects) a partial one."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.bytes = 0
+        self.buckets = 0
+
+    def add(self, bucket: WeightBucket) -> None:
+        self.buckets += 1
+        for name, tensor in bucket:
+            if name in self.names:
+                raise ValueError(f"weight sync: `{name}` arrived twice; each parameter must be sent once")
+            self.names.add(name)
+            self.bytes += tensor.numel() * tensor.element_size()
+
+    def check(self, expected: Iterable[str] | None = None) -> None:
+        if not self.names:
+            raise ValueError(
+                "weight sync received no weights, which would leave the engine on its old ones. "
+                "Fix: pass the buckets of `trainer.parallel.weight_buckets(model, ...)`")
+        missing = sorted(set(expected or ()) - self.names)
+        if missing:
+            shown = ", ".join(f"`{n}`" for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"weight sync was partial: {len(missing)} parameter(s) never arrived ({shown}); the "
+                "engine would mix old and new weights. Fix: iterate every rank's "
+                "`weight_buckets` to the end, on every rank")

