@@ -145,8 +145,9 @@ class RolloutConfig:
     do_sample: bool = _h("sample (false = greedy)")
     n: int = _h("responses per prompt (group size for grpo/rloo)")
     gpu_memory_utilization: float = _h("vLLM: share of GPU memory for weights and KV cache")
-    tensor_model_parallel_size: int = _h("ranks per inference engine; must be 1 (tensor-parallel "
-                                         "rollout is not supported yet)")
+    tensor_model_parallel_size: int = _h(
+        "vLLM: ranks per inference engine (k consecutive ranks shard one engine, the groups split "
+        "the prompts data-parallel); must divide the world size; the HF rollout needs 1")
     enforce_eager: bool = _h("vLLM: no CUDA graphs")
     free_cache_engine: bool = _h("vLLM on GPUs: release the KV cache (sleep) between rollouts")
     max_num_batched_tokens: int = _h("vLLM: tokens per scheduler step")
@@ -998,10 +999,12 @@ def validate(cfg: Config) -> None:
         "`trainer.resume_mode=resume_path` needs `trainer.resume_from_path=<checkpoint dir>`",
     )
     tp = rollout.tensor_model_parallel_size
+    _require(tp >= 1, f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` must be at least 1")
     _require(
-        rollout.name != "vllm" or tp == 1,
-        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}`: each rank runs its own "
-        "in-process vLLM engine, so tensor-parallel rollout is not supported yet; set it to 1",
+        rollout.name != "vllm" or world % tp == 0,
+        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` must divide the {world} "
+        "ranks (`trainer.nnodes` x `trainer.n_gpus_per_node`): each group of that many ranks runs "
+        "one vLLM engine (verl's rollout mesh, dp x tp). Fix: pick a divisor of the world size",
     )
     _require(
         rollout.name != "hf" or tp == 1,

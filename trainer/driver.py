@@ -137,6 +137,8 @@ class PPODriver:
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps)
         self.world = self.actor_group.world_size
+        rollout = cfg.actor_rollout_ref.rollout
+        self.rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         print(f"trainer: {self.world} rank(s) on {hosts} node(s) in {where}, ready in "
@@ -183,14 +185,15 @@ class PPODriver:
     def generate(self, examples: list[Example], validate: bool = False) -> StepBatch:
         """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part."""
         ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
-        parts = split_rows(len(examples), self.world)
+        tp = self.rollout_tp  # the ranks of one engine get the same prompts and seed
+        parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
         salt = 2000 if validate else 1000
         args = [(ids[p], mask[p], self._sampling(validate),
-                 step_seed(self.cfg.trainer.seed, self.global_step, salt + rank)) for rank, p in enumerate(parts)]
+                 step_seed(self.cfg.trainer.seed, self.global_step, salt + rank // tp)) for rank, p in enumerate(parts)]
         results = self.actor_group.run_each("generate", args)
         outs: list[RolloutBatch] = []
-        for part, (out, _info) in zip(parts, results, strict=True):
-            if out is not None:
+        for rank, (part, (out, _info)) in enumerate(zip(parts, results, strict=True)):
+            if out is not None and rank % tp == 0:  # one answer per engine
                 out.prompt_index = out.prompt_index + part[0]
                 outs.append(out)
         if not validate:

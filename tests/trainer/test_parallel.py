@@ -164,5 +164,11 @@ def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:
     assert use_ray(load_config(["trainer.nnodes=2"]))
     assert use_ray(load_config(["trainer.distributed=true"]))
     assert not use_ray(load_config(["trainer.nnodes=2", "trainer.distributed=false"]))
-    with pytest.raises(ConfigError, match="tensor-parallel rollout is not supported yet"):
+    with pytest.raises(ConfigError, match="must divide the 1 ranks"):  # one rank cannot hold a TP=2 engine
         load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="must divide the 6 ranks"):
+        load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=48", "data.train_batch_size=96",
+                     "trainer.nnodes=3", "trainer.n_gpus_per_node=2"])
+    assert load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                        "trainer.nnodes=2", "trainer.n_gpus_per_node=2"]).actor_rollout_ref.rollout.tensor_model_parallel_size == 2

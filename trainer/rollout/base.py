@@ -128,7 +128,13 @@ class RolloutBatch:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout backend (HF ``generate``, vLLM)."""
+    """What the trainer needs from a rollout backend (HF ``generate``, vLLM in-process; a
+    server-mode backend fed over IPC/HTTP fits the same calls: `generate` sends the prompts and
+    waits, `sync_weights` streams the buckets to the servers)."""
+
+    collective: bool
+    """Several ranks form one engine (tensor-parallel vLLM): every rank of the group calls
+    :meth:`generate` each time, with its prompts or none."""
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams

@@ -51,6 +51,9 @@ class HFRolloutEngine:
     that lives on an accelerator to the CPU and :meth:`wake_up` moves it back.
     """
 
+    collective = False
+    """Each rank generates alone (see :class:`~trainer.rollout.base.RolloutEngine`)."""
+
     def __init__(
         self,
         model: PreTrainedModel,

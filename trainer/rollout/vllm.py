@@ -1,4 +1,7 @@
-"""Rollout with vLLM, in-process (one engine per worker rank), behind :class:`RolloutEngine`.
+"""Rollout with vLLM, in-process, behind :class:`RolloutEngine`: one engine per worker rank, or
+with `rollout.tensor_model_parallel_size=k` one engine per k consecutive ranks, each rank holding
+its tensor-parallel shard (vLLM's `external_launcher` mode inside the trainer's process group,
+see :func:`external_launcher_args`); the driver gives the ranks of one engine the same prompts.
 
 The engine is built once from the model directory; before every rollout the trainer streams the
 actor's current weights with :meth:`VLLMRolloutEngine.sync_weights`, one bucket at a time (HF
@@ -87,6 +90,30 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def external_launcher_args(tp: int) -> dict[str, Any]:
+    """vLLM's `external_launcher` mode for a tensor-parallel engine: within the trainer's
+    torch.distributed group, every `tp` consecutive ranks form one engine (vLLM's TP sub-group)
+    and the engines split the prompts data-parallel (verl's rollout mesh, dp x tp). vLLM builds
+    its sub-groups in the existing group and reads its place from `RANK`/`LOCAL_RANK`. Every
+    rank of the group must then call :meth:`VLLMRolloutEngine.generate` each time, with its
+    prompts or none, and the ranks of one engine with the same prompts and seeds."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() % tp:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        raise ValueError(
+            f"a tensor-parallel vLLM engine of {tp} ranks needs a process group whose size it "
+            f"divides; this process is in a group of {world}. Fix: set "
+            "`actor_rollout_ref.rollout.tensor_model_parallel_size` to a divisor of the world size")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    os.environ.setdefault("LOCAL_RANK", "0")  # a worker sees its own device(s) only
+    args: dict[str, Any] = {"distributed_executor_backend": "external_launcher"}
+    if world // tp > 1:
+        args["data_parallel_size"] = world // tp
+    return args
+
+
 class VLLMRolloutEngine:
     """A vLLM ``LLM`` in this process, kept in step with the actor by :meth:`sync_weights`."""
 
@@ -108,6 +135,8 @@ class VLLMRolloutEngine:
                 "`actor_rollout_ref.rollout.name=hf`") from None
 
         directory, gguf_file = resolve_model_path(model_path)
+        self.collective = tensor_parallel_size > 1
+        parallel = external_launcher_args(tensor_parallel_size) if self.collective else {}
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = list(eos_token_ids)
         self.gpu = torch.cuda.is_available()
@@ -120,7 +149,7 @@ class VLLMRolloutEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
             enable_prefix_caching=True, enable_sleep_mode=self.gpu and free_cache_engine,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, **parallel)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, seed: int = 0) -> VLLMRolloutEngine:

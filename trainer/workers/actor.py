@@ -69,7 +69,9 @@ class ActorRolloutRefWorker(Worker):
         arr = self.cfg.actor_rollout_ref
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if arr.rollout.name == "vllm":
-            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, seed=self.cfg.trainer.seed + self.rank), False
+            tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer,
+                                                 seed=self.cfg.trainer.seed + self.rank // tp), False
         assert self.ctx is not None
         if not self.ctx.fsdp:
             return HFRolloutEngine(self.model, pad, eos), True
@@ -97,7 +99,7 @@ class ActorRolloutRefWorker(Worker):
                  seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
         last sync."""
-        if prompt_ids.shape[0] == 0:
+        if prompt_ids.shape[0] == 0 and not self.rollout.collective:
             self.rollout.sleep()  # awake since the weight sync
             return None, {"gen": 0.0, "gen_tokens": 0.0}
         start = time.perf_counter()
@@ -107,6 +109,8 @@ class ActorRolloutRefWorker(Worker):
             out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
         finally:
             self.rollout.sleep()
+        if out.response_ids.shape[0] == 0:  # a rank of a collective engine with no prompts
+            return None, {"gen": time.perf_counter() - start, "gen_tokens": 0.0}
         out = RolloutBatch(*(t.cpu() for t in (out.prompt_ids, out.prompt_mask, out.response_ids,
                                               out.response_mask, out.log_probs, out.prompt_index)),
                            entropy=None if out.entropy is None else out.entropy.cpu())
