@@ -58,7 +58,7 @@ lab-packages: $(STAMP)
 test: lab-packages vllm-venv
 	@status=0; \
 	$(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
-	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py $(PYTEST_ARGS) \
+	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	exit $$status
 

@@ -1,0 +1,84 @@
+"""The seeds' flagship job on the Slurm lab: the `main_ppo` line of the AMD Slurm script (verl's
+multinode guide: PPO with a critic, vLLM rollout with `tensor_model_parallel_size=2`) runs
+unchanged but for the substitutions in `LAB` below (the model and data paths, and sizes scaled to
+two 2-CPU lab nodes), through `hpcrl submit` on 2 nodes, to its checkpoint.
+
+It runs in the vLLM virtualenv (`make test`'s second stage): the lab's jobs use the Python that
+runs this test, and vLLM lives in `.venv-vllm`. The two ranks (one per node) form one vLLM engine
+(TP=2 over gloo across the nodes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_hpcrl
+from tests.lab.test_agent import finished, run_logs
+from tests.trainer.rollout.vllm_support import require_vllm
+from tests.trainer.test_config import seed_command_lines
+from trainer.checkpoint import full_state as ckpt
+from trainer.metrics import read_jsonl
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.vllm]
+
+AMD_SLURM_LINE = 5  # the sixth block of tests/data/verl_seed_overrides.txt
+
+#: Every change made to the seed line, in one place: paths to what exists here, sizes for two
+#: 2-CPU nodes with a tiny model. Nothing else of the line is touched.
+LAB = {
+    "data.train_files": "{data}/train.parquet",
+    "data.val_files": "{data}/test.parquet",
+    "actor_rollout_ref.model.path": "{model}",
+    "critic.model.path": "{model}",
+    "data.train_batch_size": "4",
+    "data.max_prompt_length": "16",
+    "data.max_response_length": "8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "2",
+    "critic.ppo_micro_batch_size_per_gpu": "2",
+    "trainer.n_gpus_per_node": "1",
+    "trainer.nnodes": "2",
+    "trainer.total_epochs": "1",
+}
+
+
+def lab_line(data: Path, model: Path, out: Path) -> list[str]:
+    words = seed_command_lines()[AMD_SLURM_LINE]
+    keys = [w.split("=", 1)[0] for w in words]
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" in words
+    assert set(LAB) <= set(keys), set(LAB) - set(keys)  # only substitutions, no additions
+    line = [f"{k}={LAB[k].format(data=data, model=model)}" if k in LAB else w for k, w in zip(keys, words, strict=True)]
+    # where the run writes (hpcrl's run directory holds both by default; named here for the test)
+    return [*line, f"trainer.default_local_dir={out}", f"trainer.run_dir={out}"]
+
+
+def test_the_amd_slurm_seed_line_runs_on_two_nodes_with_tp2_vllm(lab, tmp_path: Path) -> None:
+    require_vllm()
+    from trainer.rewards.toy import write_toy_digits
+    from trainer.tiny import save_tiny
+
+    shared, sites = tmp_path / "shared", tmp_path / "sites"
+    model, data, out = save_tiny(shared / "model", seed=0), shared / "data", shared / "ppo"
+    write_toy_digits(data, train_size=8, val_size=4, seed=0)
+    sites.mkdir()
+    (sites / "lab-seed.yaml").write_text(
+        f"extends: slurmlab\nrun_root: {shared / 'runs'}\nslurm:\n  time: '00:15:00'\n"
+        "container:\n  runtime: none\n")
+    run_dir = shared / "runs" / "seed"
+    proc = run_hpcrl(["submit", "--site", "lab-seed", "--via", "sbatch", "--run-dir", str(run_dir),
+                      "--nodes", "2", "--", *lab_line(data, model, out)],
+                     {**lab.env, "HPCRL_SITE_PATH": str(sites)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = int(proc.stdout.split("job id: ")[1].split()[0])
+    rec = finished(lab, job, run_dir, timeout=900)
+    payload = "\n".join(p.read_text(errors="replace") for p in run_dir.rglob("payload.log"))
+    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir), payload[-4000:])
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]  # 8 prompts, batches of 4, one epoch
+    for r in rows:  # one TP=2 engine across the two nodes: both ranks answered every prompt
+        assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 4, r
+        assert "critic/vf_loss" in r, r
+    assert ckpt.find_latest_checkpoint(out) == out / "global_step_2"
