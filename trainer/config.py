@@ -341,8 +341,10 @@ NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.lora_rank": "LoRA",
     "actor_rollout_ref.model.lora_alpha": "LoRA",
     "actor_rollout_ref.model.target_modules": "LoRA",
-    "actor_rollout_ref.model.use_liger": "",
-    "actor_rollout_ref.model.use_fused_kernels": "",
+    "actor_rollout_ref.model.use_liger": ("Liger fused kernels; the log-probs here come from the "
+                                          "model's logits, which cost memory but give the same values"),
+    "actor_rollout_ref.model.use_fused_kernels": ("verl's fused linear + log-prob kernel; the "
+                                                  "log-probs here come from the model's logits"),
     "actor_rollout_ref.model.custom_chat_template": "",
     "actor_rollout_ref.actor.ppo_micro_batch_size": (
         "deprecated in verl; use `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"
@@ -420,6 +422,8 @@ COMPAT: dict[str, str] = {
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "trainer.default_hdfs_dir": None,
     "actor_rollout_ref.model.lora_rank": 0,
+    "actor_rollout_ref.model.use_liger": False,
+    "actor_rollout_ref.model.use_fused_kernels": False,
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
     "critic.ulysses_sequence_parallel_size": 1,
@@ -626,10 +630,11 @@ def _check_accepted_only_as(key: str, text: str) -> bool:
         value = text
     if value == allowed:
         return True
-    shown = "null" if allowed is None else str(allowed)
+    shown = "null" if allowed is None else str(allowed).lower() if isinstance(allowed, bool) else str(allowed)
+    why = NOT_SUPPORTED.get(key)
     raise ConfigError(
-        f"`{key}={text}` is not supported yet: only `{key}={shown}` is accepted; "
-        f"remove the override"
+        f"`{key}={text}` is not supported yet{f' ({why})' if why else ''}: only `{key}={shown}` "
+        "is accepted; remove the override"
     )
 
 

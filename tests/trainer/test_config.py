@@ -302,3 +302,10 @@ def test_settings_that_would_do_nothing_are_refused() -> None:
     with pytest.raises(ConfigError, match="one limit applies to both"):
         load_config(["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"])
     assert load_config(["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"]).trainer.max_critic_ckpt_to_keep == 2
+
+
+def test_fused_kernel_keys_accept_off_and_refuse_on_naming_the_kernel() -> None:
+    load_config(["actor_rollout_ref.model.use_liger=False", "actor_rollout_ref.model.use_fused_kernels=false"])
+    for key, kernel in (("use_liger", "Liger fused kernels"), ("use_fused_kernels", "fused linear \\+ log-prob")):
+        with pytest.raises(ConfigError, match=kernel):
+            load_config([f"actor_rollout_ref.model.{key}=True"])
