@@ -661,6 +661,11 @@ def profile_from_dict(data: Mapping[str, Any]) -> SiteProfile:
     return typing.cast(SiteProfile, profile)
 
 
+def container_from_dict(data: Mapping[str, Any]) -> ContainerConfig:
+    """The `container` section of a resolved profile (:func:`profile_to_dict` output) alone."""
+    return typing.cast(ContainerConfig, _build(ContainerConfig, data, {"": "<job.json>"}, "container"))
+
+
 def replace_slurm(p: SiteProfile, **changes: Any) -> SiteProfile:
     """`p` with some Slurm settings changed (command-line overrides)."""
     changes = {k: v for k, v in changes.items() if v is not None}

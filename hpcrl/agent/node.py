@@ -21,7 +21,7 @@ from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
 from hpcrl.allocation import DEVICE_VARS
 from hpcrl.containers import container_command
-from hpcrl.profiles import profile_from_dict
+from hpcrl.profiles import container_from_dict, profile_from_dict
 from hpcrl.rundir import RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext
 
@@ -90,7 +90,7 @@ def check_image(job: AgentJob, hostname: str, run: Callable[[Sequence[str]], int
     job's container image (rather than when Ray never joins, minutes later)."""
     if job.runtime == "none":
         return
-    container = profile_from_dict(job.profile).container
+    container = container_from_dict(job.profile.get("container") or {})
     problem = runtimes.get(job.runtime).image_problem(container, run)
     if problem is not None:
         raise AgentError(f"node {hostname}: {problem}")
