@@ -19,6 +19,7 @@ from tests.trainer.rollout.vllm_support import require_vllm
 from tests.trainer.test_config import seed_command_lines
 from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
+from trainer.rollout.vllm import remove_cpu_shm
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.vllm]
 
@@ -82,3 +83,4 @@ def test_the_amd_slurm_seed_line_runs_on_two_nodes_with_tp2_vllm(lab, tmp_path: 
         assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 4, r
         assert "critic/vf_loss" in r, r
     assert ckpt.find_latest_checkpoint(out) == out / "global_step_2"
+    remove_cpu_shm()  # the job's engines ended with their processes, without closing

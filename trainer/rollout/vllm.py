@@ -30,7 +30,6 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,17 +108,27 @@ def external_launcher_args(tp: int) -> dict[str, Any]:
             f"divides; this process is in a group of {world}. Fix: set "
             "`actor_rollout_ref.rollout.tensor_model_parallel_size` to a divisor of the world size")
     world, rank = dist.get_world_size(), dist.get_rank()
-    # vLLM's CPU backend names its shared-memory segments after VLLM_DIST_IDENT: one name per
-    # engine (agreed over the group), so that engines on one machine never meet there
-    ident = [f"hpcrl-{os.getpid()}-{time.time_ns()}" if rank == 0 else ""]
-    dist.broadcast_object_list(ident, src=0)
-    os.environ["VLLM_DIST_IDENT"] = str(ident[0])
+    if not torch.cuda.is_available():
+        if rank == 0:
+            remove_cpu_shm()  # an engine killed without closing (a Ray actor) leaves its segments
+        dist.barrier()
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     os.environ.setdefault("LOCAL_RANK", "0")  # a worker sees its own device(s) only
     args: dict[str, Any] = {"distributed_executor_backend": "external_launcher"}
     if world // tp > 1:
         args["data_parallel_size"] = world // tp
     return args
+
+
+def remove_cpu_shm() -> None:
+    """Remove the shared-memory segments of vLLM's CPU tensor-parallel communicator. In
+    `external_launcher` mode their names depend only on the group's ranks (vLLM derives the
+    prefix from `env://`), so a segment left by an engine that was killed makes the next engine
+    of the same shape fail (`create shm in SHMManager failed. errno: 17`). On the CPU one trainer
+    uses a machine's tensor-parallel engines at a time (GPUs use NCCL, never these)."""
+    for segment in Path("/dev/shm").glob("*cpushm_*"):
+        if segment.name.startswith(("-tp:", "-pp:")):
+            segment.unlink(missing_ok=True)
 
 
 class VLLMRolloutEngine:
@@ -198,9 +207,8 @@ class VLLMRolloutEngine:
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if self.collective:  # the CPU backend's shared memory outlives the engine otherwise
-            for segment in Path("/dev/shm").glob(f"{os.environ.get('VLLM_DIST_IDENT', '?')}-*cpushm*"):
-                segment.unlink(missing_ok=True)
+        if self.collective and not self.gpu:  # the CPU backend's shared memory outlives it otherwise
+            remove_cpu_shm()
 
     def sleep(self) -> None:
         """Release the KV cache (and offload the weights) between rollouts when

@@ -23,6 +23,9 @@ def finalize_engines():
     in the middle of another test's engine's life."""
     yield
     gc.collect()
+    from trainer.rollout.vllm import remove_cpu_shm
+
+    remove_cpu_shm()  # a tensor-parallel engine in a Ray actor ends without closing
 
 
 @pytest.fixture
