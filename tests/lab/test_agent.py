@@ -150,7 +150,8 @@ def test_ipv6_only_lab(lab_manager, sites, tmp_path):
 
 def test_two_jobs_share_the_nodes(lab, sites, tmp_path):
     runs = [tmp_path / "runs" / f"pair{i}" for i in (1, 2)]
-    jobs = [submit(lab, sites, "lab-small", r, env={"PROBE_SLEEP": "5"}) for r in runs]
+    jobs = [submit(lab, sites, "lab-small", r, payload=["/usr/bin/env", "PROBE_SLEEP=5", sys.executable, str(PROBE)])
+            for r in runs]
     for job in jobs:
         lab.wait_state(job, {"RUNNING", "COMPLETED"}, timeout=30)
     assert all(lab.state(j) in ("RUNNING", "COMPLETED") for j in jobs), "both jobs must run at once"
@@ -165,7 +166,10 @@ def test_two_jobs_share_the_nodes(lab, sites, tmp_path):
 
 def test_killed_worker_ends_the_job_fast_and_cleanly(lab, sites, tmp_path):
     run_dir = tmp_path / "runs" / "kill"
-    job = submit(lab, sites, "lab-bare", run_dir, env={"PROBE_SLEEP": "300"})
+    # the payload sleeps after writing probe.json, so that only the killed worker can end the job
+    # (a submit-time variable would not reach it: the job gets the profile's env and secrets)
+    job = submit(lab, sites, "lab-bare", run_dir,
+                 payload=["/usr/bin/env", "PROBE_SLEEP=300", sys.executable, str(PROBE)])
     deadline = time.monotonic() + 120
     while not (run_dir / "probe.json").exists():
         assert time.monotonic() < deadline, run_logs(run_dir)
@@ -246,6 +250,7 @@ import socket, sys, time
 socks = []
 for port in map(int, sys.argv[1:]):
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past an earlier job's TIME_WAIT
     s.bind(("0.0.0.0", port))
     s.listen()
     socks.append(s)
@@ -266,9 +271,11 @@ def test_taken_port_blocks_move_the_job_or_fail_it_naming_the_holder(lab, sites,
                f"container:\n  runtime: none\nray:\n  port_base: {base}\n")
     held = [base + i * size for i in range(free_blocks, blocks)]  # each block's GCS port
     holder = subprocess.Popen(["nsenter", f"--net=/run/netns/{NETNS_PREFIX}node1", sys.executable, "-c",
-                               HOLD_PORTS, *map(str, held)], stdout=subprocess.PIPE, text=True)
+                               HOLD_PORTS, *map(str, held)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        assert holder.stdout is not None and holder.stderr is not None
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
         run_dir = tmp_path / "runs" / "ports"
         t0 = time.monotonic()
         job = submit(lab, sites, "lab-ports", run_dir)
