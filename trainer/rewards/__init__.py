@@ -99,6 +99,11 @@ def score_batch(
         raise RewardError(
             f"`reward_model.reward_manager=batch`: the reward function returned {got} for "
             f"{len(responses)} responses; return a list with one float (or dict with `score`) each")
+    return _collect(data_sources, results)
+
+
+def _collect(data_sources: Sequence[str], results: Sequence[Any]) -> tuple[list[float], dict[str, list[float]]]:
+    """The scores of the reward function's `results` (one per response) and their extra values."""
     scores: list[float] = []
     extras: dict[str, list[float]] = {}
     for source, result in zip(data_sources, results, strict=True):
@@ -125,11 +130,6 @@ def score_responses(
     extra_infos: Sequence[dict[str, Any] | None],
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Score each decoded response; return the scores and any extra per-sample values."""
-    scores: list[float] = []
-    extras: dict[str, list[float]] = {}
-    for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos, strict=True):
-        score, more = _as_score(fn(source, text, truth, info), source)
-        scores.append(score)
-        for key, value in more.items():
-            extras.setdefault(key, []).append(value)
-    return scores, extras
+    results = [fn(source, text, truth, info)
+               for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos, strict=True)]
+    return _collect(data_sources, results)
