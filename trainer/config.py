@@ -746,24 +746,23 @@ def _quoted(text: str) -> bool:
     return len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
 
 
-def _default_of(parts: list[str]) -> Any:
-    node: Any = load_defaults()
-    for part in parts:
-        node = node[part]
-    return node
-
-
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of the nested dict `tree` with the overrides applied in order (the last one
     of a key wins, as in Hydra). `+key`/`++key` set the key like `key=value` (verl scripts add
     with `+` the keys verl's own yaml lacks; here every key has a default); `~key` restores the
     default. Interpolations (`${a.b}`, `${oc.env:NAME}`) are resolved by OmegaConf against the
     config after every override, then typed like any value."""
+    return _apply(tree, overrides)[0]
+
+
+def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """:func:`apply_overrides`, and the keys the overrides set, in order."""
     import copy
 
-    tree = copy.deepcopy(tree)
+    tree = copy.deepcopy(defaults)
     parser = _hydra_parser() if overrides else None
     deferred: list[tuple[Override, list[str], Any]] = []
+    keys: list[str] = []
     for item in overrides:
         o = parse_override(item, parser)
         if o.op == "delete" and _not_supported(o.key) is not None:
@@ -777,6 +776,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if refused is not None:
             raise ConfigError(refused)
         parts, tp = _resolve_key(o.key)
+        keys.append(o.key)
         node = tree
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -785,7 +785,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if o.text is not None and node.get(parts[-1]) != _override_value(o, tp):
                 raise ConfigError(f"`{item}` deletes `{o.key}` only while it equals the given "
                                   f"value, but it is {node.get(parts[-1])!r}; write `~{o.key}`")
-            node[parts[-1]] = copy.deepcopy(_default_of(parts))
+            node[parts[-1]] = copy.deepcopy(_lookup(defaults, o.key)[1])
         elif o.interpolated:
             node[parts[-1]] = o.value
             deferred.append((o, parts, tp))
@@ -793,7 +793,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node[parts[-1]] = _override_value(o, tp)
     if deferred:
         _resolve_interpolations(tree, deferred)
-    return tree
+    return tree, keys
 
 
 def is_override(arg: str) -> bool:
@@ -806,16 +806,8 @@ def override_values(args: Sequence[str]) -> dict[str, Any]:
     interpolations resolved, `~key` back to its default): how the launcher reads a payload's
     overrides (submit's checks, the run directory's paths), by the trainer's own rules. Keys
     this trainer does not have are left out. Raises ConfigError as the trainer would."""
-    items = [a for a in args if is_override(a)]
-    tree = apply_overrides(load_defaults(), items)
-    parser = _hydra_parser() if items else None
-    out: dict[str, Any] = {}
-    for item in items:
-        key = parse_override(item, parser).key
-        found, value = _lookup(tree, key)
-        if found:
-            out[key] = value
-    return out
+    tree, keys = _apply(load_defaults(), [a for a in args if is_override(a)])
+    return {key: _lookup(tree, key)[1] for key in keys}
 
 
 def _lookup(tree: dict[str, Any], key: str) -> tuple[bool, Any]:
