@@ -135,9 +135,8 @@ def test_grpo_with_vllm_rollout_learns_like_hf(tiny_model_dir: Path, tmp_path: P
     assert abs(end - learned["hf"][1]) < 0.3, learned
 
 
-@pytest.mark.slow
-def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    """Each rank's in-process engine gets the actor's weights before every rollout."""
+def two_rank_vllm_run(tiny_model_dir: Path, tmp_path: Path, monkeypatch, *extra: str) -> tuple:
+    """Two Ray ranks, GRPO with vLLM rollout on the toy task for 2 steps: the config and metrics."""
     require_vllm()
     pytest.importorskip("ray", reason="the distributed trainer needs Ray")
     from tests.trainer.test_distributed import no_ray_address, overrides
@@ -151,9 +150,15 @@ def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tm
     run = tmp_path / "run"
     cfg = load_config(overrides(tiny_model_dir, tmp_path / "data", run, "algorithm.adv_estimator=grpo",
                                 "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
-                                "actor_rollout_ref.rollout.name=vllm"))
+                                "actor_rollout_ref.rollout.name=vllm", *extra))
     assert run_training(cfg) == 0
-    rows = read_jsonl(run / "metrics.jsonl")
+    return cfg, read_jsonl(run / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Each rank's in-process engine gets the actor's weights before every rollout."""
+    _, rows = two_rank_vllm_run(tiny_model_dir, tmp_path, monkeypatch)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for rank in (0, 1):
@@ -224,23 +229,8 @@ def test_tensor_parallel_engine_equals_one_rank_and_follows_a_weight_sync(tiny_m
 @pytest.mark.slow
 def test_tensor_parallel_rollout_in_a_two_rank_run(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """The driver gives both ranks of one TP=2 engine the same prompts and keeps one answer."""
-    require_vllm()
-    pytest.importorskip("ray", reason="the distributed trainer needs Ray")
-    from tests.trainer.test_distributed import no_ray_address, overrides
-    from trainer.config import load_config
-    from trainer.driver import run_training
-    from trainer.metrics import read_jsonl
-    from trainer.rewards.toy import write_toy_digits
-
-    no_ray_address(monkeypatch)
-    write_toy_digits(tmp_path / "data", train_size=64, val_size=8, seed=0)
-    run = tmp_path / "run"
-    cfg = load_config(overrides(tiny_model_dir, tmp_path / "data", run, "algorithm.adv_estimator=grpo",
-                                "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2",
-                                "actor_rollout_ref.rollout.name=vllm",
-                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
-    assert run_training(cfg) == 0
-    rows = read_jsonl(run / "metrics.jsonl")
+    cfg, rows = two_rank_vllm_run(tiny_model_dir, tmp_path, monkeypatch,
+                                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     assert [r["step"] for r in rows] == [1, 2]
     batch = cfg.data.train_batch_size
     for r in rows:  # one engine: both ranks answered every prompt, once each in the batch
