@@ -33,6 +33,7 @@ from hpcrl.agent.node import (
     open_log,
     state_writer,
 )
+from hpcrl.agent.ports import PortClaims
 from hpcrl.agent.procs import Child
 from hpcrl.agent.stop import SignalInbox
 from hpcrl.agent.teardown import Teardown
@@ -61,6 +62,8 @@ class Agent:
         self.addresses = addresses
         self.ctx = context or job_context(self.env)
         self.paths = RunPaths(self.run_dir, self.ctx.restart)
+        self.claims = PortClaims()
+        """Port blocks claimed on this node; held until Ray is torn down."""
 
     def run(self) -> int:
         try:
@@ -91,6 +94,7 @@ class Agent:
                 pass
         finally:
             Teardown(self.paths, self.ctx, log, heartbeat, children, job).run(outcome)
+            self.claims.release()
             inbox.restore()
         return outcome.exit_code
 
@@ -104,7 +108,7 @@ class Agent:
                 node.ctx.num_nodes,
                 node.ctx.num_nodes,
             )
-        launcher = Launcher(node, heartbeat, self.addresses)
+        launcher = Launcher(node, heartbeat, self.addresses, self.claims)
         if node.ctx.is_head:
             return Head(node, heartbeat, inbox, launcher).run()
         ray = launcher.worker(keep_waiting=lambda: early_stop_reason(node.paths, inbox))

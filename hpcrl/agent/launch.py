@@ -20,13 +20,20 @@ from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.node import AgentError, Heartbeat, Node
 from hpcrl.agent.ports import (
     PortBlock,
+    PortClaims,
     PortError,
     block_at,
     find_free_block,
     first_index,
     port_is_free,
 )
-from hpcrl.agent.procs import Child, port_holders, processes_mentioning
+from hpcrl.agent.procs import (
+    Child,
+    port_closing,
+    port_holders,
+    processes_mentioning,
+    unix_name_holders,
+)
 from hpcrl.allocation import Allocation, AllocationError, CgroupFiles, node_allocation
 from hpcrl.netaddr import (
     NetworkPolicy,
@@ -44,13 +51,20 @@ WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"
 
 
-def taken_port(block: PortBlock) -> str:
-    """`port P is held by pid N (command)` for the first port of `block` in use here."""
+def taken_port(block: PortBlock, claims: PortClaims) -> str:
+    """Why `block` cannot be used here: the agent that claimed it, or `port P is held by pid N
+    (command)` for its first port in use."""
+    holders = unix_name_holders(f"{claims.prefix}{block.gcs}")
+    if holders:
+        return f"claimed by another hpcrl agent on this node: {', '.join(holders)}"
     for port in block.all_ports():
         if not port_is_free(port):
             holders = port_holders(port)
-            return (f"port {port} is held by {', '.join(holders)}" if holders else
-                    f"port {port} is in use (its process is not visible here: another user's)")
+            if holders:
+                return f"port {port} is held by {', '.join(holders)}"
+            if port_closing(port):
+                return f"port {port} has connections of a stopped process closing (TIME_WAIT)"
+            return f"port {port} is in use (its process is not visible here: another user's)"
     return "its ports were freed since"
 
 
@@ -107,6 +121,8 @@ class Launcher:
     node: Node
     heartbeat: Heartbeat
     addresses: Callable[[], list[NodeAddress]]
+    claims: PortClaims
+    """The port blocks this agent holds on its node (released by the agent when it exits)."""
     cgroup: CgroupFiles = field(default_factory=CgroupFiles)
     """Where the allocation reads the cgroup, /proc/meminfo and /dev/shm (a fake tree in tests)."""
 
@@ -117,12 +133,14 @@ class Launcher:
         start = first_index(ctx.job_id, ctx.restart, job.ports)
         first = block_at(job.ports, start)
         try:
-            ports = find_free_block(job.ports, start)
+            ports = find_free_block(job.ports, start, claims=self.claims)
         except PortError as exc:
-            raise PortError(f"{exc}; in the first block tried, {taken_port(first)}") from None
+            why = taken_port(first, self.claims)
+            raise PortError(f"{exc}; in the first block tried, {why}") from None
         if ports != first:
             node.log.info("port block %d-%d is taken here (%s); using %d-%d", first.gcs,
-                          first.max_worker_port, taken_port(first), ports.gcs, ports.max_worker_port)
+                          first.max_worker_port, taken_port(first, self.claims), ports.gcs,
+                          ports.max_worker_port)
         token = rdv.write_token(node.paths)
         gcs = format_hostport(addr.address, ports.gcs)
         self._describe(addr, ports)
@@ -173,14 +191,14 @@ class Launcher:
         head_ports = PortBlock.from_dict(info["ports"])
         ports = head_ports
         same_host = addr.address == info["address"]  # several agents on one machine
-        if same_host or not all(map(port_is_free, head_ports.node_ports())):
-            head_index = (head_ports.gcs - job.ports.base) // job.ports.block_size
-            local = find_free_block(
-                job.ports, head_index + ctx.node_rank, ports_of=PortBlock.node_ports
-            )
+        head_index = (head_ports.gcs - job.ports.base) // job.ports.block_size
+        start = head_index + (ctx.node_rank if same_host else 0)
+        local = find_free_block(job.ports, start, ports_of=PortBlock.node_ports, claims=self.claims)
+        if local != head_ports:
             ports = head_ports.with_node_ports_from(local)
             node.log.info(
-                "head's per-node ports are taken here; using %d-%d on this node",
+                "head's per-node ports are taken here (%s); using %d-%d on this node",
+                "the head runs on this machine" if same_host else taken_port(head_ports, self.claims),
                 ports.node_manager,
                 ports.max_worker_port,
             )

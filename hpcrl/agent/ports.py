@@ -5,6 +5,12 @@ The head probes its block by binding each port and moves to the next block when 
 the block it settles on is published in the rendezvous file. Per-node ports (node manager,
 object manager, agents, workers) are probed again on each worker, which may shift them on its
 own node; the head-only ports (GCS, dashboard, client server) stay the head's.
+
+A probe alone leaves a race: two jobs starting on one node at once can both find the same block
+free before either Ray binds it. So an agent first claims a block by binding an abstract Unix
+socket named for it (`PortClaims`), held until the agent exits: the claim is atomic, vanishes
+with the process, needs no file, and lives in the node's network namespace, the same one the
+ports live in.
 """
 
 from __future__ import annotations
@@ -191,17 +197,65 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+CLAIM_PREFIX = "hpcrl-port-block-"
+"""Abstract socket name of a claim, followed by the block's first port."""
+
+
+class PortClaims:
+    """The port blocks this process has claimed on its node, held until `release`.
+
+    Other agents on the node (of any job, any user) see a claimed block as taken. Where abstract
+    Unix sockets do not exist (not Linux), claiming always succeeds and the probe alone decides.
+    """
+
+    def __init__(self, prefix: str = CLAIM_PREFIX) -> None:
+        self.prefix = prefix
+        self._held: dict[int, socket.socket | None] = {}
+
+    def claim(self, block: PortBlock) -> bool:
+        """True when this process now holds `block` (or already did); False when another does."""
+        key = block.gcs
+        if key in self._held:
+            return True
+        sock = None
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(f"\0{self.prefix}{key}")
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            sock = None  # no abstract sockets here: nothing to coordinate through
+        self._held[key] = sock
+        return True
+
+    def release(self, block: PortBlock | None = None) -> None:
+        """Give back `block`, or every block held."""
+        keys = list(self._held) if block is None else [block.gcs]
+        for key in keys:
+            sock = self._held.pop(key, None)
+            if sock is not None:
+                sock.close()
+
+
 def find_free_block(
     rng: PortRange,
     start_index: int,
     ports_of: Callable[[PortBlock], Iterable[int]] = PortBlock.all_ports,
     is_free: Callable[[int], bool] = port_is_free,
+    claims: PortClaims | None = None,
 ) -> PortBlock:
-    """The first block from `start_index` on whose `ports_of(block)` are all free."""
+    """The first block from `start_index` on whose `ports_of(block)` are all free (and, with
+    `claims`, that no other agent on this node has claimed; the block returned stays claimed)."""
     for step in range(rng.blocks):
         block = block_at(rng, start_index + step)
+        if claims is not None and not claims.claim(block):
+            continue
         if all(is_free(p) for p in ports_of(block)):
             return block
+        if claims is not None:
+            claims.release(block)
     raise PortError(
         f"every one of the {rng.blocks} port blocks in {rng.base}..{rng.limit} has a port in "
         "use on this node; widen the range (`ray.port_base`) or stop stale Ray processes"

@@ -169,23 +169,50 @@ def kill_all(pids: Sequence[int]) -> None:
             pass
 
 
+def _tcp_rows(port: int, proc: Path) -> list[list[str]]:
+    """Rows of `/proc/net/tcp{,6}` whose local port is `port`."""
+    rows = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                rows.append(fields)
+    return rows
+
+
 def port_holders(port: int, proc: Path = Path("/proc")) -> list[str]:
     """`pid N (command)` of each process holding a TCP socket on `port` in this network
     namespace (from `/proc/net/tcp{,6}` and the processes' socket descriptors); empty when the
     holder is not visible here (another user's process, another namespace)."""
-    inodes: set[str] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            rows = (proc / "net" / table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
-                inodes.add(f"socket:[{fields[9]}]")
+    return _socket_holders({f"socket:[{f[9]}]" for f in _tcp_rows(port, proc) if f[9] != "0"}, proc)
+
+
+def port_closing(port: int, proc: Path = Path("/proc")) -> bool:
+    """True when `port` has connections in TIME_WAIT (owned by no process: a closed server's
+    last connections, gone within a minute)."""
+    return any(f[3] == "06" for f in _tcp_rows(port, proc))
+
+
+def unix_name_holders(name: str, proc: Path = Path("/proc")) -> list[str]:
+    """`pid N (command)` of each process bound to the abstract Unix socket `name`."""
+    try:
+        lines = (proc / "net" / "unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    inodes = {f"socket:[{f[6]}]" for f in map(str.split, lines) if len(f) > 7 and f[7] == f"@{name}"}
+    return _socket_holders(inodes, proc)
+
+
+def _socket_holders(inodes: set[str], proc: Path) -> list[str]:
     holders: list[str] = []
+    if not inodes:
+        return holders
     for pid_dir in sorted((p for p in proc.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
-        if inodes and _holds(pid_dir, inodes):
+        if _holds(pid_dir, inodes):
             try:
                 command = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             except OSError:

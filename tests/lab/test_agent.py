@@ -148,19 +148,55 @@ def test_ipv6_only_lab(lab_manager, sites, tmp_path):
     assert lab_ray_processes(lab) == []
 
 
+HOLD_PORTS = """
+import socket, sys, time
+socks = []
+for port in map(int, sys.argv[1:]):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past an earlier job's TIME_WAIT
+    s.bind(("0.0.0.0", port))
+    s.listen()
+    socks.append(s)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
 def test_two_jobs_share_the_nodes(lab, sites, tmp_path):
+    """Two jobs starting at once on the same nodes, the first one's port block taken on the head
+    node: it moves onto the second one's block, and the second must not take it too (the race
+    that made a Ray head fail to bind)."""
+    from tests.lab.cluster import NETNS_PREFIX
+
+    held = subprocess.run(["sbatch", "--parsable", "--hold", "--wrap", "true"], env=lab.env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    probe_id = int(held.stdout.strip().split(";")[0])
+    subprocess.run(["scancel", str(probe_id)], env=lab.env, check=True)
+    expected = probe_id + 1  # the first job of the pair, if nothing else submits meanwhile
+    gcs_port = PortRange().base + first_index(str(expected), 0, PortRange()) * PortRange().block_size
+    holder = subprocess.Popen(["nsenter", f"--net=/run/netns/{NETNS_PREFIX}node1", sys.executable, "-c",
+                               HOLD_PORTS, str(gcs_port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
     runs = [tmp_path / "runs" / f"pair{i}" for i in (1, 2)]
-    jobs = [submit(lab, sites, "lab-small", r, payload=["/usr/bin/env", "PROBE_SLEEP=5", sys.executable, str(PROBE)])
-            for r in runs]
-    for job in jobs:
-        lab.wait_state(job, {"RUNNING", "COMPLETED"}, timeout=30)
-    assert all(lab.state(j) in ("RUNNING", "COMPLETED") for j in jobs), "both jobs must run at once"
-    for job, run_dir in zip(jobs, runs, strict=True):
-        rec = finished(lab, job, run_dir)
-        assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
-        check_probe(lab, run_dir, "none")
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        jobs = [submit(lab, sites, "lab-small", r, payload=["/usr/bin/env", "PROBE_SLEEP=5", sys.executable, str(PROBE)])
+                for r in runs]
+        assert jobs[0] == expected, (jobs, expected)
+        for job in jobs:
+            lab.wait_state(job, {"RUNNING", "COMPLETED"}, timeout=30)
+        assert all(lab.state(j) in ("RUNNING", "COMPLETED") for j in jobs), "both jobs must run at once"
+        for job, run_dir in zip(jobs, runs, strict=True):
+            rec = finished(lab, job, run_dir)
+            assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
+            check_probe(lab, run_dir, "none")
+    finally:
+        holder.kill()
+        holder.wait()
     ports = [json.loads((r / "0" / "rendezvous.json").read_text())["ports"]["gcs"] for r in runs]
-    assert ports[0] != ports[1], ports
+    assert ports[0] != gcs_port and ports[0] != ports[1], (ports, gcs_port)
+    head_log = (runs[0] / "0" / "logs" / "agent-0-node1.log").read_text()
+    assert f"port {gcs_port} is held by pid {holder.pid} (" in head_log, head_log
     assert lab_ray_processes(lab) == []
 
 
@@ -245,18 +281,6 @@ def test_missing_image_fails_fast_naming_node_and_image(lab, lab_images, sites, 
     assert not (run_dir / "probe.json").exists()
 
 
-HOLD_PORTS = """
-import socket, sys, time
-socks = []
-for port in map(int, sys.argv[1:]):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past an earlier job's TIME_WAIT
-    s.bind(("0.0.0.0", port))
-    s.listen()
-    socks.append(s)
-print("ready", flush=True)
-time.sleep(600)
-"""
 
 
 @pytest.mark.parametrize("free_blocks", [0, 1])

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from hpcrl.agent.ports import (
     FIXED_SLOTS,
     PortBlock,
+    PortClaims,
     PortError,
     PortRange,
     block_at,
@@ -127,3 +131,73 @@ def test_worker_keeps_head_ports_and_takes_own_node_ports() -> None:
     assert merged.gcs == head.gcs and merged.ray_client_server == head.ray_client_server
     assert merged.node_manager == local.node_manager
     assert merged.min_worker_port == local.min_worker_port
+
+
+def test_a_block_claimed_by_another_agent_is_skipped_until_released() -> None:
+    """Two agents starting on one node at once: the first claims its block before Ray binds it,
+    so the second, whose probe still finds every port free, moves on."""
+    rng = PortRange(base=21000, limit=23000, block_size=64)
+    prefix = f"hpcrl-test-{os.getpid()}-"
+    first, second = PortClaims(prefix), PortClaims(prefix)
+    try:
+        a = find_free_block(rng, 4, is_free=lambda p: True, claims=first)
+        b = find_free_block(rng, 4, is_free=lambda p: True, claims=second)
+        assert (a, b) == (block_at(rng, 4), block_at(rng, 5))
+        assert find_free_block(rng, 4, is_free=lambda p: True, claims=first) == a  # already its own
+        first.release()
+        assert find_free_block(rng, 4, is_free=lambda p: True, claims=PortClaims(prefix)) == a
+    finally:
+        first.release()
+        second.release()
+
+
+def test_a_claim_with_taken_ports_is_given_back() -> None:
+    rng = PortRange(base=21000, limit=23000, block_size=64)
+    prefix = f"hpcrl-test-{os.getpid()}-"
+    claims = PortClaims(prefix)
+    busy = block_at(rng, 2).node_manager
+    chosen = find_free_block(rng, 2, is_free=lambda p: p != busy, claims=claims)
+    assert chosen == block_at(rng, 3)
+    assert PortClaims(prefix).claim(block_at(rng, 2)), "the block with a taken port stays unclaimed"
+    claims.release()
+
+
+def test_a_claim_ends_with_its_process_and_names_it_while_held() -> None:
+    from hpcrl.agent.launch import taken_port
+
+    rng = PortRange(base=21000, limit=23000, block_size=64)
+    prefix = f"hpcrl-test-{os.getpid()}-"
+    block = block_at(rng, 6)
+    code = (
+        "import sys; from hpcrl.agent.ports import PortClaims, PortBlock\n"
+        f"c = PortClaims({prefix!r}); assert c.claim(PortBlock(**{block.to_dict()!r}))\n"
+        "print('held', flush=True); sys.stdin.read()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        mine = PortClaims(prefix)
+        assert not mine.claim(block)
+        assert f"claimed by another hpcrl agent on this node: pid {holder.pid} (" in taken_port(block, mine)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert mine.claim(block), "a dead agent's claim must vanish with it"
+    mine.release()
+
+
+def test_time_wait_is_told_apart_from_a_holder() -> None:
+    from hpcrl.agent.launch import taken_port
+    from hpcrl.agent.procs import port_closing
+
+    rng = PortRange(base=21000, limit=23000, block_size=64)
+    block = find_free_block(rng, 9)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", block.gcs))
+        server.listen()
+        client = socket.create_connection(("127.0.0.1", block.gcs))
+        conn, _ = server.accept()
+        conn.close()  # the side that closes first keeps TIME_WAIT on the server's port
+        client.close()
+    assert not port_is_free(block.gcs) and port_closing(block.gcs)
+    assert "(TIME_WAIT)" in taken_port(block, PortClaims(f"hpcrl-test-{os.getpid()}-"))
