@@ -53,11 +53,19 @@ lab-packages: $(STAMP)
 	@if [ "$$(id -u)" = 0 ]; then $(PY) -m tests.lab packages; \
 	else echo "not root: skipping the lab's Debian packages (lab tests skip, or fail under CI=true)"; fi
 
-# Both stages run even when the first fails (a failure in one says nothing about the other);
-# the target fails if either did.
-test: lab-packages vllm-venv
-	@status=0; \
+# The lab's container images (about 3 minutes on a fresh machine) are built in the background
+# while .venv-vllm installs: a head start only, since the tests' fixture waits for that build
+# (a lock) and builds whatever is still missing itself. It runs with a HOME of its own, as the
+# tests do, so that nothing it starts writes to the user's home. Both pytest stages run even when the
+# first fails (a failure in one says nothing about the other); the target fails if either did.
+test: lab-packages
+	@images=; if [ "$$(id -u)" = 0 ]; then \
+		mkdir -p $(VENV)/lab-images-home; \
+		HOME=$(CURDIR)/$(VENV)/lab-images-home $(PY) -m tests.lab images > $(VENV)/lab-images.log 2>&1 & images=$$!; fi; \
+	$(MAKE) --no-print-directory vllm-venv || { status=$$?; [ -z "$$images" ] || wait $$images; exit $$status; }; \
+	status=0; \
 	$(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	[ -z "$$images" ] || wait $$images || true; \
 	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	exit $$status

@@ -147,14 +147,18 @@ def held_capabilities() -> list[str]:
 
 
 def apptainer_env() -> dict[str, str]:
-    """Apptainer keeps its cache in the lab's cache, not in the user's `~/.apptainer`."""
-    return {**os.environ, "APPTAINER_CACHEDIR": str(CACHE_DIR / "apptainer-cache")}
+    """Apptainer keeps its cache and its per-user directory (`$HOME/.apptainer`, made by any
+    command, `apptainer version` included) in the lab's cache, never in the user's home: the
+    images are also built outside pytest's private HOME (`make test` starts them early)."""
+    home = CACHE_DIR / "apptainer-home"
+    home.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "APPTAINER_CACHEDIR": str(CACHE_DIR / "apptainer-cache"), "HOME": str(home)}
 
 
 def apptainer_works() -> bool:
     if not APPTAINER_BIN.exists():
         return False
-    res = subprocess.run([APPTAINER_BIN, "version"], capture_output=True, text=True)
+    res = subprocess.run([APPTAINER_BIN, "version"], capture_output=True, text=True, env=apptainer_env())
     return res.returncode == 0 and res.stdout.startswith("1.4")
 
 
@@ -195,7 +199,8 @@ def ensure_apptainer(verbose: bool = False) -> None:
     shutil.rmtree(APPTAINER_PREFIX, ignore_errors=True)
     APPTAINER_PREFIX.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(APPTAINER_PREFIX)
-    _run(APPTAINER_BIN, "capability", "add", "--user", "root", ",".join(held_capabilities()))
+    _run(APPTAINER_BIN, "capability", "add", "--user", "root", ",".join(held_capabilities()),
+         env=apptainer_env())
     if not apptainer_works():
         raise RuntimeError(f"apptainer installed in {APPTAINER_PREFIX} but `apptainer version` fails")
 
