@@ -5,7 +5,7 @@ unbroken one did."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,8 @@ class StepBatch:
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     sequence_scores: torch.Tensor | None = None
+    reward_extras: dict[str, list[float]] = field(default_factory=dict)
+    """Per-row numbers a reward function returned beside `score` (e.g. `acc`)."""
     token_scores: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -54,11 +56,13 @@ class StepBatch:
                 picked[f.name] = value[index.to(value.device)]
             elif isinstance(value, list) and value:  # workers get tensors only (empty lists)
                 picked[f.name] = [value[i] for i in rows]
+            elif isinstance(value, dict) and value:
+                picked[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
         return replace(self, **picked)
 
     def tensors_only(self) -> StepBatch:
         """The batch without its examples and uids: what a worker receives."""
-        return replace(self, examples=[], uids=[])
+        return replace(self, examples=[], uids=[], reward_extras={})
 
     def to(self, device: torch.device) -> StepBatch:
         """Every tensor on `device`."""

@@ -276,6 +276,7 @@ class TrainerConfig:
     )
     resume_from_path: str | None = _h("checkpoint directory for `resume_mode=resume_path`")
     val_before_train: bool = _h("validate once before the first step")
+    val_only: bool = _h("validate once, log it, and exit without training (a model's baseline)")
     test_freq: int = _h("validate every N steps; -1 = never")
     critic_warmup: int = _h("steps during which only the critic is trained")
     default_local_dir: str | None = _h(
@@ -391,7 +392,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "algorithm.filter_groups": "DAPO group filtering",
     "trainer.default_hdfs_dir": "HDFS upload",
     "trainer.del_local_ckpt_after_load": "",
-    "trainer.val_only": "",
     "trainer.validation_data_dir": "",
     "trainer.rollout_data_dir": "",
     "trainer.ray_wait_register_center_timeout": "",
@@ -429,7 +429,6 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
     "critic.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.rollout.mode": "sync",
     "actor_rollout_ref.rollout.ignore_eos": False,
-    "trainer.val_only": False,
     "trainer.del_local_ckpt_after_load": False,
     "algorithm.use_pf_ppo": False,
 }
@@ -1010,6 +1009,9 @@ def validate(cfg: Config) -> None:
         "(every rank generates with the whole model, data-parallel), so the setting would do "
         "nothing; set it to 1",
     )
+    _require(not cfg.trainer.val_only or bool(data.val_files),
+             "`trainer.val_only=true` validates and exits, and needs a validation set: set "
+             "`data.val_files`")
     _require(cfg.trainer.log_val_generations >= 0,
              f"`trainer.log_val_generations={cfg.trainer.log_val_generations}` must be 0 or more")
     _require(arr.nccl_timeout > 0, f"`actor_rollout_ref.nccl_timeout={arr.nccl_timeout}` must be positive")

@@ -154,7 +154,8 @@ class PPODriver:
                                   "truncation": data.truncation}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-        needs_val = self.cfg.trainer.val_before_train or self.cfg.trainer.test_freq > 0
+        t = self.cfg.trainer
+        needs_val = t.val_before_train or t.test_freq > 0 or t.val_only
         self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
         per_epoch = self.loader.batches_per_epoch * self.cfg.trainer.total_epochs
         self.total_steps = self.cfg.trainer.total_training_steps or per_epoch
@@ -228,6 +229,7 @@ class PPODriver:
                 extras["overlong_reward"] = penalties
                 extras["overlong"] = [float(p < 0) for p in penalties]
         batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
+        batch.reward_extras = extras
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
         return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
 
@@ -399,21 +401,32 @@ class PPODriver:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Generate with `val_kwargs` (greedy by default) and report the mean score per data source."""
+        """Generate with `val_kwargs` (greedy by default) and report, per data source, the mean
+        score and the mean of every number the reward function returned beside it (e.g. `acc`),
+        each with its standard error over the validation rows (`val-aux/.../sem@n`)."""
         assert self.val_set is not None
         n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
-        by_source: dict[str, list[float]] = {}
+        by_source: dict[str, dict[str, list[float]]] = {}
         samples: list[dict[str, Any]] = []
         for examples in batches(self.val_set, self.cfg.data.val_batch_size):
             batch = self.generate(examples, validate=True)
             self.compute_rewards(batch)
             scores = need(batch.sequence_scores, "scores").tolist()
-            for ex, score in zip(batch.examples, scores, strict=True):
-                by_source.setdefault(ex.data_source, []).append(score)
+            columns = {"reward": scores, **batch.reward_extras}
+            for i, ex in enumerate(batch.examples):
+                into = by_source.setdefault(ex.data_source, {})
+                for name, values in columns.items():
+                    into.setdefault(name, []).append(values[i])
             samples += self._generations(batch, scores, self.cfg.trainer.log_val_generations - len(samples))
         if samples:
             self._log_generations(samples)
-        return {f"val-core/{src}/reward/mean@{n}": float(np.mean(v)) for src, v in by_source.items()}
+        out: dict[str, float] = {}
+        for src, columns in by_source.items():
+            for name, values in columns.items():
+                out[f"val-core/{src}/{name}/mean@{n}"] = float(np.mean(values))
+                sem = float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+                out[f"val-aux/{src}/{name}/sem@{n}"] = sem
+        return out
 
     def _generations(self, batch: StepBatch, scores: list[float], count: int) -> list[dict[str, Any]]:
         """The first `count` rows of a validation batch as text (`trainer.log_val_generations`):
@@ -596,6 +609,9 @@ class PPODriver:
         owned = not self.stop.installed  # `python -m trainer` keeps its handlers to the end
         self.stop.install()
         try:
+            if t.val_only:
+                logger.log(self.global_step, self.validate())
+                return 0
             if self.val_set is not None and t.val_before_train and not resumed:
                 logger.log(self.global_step, self.validate())
             return self._loop(logger)

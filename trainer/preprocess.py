@@ -5,7 +5,8 @@ release (`train.jsonl`/`test.jsonl` with `question` and `answer`, or the Hugging
 with the same columns) or as verl parquet, and writes `DIR/train.parquet` and
 `DIR/test.parquet` with the columns verl's own `gsm8k.py` writes.
 `python -m trainer.preprocess toy_digits --output DIR` writes the toy task (see
-`trainer.rewards.toy`).
+`trainer.rewards.toy`), `... arith --output DIR` the arithmetic word problems
+(`trainer.rewards.arith`), both generated from `--seed`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import write_rows
+from trainer.rewards.arith import write_arith
+from trainer.rewards.gsm8k import INSTRUCTION
 from trainer.rewards.toy import write_toy_digits
 
 GSM8K_SOURCE = "openai/gsm8k"
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SPLITS = ("train", "test")
 
 
@@ -42,7 +44,7 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[str, A
     """One verl row, exactly as verl's `examples/data_preprocess/gsm8k.py` builds it."""
     return {
         "data_source": GSM8K_SOURCE,
-        "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+        "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": gsm8k_final_answer(answer)},
         "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
@@ -110,18 +112,19 @@ def preprocess_gsm8k(input_path: Path, output_dir: Path) -> dict[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.preprocess", description=__doc__.splitlines()[0])
-    parser.add_argument("dataset", choices=["gsm8k", "toy_digits"], help="which dataset to build")
+    parser.add_argument("dataset", choices=["gsm8k", "toy_digits", "arith"], help="which dataset to build")
     parser.add_argument("--input", type=Path, help="gsm8k: local copy, a directory or one file")
     parser.add_argument("--output", required=True, type=Path, help="directory for <split>.parquet")
-    parser.add_argument("--train-size", type=int, default=256, help="toy_digits: training rows")
-    parser.add_argument("--val-size", type=int, default=64, help="toy_digits: validation rows")
-    parser.add_argument("--seed", type=int, default=0, help="toy_digits: generator seed")
+    parser.add_argument("--train-size", type=int, default=256, help="toy_digits, arith: training rows")
+    parser.add_argument("--val-size", type=int, default=64, help="toy_digits, arith: validation rows")
+    parser.add_argument("--seed", type=int, default=0, help="toy_digits, arith: generator seed")
     args = parser.parse_args(argv)
     if args.dataset == "gsm8k" and args.input is None:
         parser.error("gsm8k needs `--input DIR_OR_FILE` (a local GSM8K copy)")
     try:
-        if args.dataset == "toy_digits":
-            write_toy_digits(args.output, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
+        if args.dataset in ("toy_digits", "arith"):
+            write = write_toy_digits if args.dataset == "toy_digits" else write_arith
+            write(args.output, train_size=args.train_size, val_size=args.val_size, seed=args.seed)
             counts = {"train": args.train_size, "test": args.val_size}
         else:
             counts = preprocess_gsm8k(args.input, args.output)

