@@ -1,4 +1,5 @@
-"""`hpcrl plot RUN`: one PNG with reward, KL, entropy, response length and step time per step.
+"""`hpcrl plot RUN`: one PNG with reward, validation (accuracy or reward, with standard-error
+bars), KL, entropy, response length and step time per step.
 
 matplotlib is imported only here, when a plot is asked for, with the Agg backend (no display).
 Restarts (a run that resumed from a checkpoint) are dashed vertical lines at the first step of
@@ -7,6 +8,7 @@ each later run, labelled `restart N` and how the run before it ended (from the s
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ class Panel:
 
 PANELS = (
     Panel("reward", rundir.REWARD, "mean score"),
+    Panel("validation", rundir.VALIDATION, "mean on the validation set"),
     Panel("KL", rundir.KL, "KL"),
     Panel("entropy", rundir.ENTROPY, "nats/token"),
     Panel("response length", rundir.RESPONSE_LENGTH, "tokens"),
@@ -39,10 +42,12 @@ PANELS = (
 
 
 def series(records: Sequence[dict[str, Any]], panel: Panel) -> tuple[str | None, list[int], list[float]]:
-    """(metric name used, steps, values) of one panel; the first name that any record has."""
-    for name in panel.names:
-        steps = [int(r["step"]) for r in records if isinstance(r.get(name), int | float)]
-        if steps:
+    """(metric name used, steps, values) of one panel; the first name (or `*` pattern) that any
+    record has."""
+    for pattern in panel.names:
+        names = sorted({k for r in records for k in r if fnmatch.fnmatchcase(k, pattern)})
+        for name in names[:1]:
+            steps = [int(r["step"]) for r in records if isinstance(r.get(name), int | float)]
             values = [float(r[name]) for r in records if isinstance(r.get(name), int | float)]
             return name, steps, values
     return None, [], []
@@ -60,7 +65,7 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 11), layout="constrained")
+    fig = Figure(figsize=(8, 13), layout="constrained")
     axes = fig.subplots(len(PANELS), 1, sharex=True)
     restarts = rundir.restart_starts(records)
     for ax, panel in zip(axes, PANELS, strict=True):
@@ -70,6 +75,11 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
                     va="center", transform=ax.transAxes, color="gray")
         else:
             ax.plot(steps, values, marker="o", markersize=3, label=name)
+            errors = {int(r["step"]): r[rundir.sem_name(name)] for r in records
+                      if isinstance(r.get(rundir.sem_name(name)), int | float)}
+            if errors and set(errors) >= set(steps):
+                ax.errorbar(steps, values, yerr=[errors[s] for s in steps], fmt="none",
+                            capsize=3, label="± 1 standard error")
             ax.legend(loc="best", fontsize="small")
         ax.set_title(panel.title, loc="left", fontsize="medium")
         ax.set_ylabel(panel.ylabel)
@@ -89,7 +99,8 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
     axes[-1].set_xlabel("step")
     last = records[-1]
     total = last.get("training/total_steps")
-    summary = f"{len(records)} steps" + (f" of {total}" if isinstance(total, int) else "")
+    trained = len({int(r["step"]) for r in records if int(r["step"]) > 0})  # step 0: validation only
+    summary = f"{trained} steps" + (f" of {total}" if isinstance(total, int) else "")
     if restarts:
         summary += f", {len(restarts)} restart{'s' if len(restarts) > 1 else ''}"
     fig.suptitle(f"{title}\n{summary}" if title else summary, fontsize="medium")

@@ -545,6 +545,14 @@ KL = ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")
 ENTROPY = ("actor/entropy",)
 RESPONSE_LENGTH = ("response_length/mean",)
 STEP_TIME = ("timing_s/step", "perf/time_per_step")
+VALIDATION = ("val-core/*/acc/mean@*", "val-core/*/reward/mean@*")
+"""Validation accuracy where the reward reports `acc`, else the validation reward (patterns:
+the data source and the sample count vary); `val-aux/.../sem@N` is its standard error."""
+
+
+def sem_name(name: str) -> str:
+    """The standard error's metric name beside a validation mean's."""
+    return name.replace("val-core/", "val-aux/", 1).replace("/mean@", "/sem@")
 
 
 def pick(record: dict[str, Any], names: Sequence[str]) -> tuple[str, float] | None:

@@ -7,7 +7,8 @@ import argparse
 from hpcrl.commands._common import run_dir_of, user_errors
 from hpcrl.plotting import plot_run
 
-HELP = "write a PNG of reward, KL, entropy, response length and step time per step (restarts marked)"
+HELP = ("write a PNG of reward, validation (with standard errors), KL, entropy, response length "
+        "and step time per step (restarts marked)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

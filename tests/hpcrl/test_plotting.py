@@ -1,4 +1,4 @@
-"""`hpcrl plot RUN`: a PNG with the five series against step, restarts marked."""
+"""`hpcrl plot RUN`: a PNG with the six series against step (validation with error bars), restarts marked."""
 
 from __future__ import annotations
 
@@ -31,16 +31,19 @@ def run(tmp_path: Path) -> Path:
     return run
 
 
-def test_figure_has_the_five_series_and_the_restart(run: Path) -> None:
+def test_figure_has_the_six_series_and_the_restart(run: Path) -> None:
     out, fig = plot_run(run, run / "plot.png")
-    assert png_size(out) == (800, 1100)
+    assert png_size(out) == (800, 1300)
     axes = fig.get_axes()
     assert [a.get_title(loc="left") for a in axes] == [p.title for p in PANELS] == [
-        "reward", "KL", "entropy", "response length", "step time"]
+        "reward", "validation", "KL", "entropy", "response length", "step time"]
     assert axes[-1].get_xlabel() == "step"
     expected = {"reward": "critic/score/mean", "KL": "actor/kl_loss", "entropy": "actor/entropy",
                 "response length": "response_length/mean", "step time": "timing_s/step"}
     for ax in axes:
+        if ax.get_title(loc="left") == "validation":
+            assert "not logged" in ax.texts[0].get_text()  # this run never validated
+            continue
         data = [ln for ln in ax.get_lines() if ln.get_label() == expected[ax.get_title(loc="left")]]
         assert len(data) == 1, ax.get_title(loc="left")
         assert list(data[0].get_xdata()) == [1, 2, 3, 4, 5, 6]
@@ -74,9 +77,26 @@ def test_step_axis_has_whole_numbers_only() -> None:
     assert ticks and all(float(t).is_integer() for t in ticks), ticks  # no "step 1.5"
 
 
+def test_validation_accuracy_is_drawn_with_its_standard_error() -> None:
+    """Validation before training (step 0) and every 2 steps: accuracy preferred over reward,
+    with error bars from `val-aux/.../sem@1`."""
+    src = "hpcrl/arith"
+    val = {s: {f"val-core/{src}/reward/mean@1": 0.1 * s, f"val-core/{src}/acc/mean@1": 0.2 + 0.05 * s,
+               f"val-aux/{src}/acc/sem@1": 0.02} for s in (0, 2, 4)}
+    records = [{"step": 0, **val[0]}] + [{"step": s, "critic/score/mean": 0.1, **val.get(s, {})}
+                                         for s in (1, 2, 3, 4)]
+    ax = build_figure(records).get_axes()[1]
+    [line] = [ln for ln in ax.get_lines() if ln.get_label() == f"val-core/{src}/acc/mean@1"]
+    assert list(line.get_xdata()) == [0, 2, 4]
+    assert list(line.get_ydata()) == pytest.approx([0.2, 0.3, 0.4])
+    [bars] = [c for c in ax.containers if c.get_label() == "± 1 standard error"]
+    segments = bars.lines[2][0].get_segments()
+    assert [tuple(seg[:, 1]) for seg in segments] == [pytest.approx((y - 0.02, y + 0.02)) for y in (0.2, 0.3, 0.4)]
+
+
 def test_missing_series_is_said_not_drawn() -> None:
     fig = build_figure([{"step": 1, "critic/score/mean": 0.2}])
-    kl = fig.get_axes()[1]
+    kl = fig.get_axes()[2]
     assert kl.get_lines() == [] and "not logged" in kl.texts[0].get_text()
 
 
@@ -85,7 +105,7 @@ def test_plot_command_writes_a_png(run: Path, tmp_path: Path) -> None:
     proc = run_hpcrl(["plot", str(run), "-o", str(tmp_path / "out.png")], env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "out.png")
-    assert png_size(tmp_path / "out.png") == (800, 1100)
+    assert png_size(tmp_path / "out.png") == (800, 1300)
     default = run_hpcrl(["plot", str(run)], env)
     assert default.returncode == 0 and (run / "metrics.png").stat().st_size > 10_000
 
