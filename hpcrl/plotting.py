@@ -75,8 +75,9 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
                     va="center", transform=ax.transAxes, color="gray")
         else:
             ax.plot(steps, values, marker="o", markersize=3, label=name)
-            errors = {int(r["step"]): r[rundir.sem_name(name)] for r in records
-                      if isinstance(r.get(rundir.sem_name(name)), int | float)}
+            sem = rundir.sem_name(name)
+            errors = {int(r["step"]): r[sem] for r in records
+                      if sem is not None and isinstance(r.get(sem), int | float)}
             if errors and set(errors) >= set(steps):
                 ax.errorbar(steps, values, yerr=[errors[s] for s in steps], fmt="none",
                             capsize=3, label="± 1 standard error")

@@ -550,8 +550,10 @@ VALIDATION = ("val-core/*/acc/mean@*", "val-core/*/reward/mean@*")
 the data source and the sample count vary); `val-aux/.../sem@N` is its standard error."""
 
 
-def sem_name(name: str) -> str:
-    """The standard error's metric name beside a validation mean's."""
+def sem_name(name: str) -> str | None:
+    """The standard error's metric name beside a validation mean's; None for other metrics."""
+    if not name.startswith("val-core/") or "/mean@" not in name:
+        return None
     return name.replace("val-core/", "val-aux/", 1).replace("/mean@", "/sem@")
 
 

@@ -85,7 +85,9 @@ def test_validation_accuracy_is_drawn_with_its_standard_error() -> None:
                f"val-aux/{src}/acc/sem@1": 0.02} for s in (0, 2, 4)}
     records = [{"step": 0, **val[0]}] + [{"step": s, "critic/score/mean": 0.1, **val.get(s, {})}
                                          for s in (1, 2, 3, 4)]
-    ax = build_figure(records).get_axes()[1]
+    fig = build_figure(records)
+    assert [a for a in fig.get_axes() if a.containers] == [fig.get_axes()[1]], "error bars on validation only"
+    ax = fig.get_axes()[1]
     [line] = [ln for ln in ax.get_lines() if ln.get_label() == f"val-core/{src}/acc/mean@1"]
     assert list(line.get_xdata()) == [0, 2, 4]
     assert list(line.get_ydata()) == pytest.approx([0.2, 0.3, 0.4])
