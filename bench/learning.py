@@ -4,6 +4,8 @@
     python -m bench.learning base    [--dir D]     # the base model's validation accuracy (greedy)
     python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
     python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
+    python -m bench.learning trl     [--dir D] [--minutes M]   # TRL's GRPOTrainer, same budget
+    python -m bench.learning trl-eval [--dir D]    # TRL's checkpoints scored like ours
 
 Run it with `.venv-vllm/bin/python` (the rollout is vLLM's CPU build). `run` needs the Slurm
 lab up (`python -m tests.lab up --no-images`, as root) and submits the job a user would:
@@ -17,6 +19,14 @@ word problems from a fixed seed, verl's GSM8K prompt; reward 1 for the right fin
 0.8 when it is right but not after `####`, else 0), 4096 training and 256 held-out validation
 questions. Validation: greedy decoding of all 256, accuracy (right final answer, whatever the
 format) with its standard error, before training and every `--test-freq` steps.
+
+Beside TRL: `trl` (in `.venv`, where `pip install -e '.[bench]'` puts the pinned TRL) trains
+the same model on the same prompts with `GRPOTrainer`: the same reward function, group size,
+batch, response length, sampling, learning rate (constant), weight decay, KL coefficient and
+CPU budget (the wall time of our run on the same 2-core machine, `--minutes`), saving a
+checkpoint every `--test-freq` steps with its wall time. `trl-eval` (in `.venv-vllm`) scores each
+checkpoint with the very validation our run uses (`trainer.val_only=true`: same 256 questions,
+greedy, vLLM), so the accuracies compare like for like.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ DEFAULT_DIR = Path("/tmp/hpcrl-learning")
 SOURCE = "hpcrl/arith"
 ACC = f"val-core/{SOURCE}/acc/mean@1"
 ACC_SEM = f"val-aux/{SOURCE}/acc/sem@1"
+CORES = 2
+"""The machine's cores, all busy during a run: CPU-hours = CORES x wall hours."""
 
 
 def prepare(root: Path) -> tuple[Path, Path]:
@@ -75,19 +87,93 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
     ]
 
 
-def base(root: Path, args: argparse.Namespace) -> int:
-    """`trainer.val_only=true` on one local rank: the untrained model's accuracy."""
-    model, data = prepare(root)
-    run = root / "base"
-    argv = [sys.executable, "-m", "trainer", *overrides(model, data, run, args),
+def validate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """`trainer.val_only=true` on one local rank: the model's validation row."""
+    argv = [sys.executable, "-m", "trainer", *overrides(model, data, out, args),
             "trainer.nnodes=1", "trainer.val_only=true", "trainer.log_val_generations=8"]
+    subprocess.run(argv, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return _rows(out)[-1]
+
+
+def describe(row: dict[str, Any]) -> str:
+    return (f"accuracy {row[ACC]:.3f} +- {row[ACC_SEM]:.3f} on 256 questions "
+            f"(reward {row[f'val-core/{SOURCE}/reward/mean@1']:.3f}, "
+            f"`####` used in {row[f'val-core/{SOURCE}/formatted/mean@1']:.2f})")
+
+
+def base(root: Path, args: argparse.Namespace) -> int:
+    """The untrained model's accuracy."""
+    model, data = prepare(root)
     t0 = time.monotonic()
-    subprocess.run(argv, check=True, cwd=REPO)
-    row = _rows(run)[-1]
-    print(f"base model: accuracy {row[ACC]:.3f} +- {row[ACC_SEM]:.3f} on 256 questions "
-          f"(reward {row[f'val-core/{SOURCE}/reward/mean@1']:.3f}, "
-          f"`####` used in {row[f'val-core/{SOURCE}/formatted/mean@1']:.2f}), "
-          f"{time.monotonic() - t0:.0f} s")
+    row = validate(model, data, root / "base", args)
+    print(f"base model: {describe(row)}, {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+def trl(root: Path, args: argparse.Namespace) -> int:
+    """TRL's `GRPOTrainer` on the same model, prompts, reward and budget; checkpoints with times."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.data import read_rows
+    from trainer.rewards.arith import arith_score
+
+    model, data = prepare(root)
+    out = root / "trl"
+    if out.exists():
+        raise SystemExit(f"bench.learning: {out} exists; move it away (or pass another --dir)")
+    rows = read_rows([str(data / "train.parquet")])
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
+                                 for r in rows])
+
+    def reward(completions: list[Any], ground_truth: list[str], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [arith_score(t, g)["score"] for t, g in zip(texts, ground_truth, strict=True)]
+
+    t0 = time.monotonic()
+    saves: list[dict[str, float]] = []
+
+    class Budget(TrainerCallback):
+        """Stops at the CPU budget; notes the wall time of every checkpoint."""
+
+        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            if time.monotonic() - t0 > args.minutes * 60:
+                control.should_save = control.should_training_stop = True
+
+        def on_save(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            saves.append({"step": state.global_step, "wall_s": time.monotonic() - t0})
+            (out / "saves.json").write_text(json.dumps(saves))
+
+    config = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
+        gradient_accumulation_steps=1, steps_per_generation=1,
+        max_completion_length=args.response_length, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.001, learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.01,
+        max_grad_norm=1.0, max_steps=args.steps, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False,
+        logging_steps=1, report_to="none", save_strategy="steps", save_steps=args.test_freq,
+        save_only_model=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Budget()])
+    trainer.train()
+    print(f"TRL: {trainer.state.global_step} steps in {time.monotonic() - t0:.0f} s; checkpoints {saves}")
+    return 0
+
+
+def trl_eval(root: Path, args: argparse.Namespace) -> int:
+    """Each TRL checkpoint scored by our validation."""
+    _, data = prepare(root)
+    saves = json.loads((root / "trl" / "saves.json").read_text())
+    results = []
+    for save in saves:
+        ckpt = root / "trl" / f"checkpoint-{save['step']}"
+        row = validate(ckpt, data, root / "trl-eval" / ckpt.name, args)
+        results.append({**save, "acc": row[ACC], "sem": row[ACC_SEM],
+                        "formatted": row[f"val-core/{SOURCE}/formatted/mean@1"]})
+        print(f"TRL step {save['step']} at {save['wall_s']:.0f} s: {describe(row)}", flush=True)
+    (root / "trl-eval.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
@@ -169,14 +255,16 @@ def report(root: Path) -> int:
     missing = sorted(set(range(1, max(steps, default=0) + 1)) - set(steps))
     print(f"training steps logged: {len(steps)} (repeated: {repeated or 'none'}, "
           f"missing: {missing or 'none'})")
-    print("| step | val accuracy | +- SE | val reward | `####` used | train reward | KL loss | response length |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| step | training min | CPU-h | val accuracy | +- SE | val reward | `####` used | train reward | "
+          "KL loss | response length |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     train = {r["step"]: r for r in rows if "actor/pg_loss" in r}
     for r in rows:
         if ACC not in r:
             continue
         t = train.get(r["step"], {})
-        print(f"| {r['step']} | {r[ACC]:.3f} | {r[ACC_SEM]:.3f} | "
+        minutes = sum(v.get("timing_s/step", 0.0) for s, v in train.items() if s <= r["step"]) / 60
+        print(f"| {r['step']} | {minutes:.1f} | {minutes * CORES / 60:.2f} | {r[ACC]:.3f} | {r[ACC_SEM]:.3f} | "
               f"{r[f'val-core/{SOURCE}/reward/mean@1']:.3f} | "
               f"{r[f'val-core/{SOURCE}/formatted/mean@1']:.2f} | "
               f"{_fmt(t.get('critic/score/mean'))} | {_fmt(t.get('actor/kl_loss'), 4)} | "
@@ -203,7 +291,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["prepare", "base", "run", "report"])
+    p.add_argument("command", choices=["prepare", "base", "run", "report", "trl", "trl-eval"])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"work directory (default {DEFAULT_DIR})")
     p.add_argument("--nodes", type=int, default=2, help="lab nodes, one trainer rank each")
     p.add_argument("--steps", type=int, default=24, help="GRPO steps")
@@ -214,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-length", type=int, default=128, help="max response tokens")
     p.add_argument("--lr", type=float, default=1e-5, help="actor learning rate")
     p.add_argument("--time", default="01:30:00", help="the job's Slurm time limit")
+    p.add_argument("--minutes", type=float, default=40.0, help="trl: wall-time budget")
     args = p.parse_args(argv)
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
@@ -221,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         model, data = prepare(root)
         print(f"model {model}\ndata {data}")
         return 0
-    return {"base": base, "run": run, "report": lambda r, _a: report(r)}[args.command](root, args)
+    commands = {"base": base, "run": run, "report": lambda r, _a: report(r), "trl": trl, "trl-eval": trl_eval}
+    return commands[args.command](root, args)
 
 
 if __name__ == "__main__":
