@@ -157,8 +157,8 @@ class PPODriver:
         t = self.cfg.trainer
         needs_val = t.val_before_train or t.test_freq > 0 or t.val_only
         self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
-        per_epoch = self.loader.batches_per_epoch * self.cfg.trainer.total_epochs
-        self.total_steps = self.cfg.trainer.total_training_steps or per_epoch
+        per_epoch = self.loader.batches_per_epoch * t.total_epochs
+        self.total_steps = t.total_training_steps or per_epoch
 
     def _groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor_group, self.critic_group) if g is not None]

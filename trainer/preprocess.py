@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.data import write_rows
+from trainer.data import write_split
 from trainer.rewards.arith import write_arith
 from trainer.rewards.gsm8k import INSTRUCTION
 from trainer.rewards.toy import write_toy_digits
@@ -105,7 +105,7 @@ def preprocess_gsm8k(input_path: Path, output_dir: Path) -> dict[str, int]:
     counts = {}
     for split, file in find_split_files(input_path).items():
         rows = gsm8k_rows(_read_records(file), split, file)
-        write_rows(rows, output_dir / f"{split}.parquet")
+        write_split(rows, output_dir, split)
         counts[split] = len(rows)
     return counts
 

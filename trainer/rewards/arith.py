@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.data import write_rows
+from trainer.data import write_generated
 from trainer.rewards.gsm8k import INSTRUCTION, extract_solution
 
 ARITH = "hpcrl/arith"
@@ -98,8 +98,4 @@ def _same_number(answer: str, truth: str) -> bool:
 
 def write_arith(output_dir: str | Path, *, train_size: int, val_size: int, seed: int) -> dict[str, Path]:
     """Write `train.parquet` and `test.parquet` of the task in verl's format."""
-    out = Path(output_dir)
-    paths = {"train": out / "train.parquet", "test": out / "test.parquet"}
-    write_rows(arith_rows(train_size, seed, "train"), paths["train"])
-    write_rows(arith_rows(val_size, seed, "test"), paths["test"])
-    return paths
+    return write_generated(output_dir, arith_rows, train_size=train_size, val_size=val_size, seed=seed)

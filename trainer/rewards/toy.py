@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer.data import write_rows
+from trainer.data import write_generated
 
 TOY_DIGITS = "toy_digits"
 TOY_DIGITS_WINDOW = 4
@@ -52,8 +52,4 @@ def toy_digits_rows(n: int, seed: int, split: str = "train") -> list[dict[str, A
 
 def write_toy_digits(output_dir: str | Path, *, train_size: int, val_size: int, seed: int) -> dict[str, Path]:
     """Write `train.parquet` and `test.parquet` of the toy task in verl's format."""
-    out = Path(output_dir)
-    paths = {"train": out / "train.parquet", "test": out / "test.parquet"}
-    write_rows(toy_digits_rows(train_size, seed, "train"), paths["train"])
-    write_rows(toy_digits_rows(val_size, seed, "test"), paths["test"])
-    return paths
+    return write_generated(output_dir, toy_digits_rows, train_size=train_size, val_size=val_size, seed=seed)
