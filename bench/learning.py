@@ -279,7 +279,8 @@ def report(root: Path) -> int:
     gens = root / "run" / "val_generations.jsonl"
     if gens.is_file():
         lines = [json.loads(x) for x in gens.read_text().splitlines() if x.strip()]
-        for step in sorted({g["step"] for g in lines})[:: max(1, len({g["step"] for g in lines}) - 1)]:
+        steps = sorted({g["step"] for g in lines})
+        for step in sorted({steps[0], steps[-1]}) if steps else []:  # before and after
             for g in [g for g in lines if g["step"] == step][:2]:
                 print(f"step {step}, score {g['score']:.1f}: {g['output']!r}")
     return 0
