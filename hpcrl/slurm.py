@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -33,17 +34,25 @@ class SlurmUnavailable(SlurmError):
     """Slurm's controller did not answer a query: the job's fate is unknown, not "gone"."""
 
 
-def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    """Run a Slurm client command (the seam tests replace by executables)."""
+def _ignore_termination() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run(argv: Sequence[str], shielded: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client command (the seam tests replace by executables). `shielded`: the
+    command ignores SIGTERM, for one a job sends about itself right after requeueing itself
+    (Slurm then sends SIGTERM to every process of the job; SIGKILL only `KillWait` later)."""
     if shutil.which(argv[0]) is None:
         raise SlurmError(f"`{argv[0]}` was not found on PATH; run on a Slurm login node, or load "
                          "Slurm's client tools (e.g. `module load slurm`)")
-    return subprocess.run(list(argv), capture_output=True, text=True)
+    return subprocess.run(list(argv), capture_output=True, text=True,
+                          preexec_fn=_ignore_termination if shielded else None)
 
 
-def run_slurm(argv: Sequence[str], *, check: bool = True) -> str:
-    """Run a Slurm client command and return its stdout."""
-    proc = _run(argv)
+def run_slurm(argv: Sequence[str], *, check: bool = True, shielded: bool = False) -> str:
+    """Run a Slurm client command and return its stdout (`shielded`: see `_run`)."""
+    proc = _run(argv, shielded)
     if check and proc.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed with status {proc.returncode}: "
                          f"{proc.stderr.strip() or proc.stdout.strip()}")

@@ -190,6 +190,12 @@ class LabManager:
         if self.current is not None:
             self.current.down()
 
+    def discard(self) -> None:
+        """Take the current lab down (a test broke it, e.g. killed its nodes): the next test
+        gets a fresh one."""
+        self.down()
+        self.current = None
+
 
 @pytest.fixture(scope="session")
 def lab_manager():

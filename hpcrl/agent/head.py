@@ -18,7 +18,13 @@ from hpcrl.agent.node import TICK_S, Heartbeat, Node, Outcome
 from hpcrl.agent.procs import Child
 from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
-from hpcrl.agent.watch import GcsWatch, ray_exited, signalled_before_payload, stop_requested
+from hpcrl.agent.watch import (
+    GcsWatch,
+    dead_nodes,
+    ray_exited,
+    signalled_before_payload,
+    stop_requested,
+)
 from hpcrl.netaddr import format_host
 from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
 from trainer.exit_codes import REQUEUE_EXIT_CODE
@@ -39,7 +45,7 @@ class Head:
         cluster = self.launcher.head()
         ray = cluster.ray
         stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log)
-        requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, stop, deadline, node.log)
+        requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, node.log, stop, deadline)
         watch = GcsWatch(node, cluster.gcs_lines)
 
         def warned() -> Outcome | None:
@@ -113,13 +119,23 @@ class Head:
             failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
                 or watch.lost_nodes()
             if failed and stop.reason is None:
-                return failed
+                return self._after_failure(failed, requeuer)
             if failed and not ignored:
                 ignored = True
                 self.node.log.info("%s; waiting for the payload, which was asked to stop",
                                    failed.cause)
             self.heartbeat.beat("running")
             time.sleep(TICK_S)
+
+    def _after_failure(self, failed: Outcome, requeuer: Requeuer) -> Outcome:
+        """A failure while the payload ran: if nodes died with it, the job is requeued without
+        them; otherwise it ends as `failed` says (a payload's own error is not retried)."""
+        dead = dead_nodes(self.node, time.time(), self.heartbeat)
+        if not dead:
+            return failed
+        hosts = [host for _, host in dead]
+        self.node.log.error("%s; node(s) %s died", failed.cause, ", ".join(hosts))
+        return requeuer.after_node_loss(hosts, failed.cause)
 
     def _note_stop(self, stop: StopControl) -> bool:
         """Record the stop request in the state file once there is one; True when recorded."""
@@ -134,6 +150,8 @@ class Head:
         cause = f"payload exited with status {status}"
         if stop.reason:
             cause += f" after the stop request ({stop.reason})"
+        if status not in (0, REQUEUE_EXIT_CODE) and stop.reason is None:
+            return self._after_failure(Outcome(cause, status, self.node.ctx.hostname), requeuer)
         if status != REQUEUE_EXIT_CODE:
             return Outcome(cause, status, self.node.ctx.hostname)
         return requeuer.after_request(f"{cause}: checkpointed, asks to be requeued", status)

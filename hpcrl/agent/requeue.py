@@ -12,7 +12,7 @@ Everything here is pure except :func:`scontrol_requeue`, the one seam that runs 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hpcrl.slurm import parse_slurm_time, run_slurm, show_job
@@ -92,6 +92,26 @@ def decide_requeue(
     )
 
 
+NO_EXCLUSIONS = ("", "(null)", "None")
+
+
+def merged_exclusions(current: str, lost: Sequence[str]) -> str:
+    """`ExcNodeList` for the requeued job: what it already excludes (the user's `--exclude`,
+    earlier lost nodes; Slurm hostlist syntax, kept as written) and the nodes just lost."""
+    kept = [] if current.strip() in NO_EXCLUSIONS else [current.strip()]
+    return ",".join([*kept, *(h for h in dict.fromkeys(lost) if h not in kept)])
+
+
+def node_loss_message(lost: Sequence[str], decision: RequeueDecision, excluded: str) -> str:
+    """What the log and the summary say when lost nodes end the job."""
+    nodes = ", ".join(f"`{h}`" for h in lost)
+    if decision.action != REQUEUE:
+        return f"node {nodes} died; {decision.message}"
+    return (f"node {nodes} died; {decision.message}, excluding {nodes} (`ExcNodeList={excluded}`"
+            "); the run resumes from its newest complete checkpoint on the nodes Slurm gives "
+            "it next (it waits while the partition has no spare node)")
+
+
 def preempted_in_grace(info: Mapping[str, str]) -> bool:
     """From `scontrol show job`: preemption has begun (`PreemptTime` set) and the job still runs,
     i.e. the partition's GraceTime is running out."""
@@ -135,6 +155,12 @@ def describe_end(end_time: float, now: float) -> str:
 def scontrol_requeue(target: str) -> None:
     """Requeue job `target` with `scontrol requeue` (on the host: the container may lack it)."""
     run_slurm(["scontrol", "requeue", target])
+
+
+def scontrol_exclude(target: str, nodes: str) -> None:
+    """Set the (requeued, pending) job's `ExcNodeList`: Slurm refuses it for a running job, and
+    sends the requeued job's processes SIGTERM, this command's too unless shielded."""
+    run_slurm(["scontrol", "update", f"JobId={target}", f"ExcNodeList={nodes}"], shielded=True)
 
 
 def scontrol_end_time(target: str) -> float | None:

@@ -35,15 +35,16 @@ class Requeuer:
     job: AgentJob
     run_dir: Path
     inbox: SignalInbox
-    stop: StopControl
-    deadline: Deadline
     log: logging.Logger
+    stop: StopControl | None = None
+    """The head's stop control (None on a worker, which requeues only for a lost head)."""
+    deadline: Deadline | None = None
 
     def after_request(self, what: str, status: int) -> Outcome:
         """Decide with `decide_requeue`; the outcome names the decision and, when the job is to
         be requeued after the teardown, carries that requeue as `then` (Slurm ends every
         process of the job at once and kills what is left `KillWait` later)."""
-        terminated_by = self.stop.terminated_by
+        terminated_by = self.terminated_by
         preempted = bool(terminated_by) and not self.ctx.local and self._preempted()
         decision = rq.decide_requeue(
             self.ctx, self.job.max_requeues, str(self.run_dir), terminated_by, preempted
@@ -51,7 +52,7 @@ class Requeuer:
         message, then = decision.message, None
         if decision.action == rq.REQUEUE:
             target = rq.requeue_target(self.ctx)
-            left = self.deadline.left()
+            left = self.deadline.left() if self.deadline else None
             if left is not None and left < REQUEUE_FIRST_S:
                 message = f"{message}; {self.requeue_now(target)}"
             else:
@@ -62,27 +63,70 @@ class Requeuer:
             REQUEUE_DECIDED, action=decision.action, message=message, deferred=then is not None)
         return Outcome(f"{what}; {message}", status, self.ctx.hostname, then)
 
-    def requeue_now(self, target: str) -> str:
-        """Requeue `target`; returns what happened (also in the state file)."""
-        done = self._requeue_now(target)
+    @property
+    def terminated_by(self) -> str | None:
+        return self.stop.terminated_by if self.stop else None
+
+    def after_node_loss(self, lost: list[str], what: str) -> Outcome:
+        """Nodes died (their agents stopped beating): the job is requeued, as after a requeue
+        request (same decision and `max_requeues`), with the lost nodes added to the job's
+        `ExcNodeList` once it is pending again (Slurm refuses that for a running job), so that
+        the rerun resumes on other nodes. The last complete checkpoint stands; nothing could be
+        saved, since a rank is gone."""
+        decision = rq.decide_requeue(self.ctx, self.job.max_requeues, str(self.run_dir),
+                                     self.terminated_by)
+        excluded, then = "", None
+        if decision.action == rq.REQUEUE:
+            excluded = rq.merged_exclusions(self._exclusions(), lost)
+            then = functools.partial(self.requeue_now, rq.requeue_target(self.ctx), excluded)
+        message = rq.node_loss_message(lost, decision, excluded)
+        (self.log.info if then else self.log.error)("%s", message)
+        state_writer(self.run_dir, self.ctx).append(
+            REQUEUE_DECIDED, action=decision.action, message=message, deferred=then is not None,
+            lost_nodes=lost, exclude=excluded)
+        return Outcome(f"{what}; {message}", 1, self.ctx.hostname, then)
+
+    def _exclusions(self) -> str:
+        """The job's `ExcNodeList` now (the user's `--exclude` and earlier lost nodes)."""
+        try:
+            return show_job(self.ctx.job_id).get("ExcNodeList", "")
+        except (SlurmError, OSError) as exc:
+            self.log.info("cannot read the job's ExcNodeList: %s", exc)
+            return ""
+
+    def requeue_now(self, target: str, exclude: str | None = None) -> str:
+        """Requeue `target` and, with `exclude`, set its `ExcNodeList` once it is pending;
+        returns what happened (also in the state file)."""
+        done, requeued = self._requeue_now(target)
+        if requeued and exclude:
+            done += "; " + self._exclude(target, exclude)
         state_writer(self.run_dir, self.ctx).append(REQUEUE_DONE, target=target, message=done)
         return done
 
-    def _requeue_now(self, target: str) -> str:
-        if signal.SIGTERM in self.inbox.noted and not self.stop.terminated_by:
+    def _requeue_now(self, target: str) -> tuple[str, bool]:
+        if signal.SIGTERM in self.inbox.noted and not self.terminated_by:
             return (f"not requeueing job {target}: SIGTERM arrived meanwhile (`scancel`, "
-                    "preemption or `scontrol requeue`); Slurm decides whether it runs again")
+                    "preemption or `scontrol requeue`); Slurm decides whether it runs again"), False
         try:
             self.requeue(target)
         except (SlurmError, OSError, subprocess.SubprocessError) as exc:
             if rq.already_requeued(str(exc)):
-                return f"Slurm is already requeueing job {target}"
+                return f"Slurm is already requeueing job {target}", True
             self.log.error("could not requeue job %s: %s", target, exc)
-            return f"could not requeue job {target}: {exc}"
+            return f"could not requeue job {target}: {exc}", False
         return (
             f"requeued job {target} with `scontrol requeue` (restart {self.ctx.restart + 1} of "
             f"at most {self.job.max_requeues})"
-        )
+        ), True
+
+    def _exclude(self, target: str, nodes: str) -> str:
+        try:
+            rq.scontrol_exclude(target, nodes)
+        except (SlurmError, OSError, subprocess.SubprocessError) as exc:
+            self.log.error("could not set ExcNodeList=%s on job %s: %s", nodes, target, exc)
+            return (f"could not exclude {nodes} ({exc}); the rerun may land on the lost node: "
+                    f"`scontrol update JobId={target} ExcNodeList={nodes}` while it is pending")
+        return f"set `ExcNodeList={nodes}`"
 
     def requeue(self, target: str) -> None:
         """The one place that requeues the job (on the host, never in the container)."""
@@ -98,6 +142,7 @@ class Requeuer:
             return False
         if not rq.preempted_in_grace(info):
             return False
-        self.deadline.end_time = parse_slurm_time(info.get("EndTime", "")) or self.deadline.end_time
+        if self.deadline is not None:
+            self.deadline.end_time = parse_slurm_time(info.get("EndTime", "")) or self.deadline.end_time
         return True
 

@@ -18,6 +18,7 @@ from typing import Any
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.node import TICK_S, AgentError, Heartbeat, Node, Outcome
 from hpcrl.agent.procs import Child
+from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import SignalInbox
 from hpcrl.rundir import NODES_JOINED, RunPaths
 
@@ -159,9 +160,44 @@ def _key(node_file: dict[str, Any]) -> str:
     return f"{node_file.get('address')}:{node_file.get('node_manager_port')}"
 
 
+def dead_nodes(node: Node, since: float, heartbeat: Heartbeat) -> list[tuple[int, str]]:
+    """After a failure seen at `since` (Unix time): the other nodes whose agent died with it.
+    Waits until each has either beaten after `since` (alive: within 2 s) or stayed silent for
+    `heartbeat_timeout_s` (dead), so that a failure of the payload alone ends the job as before
+    and a node's death (slurmd, agent, Ray and trainer gone) is told apart from it."""
+    limit, me = node.job.heartbeat_timeout_s, node.ctx.node_rank
+    while True:
+        others = {r: d for r, d in rdv.read_nodes(node.paths).items() if r != me}
+        dead = set(rdv.stale_nodes(others, limit))
+        undecided = [r for r, d in others.items() if r not in dead
+                     and d.get("state") != "exited" and float(d.get("time", 0)) <= since]
+        if not undecided:
+            return [(r, str(others[r].get("host"))) for r in sorted(dead)]
+        heartbeat.beat("running")
+        time.sleep(TICK_S)
+
+
+def lost_head(node: Node, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome | None:
+    """The head's agent stopped beating: the head node died. The lowest-ranked worker still
+    alive requeues the job excluding the dead nodes (the head would have); the others end."""
+    head = rdv.read_nodes(node.paths).get(0)
+    if not head or not rdv.stale_nodes({0: head}, node.job.heartbeat_timeout_s):
+        return None
+    host = str(head.get("host") or node.ctx.nodes[0])
+    cause = f"the head `{host}` stopped its heartbeat"
+    dead = dead_nodes(node, time.time(), heartbeat)
+    alive = [r for r in range(1, node.ctx.num_nodes) if r not in {r for r, _ in dead}]
+    if alive and min(alive) != node.ctx.node_rank:
+        return Outcome(f"{cause}; rank {min(alive)} requeues the job", 1, host)
+    node.log.error("%s; this node (the lowest-ranked alive) requeues the job", cause)
+    requeuer = Requeuer(node.ctx, node.job, node.run_dir, inbox, node.log)
+    return requeuer.after_node_loss([h for _, h in dead], cause)
+
+
 def watch_worker(node: Node, ray: Child, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome:
     """A worker keeps Ray up until the head ends the job (stop file), its own Ray or the head's
-    heartbeat stops, or, after SIGTERM, the head does not end the job within ten grace times."""
+    heartbeat stops (then the lowest-ranked live worker requeues the job), or, after SIGTERM,
+    the head does not end the job within ten grace times."""
     term_at: float | None = None
     while True:
         stop = rdv.read_stop(node.paths)
@@ -174,11 +210,9 @@ def watch_worker(node: Node, ray: Child, heartbeat: Heartbeat, inbox: SignalInbo
         failed = ray_exited(node, ray)
         if failed:
             return failed
-        head = rdv.read_nodes(node.paths).get(0)
-        if head and rdv.stale_nodes({0: head}, node.job.heartbeat_timeout_s):
-            return Outcome(
-                f"the head `{node.ctx.nodes[0]}` stopped its heartbeat", 1, node.ctx.nodes[0]
-            )
+        failed = lost_head(node, heartbeat, inbox)
+        if failed:
+            return failed
         sigs = [signal.Signals(s).name for s in inbox.take()]
         if sigs:
             node.log.info("got %s; Ray stays up until the head ends the job", ", ".join(sigs))

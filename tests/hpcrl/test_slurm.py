@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from hpcrl.slurm import (
     parse_sbatch_output,
     parse_scontrol_show_job,
     parse_squeue,
+    run_slurm,
 )
-from tests.conftest import DATA
+from tests.conftest import DATA, write_exe
 
 SLURM = DATA / "slurm"
 
@@ -76,3 +78,14 @@ def test_job_ids() -> None:
     for bad in ["", "abc", "4;rm -rf /", "-1", "42 43"]:
         with pytest.raises(SlurmError):
             check_job_id(bad)
+
+
+def test_a_shielded_command_outlives_the_sigterm_of_its_own_job(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `scontrol requeue` Slurm sends SIGTERM to every process of the job: the command
+    that follows (setting `ExcNodeList`) must not die of it; an unshielded one does."""
+    write_exe(tmp_path / "scontrol", "#!/bin/sh\nkill -TERM $$\necho updated\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert run_slurm(["scontrol", "update"], shielded=True) == "updated\n"
+    with pytest.raises(SlurmError, match="status -15"):
+        run_slurm(["scontrol", "update"])

@@ -142,7 +142,7 @@ def _requeuer(tmp_path: Path, restart: int, max_requeues: int) -> Requeuer:
     log = logging.getLogger("test-requeue")
     inbox, deadline = SignalInbox(), Deadline(None)
     stop = StopControl(job, RunPaths(run, restart), inbox, deadline, log)
-    return Requeuer(ctx, job, run, inbox, stop, deadline, log)
+    return Requeuer(ctx, job, run, inbox, log, stop, deadline)
 
 
 def test_requeue_seam_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,6 +173,45 @@ def test_requeue_seam_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     out = done.after_request("payload exited with status 3", 3)
     assert out.then is None and "max_requeues reached" in out.cause
     assert out.exit_code == 3 and calls == ["77", "77"]
+
+
+def test_exclusions_keep_the_users_and_add_the_lost_nodes() -> None:
+    assert rq.merged_exclusions("(null)", ["node3"]) == "node3"
+    assert rq.merged_exclusions("", ["node3", "node3"]) == "node3"
+    assert rq.merged_exclusions("gpu[01-04],login2", ["gpu07", "gpu09"]) == "gpu[01-04],login2,gpu07,gpu09"
+
+
+def test_lost_nodes_requeue_the_job_then_exclude_them_once_pending(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision reads the job's exclusions while it runs; after the teardown the job is
+    requeued first and then excluded (Slurm refuses `ExcNodeList` for a running job); a failed
+    exclusion says how to do it by hand; with `max_requeues` reached nothing is called."""
+    import hpcrl.agent.requeuer as requeuer_mod
+
+    requeuer = _requeuer(tmp_path, restart=0, max_requeues=2)
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(requeuer_mod, "show_job", lambda job: {"ExcNodeList": "node[7-8]"})
+    monkeypatch.setattr(requeuer, "requeue", lambda t: calls.append(("requeue", t)))
+    monkeypatch.setattr(rq, "scontrol_exclude", lambda t, n: calls.append(("exclude", t, n)))
+    out = requeuer.after_node_loss(["node2"], "payload exited with status 1")
+    assert "node `node2` died" in out.cause and "`ExcNodeList=node[7-8],node2`" in out.cause
+    assert out.then is not None and calls == []
+    assert out.then().endswith("set `ExcNodeList=node[7-8],node2`")
+    assert calls == [("requeue", "77"), ("exclude", "77", "node[7-8],node2")]
+    decided = [r for r in rundir.read_state(tmp_path / "run") if r["event"] == rundir.REQUEUE_DECIDED]
+    assert decided[-1]["lost_nodes"] == ["node2"] and decided[-1]["exclude"] == "node[7-8],node2"
+
+    def refused(target: str, nodes: str) -> None:
+        raise SlurmError("Job is no longer pending execution")
+
+    monkeypatch.setattr(rq, "scontrol_exclude", refused)
+    done = requeuer.after_node_loss(["node2"], "x").then()
+    assert "could not exclude node[7-8],node2" in done
+    assert "`scontrol update JobId=77 ExcNodeList=node[7-8],node2` while it is pending" in done
+    spent = _requeuer(tmp_path / "b", restart=2, max_requeues=2)
+    monkeypatch.setattr(spent, "requeue", lambda t: calls.append(("requeue", t)))
+    out = spent.after_node_loss(["node2"], "x")
+    assert out.then is None and "max_requeues reached" in out.cause and len(calls) == 3
 
 
 # ------------------------------------------------------------------------------ real agent

@@ -1,0 +1,104 @@
+"""Whole nodes dying mid-run on the Slurm lab, with the real trainer on two nodes: every process
+of the node (slurmd, its job steps, the agent, Ray and the trainer's rank) is killed at once.
+
+First a worker node dies, then, in the requeued run, the head node. Each time the surviving
+agents notice within 30 s, the job is requeued with the dead node added to its `ExcNodeList`
+(keeping the user's `--exclude`), and the rerun resumes from the newest complete checkpoint on a
+spare node. Slurm itself keeps the requeued job `COMPLETING` until it marks the dead node down
+(`SlurmdTimeout`, 300 s by default; 30 s in this lab), so the rerun starts after that."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE, read_state
+from tests.lab.test_requeue import (
+    assets,  # noqa: F401 - the module fixture: tiny model and toy task
+    check_metrics,
+    finished,
+    logs,
+    overrides,
+    resumed_from,
+    saved,
+    sites,  # noqa: F401 - fixture
+    submit,
+    wait_for_step,
+    write_site,
+)
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+SLURMD_TIMEOUT = "30"
+"""How long Slurm waits before it marks a silent node down (the lab's; real sites: 300 s)."""
+
+
+def kill_node(lab, host: str) -> int:
+    """SIGKILL every process in `host`'s network namespace: slurmd, slurmstepd, the agent, Ray,
+    the trainer. Returns how many there were."""
+    ns = next(h.netns for h in lab.cfg.compute if h.name == host)
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                          check=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+def node_loss(run_dir: Path, restart: int, timeout: float = 60) -> tuple[dict, dict]:
+    """The requeue decision and the requeue of run `restart` after a node loss."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_state(run_dir, restart)
+        decided = [r for r in rows if r["event"] == REQUEUE_DECIDED and r.get("lost_nodes")]
+        done = [r for r in rows if r["event"] == REQUEUE_DONE]
+        if decided and done:
+            return decided[0], done[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no requeue after the node loss in run {restart}\n{logs(run_dir)}")
+
+
+def test_a_dead_worker_node_then_a_dead_head_node_requeue_on_spare_nodes(
+        lab_manager, sites, assets, tmp_path):  # noqa: F811 - fixtures
+    lab = lab_manager.get(nodes=5, extra={"SlurmdTimeout": SLURMD_TIMEOUT})
+    try:
+        write_site(sites, "nodefail", tmp_path / "runs", nodes=2, slow_s=0.4, slow_runs="0,1")
+        site = sites / "nodefail.yaml"  # with the user's own exclusion, kept through every requeue
+        site.write_text(site.read_text().replace("slurm:\n", "slurm:\n  extra_sbatch: ['--exclude=node5']\n"))
+        run_dir = tmp_path / "runs" / "nodefail"
+        job = submit(lab, sites, "nodefail", run_dir,
+                     [*overrides(assets, steps=12, save_freq=2), "trainer.nnodes=2"])
+        placed, noticed = [], []
+        for restart, rank in ((0, 1), (1, 0)):  # a worker dies, then the head of the rerun
+            wait_for_step(lab, job, run_dir, restart, (restart + 1) * 4 - 1, timeout=400)
+            nodes = lab.run("scontrol", "show", "hostnames", lab.job(job)["NodeList"]).stdout.split()
+            placed.append(nodes)
+            victim = nodes[rank]
+            t0 = time.time()
+            assert kill_node(lab, victim) > 0
+            decided, done = node_loss(run_dir, restart)
+            assert decided["lost_nodes"] == [victim], decided
+            noticed.append(decided["time"] - t0)
+            assert noticed[-1] < 30, f"{noticed[-1]:.1f} s to notice that {victim} died"
+            assert "set `ExcNodeList=" in done["message"], done
+            newest = max(saved(run_dir, restart))
+            wait_for_step(lab, job, run_dir, restart + 1, newest + 1, timeout=300)
+            assert resumed_from(run_dir, restart + 1) == newest, logs(run_dir)
+        rec = finished(lab, job, run_dir)
+        assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "2", (rec, logs(run_dir))
+        dead = [placed[0][1], placed[1][0]]
+        assert rec["ExcNodeList"] == ",".join(["node5", *dead]), rec
+        last = lab.run("scontrol", "show", "hostnames", rec["NodeList"]).stdout.split()
+        assert not set(last) & {"node5", *dead}, (last, dead)
+        check_metrics(run_dir, 12)
+        print(f"noticed the dead worker after {noticed[0]:.1f} s, the dead head after "
+              f"{noticed[1]:.1f} s")
+    finally:
+        lab_manager.discard()  # two of its nodes are dead
