@@ -130,6 +130,8 @@ class Head:
     def _after_failure(self, failed: Outcome, requeuer: Requeuer) -> Outcome:
         """A failure while the payload ran: if nodes died with it, the job is requeued without
         them; otherwise it ends as `failed` says (a payload's own error is not retried)."""
+        self.node.log.error("%s; checking whether nodes died with it (their heartbeats)",
+                            failed.cause)  # first: Slurm may end this agent meanwhile
         dead = dead_nodes(self.node, time.time(), self.heartbeat)
         if not dead:
             return failed

@@ -40,8 +40,9 @@ def stop_requested(paths: RunPaths) -> Outcome | None:
     stop = rdv.read_stop(paths)
     if not stop:
         return None
+    rank = f" (rank {stop['rank']})" if isinstance(stop.get("rank"), int) else ""
     return Outcome(
-        f"node `{stop.get('by')}` ended the job: {stop.get('reason')}", 1, str(stop.get("by"))
+        f"node `{stop.get('by')}`{rank} ended the job: {stop.get('reason')}", 1, str(stop.get("by"))
     )
 
 
