@@ -184,8 +184,13 @@ def temp_name(out: Path) -> str:
     return f"/tmp/{out.parent.name}-{out.name}"
 
 
-def seed_script(n: int, out: Path) -> str:
+def seed_script(n: int, out: Path, payload: str | None = None) -> str:
+    """The seed recipe for `n` nodes; after its sleeps it checks which nodes joined, or runs
+    `payload` (a shell command line, given `RAY_ADDRESS`) in its place."""
     venv_bin = Path(PYTHON).parent
+    check = (f"RAY_ADDRESS=$ip_head {payload}" if payload else
+             f"python -c '{VERIFY}' \"$ip_head\" \"$SLURM_JOB_NUM_NODES\" "
+             f"\"$(cat {out}/bench-joined)\" > {out}/verify.json")
     tmp = temp_name(out)
     ports = " ".join(f"--{k}={v}" for k, v in SEED_PORTS.items() if k != "port")
     return f"""#!/bin/bash
@@ -231,7 +236,7 @@ for ((i = 1; i <= worker_num; i++)); do
 done
 {STAMP}{out}/bench-joined
 
-python -c '{VERIFY}' "$ip_head" "$SLURM_JOB_NUM_NODES" "$(cat {out}/bench-joined)" > {out}/verify.json
+{check}
 kill -TERM "${{steps[@]}}"
 wait
 """

@@ -13,8 +13,10 @@ import errno
 import sys
 from collections.abc import Sequence
 
+from trainer import startup
 from trainer.stop import StopRequest
 
+startup.mark_process("python")
 # `python -m trainer` installs the stop handlers before the imports below load torch (seconds):
 # a stop request arriving during start-up is kept, not fatal (SIGUSR2's default action ends the
 # process). Imported as a module (tests), `main` installs them itself.
@@ -35,6 +37,8 @@ from trainer.exit_codes import (  # noqa: E402
 from trainer.metrics import MetricsError  # noqa: E402
 from trainer.rewards import RewardError  # noqa: E402
 from trainer.workers.group import WorkerFailure  # noqa: E402
+
+startup.mark_process("imports")
 
 
 def build_parser() -> argparse.ArgumentParser:

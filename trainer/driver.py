@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from trainer import models as M
+from trainer import startup
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
@@ -91,7 +92,8 @@ def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
     return {k: float(np.mean(v)) for k, v in collected.items() if v}
 
 
-def start_worker_groups(cfg: Config, total_steps: int) -> tuple[WorkerGroup, WorkerGroup | None, str]:
+def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
+                        ) -> tuple[WorkerGroup, WorkerGroup | None, str]:
     """The actor group and the critic group (None without a critic), on Ray or in this
     process, with their process groups formed; and where they run, in words."""
     if not use_ray(cfg):
@@ -102,14 +104,17 @@ def start_worker_groups(cfg: Config, total_steps: int) -> tuple[WorkerGroup, Wor
     else:
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
+        clock.mark("ray_connected")
         slot = make_placement_group(t.nnodes, t.n_gpus_per_node, 2 if cfg.derived.use_critic else 1)
         actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
                                world_size=world)
         critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)
                   if cfg.derived.use_critic else None)
+    clock.mark("workers_spawned")
     for group in (actor, critic):
         if group is not None:
             group.init_dist()
+    clock.mark("models_built")
     return actor, critic, where
 
 
@@ -118,6 +123,7 @@ class PPODriver:
 
     def __init__(self, cfg: Config, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
+        self.clock = startup.Clock()
         t = cfg.trainer
         self.ckpt_root = Path(t.default_local_dir or ".")
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
@@ -135,12 +141,13 @@ class PPODriver:
         self.global_step = 0
         self.rank_metrics: dict[str, float] = {}
         start = time.perf_counter()
-        self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps)
+        self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
         rollout = cfg.actor_rollout_ref.rollout
         self.rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
+        self.clock.mark("driver_ready")
         print(f"trainer: {self.world} rank(s) on {hosts} node(s) in {where}, ready in "
               f"{time.perf_counter() - start:.1f}s", flush=True)
 
@@ -517,6 +524,7 @@ class PPODriver:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generate(examples)
+            self.clock.mark("first_rollout")
             metrics = self._collect(batch, timer)
             metrics.update(self._update(batch, timer))
         metrics.update(self._step_metrics(batch, timer))
@@ -652,6 +660,8 @@ class PPODriver:
             self._maybe_validate(metrics)
             # Metrics first: a kill between the two leaves a line that resume drops, never a gap.
             logger.log(self.global_step, metrics)
+            self.clock.mark("first_step")
+            self.clock.write_once(self.run_dir)
             self.deadline.record_step(time.time() - began)
             stopping = self._stop_reason()
             self._maybe_save(stopping)

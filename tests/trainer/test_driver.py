@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer import startup
 from trainer.batch import micro_batch_rows
 from trainer.checkpoint import full_state as ckpt
 from trainer.config import load_config
@@ -201,6 +202,11 @@ def test_cli_stop_file_gives_requeue_status_and_resume_continues(
 
     assert AutoModelForCausalLM.from_pretrained(hf).num_parameters() > 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+    # where the start-up went, for bench/first_step_lab.py: every phase once, in order
+    marks = startup.read(run)["marks"]
+    assert list(marks) == ["python", "imports", "workers_spawned", "models_built", "driver_ready",
+                           "first_rollout", "first_step"], marks
+    assert list(marks.values()) == sorted(marks.values()), marks
 
 
 def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
