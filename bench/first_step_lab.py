@@ -83,8 +83,8 @@ def trainer_overrides(assets: Path, n: int, run_dir: Path) -> list[str]:
     return [f"data.train_files={assets / 'data' / 'train.parquet'}",
             f"data.val_files={assets / 'data' / 'test.parquet'}", "data.max_prompt_length=16",
             "data.max_response_length=4", f"actor_rollout_ref.model.path={assets / 'model'}",
-            "algorithm.adv_estimator=grpo", "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "algorithm.adv_estimator=grpo", "data.train_batch_size=6",  # rows split over 1-3 ranks
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
             "trainer.val_before_train=false", "trainer.device=cpu", "trainer.logger=['console']",
             "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
             f"trainer.nnodes={n}", "trainer.n_gpus_per_node=1", f"trainer.run_dir={run_dir}",
