@@ -39,6 +39,8 @@ from typing import Any
 from hpcrl.rundir import RunDir, RunFileError, read_job
 
 SPEC_VERSION = 1
+PAYLOAD_STARTS = ("all-joined", "head-alive")
+"""When the head starts the payload (`JobSpec.payload_start`)."""
 
 
 class JobSpecError(ValueError):
@@ -59,6 +61,11 @@ class JobSpec:
     created: float = field(default_factory=time.time, metadata={
         "help": "creation time, seconds since the epoch"})
     version: int = field(default=SPEC_VERSION, metadata={"help": "format version of job.json"})
+    payload_start: str = field(default="all-joined", metadata={
+        "help": "when the head starts the payload: `all-joined` (every node's Ray is in the "
+                "cluster) or `head-alive` (the head's Ray is; the payload waits for the other "
+                "nodes itself, as the trainer's placement group does, and its start-up overlaps "
+                "their joining)"})
 
     def to_json(self) -> str:
         data = {
@@ -70,6 +77,7 @@ class JobSpec:
             "max_requeues": self.max_requeues,
             "secrets": list(self.secrets),
             "created": self.created,
+            "payload_start": self.payload_start,
         }
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
@@ -92,18 +100,22 @@ class JobSpec:
                                f"version {SPEC_VERSION}: submit with the same hpcrl version")
         expected: dict[str, type | tuple[type, ...]] = {"site": str, "profile": dict, "payload": list, "nodes": int,
                     "max_requeues": int, "secrets": list, "created": (int, float)}
-        unknown = sorted(set(data) - set(expected) - {"version"})
+        unknown = sorted(set(data) - set(expected) - {"version", "payload_start"})
         if unknown:
             raise JobSpecError(f"job.json has unknown key(s) {unknown}; valid keys: "
-                               f"{', '.join(['version', *expected])}")
+                               f"{', '.join(['version', *expected, 'payload_start'])}")
         for key, typ in expected.items():
             if not isinstance(data.get(key), typ) or isinstance(data.get(key), bool):
                 raise JobSpecError(f"job.json key `{key}` is {data.get(key)!r}, which is not "
                                    f"a {getattr(typ, '__name__', 'number')}")
+        start = data.get("payload_start", "all-joined")  # absent in job.json files before it
+        if start not in PAYLOAD_STARTS:
+            raise JobSpecError(f"job.json key `payload_start` is {start!r}; expected one of "
+                               f"{', '.join(PAYLOAD_STARTS)}")
         return cls(site=data["site"], profile=data["profile"], payload=tuple(data["payload"]),
                    nodes=data["nodes"], max_requeues=data["max_requeues"],
                    secrets=tuple(data["secrets"]), created=float(data["created"]),
-                   version=data["version"])
+                   version=data["version"], payload_start=start)
 
 
 def default_payload(python: str, overrides: Sequence[str]) -> tuple[str, ...]:

@@ -47,8 +47,8 @@ def waiting_text(info: rundir.RestartInfo | None, queued: str | None = None) -> 
     if info is None:
         return "starting the node agent"
     total = info.nodes_total or "?"
-    if info.payload_started:
-        return f"{total}/{total} nodes joined; trainer loading the model and data"
+    if info.payload_started:  # a trainer started with the head alone waits for the others
+        return f"{info.nodes_joined}/{total} nodes joined; trainer loading the model and data"
     if info.nodes_total is None:
         return "node agent starting"
     return f"starting Ray: {info.nodes_joined}/{total} nodes joined"

@@ -331,9 +331,10 @@ def build_request(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
 
 
 def make_spec(profile: SiteProfile, payload: Sequence[str], *, nodes: int | None = None,
-              created: float | None = None) -> JobSpec:
-    """The job spec for `profile` (fully resolved profile embedded)."""
-    kwargs: dict[str, Any] = {}
+              created: float | None = None, payload_start: str = "all-joined") -> JobSpec:
+    """The job spec for `profile` (fully resolved profile embedded). `payload_start`
+    `head-alive` is for a payload that waits for the cluster's nodes itself (the trainer)."""
+    kwargs: dict[str, Any] = {"payload_start": payload_start}
     if created is not None:
         kwargs["created"] = created
     return JobSpec(site=profile.name, profile=profile_to_dict(profile), payload=tuple(payload),

@@ -5,9 +5,11 @@ Run as `python -m hpcrl.agent RUN_DIR` (one Slurm task per node, on the host). W
 If the submitting side exported `HPCRL_CANARY` (see `rendezvous.write_canary`), every node
 checks that it sees the same run directory.
 
-The payload (head node only) gets: `RAY_ADDRESS` (explicit, `[v6]:port` for IPv6),
+The payload runs on the head once every node joined, or, for the trainer (job.json
+`payload_start: head-alive`), once the head's own Ray is up: its start-up then overlaps the
+other nodes' joining, which its placement group waits for. It gets: `RAY_ADDRESS` (explicit, `[v6]:port` for IPv6),
 `MASTER_ADDR` (bare), `RAY_AUTH_MODE=token`, `RAY_AUTH_TOKEN_PATH`, `HPCRL_RUN_DIR`,
-`HPCRL_RESTART`, `HPCRL_JOB_ID`, `HPCRL_NUM_NODES`, `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME`
+`HPCRL_RESTART`, `HPCRL_JOB_ID`, `HPCRL_NUM_NODES`, `HPCRL_JOIN_TIMEOUT_S`, `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME`
 and the profile's `env`. SIGTERM, SIGUSR1 and SIGUSR2 sent to the agent reach the payload; its
 exit status becomes the job's.
 

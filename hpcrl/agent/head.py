@@ -1,5 +1,6 @@
-"""The head's part of a job: launch Ray's head, wait until every node joined, run the payload
-and watch it, the cluster and the clock until it exits or the job must end.
+"""The head's part of a job: launch Ray's head, wait until every node joined (or, for a payload
+that waits for its nodes itself, until the head's own Ray is up), run the payload and watch it,
+the cluster's joining and health and the clock until it exits or the job must end.
 
 The head wires the parts: `Launcher` (Ray and the GCS watcher), `GcsWatch` (the cluster),
 `StopControl` (signals and the clock become a stop request), `Requeuer` (what the payload's
@@ -63,11 +64,12 @@ class Head:
             lambda: ray_exited(node, ray)
             or signalled_before_payload(node, self.inbox)
             or stop_requested(node.paths),
+            head_only=node.job.payload_start == "head-alive",
         )
         if failed:
             return failed
         self.heartbeat.write("running")
-        payload = self._start_payload(cluster, deadline)
+        payload = self._start_payload(cluster, deadline, watch)
         return self._watch_payload(payload, ray, watch, stop, requeuer)
 
     def _payload_env(self, cluster: HeadCluster, deadline: Deadline) -> dict[str, str]:
@@ -80,16 +82,17 @@ class Head:
             "HPCRL_RESTART": str(node.ctx.restart),
             "HPCRL_JOB_ID": node.ctx.job_id,
             "HPCRL_NUM_NODES": str(node.ctx.num_nodes),
+            "HPCRL_JOIN_TIMEOUT_S": f"{node.job.join_timeout_s:.0f}",
             **({rq.END_TIME_ENV: f"{end:.0f}"} if end else {}),
         }
 
-    def _start_payload(self, cluster: HeadCluster, deadline: Deadline) -> Child:
+    def _start_payload(self, cluster: HeadCluster, deadline: Deadline, watch: GcsWatch) -> Child:
         node, job = self.node, self.node.job
         workdir = str(job.container.get("workdir") or node.run_dir)
-        node.log.info(
-            "all %d nodes joined; starting the payload: %s", node.ctx.num_nodes,
-            " ".join(job.payload),
-        )
+        when = ("" if watch.complete else
+                f"{len(watch.seen)}/{node.ctx.num_nodes} nodes joined, the others join while it "
+                "starts (`payload_start: head-alive`); ")
+        node.log.info("%sstarting the payload: %s", when, " ".join(job.payload))
         host_cwd = workdir if job.runtime == "none" else str(node.run_dir)
         child = node.start("payload", "payload", job.payload,
                            self._payload_env(cluster, deadline), workdir,
@@ -114,7 +117,8 @@ class Head:
             noted = noted or self._note_stop(stop)
             code = payload.poll()
             if code is not None:
-                return self._outcome(code if code >= 0 else 128 - code, stop, requeuer)
+                return self._outcome(code if code >= 0 else 128 - code, stop, requeuer, watch)
+            watch.progress()  # the nodes still joining, if any
             watch.refresh()
             failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
                 or watch.lost_nodes()
@@ -147,9 +151,13 @@ class Head:
                                terminated_by=stop.terminated_by)
         return True
 
-    def _outcome(self, status: int, stop: StopControl, requeuer: Requeuer) -> Outcome:
+    def _outcome(self, status: int, stop: StopControl, requeuer: Requeuer, watch: GcsWatch
+                 ) -> Outcome:
         self.node.state.append(PAYLOAD_EXITED, status=status, stop_reason=stop.reason)
         cause = f"payload exited with status {status}"
+        if not watch.complete:  # it started with the head alone; say who never came
+            cause += (f" while {len(watch.seen)}/{self.node.ctx.num_nodes} nodes had joined "
+                      f"(missing: {'; '.join(watch.missing())})")
         if stop.reason:
             cause += f" after the stop request ({stop.reason})"
         if status not in (0, REQUEUE_EXIT_CODE) and stop.reason is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from hpcrl.agent.ports import PortRange
 from hpcrl.allocation import AllocationError, RayOverrides
+from hpcrl.jobspec import PAYLOAD_STARTS
 from hpcrl.netaddr import NetworkPolicy
 from hpcrl.rundir import RunFileError, read_job
 
@@ -31,7 +32,7 @@ class AgentJob:
     """The agent's view of a job."""
 
     payload: tuple[str, ...]
-    """Command run on the head once every node joined (argv, inside the container)."""
+    """Command run on the head (argv, inside the container), when `payload_start` says."""
     nodes: int
     """Number of nodes the job asked for."""
     network: NetworkPolicy
@@ -66,6 +67,9 @@ class AgentJob:
     """Seconds before the time limit the warning is due (profile `slurm.signal_lead_s`)."""
     stop_signal: str = "USR2"
     """What the head's agent sends the payload to ask for a checkpoint and a stop."""
+    payload_start: str = "all-joined"
+    """`all-joined`: start the payload once every node's Ray is in the cluster; `head-alive`:
+    once the head's is (the payload, like the trainer, waits for the nodes it needs itself)."""
     ray_overrides: RayOverrides = RayOverrides()
     """Profile `ray.num_cpus`, `num_gpus`, `memory`, `object_store_memory`: replace what the
     agent derives from the job's allocation on the node (None: derive it)."""
@@ -126,6 +130,9 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         raise JobFileError(
             f"`max_requeues` is {max_requeues!r}; expected a whole number of at least 0"
         )
+    start = data.get("payload_start", "all-joined")
+    if start not in PAYLOAD_STARTS:
+        raise JobFileError(f"`payload_start` is {start!r}; expected one of {', '.join(PAYLOAD_STARTS)}")
     try:
         overrides = RayOverrides.from_profile(ray, "profile.ray")
     except AllocationError as exc:
@@ -149,6 +156,7 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         signal_lead_s=float(slurm.get("signal_lead_s", 300)),
         stop_signal=signal_name(agent.get("stop_signal") or "USR2", "profile.agent.stop_signal"),
         ray_overrides=overrides,
+        payload_start=start,
         **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
     )
 

@@ -67,11 +67,22 @@ def signalled_before_payload(node: Node, inbox: SignalInbox) -> Outcome | None:
 @dataclass
 class GcsWatch:
     """The head's view of the cluster: the newest set of nodes the GCS lists alive
-    (`ADDRESS:NODE_MANAGER_PORT` keys, from the watcher's lines) against the nodes' files."""
+    (`ADDRESS:NODE_MANAGER_PORT` keys, from the watcher's lines) against the nodes' files, and
+    the nodes' joining, which may go on while the payload runs (`payload_start: head-alive`)."""
 
     node: Node
     lines: queue.Queue[str]
     alive: set[str] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)
+    """Ranks ever listed alive: only these can be lost (the others have not joined yet)."""
+    complete: bool = False
+    """Every node joined."""
+    _shown: int = -1
+    _noted: float = field(default_factory=time.monotonic)
+    _deadline: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._deadline = time.monotonic() + self.node.job.join_timeout_s
 
     def refresh(self) -> None:
         """Take the watcher's new lines; keep the newest set of alive nodes."""
@@ -94,10 +105,10 @@ class GcsWatch:
         return joined, arrived
 
     def lost_nodes(self) -> Outcome | None:
-        """A node's Ray left the GCS, or its agent stopped its heartbeat."""
+        """A node's Ray left the GCS after it had joined, or its agent stopped its heartbeat."""
         arrived = rdv.read_nodes(self.node.paths)
         for rank, d in sorted(arrived.items()):
-            if _key(d) not in self.alive:
+            if rank in self.seen and _key(d) not in self.alive:
                 return Outcome(
                     f"Ray on node `{d.get('host')}` (rank {rank}) is no longer alive in the GCS",
                     1,
@@ -111,48 +122,66 @@ class GcsWatch:
                 )
         return None
 
+    def missing(self) -> list[str]:
+        """The nodes not (yet) in the cluster, each with why (:func:`rdv.missing_nodes`)."""
+        joined, arrived = self.joined()
+        return rdv.missing_nodes(self.node.ctx.nodes, arrived, joined)
+
+    def progress(self) -> bool:
+        """One look at the joining: writes `head-alive` once the GCS lists the head (the
+        workers start Ray then), records each change, names the missing nodes every 10 s and
+        raises AgentError when they did not join within `join_timeout_s`. True once every node
+        joined."""
+        if self.complete:
+            return True
+        node, n = self.node, self.node.ctx.num_nodes
+        self.refresh()
+        joined, arrived = self.joined()
+        self.seen |= joined
+        if 0 in joined and not node.paths.head_alive.exists():
+            rdv.atomic_write_text(node.paths.head_alive, f"{time.time()}\n", 0o600)
+            node.log.info("head node alive in the GCS; workers start Ray now")
+        if len(joined) != self._shown:
+            self._shown = len(joined)
+            node.log.info("%d/%d nodes joined", self._shown, n)
+            node.state.append(NODES_JOINED, joined=self._shown, total=n)
+        if len(joined) == n:
+            self.complete = True
+            node.log.info("all %d nodes joined", n)
+            return True
+        now = time.monotonic()
+        missing = rdv.missing_nodes(node.ctx.nodes, arrived, joined)
+        if now - self._noted > 10:
+            node.log.info("%d/%d nodes joined; waiting for %s", len(joined), n, ", ".join(missing))
+            self._noted = now
+        if now > self._deadline:
+            raise AgentError(
+                f"only {len(joined)}/{n} nodes joined the Ray cluster within "
+                f"{node.job.join_timeout_s:.0f} s; missing: {'; '.join(missing)}. See their "
+                f"agent logs in `{node.paths.logs}`"
+            )
+        return False
+
     def wait_for_cluster(
         self,
         heartbeat: Heartbeat,
         warned: Callable[[], Outcome | None],
         failure: Callable[[], Outcome | None],
+        head_only: bool = False,
     ) -> Outcome | None:
-        """Wait until every node's Ray is alive in the GCS (None), or `warned` (the time limit
-        is near, checked first) or `failure` says the job ends. Writes `head-alive` once the
-        head is listed, so the workers start Ray."""
-        node, n = self.node, self.node.ctx.num_nodes
-        deadline = time.monotonic() + node.job.join_timeout_s
-        shown, last_note = -1, time.monotonic()
+        """Wait until every node's Ray is alive in the GCS, or only the head's (`head_only`;
+        :meth:`progress` then goes on while the payload runs): None; or `warned` (the time
+        limit is near, checked first) or `failure` says the job ends."""
         while True:
             early = warned()
             if early:
                 return early
-            self.refresh()
-            joined, arrived = self.joined()
-            if 0 in joined and not node.paths.head_alive.exists():
-                rdv.atomic_write_text(node.paths.head_alive, f"{time.time()}\n", 0o600)
-                node.log.info("head node alive in the GCS; workers start Ray now")
-            if len(joined) != shown:
-                shown = len(joined)
-                node.log.info("%d/%d nodes joined", shown, n)
-                node.state.append(NODES_JOINED, joined=shown, total=n)
-            if len(joined) == n:
+            if self.progress() or (head_only and 0 in self.seen):
                 return None
             failed = failure()
             if failed:
                 return failed
             heartbeat.beat("starting")
-            now = time.monotonic()
-            missing = rdv.missing_nodes(node.ctx.nodes, arrived, joined)
-            if now - last_note > 10:
-                node.log.info("%d/%d nodes joined; waiting for %s", shown, n, ", ".join(missing))
-                last_note = now
-            if now > deadline:
-                raise AgentError(
-                    f"only {len(joined)}/{n} nodes joined the Ray cluster within "
-                    f"{node.job.join_timeout_s:.0f} s; missing: {'; '.join(missing)}. See their "
-                    f"agent logs in `{node.paths.logs}`"
-                )
             time.sleep(TICK_S)
 
 

@@ -98,13 +98,13 @@ def prepare(args: argparse.Namespace) -> Any:
         if not payload:
             raise RequestError("`--command` needs the command after `--`, e.g. "
                                "`hpcrl submit --command -- env`")
-        argv = tuple(payload)
-    else:
-        argv = default_payload(profile.container.python or python, payload)
+        argv, start = tuple(payload), "all-joined"
+    else:  # the trainer waits for its nodes (its placement group): start it with the head
+        argv, start = default_payload(profile.container.python or python, payload), "head-alive"
     if args.run_dir is not None and not args.run_dir.strip():
         raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
                            "new one under the profile's `run_root`")
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
-    spec = make_spec(profile, argv)
+    spec = make_spec(profile, argv, payload_start=start)
     via = getattr(args, "via", "sbatch")
     return profile, build_request(profile, spec, os.path.abspath(run_dir), python, via=via)

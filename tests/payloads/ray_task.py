@@ -4,6 +4,8 @@ Environment: PAYLOAD_EXIT (exit status), PAYLOAD_SLEEP (seconds to wait before e
 PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused),
 PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 or SIGUSR2, the agent's stop request, and
 exit 42),
+PAYLOAD_WAIT_NODES=N (report the nodes alive at the start, then wait up to 120 s for N, as
+the trainer's placement group does when the head starts it with `payload_start: head-alive`),
 PAYLOAD_PROBE_DASHBOARD=1 (report whether the dashboard port answers on loopback and on the
 node address).
 """
@@ -52,6 +54,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 ray.init(address=address, log_to_driver=False)
 alive = [n for n in ray.nodes() if n["Alive"]]
+want = int(os.environ.get("PAYLOAD_WAIT_NODES", "0"))
+if want:
+    print(f"payload: started with {len(alive)} alive nodes", flush=True)
+    until = time.monotonic() + 120
+    while len(alive) < want and time.monotonic() < until:
+        time.sleep(0.2)
+        alive = [n for n in ray.nodes() if n["Alive"]]
 print(f"payload: {len(alive)} alive nodes", flush=True)
 
 

@@ -106,13 +106,16 @@ def make_placement_group(nnodes: int, per_node: int, groups: int) -> WorkerSlot:
     strategy = "STRICT_SPREAD" if nnodes > 1 else "PACK"
     pg = placement_group([dict(bundle) for _ in range(nnodes)], strategy=strategy)
     ready = pg.ready()
-    done, _ = ray.wait([ready], timeout=PLACEMENT_TIMEOUT_S)
+    # started by hpcrl with the head alone, the nodes may still be joining: the agent's own
+    # join timeout (naming the missing nodes) ends the job before this one does
+    timeout = max(PLACEMENT_TIMEOUT_S, float(os.environ.get("HPCRL_JOIN_TIMEOUT_S") or 0) + 30)
+    done, _ = ray.wait([ready], timeout=timeout)
     if not done:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         have = [f"{n.get('NodeManagerHostname')}: {n.get('Resources', {})}" for n in alive]
         raise WorkerFailure(
             f"could not place {nnodes} worker bundle(s) of {bundle} ({strategy}: one per node) within "
-            f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {len(alive)} node(s): {'; '.join(have)}. "
+            f"{timeout:.0f} s; the cluster has {len(alive)} node(s): {'; '.join(have)}. "
             "Fix: make `trainer.nnodes` at most the number of nodes and `trainer.n_gpus_per_node` at "
             "most the GPUs (or CPUs) of each node")
     return WorkerSlot(placement_group=pg, per_node=per_node, use_gpu=use_gpu, groups=groups)

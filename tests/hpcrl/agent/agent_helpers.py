@@ -21,6 +21,7 @@ def make_run(
     agent: dict | None = None,
     dashboard: bool = False,
     family: str = "auto",
+    payload_start: str = "all-joined",
 ) -> Path:
     run = root / name
     run.mkdir()
@@ -37,6 +38,7 @@ def make_run(
             "agent": agent or {},
         },
         "payload": [sys.executable, str(PAYLOAD)],
+        "payload_start": payload_start,
     }
     (run / "job.json").write_text(json.dumps(job))
     return run

@@ -72,6 +72,33 @@ def test_two_agent_job_survives_join_and_ends_fast_when_a_worker_dies(tmp_path: 
         shutil.rmtree(stale)
 
 
+def test_a_payload_started_with_the_head_alone_sees_the_others_join(tmp_path: Path) -> None:
+    """`payload_start: head-alive` (the trainer's): the head starts the payload as soon as its
+    own Ray is up, before the worker's agent has even started; the worker joins while the
+    payload runs, and the head records it."""
+    run = make_run(tmp_path, f"7{os.getpid()}", {"PAYLOAD_WAIT_NODES": "2"}, nodes=2,
+                   payload_start="head-alive")
+    slurm = slurm_env(run.name, 2)
+    head = start_agent(run, {**slurm, "SLURM_NODEID": "0"})
+    worker = None
+    try:
+        wait_for_text(run / "0" / "logs" / "payload.log", "payload: started with 1 alive nodes", 120)
+        worker = start_agent(run, {**slurm, "SLURM_NODEID": "1"})
+        out, _ = head.communicate(timeout=120)
+        worker.communicate(timeout=60)
+    finally:
+        for p in (head, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert head.returncode == 0, out
+    assert "1/2 nodes joined, the others join while it starts (`payload_start: head-alive`); " \
+        "starting the payload" in out
+    assert out.index("starting the payload") < out.index("all 2 nodes joined")
+    assert "one task ran on each of 2 nodes" in (run / "0" / "logs" / "payload.log").read_text()
+    assert worker.returncode == 0
+    assert leftovers(run, ranks=(0, 1)) == []
+
+
 def test_join_timeout_names_the_nodes_that_did_not_arrive(tmp_path: Path) -> None:
     """Three nodes, only rank 0 and rank 1 start; the head gives up naming rank 2."""
     run = make_run(tmp_path, f"8{os.getpid()}", {}, nodes=3, agent={"join_timeout_s": 25})
