@@ -123,7 +123,7 @@ class Head:
             failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
                 or watch.lost_nodes()
             if failed and stop.reason is None:
-                return self._after_failure(failed, requeuer)
+                return self._after_failure(failed, requeuer, watch)
             if failed and not ignored:
                 ignored = True
                 self.node.log.info("%s; waiting for the payload, which was asked to stop",
@@ -131,16 +131,25 @@ class Head:
             self.heartbeat.beat("running")
             time.sleep(TICK_S)
 
-    def _after_failure(self, failed: Outcome, requeuer: Requeuer) -> Outcome:
-        """A failure while the payload ran: if nodes died with it, the job is requeued without
-        them; otherwise it ends as `failed` says (a payload's own error is not retried)."""
+    def _after_failure(self, failed: Outcome, requeuer: Requeuer, watch: GcsWatch) -> Outcome:
+        """A failure while the payload ran: if nodes died with it (their agents stopped
+        beating) or were cut off (they left the GCS while their agents beat on), the job is
+        requeued without them; otherwise it ends as `failed` says (a payload's own error is not
+        retried)."""
         self.node.log.error("%s; checking whether nodes died with it (their heartbeats)",
                             failed.cause)  # first: Slurm may end this agent meanwhile
         dead = dead_nodes(self.node, time.time(), self.heartbeat)
-        if not dead:
+        cut = [(r, h) for r, h in watch.cut_off() if r not in {r for r, _ in dead}]
+        if not dead and not cut:
             return failed
-        hosts = [host for _, host in dead]
-        self.node.log.error("%s; node(s) %s died", failed.cause, ", ".join(hosts))
+        hosts = [host for _, host in dead + cut]
+        if dead:
+            self.node.log.error("%s; node(s) %s died", failed.cause,
+                                ", ".join(h for _, h in dead))
+        if cut:
+            self.node.log.error("%s; node(s) %s left the Ray cluster while their agents still "
+                                "beat: their network is cut off", failed.cause,
+                                ", ".join(h for _, h in cut))
         return requeuer.after_node_loss(hosts, failed.cause)
 
     def _note_stop(self, stop: StopControl) -> bool:
@@ -161,7 +170,8 @@ class Head:
         if stop.reason:
             cause += f" after the stop request ({stop.reason})"
         if status not in (0, REQUEUE_EXIT_CODE) and stop.reason is None:
-            return self._after_failure(Outcome(cause, status, self.node.ctx.hostname), requeuer)
+            return self._after_failure(Outcome(cause, status, self.node.ctx.hostname), requeuer,
+                                       watch)
         if status != REQUEUE_EXIT_CODE:
             return Outcome(cause, status, self.node.ctx.hostname)
         return requeuer.after_request(f"{cause}: checkpointed, asks to be requeued", status)

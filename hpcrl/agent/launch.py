@@ -51,6 +51,16 @@ WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"
 
 
+HEALTH_CHECK_ENV = {
+    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "5",
+}
+"""How fast the GCS declares a silent node dead (Ray's defaults, 3 s apart with 10 s timeouts,
+take 30 s or more for a node whose network is cut; a dead process is seen at once either way):
+five missed checks 2 s apart. The profile's `env` may set other values."""
+
+
 def taken_port(block: PortBlock, claims: PortClaims) -> str:
     """Why `block` cannot be used here: the agent that claimed it, or `port P is held by pid N
     (command)` for its first port in use."""
@@ -236,6 +246,7 @@ class Launcher:
     ) -> dict[str, str]:
         return {
             **self.node.env,
+            **HEALTH_CHECK_ENV,
             **self.node.job.env,
             **self._version_env(),
             **alloc.device_env,  # the devices this job was granted, over the profile's list

@@ -122,6 +122,15 @@ class GcsWatch:
                 )
         return None
 
+    def cut_off(self) -> list[tuple[int, str]]:
+        """Other nodes that joined and are no longer alive in the GCS, whatever their agents'
+        heartbeats say: with its network cut from the head's, a node's agent may go on beating
+        through the shared file system while Ray (and every collective) lost it."""
+        self.refresh()
+        arrived = rdv.read_nodes(self.node.paths)
+        return [(r, str(d.get("host"))) for r, d in sorted(arrived.items())
+                if r in self.seen and r != self.node.ctx.node_rank and _key(d) not in self.alive]
+
     def missing(self) -> list[str]:
         """The nodes not (yet) in the cluster, each with why (:func:`rdv.missing_nodes`)."""
         joined, arrived = self.joined()

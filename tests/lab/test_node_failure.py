@@ -1,7 +1,9 @@
-"""Whole nodes dying mid-run on the Slurm lab, with the real trainer on two nodes: every process
-of the node (slurmd, its job steps, the agent, Ray and the trainer's rank) is killed at once.
+"""Whole nodes failing mid-run on the Slurm lab, with the real trainer on two nodes.
 
-First a worker node dies, then, in the requeued run, the head node. Each time the surviving
+First a worker node's network is cut (its link goes down: slurmd, Ray and the trainer's rank
+lose every peer while its agent goes on beating through the shared run directory, so only the
+GCS can tell), then, in the requeued run, the head node dies (every process of the node:
+slurmd, its job steps, the agent, Ray and the trainer's rank, killed at once). Each time the surviving
 agents notice within 30 s, the job is requeued with the dead node added to its `ExcNodeList`
 (keeping the user's `--exclude`), and the rerun resumes from the newest complete checkpoint on a
 spare node. Slurm itself keeps the requeued job `COMPLETING` until it marks the dead node down
@@ -52,6 +54,12 @@ def kill_node(lab, host: str) -> int:
     return len(pids)
 
 
+def cut_network(lab, host: str) -> None:
+    """Take `host`'s only link down: its processes live on, cut off from every other node."""
+    ns = next(h.netns for h in lab.cfg.compute if h.name == host)
+    subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
+
+
 def node_loss(run_dir: Path, restart: int, timeout: float = 60) -> tuple[dict, dict]:
     """The requeue decision and the requeue of run `restart` after a node loss."""
     deadline = time.monotonic() + timeout
@@ -65,7 +73,7 @@ def node_loss(run_dir: Path, restart: int, timeout: float = 60) -> tuple[dict, d
     raise AssertionError(f"no requeue after the node loss in run {restart}\n{logs(run_dir)}")
 
 
-def test_a_dead_worker_node_then_a_dead_head_node_requeue_on_spare_nodes(
+def test_a_cut_off_worker_node_then_a_dead_head_node_requeue_on_spare_nodes(
         lab_manager, sites, assets, tmp_path):  # noqa: F811 - fixtures
     lab = lab_manager.get(nodes=5, extra={"SlurmdTimeout": SLURMD_TIMEOUT})
     try:
@@ -76,17 +84,20 @@ def test_a_dead_worker_node_then_a_dead_head_node_requeue_on_spare_nodes(
         job = submit(lab, sites, "nodefail", run_dir,
                      [*overrides(assets, steps=12, save_freq=2), "trainer.nnodes=2"])
         placed, noticed = [], []
-        for restart, rank in ((0, 1), (1, 0)):  # a worker dies, then the head of the rerun
+        for restart, rank in ((0, 1), (1, 0)):  # a worker is cut off, then the head dies
             wait_for_step(lab, job, run_dir, restart, (restart + 1) * 4 - 1, timeout=400)
             nodes = lab.run("scontrol", "show", "hostnames", lab.job(job)["NodeList"]).stdout.split()
             placed.append(nodes)
             victim = nodes[rank]
             t0 = time.time()
-            assert kill_node(lab, victim) > 0
+            if rank == 1:
+                cut_network(lab, victim)
+            else:
+                assert kill_node(lab, victim) > 0
             decided, done = node_loss(run_dir, restart)
             assert decided["lost_nodes"] == [victim], decided
             noticed.append(decided["time"] - t0)
-            assert noticed[-1] < 30, f"{noticed[-1]:.1f} s to notice that {victim} died"
+            assert noticed[-1] < 30, f"{noticed[-1]:.1f} s to notice that {victim} failed"
             assert "set `ExcNodeList=" in done["message"], done
             newest = max(saved(run_dir, restart))
             wait_for_step(lab, job, run_dir, restart + 1, newest + 1, timeout=300)
@@ -98,7 +109,7 @@ def test_a_dead_worker_node_then_a_dead_head_node_requeue_on_spare_nodes(
         last = lab.run("scontrol", "show", "hostnames", rec["NodeList"]).stdout.split()
         assert not set(last) & {"node5", *dead}, (last, dead)
         check_metrics(run_dir, 12)
-        print(f"noticed the dead worker after {noticed[0]:.1f} s, the dead head after "
+        print(f"noticed the cut-off worker after {noticed[0]:.1f} s, the dead head after "
               f"{noticed[1]:.1f} s")
     finally:
-        lab_manager.discard()  # two of its nodes are dead
+        lab_manager.discard()  # one of its nodes is cut off, one dead

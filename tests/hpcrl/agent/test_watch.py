@@ -50,6 +50,7 @@ def test_nodes_still_joining_are_not_lost_but_a_joined_node_that_leaves_is(tmp_p
     assert watch.progress() is False
     assert paths.head_alive.exists() and watch.seen == {0}
     assert watch.lost_nodes() is None  # rank 1 arrived and is still starting Ray; rank 2 absent
+    assert watch.cut_off() == []
     assert watch.missing() == ["n2 (rank 1: agent is `starting`, not yet in the Ray cluster)",
                                "n3 (rank 2: its agent never wrote a node file)"]
     arrive(paths, 2)
@@ -59,6 +60,8 @@ def test_nodes_still_joining_are_not_lost_but_a_joined_node_that_leaves_is(tmp_p
     watch.refresh()
     lost = watch.lost_nodes()
     assert lost is not None and lost.cause == "Ray on node `n2` (rank 1) is no longer alive in the GCS"
+    arrive(paths, 1)  # its agent beats on (a network cut): still cut off from the cluster
+    assert watch.cut_off() == [(1, "n2")]
 
 
 def test_head_only_wait_returns_once_the_head_is_alive(tmp_path: Path) -> None:
