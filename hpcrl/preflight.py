@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rundir import trainer_dirs
+from hpcrl.rundir import reading_env, trainer_dirs
 from trainer.algos import registry
 from trainer.config import ConfigError, load_defaults, override_values
 
@@ -53,12 +53,13 @@ def check_local_nodes(site: str, scheduler: str, nodes: int) -> list[str]:
 # ----------------------------------------------------------------------------- overrides
 
 
-def parse_overrides(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = None
+                    ) -> tuple[dict[str, Any], list[str]]:
     """The trainer overrides among `args`, read by the trainer's own rules (verl's grammar,
-    interpolations resolved): the value each key ends with, or the problem the trainer would
-    stop on at its start."""
+    interpolations resolved, with `job_env`: what the agent will give the trainer): the value
+    each key ends with, or the problem the trainer would stop on at its start."""
     try:
-        return override_values(args), []
+        return override_values(args, job_env), []
     except ConfigError as err:
         return {}, [f"the trainer overrides are refused: {err}"]
 
@@ -235,9 +236,10 @@ def check_space(ckpt_root: Path, model: Path, with_critic: bool,
 
 def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
                       read_columns: Callable[[Path], list[str] | None] = parquet_columns,
-                      free: Callable[[Path], int] = disk_free) -> list[str]:
-    """Every check of a trainer job whose payload overrides are `payload_args`."""
-    overrides, problems = parse_overrides(payload_args)
+                      free: Callable[[Path], int] = disk_free, nodes: int = 1) -> list[str]:
+    """Every check of a trainer job on `nodes` nodes whose payload overrides are
+    `payload_args`."""
+    overrides, problems = parse_overrides(payload_args, reading_env(nodes, run_dir))
     if problems:
         return problems
     defaults = trainer_defaults()

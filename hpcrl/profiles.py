@@ -77,10 +77,20 @@ def _frozen_map() -> Mapping[str, str]:
 class SlurmConfig:
     """Slurm defaults for the site (each may be overridden on the command line)."""
 
+    @property
+    def node_range(self) -> str | None:
+        """`MIN-MAX` when the job may resume on fewer nodes than `nodes` (`min_nodes`)."""
+        low = self.min_nodes
+        return f"{low}-{self.nodes}" if low is not None and low < self.nodes else None
+
     partition: str | None = _f("partition (`#SBATCH --partition`); null: the cluster default", None)
     account: str | None = _f("account to charge (`--account`)", None)
     qos: str | None = _f("quality of service (`--qos`)", None)
     nodes: int = _f("number of nodes", 1)
+    min_nodes: int | None = _f(
+        "fewest nodes the job may resume on: after a node died, a requeued job that finds no "
+        "spare node free asks for fewer nodes (not below this) and the trainer resumes on "
+        "them (hpcrl sets `trainer.nnodes` from the nodes granted); null: always `nodes`", None)
     gpus_per_node: int = _f("GPUs per node (`--gpus-per-node`); 0: none requested", 0)
     cpus_per_task: int | None = _f("CPUs for the one task per node (`--cpus-per-task`)", None)
     mem: str | None = _f("memory per node (`--mem`, e.g. `200G`, `0` for all)", None)
@@ -580,6 +590,9 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
         raise err("slurm.max_requeues", f"must be 0 or more, got {p.slurm.max_requeues}")
     if p.slurm.nodes < 1:
         raise err("slurm.nodes", f"must be at least 1, got {p.slurm.nodes}")
+    if p.slurm.min_nodes is not None and not 1 <= p.slurm.min_nodes <= p.slurm.nodes:
+        raise err("slurm.min_nodes", f"must be between 1 and `slurm.nodes` ({p.slurm.nodes}), "
+                  f"got {p.slurm.min_nodes}")
     if p.python is not None and not os.path.isabs(p.python):
         raise err("python", f"must be an absolute path (jobs may start with an empty PATH), "
                   f"got {p.python!r}")

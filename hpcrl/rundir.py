@@ -454,11 +454,21 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
 # ----------------------------------------------------------------------------- trainer's files
 
 
+def reading_env(nodes: int, run_dir: Path) -> dict[str, str]:
+    """The variables the node agent gives the trainer that its overrides may name
+    (`${oc.env:HPCRL_NUM_NODES}`), as the launcher assumes them when it reads the overrides
+    before or after the job (the nodes asked for; the agent passes the nodes granted)."""
+    return {"HPCRL_NUM_NODES": str(nodes), "HPCRL_RUN_DIR": str(run_dir)}
+
+
 def payload_overrides(run_dir: Path) -> dict[str, Any]:
     """The trainer overrides of the payload in `RUN/job.json`, read by the trainer's rules
     (empty if the file is unreadable or the trainer refuses them)."""
     try:
-        return override_values([a for a in read_job(run_dir).get("payload", []) if isinstance(a, str)])
+        job = read_job(run_dir)
+        nodes = job.get("nodes") if isinstance(job.get("nodes"), int) else 1
+        return override_values([a for a in job.get("payload", []) if isinstance(a, str)],
+                               reading_env(nodes, run_dir))
     except (RunFileError, ConfigError):
         return {}
 

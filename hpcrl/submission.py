@@ -178,6 +178,12 @@ IDENTITY_LINES = (
     ': "${HOME:=$(getent passwd "$USER" | cut -d: -f6)}"; export HOME',
 )
 
+STEP_LINES = (
+    "# One node agent per node: a job requeued onto fewer nodes (`slurm.min_nodes`) keeps its",
+    "# first task count in SLURM_NTASKS, which srun would otherwise spread over the survivors.",
+    'export SLURM_NTASKS="$SLURM_JOB_NUM_NODES" SLURM_NPROCS="$SLURM_JOB_NUM_NODES"',
+)
+
 
 def signal_name(profile: SiteProfile) -> str:
     """The warning signal as Slurm and bash both take it (`sigusr1` -> `USR1`)."""
@@ -229,7 +235,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
         sbatch_options=[sbatch_option(k, v) for k, v in options],
         comments=preview,
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
-        identity=list(IDENTITY_LINES),
+        identity=[*IDENTITY_LINES, *STEP_LINES],
         run_dir=shlex.quote(run_dir),
         job_file=shlex.quote(rundir.job_file(run_dir)),
         setup=list(profile.slurm.setup),
@@ -296,6 +302,7 @@ def setup_lines(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) 
     lines = ["export SLURM_EXPORT_ENV=ALL"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job_env(profile, python, spec, run_dir).items()]
     lines += IDENTITY_LINES[1:]
+    lines += STEP_LINES
     lines += ["# submitit runs srun in the foreground, so this shell could not act on the warning",
               "# signal before the job ends; it ignores it and the node agents keep their own clock",
               f"trap '' {signal_name(profile)}"]

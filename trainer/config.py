@@ -800,12 +800,20 @@ def is_override(arg: str) -> bool:
     return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
 
 
-def override_values(args: Sequence[str]) -> dict[str, Any]:
+def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The keys the overrides among `args` set and the value each ends with (verl's grammar,
     interpolations resolved, `~key` back to its default): how the launcher reads a payload's
     overrides (submit's checks, the run directory's paths), by the trainer's own rules. Keys
-    this trainer does not have are left out. Raises ConfigError as the trainer would."""
-    tree, keys = _apply(load_defaults(), [a for a in args if is_override(a)])
+    this trainer does not have are left out. `job_env`: variables the job will have that this
+    process lacks (`${oc.env:HPCRL_NUM_NODES}`), for the reading only. Raises ConfigError as the
+    trainer would."""
+    added = {k: v for k, v in (job_env or {}).items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        tree, keys = _apply(load_defaults(), [a for a in args if is_override(a)])
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
     return {key: _lookup(tree, key)[1] for key in keys}
 
 

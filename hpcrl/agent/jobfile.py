@@ -67,6 +67,8 @@ class AgentJob:
     """Seconds before the time limit the warning is due (profile `slurm.signal_lead_s`)."""
     stop_signal: str = "USR2"
     """What the head's agent sends the payload to ask for a checkpoint and a stop."""
+    min_nodes: int | None = None
+    """Fewest nodes a requeue after a node loss may ask for (profile `slurm.min_nodes`)."""
     payload_start: str = "all-joined"
     """`all-joined`: start the payload once every node's Ray is in the cluster; `head-alive`:
     once the head's is (the payload, like the trainer, waits for the nodes it needs itself)."""
@@ -157,6 +159,7 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         stop_signal=signal_name(agent.get("stop_signal") or "USR2", "profile.agent.stop_signal"),
         ray_overrides=overrides,
         payload_start=start,
+        min_nodes=slurm.get("min_nodes") if isinstance(slurm.get("min_nodes"), int) else None,
         **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
     )
 

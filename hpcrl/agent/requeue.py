@@ -102,14 +102,37 @@ def merged_exclusions(current: str, lost: Sequence[str]) -> str:
     return ",".join([*kept, *(h for h in dict.fromkeys(lost) if h not in kept)])
 
 
-def node_loss_message(lost: Sequence[str], decision: RequeueDecision, excluded: str) -> str:
-    """What the log and the summary say when lost nodes end the job."""
+def shrunk_nodes(nodes: int, lost: int, spares: int, min_nodes: int | None) -> int | None:
+    """The node count a job requeued after losing `lost` of its `nodes` asks for: None (as
+    many as now) when `spares` free nodes make up for the lost ones or the run may not shrink
+    (`min_nodes` None); else as many as the survivors and the spares, not below `min_nodes`."""
+    if min_nodes is None or min_nodes >= nodes:
+        return None
+    count = max(min_nodes, min(nodes, nodes - lost + spares))
+    return count if count < nodes else None
+
+
+def node_loss_message(lost: Sequence[str], decision: RequeueDecision, excluded: str,
+                      shrunk: tuple[int, int] | None = None) -> str:
+    """What the log and the summary say when lost nodes end the job; `shrunk`: (nodes asked
+    for now, before)."""
     nodes = ", ".join(f"`{h}`" for h in lost)
     if decision.action != REQUEUE:
         return f"node {nodes} died; {decision.message}"
+    where = ("on the nodes Slurm gives it next (it waits while the partition has no spare node)"
+             if shrunk is None else
+             f"on {shrunk[0]} nodes instead of {shrunk[1]} (no spare node was free; "
+             "`slurm.min_nodes` allows it), the trainer on as many")
     return (f"node {nodes} died; {decision.message}, excluding {nodes} (`ExcNodeList={excluded}`"
-            "); the run resumes from its newest complete checkpoint on the nodes Slurm gives "
-            "it next (it waits while the partition has no spare node)")
+            f"); the run resumes from its newest complete checkpoint {where}")
+
+
+def idle_spares(partition: str, excluded: str) -> int:
+    """Idle nodes of `partition` that a job excluding `excluded` (hostlist) could get."""
+    idle = set(run_slurm(["sinfo", "-h", "-N", "-t", "idle", "-p", partition, "-o", "%N"]).split())
+    if excluded.strip() in NO_EXCLUSIONS:
+        return len(idle)
+    return len(idle - set(run_slurm(["scontrol", "show", "hostnames", excluded]).split()))
 
 
 def preempted_in_grace(info: Mapping[str, str]) -> bool:
@@ -157,10 +180,24 @@ def scontrol_requeue(target: str) -> None:
     run_slurm(["scontrol", "requeue", target])
 
 
-def scontrol_exclude(target: str, nodes: str) -> None:
-    """Set the (requeued, pending) job's `ExcNodeList`: Slurm refuses it for a running job, and
-    sends the requeued job's processes SIGTERM, this command's too unless shielded."""
-    run_slurm(["scontrol", "update", f"JobId={target}", f"ExcNodeList={nodes}"], shielded=True)
+def resize_fields(info: Mapping[str, str], nodes: int, to: int) -> list[str]:
+    """The `scontrol update` fields that move a pending job of `nodes` nodes (`info`: its
+    `scontrol show job`) to `to` nodes: the node count as min and max, one task per node, and
+    its CPUs scaled alike; Slurm keeps the first run's task and CPU totals otherwise and calls
+    the smaller job never runnable ("Requested node configuration is not available")."""
+    fields = [f"NumNodes={to}-{to}", f"NumTasks={to}"]
+    cpus = info.get("NumCPUs", "")
+    if cpus.isdigit():
+        fields.append(f"NumCPUs={-(-int(cpus) * to // nodes)}")
+    return fields
+
+
+def scontrol_exclude(target: str, nodes: str, resize: Sequence[str] = ()) -> None:
+    """Set the (requeued, pending) job's `ExcNodeList` and the `resize` fields (see
+    `resize_fields`): Slurm refuses both for a running job, and sends the requeued job's
+    processes SIGTERM, this command's too unless shielded."""
+    run_slurm(["scontrol", "update", f"JobId={target}", f"ExcNodeList={nodes}", *resize],
+              shielded=True)
 
 
 def scontrol_end_time(target: str) -> float | None:

@@ -9,6 +9,7 @@ import functools
 import logging
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,38 +69,62 @@ class Requeuer:
         return self.stop.terminated_by if self.stop else None
 
     def after_node_loss(self, lost: list[str], what: str) -> Outcome:
-        """Nodes died (their agents stopped beating): the job is requeued, as after a requeue
-        request (same decision and `max_requeues`), with the lost nodes added to the job's
+        """Nodes died or were cut off: the job is requeued at once, as after a requeue request
+        (same decision and `max_requeues`), with the lost nodes added to the job's
         `ExcNodeList` once it is pending again (Slurm refuses that for a running job), so that
-        the rerun resumes on other nodes. The last complete checkpoint stands; nothing could be
-        saved, since a rank is gone."""
+        the rerun resumes on other nodes, or on fewer (`slurm.min_nodes`) when no spare is
+        free. The last complete checkpoint stands; nothing could be saved, since a rank is
+        gone."""
         decision = rq.decide_requeue(self.ctx, self.job.max_requeues, str(self.run_dir),
                                      self.terminated_by)
-        excluded, then = "", None
+        excluded, count, info = "", None, {}
         if decision.action == rq.REQUEUE:
-            excluded = rq.merged_exclusions(self._exclusions(), lost)
-            then = functools.partial(self.requeue_now, rq.requeue_target(self.ctx), excluded)
-        message = rq.node_loss_message(lost, decision, excluded)
-        (self.log.info if then else self.log.error)("%s", message)
+            info = self._job_info()
+            excluded = rq.merged_exclusions(info.get("ExcNodeList", ""), lost)
+            count = self._shrunk(info.get("Partition", ""), excluded, len(lost))
+        shrunk = None if count is None else (count, self.ctx.num_nodes)
+        message = rq.node_loss_message(lost, decision, excluded, shrunk)
+        requeue = decision.action == rq.REQUEUE
+        (self.log.info if requeue else self.log.error)("%s", message)
         state_writer(self.run_dir, self.ctx).append(
-            REQUEUE_DECIDED, action=decision.action, message=message, deferred=then is not None,
-            lost_nodes=lost, exclude=excluded)
-        return Outcome(f"{what}; {message}", 1, self.ctx.hostname, then)
+            REQUEUE_DECIDED, action=decision.action, message=message, deferred=False,
+            lost_nodes=lost, exclude=excluded, nodes=count or self.ctx.num_nodes)
+        if not requeue:
+            return Outcome(f"{what}; {message}", 1, self.ctx.hostname)
+        # at once, not after the teardown: nothing is left to save, and Slurm requeues the job
+        # itself once it marks a dead node down (`SlurmdTimeout`), without the exclusion
+        resize = () if count is None else rq.resize_fields(info, self.ctx.num_nodes, count)
+        done = self.requeue_now(rq.requeue_target(self.ctx), excluded, resize)
+        return Outcome(f"{what}; {message}; {done}", 1, self.ctx.hostname)
 
-    def _exclusions(self) -> str:
-        """The job's `ExcNodeList` now (the user's `--exclude` and earlier lost nodes)."""
+    def _job_info(self) -> dict[str, str]:
+        """`scontrol show job`: its `ExcNodeList` (the user's `--exclude` and earlier lost
+        nodes) and `Partition`; empty when Slurm does not answer."""
         try:
-            return show_job(self.ctx.job_id).get("ExcNodeList", "")
+            return show_job(self.ctx.job_id)
         except (SlurmError, OSError) as exc:
             self.log.info("cannot read the job's ExcNodeList: %s", exc)
-            return ""
+            return {}
 
-    def requeue_now(self, target: str, exclude: str | None = None) -> str:
-        """Requeue `target` and, with `exclude`, set its `ExcNodeList` once it is pending;
-        returns what happened (also in the state file)."""
+    def _shrunk(self, partition: str, excluded: str, lost: int) -> int | None:
+        """Fewer nodes for the rerun when no spare is free and `slurm.min_nodes` allows it."""
+        if self.job.min_nodes is None or self.job.min_nodes >= self.ctx.num_nodes:
+            return None
+        try:
+            spares = rq.idle_spares(partition, excluded) if partition else 0
+        except (SlurmError, OSError, subprocess.SubprocessError) as exc:
+            self.log.info("cannot count the idle nodes of partition %s: %s", partition, exc)
+            spares = 0
+        return rq.shrunk_nodes(self.ctx.num_nodes, lost, spares, self.job.min_nodes)
+
+    def requeue_now(self, target: str, exclude: str | None = None,
+                    resize: Sequence[str] = ()) -> str:
+        """Requeue `target` and, with `exclude`, set its `ExcNodeList` (and the `resize` fields,
+        its node count) once it is pending; returns what happened (also in the state file)."""
         done, requeued = self._requeue_now(target)
-        if requeued and exclude:
-            done += "; " + self._exclude(target, exclude)
+        if exclude and (requeued or signal.SIGTERM in self.inbox.noted):
+            # SIGTERM meanwhile: Slurm may have requeued the job itself (a node it marked down)
+            done += "; " + self._exclude(target, exclude, resize)
         state_writer(self.run_dir, self.ctx).append(REQUEUE_DONE, target=target, message=done)
         return done
 
@@ -119,14 +144,17 @@ class Requeuer:
             f"at most {self.job.max_requeues})"
         ), True
 
-    def _exclude(self, target: str, nodes: str) -> str:
+    def _exclude(self, target: str, nodes: str, resize: Sequence[str]) -> str:
+        count = "".join(f" {field}" for field in resize)
         try:
-            rq.scontrol_exclude(target, nodes)
+            rq.scontrol_exclude(target, nodes, resize)
         except (SlurmError, OSError, subprocess.SubprocessError) as exc:
-            self.log.error("could not set ExcNodeList=%s on job %s: %s", nodes, target, exc)
+            self.log.error("could not set ExcNodeList=%s%s on job %s: %s", nodes, count, target,
+                           exc)
             return (f"could not exclude {nodes} ({exc}); the rerun may land on the lost node: "
-                    f"`scontrol update JobId={target} ExcNodeList={nodes}` while it is pending")
-        return f"set `ExcNodeList={nodes}`"
+                    f"`scontrol update JobId={target} ExcNodeList={nodes}{count}` while it is "
+                    "pending")
+        return f"set `ExcNodeList={nodes}`" + (f" and `{count.strip()}`" if count else "")
 
     def requeue(self, target: str) -> None:
         """The one place that requeues the job (on the host, never in the container)."""

@@ -64,10 +64,44 @@ def site_name(args: argparse.Namespace) -> str:
     return str(args.site or os.environ.get("HPCRL_SITE") or "local")
 
 
+NNODES_FROM_ALLOCATION = "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}"
+"""The trainer's node count when Slurm may grant fewer nodes than asked (`--nodes MIN-MAX`)."""
+
+
+def node_count(text: str) -> tuple[int, int | None]:
+    """`--nodes`: `N` (exactly N: nodes, no minimum) or `MIN-MAX`."""
+    low, dash, high = text.partition("-")
+    try:
+        nodes, least = (int(high), int(low)) if dash else (int(text), None)
+    except ValueError:
+        raise RequestError(f"`--nodes {text}` is not a node count; use `N` or `MIN-MAX`, "
+                           "e.g. `4` or `3-4`") from None
+    if nodes < 1 or (least is not None and not 1 <= least <= nodes):
+        raise RequestError(f"`--nodes {text}`: a job needs at least 1 node (and MIN at most MAX)")
+    return nodes, least
+
+
+def elastic_world(profile: Any, overrides: list[str]) -> list[str]:
+    """With a node range, the trainer's `trainer.nnodes` follows the nodes granted: added
+    unless given as exactly that; a fixed number would not match a smaller allocation."""
+    if not profile.slurm.node_range:
+        return overrides
+    given = [o for o in overrides if o.lstrip("+").split("=", 1)[0] == "trainer.nnodes"]
+    if any(o.lstrip("+") != NNODES_FROM_ALLOCATION for o in given):
+        raise RequestError(
+            f"`{given[-1]}` fixes the trainer's nodes, but the job may resume on "
+            f"{profile.slurm.node_range} nodes (`slurm.min_nodes`, `--nodes MIN-MAX`). Fix: leave "
+            f"`trainer.nnodes` out (hpcrl passes `{NNODES_FROM_ALLOCATION}`), or ask for exactly "
+            "that many nodes")
+    return overrides if given else [*overrides, NNODES_FROM_ALLOCATION]
+
+
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """--site/--nodes/--time/--partition/--run-dir/--resume/--command and the payload."""
     add_site(parser)
-    parser.add_argument("--nodes", type=int, help="number of nodes (profile default otherwise)")
+    parser.add_argument("--nodes", help="number of nodes, or `MIN-MAX`: MAX "
+                        "nodes, and after a node died resume on as few as MIN when no spare is "
+                        "free (`slurm.nodes`, `slurm.min_nodes`; profile default otherwise)")
     parser.add_argument("--time", help="time limit, e.g. `04:00:00` or `1-00:00:00`")
     parser.add_argument("--partition", help="Slurm partition")
     parser.add_argument("--run-dir", help="run directory (default: a new one under the "
@@ -87,9 +121,10 @@ def prepare(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     profile = load_profile(site_name(args)).profile
-    if args.nodes is not None and args.nodes < 1:
-        raise RequestError(f"`--nodes {args.nodes}`: a job needs at least 1 node")
-    profile = replace_slurm(profile, nodes=args.nodes, time=args.time, partition=args.partition)
+    if args.nodes is not None:  # `N` is exactly N (whatever the profile's minimum), or MIN-MAX
+        nodes, least = node_count(args.nodes)
+        profile = replace_slurm(profile, nodes=nodes, min_nodes=least or nodes)
+    profile = replace_slurm(profile, time=args.time, partition=args.partition)
     python = default_python(profile)
     payload = list(args.payload)
     if payload[:1] == ["--"]:
@@ -100,7 +135,8 @@ def prepare(args: argparse.Namespace) -> Any:
                                "`hpcrl submit --command -- env`")
         argv, start = tuple(payload), "all-joined"
     else:  # the trainer waits for its nodes (its placement group): start it with the head
-        argv, start = default_payload(profile.container.python or python, payload), "head-alive"
+        argv = default_payload(profile.container.python or python, elastic_world(profile, payload))
+        start = "head-alive"
     if args.run_dir is not None and not args.run_dir.strip():
         raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
                            "new one under the profile's `run_root`")

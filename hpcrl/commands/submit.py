@@ -10,7 +10,7 @@ from hpcrl import preflight as pf
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.jobspec import prepare_run_dir
 from hpcrl.progress import NO_ANSWER, Progress, follow
-from hpcrl.rundir import run_report
+from hpcrl.rundir import reading_env, run_report
 from hpcrl.slurm import SlurmUnavailable, queue_entries
 from hpcrl.submission import dry_run_text, submit
 
@@ -81,5 +81,7 @@ def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
         return
     payload = list(req.spec.payload[3:])
     # overrides the trainer refuses stop it on every node: refused here on any site
-    pf.report(pf.parse_overrides(payload)[1], fatal=True)
-    pf.report(pf.check_trainer_job(payload, Path(req.run_dir)), fatal=profile.scheduler == "local")
+    job_env = reading_env(req.spec.nodes, Path(req.run_dir))
+    pf.report(pf.parse_overrides(payload, job_env)[1], fatal=True)
+    pf.report(pf.check_trainer_job(payload, Path(req.run_dir), nodes=req.spec.nodes),
+              fatal=profile.scheduler == "local")

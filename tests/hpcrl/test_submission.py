@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.agent.jobfile import parse_job
 from hpcrl.jobspec import JobSpec, default_payload, prepare_run_dir
-from hpcrl.profiles import _sys_value, load_profile
+from hpcrl.profiles import ProfileError, _sys_value, load_profile, replace_slurm
 from hpcrl.submission import (
     RequestError,
     build_request,
@@ -256,6 +257,40 @@ def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
                          "--resume"], clean_env)
     assert resumed.returncode == 0, resumed.stderr
     assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec
+
+
+def test_a_node_range_lets_the_trainer_run_on_the_nodes_granted(tmp_path: Path,
+                                                                clean_env: dict[str, str]) -> None:
+    """`--nodes MIN-MAX`: sbatch asks for MAX (Slurm would grant MIN for a range), the agent
+    knows MIN, the trainer takes its node count from the allocation; a fixed `trainer.nnodes`,
+    a reversed range or a word is refused, nothing made."""
+    run_dir = tmp_path / "r"
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--nodes", "2-3", "--run-dir", str(run_dir),
+                      "--", "trainer.total_epochs=1"], clean_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --nodes=3\n" in proc.stdout
+    spec = JobSpec.from_json((run_dir / "job.json").read_text())
+    assert spec.nodes == 3 and spec.profile["slurm"]["min_nodes"] == 2
+    assert spec.payload[-1] == "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}"
+    # the launcher reads it as the agent will give it (the nodes asked for), leaving no trace
+    from hpcrl.rundir import payload_overrides
+
+    assert payload_overrides(run_dir)["trainer.nnodes"] == 3
+    assert "HPCRL_NUM_NODES" not in os.environ
+    assert spec.payload_start == "head-alive"
+    assert parse_job(json.loads((run_dir / "job.json").read_text())).min_nodes == 2
+    p = load_profile("slurmlab", FIXED_ENV).profile
+    for args, error in (
+            (["--nodes", "2-3", "--", "trainer.nnodes=3"],
+             "`trainer.nnodes=3` fixes the trainer's nodes, but the job may resume on 2-3 nodes"),
+            (["--nodes", "3-2"], "`--nodes 3-2`: a job needs at least 1 node (and MIN at most MAX)"),
+            (["--nodes", "two"], "`--nodes two` is not a node count; use `N` or `MIN-MAX`")):
+        bad = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(tmp_path / "bad"),
+                         *args], clean_env)
+        assert bad.returncode == 2 and error in bad.stderr, bad.stderr
+        assert not (tmp_path / "bad").exists()
+    with pytest.raises(ProfileError, match=r"slurm.min_nodes.*between 1 and `slurm.nodes` \(2\)"):
+        replace_slurm(p, nodes=2, min_nodes=3)
 
 
 def test_local_site_renders_and_dry_runs() -> None:

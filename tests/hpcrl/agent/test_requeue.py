@@ -132,11 +132,15 @@ def test_job_file_reads_requeue_settings() -> None:
         parse_job({"payload": ["x"], "profile": {"agent": {"stop_signal": "NOPE"}}})
 
 
-def _requeuer(tmp_path: Path, restart: int, max_requeues: int) -> Requeuer:
+def _requeuer(tmp_path: Path, restart: int, max_requeues: int, nodes: int = 1,
+              min_nodes: int | None = None) -> Requeuer:
     run = tmp_path / "run"
     run.mkdir(parents=True)
-    (run / "job.json").write_text(json.dumps({"payload": ["x"], "max_requeues": max_requeues}))
-    env = slurm_env("77", restart=restart)
+    (run / "job.json").write_text(json.dumps({"payload": ["x"], "max_requeues": max_requeues,
+                                              "nodes": nodes,
+                                              "profile": {"slurm": {"min_nodes": min_nodes}}}))
+    env = slurm_env("77", restart=restart, SLURM_JOB_NUM_NODES=str(nodes),
+                    SLURM_JOB_NODELIST=",".join([HOST] * nodes))
     ctx = job_context(env, hostname=lambda: HOST)
     job = load_job(run)
     log = logging.getLogger("test-requeue")
@@ -192,20 +196,21 @@ def test_lost_nodes_requeue_the_job_then_exclude_them_once_pending(
     calls: list[tuple[str, ...]] = []
     monkeypatch.setattr(requeuer_mod, "show_job", lambda job: {"ExcNodeList": "node[7-8]"})
     monkeypatch.setattr(requeuer, "requeue", lambda t: calls.append(("requeue", t)))
-    monkeypatch.setattr(rq, "scontrol_exclude", lambda t, n: calls.append(("exclude", t, n)))
+    monkeypatch.setattr(rq, "scontrol_exclude",
+                        lambda t, n, c=None: calls.append(("exclude", t, n)))
     out = requeuer.after_node_loss(["node2"], "payload exited with status 1")
     assert "node `node2` died" in out.cause and "`ExcNodeList=node[7-8],node2`" in out.cause
-    assert out.then is not None and calls == []
-    assert out.then().endswith("set `ExcNodeList=node[7-8],node2`")
+    assert out.then is None  # at once: Slurm would requeue it without the exclusion otherwise
+    assert out.cause.endswith("set `ExcNodeList=node[7-8],node2`")
     assert calls == [("requeue", "77"), ("exclude", "77", "node[7-8],node2")]
     decided = [r for r in rundir.read_state(tmp_path / "run") if r["event"] == rundir.REQUEUE_DECIDED]
     assert decided[-1]["lost_nodes"] == ["node2"] and decided[-1]["exclude"] == "node[7-8],node2"
 
-    def refused(target: str, nodes: str) -> None:
+    def refused(target: str, nodes: str, count: int | None = None) -> None:
         raise SlurmError("Job is no longer pending execution")
 
     monkeypatch.setattr(rq, "scontrol_exclude", refused)
-    done = requeuer.after_node_loss(["node2"], "x").then()
+    done = requeuer.after_node_loss(["node2"], "x").cause
     assert "could not exclude node[7-8],node2" in done
     assert "`scontrol update JobId=77 ExcNodeList=node[7-8],node2` while it is pending" in done
     spent = _requeuer(tmp_path / "b", restart=2, max_requeues=2)
@@ -297,3 +302,46 @@ def test_sigterm_stops_the_payload_but_slurm_decides_the_requeue(tmp_path: Path)
     assert not [c for c in calls(tmp_path) if c[0] == "requeue"]
     assert "Slurm ended the job" in (run / "0" / "summary.txt").read_text()
     assert leftovers(run) == []
+
+
+def test_a_requeue_without_a_spare_node_shrinks_the_job_as_far_as_min_nodes_allows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slurm.min_nodes`: the job keeps its node count when idle nodes make up for the lost
+    ones, and asks for fewer (never below the minimum) when they do not; the idle nodes are
+    Slurm's (`sinfo`, the one faked seam) less the job's exclusions."""
+    assert rq.shrunk_nodes(3, lost=1, spares=1, min_nodes=2) is None
+    assert rq.shrunk_nodes(3, lost=1, spares=0, min_nodes=2) == 2
+    assert rq.shrunk_nodes(4, lost=3, spares=0, min_nodes=2) == 2
+    assert rq.shrunk_nodes(3, lost=1, spares=0, min_nodes=None) is None
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    write_exe(bin_dir / "sinfo", f"#!/bin/sh\necho \"$*\" >> {log}\nprintf 'node4\\nnode5\\n'\n")
+    write_exe(bin_dir / "scontrol", f"#!/bin/sh\necho \"$*\" >> {log}\n"
+              "[ \"$1 $2\" = 'show hostnames' ] && printf 'node2\\nnode5\\n'\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert rq.idle_spares("debug", "node[2,5]") == 1  # node4
+    assert log.read_text().splitlines() == ["-h -N -t idle -p debug -o %N",
+                                            "show hostnames node[2,5]"]
+    import hpcrl.agent.requeuer as requeuer_mod
+
+    monkeypatch.setattr(requeuer_mod, "show_job",
+                        lambda job: {"ExcNodeList": "node5", "Partition": "debug",
+                                     "NumCPUs": "6"})
+    write_exe(bin_dir / "sinfo", "#!/bin/sh\nprintf 'node5\\n'\n")  # the excluded one only
+    requeuer = _requeuer(tmp_path / "a", restart=0, max_requeues=2, nodes=3, min_nodes=2)
+    calls: list[tuple] = []
+    monkeypatch.setattr(requeuer, "requeue", lambda t: calls.append(("requeue", t)))
+    monkeypatch.setattr(rq, "scontrol_exclude", lambda *a: calls.append(("exclude", *a)))
+    out = requeuer.after_node_loss(["node2"], "x")
+    assert "on 2 nodes instead of 3 (no spare node was free" in out.cause
+    # tasks and CPUs shrink with the nodes, else Slurm calls the job never runnable
+    resize = ["NumNodes=2-2", "NumTasks=2", "NumCPUs=4"]
+    assert out.cause.endswith(f"set `ExcNodeList=node5,node2` and `{' '.join(resize)}`")
+    assert calls == [("requeue", "77"), ("exclude", "77", "node5,node2", resize)]
+    write_exe(bin_dir / "sinfo", "#!/bin/sh\nprintf 'node4\\nnode5\\n'\n")  # node4 is spare
+    out = requeuer.after_node_loss(["node2"], "x")
+    assert "on the nodes Slurm gives it next" in out.cause
+    assert calls[-1] == ("exclude", "77", "node5,node2", ())
+    requeuer.inbox.noted.append(signal.SIGTERM)  # Slurm requeued it itself (a node marked down)
+    out = requeuer.after_node_loss(["node2"], "x")
+    assert "not requeueing job 77: SIGTERM arrived meanwhile" in out.cause
+    assert calls[-1] == ("exclude", "77", "node5,node2", ()) and len(calls) == 5
