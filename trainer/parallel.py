@@ -18,7 +18,8 @@
 - Full parameters one at a time (:func:`full_tensors`, ``DTensor.full_tensor()`` per entry, a
   collective) in buckets of bounded size (:func:`weight_buckets`): what the weight sync streams to
   the rollout engine and the HF export writes, never the whole model on one rank. Both read
-  :func:`state_entries`: the HF names, shapes and gatherers of the model's state dict.
+  :func:`state_entries`: the HF names, shapes and gatherers of the model's state dict, which for a
+  LoRA (peft) model are the base model's, adapters merged (:mod:`trainer.lora`).
   :func:`full_model_state` gathers everything at once (tests and small models only).
 """
 
@@ -293,7 +294,13 @@ class StateEntry:
 
 def state_entries(model: torch.nn.Module, *, unique: bool = False) -> list[StateEntry]:
     """The entries of `model`'s state dict under their HF names, in state-dict order; with
-    `unique` those of :func:`unique_state_names`. The same list on every rank."""
+    `unique` those of :func:`unique_state_names`. A LoRA (peft) model gives its base model's
+    names, each adapted weight merged with its adapters when gathered
+    (:func:`trainer.lora.merged_entries`). The same list on every rank."""
+    from trainer import lora
+
+    if lora.is_lora(model):
+        return lora.merged_entries(model, unique=unique)
     state = model.state_dict()
     names = unique_state_names(model) if unique else list(state)
     return [StateEntry(n, state[n].dtype, tuple(state[n].shape), partial(_whole, state[n])) for n in names]
@@ -308,8 +315,9 @@ def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every entry of `model`'s state dict (:func:`state_entries`), gathered whole, in buckets
-    of at most `bucket_bytes` (a tensor larger than that travels alone). Tied duplicates are sent under each of their names
+    """Every entry of `model`'s state dict (:func:`state_entries`: a LoRA model's merged base
+    weights), gathered whole, in buckets of at most `bucket_bytes` (a tensor larger than that
+    travels alone). Tied duplicates are sent under each of their names
     (vLLM's layer-wise reload expects the output embedding even when it is tied). Sizes are known before gathering (a DTensor's shape is the
     global one), so a tensor is gathered only once its bucket has room: a rank holds at most one
     bucket of gathered tensors. A bucket is emptied in place when the next one is asked for, so

@@ -84,8 +84,9 @@ def write_hf_export(directory: str | Path, model: torch.nn.Module, rank: int, *,
                     tokenizer: PreTrainedTokenizerBase | None = None,
                     max_shard_bytes: int = HF_SHARD_BYTES) -> list[str]:
     """Write `model` (sharded with FSDP2 or whole) as an HF directory; every rank of the group
-    calls it, rank 0 writes. Returns the shard file names."""
-    entries = state_entries(model, unique=True)
+    calls it, rank 0 writes. A LoRA (peft) model is written as its base model with the adapters
+    merged, which plain transformers loads. Returns the shard file names."""
+    entries = state_entries(model, unique=True)  # a LoRA model: its base names, merged
     meta = {e.name: (e.dtype, e.shape, e.nbytes) for e in entries}
     shards = plan_shards([(e.name, e.nbytes) for e in entries], max_shard_bytes)
     files = shard_names(len(shards))
