@@ -5,10 +5,11 @@ it: the base weights are frozen and only the adapters (``lora_A``, ``lora_B``) t
 they get gradients and optimizer state. The reference policy is the same model with its adapters
 disabled (``model.disable_adapter()``, as verl does), not a second copy.
 
-The rollout engines and the HF export never see peft's names: :func:`merged_entries` gives the
-base model's state dict (``base_model.model.`` and ``.base_layer`` stripped, the adapters left
-out) with each adapted weight merged on the fly, ``W + lora_alpha / lora_rank * B @ A``, gathered
-tensor by tensor like any other entry (:func:`trainer.parallel.state_entries`). The training
+The rollout engines and the HF export never see peft's names: for a peft model
+:func:`trainer.parallel.state_entries` lists the base model's state dict (:func:`base_name`:
+``base_model.model.`` and ``.base_layer`` stripped; the adapters, :func:`is_adapter_name`, left
+out) and gathers each adapted weight merged on the fly (:func:`merge`:
+``W + lora_alpha / lora_rank * B @ A``), tensor by tensor like any other entry. The training
 model itself is never merged.
 """
 
@@ -17,15 +18,14 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
 
 from trainer.config import ConfigError
-from trainer.parallel import StateEntry, _whole, unique_state_names
 
-__all__ = ["apply_lora", "base_name", "is_lora", "linear_module_names", "merged_entries"]
+__all__ = ["apply_lora", "base_name", "is_adapter_name", "is_lora", "linear_module_names",
+           "lora_layers", "merge"]
 
 ALL_LINEAR = "all-linear"
 _PEFT_PREFIX = "base_model.model."
@@ -79,17 +79,26 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
-    """`{state-dict name of the base weight: LoRA layer}` for every adapted layer."""
+def is_adapter_name(name: str) -> bool:
+    """Whether a peft state-dict entry belongs to an adapter (`...q_proj.lora_A.default.weight`)."""
+    return _ADAPTER_PART.search(name) is not None
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """`{state-dict name of the base weight: LoRA layer}` for every adapted layer of `model`."""
     from peft.tuners.lora import LoraLayer
 
     return {f"{name}.base_layer.weight": module for name, module in model.named_modules()
             if isinstance(module, LoraLayer)}
 
 
-def _merged(weight: torch.Tensor, layer: Any) -> torch.Tensor:
-    """`weight` (gathered whole) plus the scaled update of each active adapter of `layer`
-    (each adapter's A and B gathered whole: a collective under FSDP2), in `weight`'s dtype."""
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
+
+
+def merge(weight: torch.Tensor, layer: Any) -> torch.Tensor:
+    """`weight` (the base weight, gathered whole) plus the scaled update of each active adapter
+    of `layer` (its A and B gathered whole: a collective under FSDP2), in `weight`'s dtype."""
     merged = weight.float()
     for adapter in layer.active_adapters:
         if adapter not in layer.lora_A:
@@ -99,24 +108,3 @@ def _merged(weight: torch.Tensor, layer: Any) -> torch.Tensor:
         delta = (b @ a) * layer.scaling[adapter]
         merged = merged + (delta.T if layer.fan_in_fan_out else delta)
     return merged.to(weight.dtype)
-
-
-def _gather_merged(value: torch.Tensor, layer: Any) -> torch.Tensor:
-    return _merged(_whole(value), layer)
-
-
-def merged_entries(model: torch.nn.Module, *, unique: bool = False) -> list[StateEntry]:
-    """The base model's state-dict entries of peft `model`, each adapted weight merged when
-    gathered; with `unique`, tied duplicates are left out (the HF export)."""
-    state = model.state_dict()
-    layers = _lora_layers(model)
-    names = unique_state_names(model) if unique else list(state)
-    entries = []
-    for name in names:
-        if _ADAPTER_PART.search(name):
-            continue
-        value = state[name]
-        layer = layers.get(name)
-        gather = partial(_whole, value) if layer is None else partial(_gather_merged, value, layer)
-        entries.append(StateEntry(base_name(name), value.dtype, tuple(value.shape), gather))
-    return entries

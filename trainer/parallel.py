@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import lora
 from trainer.batch import micro_batch_rows
 
 __all__ = [
@@ -296,14 +297,24 @@ def state_entries(model: torch.nn.Module, *, unique: bool = False) -> list[State
     """The entries of `model`'s state dict under their HF names, in state-dict order; with
     `unique` those of :func:`unique_state_names`. A LoRA (peft) model gives its base model's
     names, each adapted weight merged with its adapters when gathered
-    (:func:`trainer.lora.merged_entries`). The same list on every rank."""
-    from trainer import lora
-
-    if lora.is_lora(model):
-        return lora.merged_entries(model, unique=unique)
+    (:func:`trainer.lora.merge`). The same list on every rank."""
     state = model.state_dict()
     names = unique_state_names(model) if unique else list(state)
-    return [StateEntry(n, state[n].dtype, tuple(state[n].shape), partial(_whole, state[n])) for n in names]
+    if not lora.is_lora(model):
+        return [StateEntry(n, state[n].dtype, tuple(state[n].shape), partial(_whole, state[n])) for n in names]
+    layers = lora.lora_layers(model)
+    entries = []
+    for name in names:
+        if lora.is_adapter_name(name):
+            continue
+        value, layer = state[name], layers.get(name)
+        gather = partial(_whole, value) if layer is None else partial(_merged_whole, value, layer)
+        entries.append(StateEntry(lora.base_name(name), value.dtype, tuple(value.shape), gather))
+    return entries
+
+
+def _merged_whole(value: torch.Tensor, layer: Any) -> torch.Tensor:
+    return lora.merge(_whole(value), layer)
 
 
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
