@@ -283,3 +283,15 @@ def test_cli_trains_two_lora_steps(tiny_model_dir: Path, toy_data: Path, tmp_pat
     hf = ckpt.find_latest_checkpoint(run) / ckpt.HF_DIR
     model, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_resuming_across_a_lora_change_names_the_key(tiny_model_dir: Path, toy_data: Path,
+                                                     tmp_path: Path) -> None:
+    from trainer.checkpoint import sharded
+
+    full = [o for o in _driver_overrides(tiny_model_dir, toy_data, tmp_path, "trainer.total_training_steps=1")
+            if o not in LORA]
+    assert PPODriver(load_config(full)).fit() == 0
+    with pytest.raises(sharded.CheckpointFormatError, match=r"holds a different `actor` model.*"
+                       r"`actor_rollout_ref.model.lora_rank`.*trainer.resume_mode=disable"):
+        PPODriver(load_config(_driver_overrides(tiny_model_dir, toy_data, tmp_path))).fit()
