@@ -295,3 +295,49 @@ def test_resuming_across_a_lora_change_names_the_key(tiny_model_dir: Path, toy_d
     with pytest.raises(sharded.CheckpointFormatError, match=r"holds a different `actor` model.*"
                        r"`actor_rollout_ref.model.lora_rank`.*trainer.resume_mode=disable"):
         PPODriver(load_config(_driver_overrides(tiny_model_dir, toy_data, tmp_path))).fit()
+
+
+def test_gradient_checkpointing_gives_the_same_lora_update(tiny_model_dir: Path) -> None:
+    """peft's frozen embeddings with activation checkpointing still pass gradients to the
+    adapters: the same update as without."""
+    from tests.trainer.test_parallel import _batch
+    from trainer.algos.core_algos import loss_normalizers
+    from trainer.workers.actor import ActorRolloutRefWorker
+
+    adapters = []
+    for checkpointing in ("false", "true"):
+        cfg = load_config([*_overrides(str(tiny_model_dir), 1), "trainer.device=cpu",
+                           f"actor_rollout_ref.model.enable_gradient_checkpointing={checkpointing}"])
+        actor = ActorRolloutRefWorker(cfg, 0, 1, total_steps=3)
+        actor.init_dist(None, None)
+        batch = _batch(4, 1)
+        actor.update_actor([[MiniBatchShare(batch, *loss_normalizers(batch.response_mask))]])
+        adapters.append({k: v for k, v in actor.state_for_test().items() if ".lora_B." in k})
+    assert max(v.abs().max().item() for v in adapters[0].values()) > 1e-3
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(adapters[1][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_train_lora_and_resume_on_one(tiny_model_dir: Path, toy_data: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The distributed trainer (private Ray cluster, 2 CPU ranks, FSDP2 over gloo, HF rollout
+    fed by the merged sync) trains a LoRA step; its checkpoint resumes on one rank."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.trainer.test_distributed import no_ray_address
+    from trainer.driver import run_training
+
+    no_ray_address(monkeypatch)
+    run = tmp_path / "run"
+    two = _driver_overrides(tiny_model_dir, toy_data, run, "trainer.n_gpus_per_node=2",
+                            "trainer.total_training_steps=1")
+    assert run_training(load_config(two)) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1] and rows[0]["timing_s/weight_sync"] > 0
+    saved = ckpt.find_latest_checkpoint(run)
+    assert ckpt.load_state(saved, "trainer_state")["world_size"] == 2
+    model, info = AutoModelForCausalLM.from_pretrained(saved / ckpt.HF_DIR, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert run_training(load_config(_driver_overrides(tiny_model_dir, toy_data, run))) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
