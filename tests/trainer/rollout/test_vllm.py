@@ -272,3 +272,15 @@ def test_lora_step_then_sync_answers_like_the_merged_model(engine, tiny_model_di
     live = out.response_mask.bool()
     torch.testing.assert_close(out.log_probs[live], want.log_probs[live], atol=1e-4, rtol=0)
     assert (before.log_probs - out.log_probs).abs().max() > 1e-3, "the LoRA step should change the policy"
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_train_lora_with_vllm(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """LoRA on two FSDP2 ranks: each rank's engine gets the merged weights under the base names
+    before every rollout, and the run goes through."""
+    _, rows = two_rank_vllm_run(tiny_model_dir, tmp_path, monkeypatch, "actor_rollout_ref.model.lora_rank=8",
+                                "actor_rollout_ref.model.lora_alpha=16")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for rank in (0, 1):
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r
