@@ -63,6 +63,15 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = _h("recompute activations in backward to save memory")
     use_remove_padding: bool = _h("verl's padding-free packing (compatibility only, see COMPAT)")
     trust_remote_code: bool = _h("allow model code shipped with the checkpoint")
+    lora_rank: int = _h(
+        "LoRA rank (peft); 0 = full fine-tuning. Above 0 only the low-rank adapters train (and "
+        "hold optimizer state); the reference policy is the same model with its adapters "
+        "disabled (no second model copy), and the rollout engine and the HF export get the "
+        "merged weights W + alpha/rank * B A under the base model's names")
+    lora_alpha: int = _h("LoRA scaling: the adapters' update is multiplied by `lora_alpha` / `lora_rank`")
+    target_modules: list[str] = _h(
+        "modules that get LoRA adapters: `all-linear` (every linear layer but the output head) "
+        "or module names, e.g. `[q_proj,v_proj]`")
 
 
 @dataclass(frozen=True)
@@ -323,6 +332,8 @@ class Config:
 # ------------------------------------------------------------------- keys verl has, we do not
 
 _DERIVED_HINT = "is derived here; set `{}` instead"
+_CRITIC_LORA = ("LoRA for the critic; the critic trains all its weights. LoRA for the actor is "
+                "`actor_rollout_ref.model.lora_rank`")
 #: Keys of verl's config that this trainer does not implement; setting one is an error.
 NOT_SUPPORTED: dict[str, str] = {
     "data.return_raw_input_ids": "",
@@ -339,9 +350,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.external_lib": "",
     "actor_rollout_ref.model.override_config": "",
     "actor_rollout_ref.model.use_shm": "",
-    "actor_rollout_ref.model.lora_rank": "LoRA",
-    "actor_rollout_ref.model.lora_alpha": "LoRA",
-    "actor_rollout_ref.model.target_modules": "LoRA",
     "actor_rollout_ref.model.use_liger": ("Liger fused kernels; the log-probs here come from the "
                                           "model's logits, which cost memory but give the same values"),
     "actor_rollout_ref.model.use_fused_kernels": ("verl's fused linear + log-prob kernel; the "
@@ -384,7 +392,9 @@ NOT_SUPPORTED: dict[str, str] = {
     "critic.checkpoint": "checkpoint contents are fixed",
     "critic.model.override_config": "",
     "critic.model.external_lib": "",
-    "critic.model.lora_rank": "LoRA",
+    "critic.model.lora_rank": _CRITIC_LORA,
+    "critic.model.lora_alpha": _CRITIC_LORA,
+    "critic.model.target_modules": _CRITIC_LORA,
     "critic.optim.total_training_steps": _DERIVED_HINT.format("trainer.total_training_steps"),
     "custom_reward_function.reward_kwargs": "",
     "algorithm.use_pf_ppo": "",
@@ -421,7 +431,6 @@ COMPAT: dict[str, str] = {
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "trainer.default_hdfs_dir": None,
-    "actor_rollout_ref.model.lora_rank": 0,
     "actor_rollout_ref.model.use_liger": False,
     "actor_rollout_ref.model.use_fused_kernels": False,
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
@@ -1042,6 +1051,7 @@ def validate(cfg: Config) -> None:
         "of weights here (verl's hybrid engine); a separate rollout deployment is not supported. "
         "Fix: remove the override",
     )
+    _validate_lora(cfg)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     _require(
         keep is None or keep == cfg.trainer.max_actor_ckpt_to_keep,
@@ -1057,6 +1067,29 @@ def validate(cfg: Config) -> None:
             f"a critic mini-batch holds `critic.ppo_mini_batch_size` x `rollout.n` = {critic_samples} "
             f"samples, which must split evenly over {world} workers",
         )
+
+
+def _validate_lora(cfg: Config) -> None:
+    model = cfg.actor_rollout_ref.model
+    _require(model.lora_rank >= 0, f"`actor_rollout_ref.model.lora_rank={model.lora_rank}` must be 0 "
+             "(full fine-tuning) or a positive LoRA rank")
+    if model.lora_rank == 0:
+        return
+    _require(model.lora_alpha > 0, f"`actor_rollout_ref.model.lora_alpha={model.lora_alpha}` must be "
+             "positive with LoRA (`lora_rank` > 0): the adapters' update is scaled by "
+             "`lora_alpha` / `lora_rank` (verl's default is 16)")
+    targets = model.target_modules
+    _require(bool(targets) and all(t.strip() for t in targets),
+             "`actor_rollout_ref.model.target_modules` is empty with LoRA (`lora_rank` > 0); set "
+             "`all-linear` or module names such as `[q_proj,v_proj]`")
+    _require("all-linear" not in targets or len(targets) == 1,
+             f"`actor_rollout_ref.model.target_modules={targets}`: `all-linear` already selects "
+             "every linear layer; give it alone or list module names without it")
+    _require(not cfg.actor_rollout_ref.ref.fsdp_config.param_offload,
+             "`actor_rollout_ref.ref.fsdp_config.param_offload=true` with LoRA (`lora_rank` > 0): "
+             "the reference policy is the actor with its adapters disabled and has no weights of "
+             "its own to offload. Fix: remove the override (or offload the actor's with "
+             "`actor_rollout_ref.actor.fsdp_config.param_offload=true`)")
 
 
 def load_defaults() -> dict[str, Any]:

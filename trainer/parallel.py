@@ -17,26 +17,32 @@
   every rank (:func:`rank_micro_batches`), which FSDP needs (its collectives run per forward).
 - Full parameters one at a time (:func:`full_tensors`, ``DTensor.full_tensor()`` per entry, a
   collective) in buckets of bounded size (:func:`weight_buckets`): what the weight sync streams to
-  the rollout engine and the HF export writes, never the whole model on one rank.
+  the rollout engine and the HF export writes, never the whole model on one rank. Both read
+  :func:`state_entries`: the HF names, shapes and gatherers of the model's state dict, which for a
+  LoRA (peft) model are the base model's, adapters merged (:mod:`trainer.lora`).
   :func:`full_model_state` gathers everything at once (tests and small models only).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainer import lora
 from trainer.batch import micro_batch_rows
 
 __all__ = [
     "DistContext",
+    "StateEntry",
     "all_reduce_gradients",
     "all_reduce_max",
     "apply_fsdp2",
@@ -51,6 +57,7 @@ __all__ = [
     "reshard",
     "single_rank",
     "split_rows",
+    "state_entries",
     "unique_state_names",
     "weight_buckets",
 ]
@@ -271,17 +278,57 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     return full.detach()
 
 
-def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, whole tensor)` for each entry of :func:`unique_state_names`, gathered one at a
-    time (`DTensor.full_tensor()`, a collective: every rank must iterate to the end, in step)."""
+@dataclass(frozen=True)
+class StateEntry:
+    """One tensor of a model's HF state: its name, global dtype and shape (known before
+    gathering), and how to gather it whole (a collective under FSDP2)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    gather: Callable[[], torch.Tensor] = field(repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def state_entries(model: torch.nn.Module, *, unique: bool = False) -> list[StateEntry]:
+    """The entries of `model`'s state dict under their HF names, in state-dict order; with
+    `unique` those of :func:`unique_state_names`. A LoRA (peft) model gives its base model's
+    names, each adapted weight merged with its adapters when gathered
+    (:func:`trainer.lora.merge`). The same list on every rank."""
     state = model.state_dict()
-    for name in unique_state_names(model):
-        yield name, _whole(state[name])
+    names = unique_state_names(model) if unique else list(state)
+    if not lora.is_lora(model):
+        return [StateEntry(n, state[n].dtype, tuple(state[n].shape), partial(_whole, state[n])) for n in names]
+    layers = lora.lora_layers(model)
+    entries = []
+    for name in names:
+        if lora.is_adapter_name(name):
+            continue
+        value, layer = state[name], layers.get(name)
+        gather = partial(_whole, value) if layer is None else partial(_merged_whole, value, layer)
+        entries.append(StateEntry(lora.base_name(name), value.dtype, tuple(value.shape), gather))
+    return entries
+
+
+def _merged_whole(value: torch.Tensor, layer: Any) -> torch.Tensor:
+    return lora.merge(_whole(value), layer)
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, whole tensor)` for each entry of :func:`state_entries` (`unique`), gathered one
+    at a time (`DTensor.full_tensor()`, a collective: every rank must iterate to the end, in
+    step)."""
+    for entry in state_entries(model, unique=True):
+        yield entry.name, entry.gather()
 
 
 def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every entry of `model`'s state dict, gathered whole, in buckets of at most `bucket_bytes` (a
-    tensor larger than that travels alone). Tied duplicates are sent under each of their names
+    """Every entry of `model`'s state dict (:func:`state_entries`: a LoRA model's merged base
+    weights), gathered whole, in buckets of at most `bucket_bytes` (a tensor larger than that
+    travels alone). Tied duplicates are sent under each of their names
     (vLLM's layer-wise reload expects the output embedding even when it is tied). Sizes are known before gathering (a DTensor's shape is the
     global one), so a tensor is gathered only once its bucket has room: a rank holds at most one
     bucket of gathered tensors. A bucket is emptied in place when the next one is asked for, so
@@ -289,17 +336,15 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[t
     rank). A collective: every rank must iterate to the end, in step."""
     if bucket_bytes < 1:
         raise ValueError(f"`bucket_bytes` must be at least 1, received {bucket_bytes}")
-    state = model.state_dict()
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, value in state.items():
-        nbytes = value.numel() * value.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+    for entry in state_entries(model):
+        if bucket and size + entry.nbytes > bucket_bytes:
             yield bucket
             bucket.clear()
             size = 0
-        bucket.append((name, _whole(value)))
-        size += nbytes
+        bucket.append((entry.name, entry.gather()))
+        size += entry.nbytes
     if bucket:
         yield bucket
         bucket.clear()

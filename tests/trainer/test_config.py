@@ -136,13 +136,13 @@ def test_unknown_key_lists_valid_keys_at_that_level() -> None:
 
 
 def test_unsupported_verl_keys_say_not_supported_yet() -> None:
-    for item in ("actor_rollout_ref.model.lora_rank=8",
+    for item in ("critic.model.lora_rank=8",
                  "trainer.default_hdfs_dir=hdfs://x", "actor_rollout_ref.rollout.multi_turn.enable=True"):
         with pytest.raises(ConfigError, match="not supported yet"):
             load_config([item])
     # The verl defaults of those keys are accepted: that is what this trainer does.
     load_config(["trainer.default_hdfs_dir=null", "reward_model.enable=False",
-                 "actor_rollout_ref.model.lora_rank=0"])
+                 "actor_rollout_ref.model.use_liger=false"])
     with pytest.raises(ConfigError, match="derived here; set `data.max_response_length`"):
         load_config(["actor_rollout_ref.rollout.response_length=64"])
     # features we do not have: one error each naming the feature, never "unknown key"

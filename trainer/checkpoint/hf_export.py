@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from trainer.parallel import full_tensors, unique_state_names
+from trainer.parallel import state_entries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -84,18 +84,18 @@ def write_hf_export(directory: str | Path, model: torch.nn.Module, rank: int, *,
                     tokenizer: PreTrainedTokenizerBase | None = None,
                     max_shard_bytes: int = HF_SHARD_BYTES) -> list[str]:
     """Write `model` (sharded with FSDP2 or whole) as an HF directory; every rank of the group
-    calls it, rank 0 writes. Returns the shard file names."""
-    state = model.state_dict()
-    names = unique_state_names(model)
-    meta = {n: (state[n].dtype, tuple(state[n].shape), state[n].numel() * state[n].element_size()) for n in names}
-    shards = plan_shards([(n, meta[n][2]) for n in names], max_shard_bytes)
+    calls it, rank 0 writes. A LoRA (peft) model is written as its base model with the adapters
+    merged, which plain transformers loads. Returns the shard file names."""
+    entries = state_entries(model, unique=True)  # a LoRA model: its base names, merged
+    meta = {e.name: (e.dtype, e.shape, e.nbytes) for e in entries}
+    shards = plan_shards([(e.name, e.nbytes) for e in entries], max_shard_bytes)
     files = shard_names(len(shards))
     out_dir = Path(directory)
     writing = rank == 0
     if writing:
         out_dir.mkdir(parents=True, exist_ok=True)
         _write_config(out_dir, model, tokenizer)
-    tensors = full_tensors(model)
+    tensors = ((e.name, e.gather()) for e in entries)
     for file, shard in zip(files, shards, strict=True):
         handle = open(out_dir / file, "wb") if writing else None  # noqa: SIM115 - closed below
         try:

@@ -142,8 +142,31 @@ def load_group_state(path: str | Path, name: str, model: torch.nn.Module,
     p = Path(path)
     require_group_state(p, name)
     state = _group_state(model, optim)
+    _require_same_model(p, name, state["model"])
     dcp.load(state, checkpoint_id=p / name, no_dist=_no_dist())
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _require_same_model(path: Path, name: str, model_state: dict[str, Any]) -> None:
+    """Raise, naming the likely setting, when the checkpoint's model entries are not this
+    model's (DCP would fail on the first missing key)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {k.removeprefix("model.") for k in FileSystemReader(path / name).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
+    missing, unexpected = sorted(set(model_state) - saved), sorted(saved - set(model_state))
+    if not missing and not unexpected:
+        return
+    shown = ", ".join(f"`{k}`" for k in (missing or unexpected)[:3])
+    lora = [".lora_" in k for k in (missing or unexpected)]
+    hint = ("LoRA adapters are in one and not the other: resume with the "
+            "`actor_rollout_ref.model.lora_rank` (and `target_modules`) the run was written with"
+            if any(lora) else "resume with the model settings the run was written with")
+    raise CheckpointFormatError(
+        f"checkpoint `{path}` holds a different `{name}` model: {len(missing)} of this model's "
+        f"entries are missing from it and {len(unexpected)} of its entries are not in this model "
+        f"(e.g. {shown}). Fix: {hint}, or start afresh with `trainer.resume_mode=disable` (its "
+        "`huggingface/` export can seed a new run through `actor_rollout_ref.model.path`)")
 
 
 def read_group_state(path: str | Path, name: str) -> dict[str, Any]:

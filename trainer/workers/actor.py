@@ -13,6 +13,10 @@ Which model generates:
   sharded actor itself (``generate(..., synced_gpus=True)``) would save that copy but make every
   decoded token an all-gather of every layer on every rank, and force ranks with no prompts to
   decode along; the separate engine decodes rank by rank, and it is what vLLM needs anyway.
+
+With LoRA (`actor_rollout_ref.model.lora_rank` > 0, :mod:`trainer.lora`) the actor is a peft
+model whose adapters alone train; the reference policy is that model with its adapters disabled,
+and the weight sync sends the merged weights under the base model's names.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.lora import apply_lora
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -46,13 +51,16 @@ class ActorRolloutRefWorker(Worker):
         arr = self.cfg.actor_rollout_ref
         trust = arr.model.trust_remote_code
         self.tokenizer = M.load_tokenizer(self.cfg.data.tokenizer or arr.model.path, trust_remote_code=trust)
-        self.model = self._place(M.load_actor(
+        model: Any = M.load_actor(
             arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-            trust_remote_code=trust), arr.actor.fsdp_config,
-            "actor_rollout_ref.actor.fsdp_config")
+            trust_remote_code=trust)
+        self.lora = arr.model.lora_rank > 0
+        if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
+            model = apply_lora(model, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
+        self.model = self._place(model, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
         self.model.train()
         self.ref: Any = None
-        if self.cfg.derived.use_reference:
+        if self.cfg.derived.use_reference and not self.lora:  # LoRA: the actor, adapters disabled
             self.ref = self._place(M.load_actor(arr.model.path, trust_remote_code=trust)
                                    .eval().requires_grad_(False), arr.ref.fsdp_config,
                                    "actor_rollout_ref.ref.fsdp_config")
@@ -145,7 +153,13 @@ class ActorRolloutRefWorker(Worker):
         return self._log_probs(self.model, batch, self.cfg.actor_rollout_ref.rollout, True)
 
     def compute_ref_log_probs(self, batch: StepBatch) -> dict[str, Any]:
-        return self._log_probs(self.ref, batch, self.cfg.actor_rollout_ref.ref, False)
+        """The reference policy's log-probs: the reference model's, or with LoRA the actor's
+        with its adapters disabled (the base model, as verl computes them)."""
+        section = self.cfg.actor_rollout_ref.ref
+        if self.lora:
+            with self.model.disable_adapter():
+                return self._log_probs(self.model, batch, section, False)
+        return self._log_probs(self.ref, batch, section, False)
 
     # ------------------------------------------------------------------ update
 

@@ -138,7 +138,8 @@ class Worker:
                     state[key] = value.to(device, non_blocking=True)
 
     def _optimizer(self, optim: Any) -> None:
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        self.optim = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas),
                                        weight_decay=optim.weight_decay)
         warmup = core_algos.resolve_warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio,
                                                  self.total_steps)

@@ -236,3 +236,51 @@ def test_tensor_parallel_rollout_in_a_two_rank_run(tiny_model_dir: Path, tmp_pat
     for r in rows:  # one engine: both ranks answered every prompt, once each in the batch
         assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == batch, r
         assert r["dp/rank_0/gen_tokens"] == r["dp/rank_1/gen_tokens"] > 0, r
+
+
+def test_lora_step_then_sync_answers_like_the_merged_model(engine, tiny_model_dir: Path) -> None:
+    """One LoRA update (peft adapters on every linear layer), then the streamed sync: vLLM gets
+    the merged weights under the base names and answers as `merge_and_unload()` does."""
+    import copy
+
+    from tests.trainer.test_parallel import _batch
+    from trainer.algos.core_algos import loss_normalizers
+    from trainer.batch import MiniBatchShare
+    from trainer.config import load_config
+    from trainer.parallel import weight_buckets
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf import HFRolloutEngine
+    from trainer.workers.actor import ActorRolloutRefWorker
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.device=cpu",
+                       "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                       "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-2",
+                       "data.max_response_length=8"])
+    actor = ActorRolloutRefWorker(cfg, 0, 1, total_steps=1)
+    actor.init_dist(None, None)
+    batch = _batch(8, 1)
+    actor.update_actor([[MiniBatchShare(batch, *loss_normalizers(batch.response_mask))]])
+    merged = copy.deepcopy(actor.model).merge_and_unload().eval()
+    ids, mask = _prompts(tiny_model_dir)
+    greedy = SamplingParams(n=1, max_response_length=24, do_sample=False)
+    before = engine.generate(ids, mask, greedy)
+    engine.sync_weights(weight_buckets(actor.model, 40_000))
+    out = engine.generate(ids, mask, greedy)
+    want = HFRolloutEngine(merged, pad_token_id=0, eos_token_id=3).generate(ids, mask, greedy)
+    assert torch.equal(out.response_ids, want.response_ids)
+    live = out.response_mask.bool()
+    torch.testing.assert_close(out.log_probs[live], want.log_probs[live], atol=1e-4, rtol=0)
+    assert (before.log_probs - out.log_probs).abs().max() > 1e-3, "the LoRA step should change the policy"
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_train_lora_with_vllm(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """LoRA on two FSDP2 ranks: each rank's engine gets the merged weights under the base names
+    before every rollout, and the run goes through."""
+    _, rows = two_rank_vllm_run(tiny_model_dir, tmp_path, monkeypatch, "actor_rollout_ref.model.lora_rank=8",
+                                "actor_rollout_ref.model.lora_alpha=16")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for rank in (0, 1):
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r
