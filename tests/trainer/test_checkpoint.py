@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.ranks import leave_rank
 from trainer.checkpoint import full_state as ck
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,8 +293,10 @@ def _rank_main(rank: int, world: int, port: int, mode: str, root: str) -> None:
                 (out / f"raised_{rank}").write_text("nothing")
             except BaseException as exc:  # noqa: BLE001 - recorded for the parent to check
                 (out / f"raised_{rank}").write_text(f"{type(exc).__name__}: {exc}")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 def _spawn(world: int, mode: str, root: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.trainer.ranks import leave_rank
 from trainer import parallel as P
 from trainer import tiny
 from trainer.checkpoint.hf_export import INDEX_FILE, plan_shards, shard_names, write_hf_export
@@ -136,8 +137,10 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"sizes": engine.bucket_sizes, "alive": engine.alive_before, "greedy": _greedy(engine),
                     "engine": engine.model.state_dict(), "full": full, "shard_bytes": shard_bytes},
                    Path(out) / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_rank()
 
 
 def test_two_fsdp_ranks_stream_one_bucket_at_a_time(tmp_path: Path) -> None:
