@@ -17,7 +17,7 @@ from typing import Any
 
 from hpcrl.rundir import reading_env, trainer_dirs
 from trainer.algos import registry
-from trainer.config import ConfigError, load_defaults, override_values
+from trainer.config import ConfigError, check_overrides, load_defaults, override_values
 
 GIB = 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -59,7 +59,9 @@ def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
     interpolations resolved, with `job_env`: what the agent will give the trainer): the value
     each key ends with, or the problem the trainer would stop on at its start."""
     try:
-        return override_values(args, job_env), []
+        values = override_values(args, job_env)
+        check_overrides(args, job_env)
+        return values, []
     except ConfigError as err:
         return {}, [f"the trainer overrides are refused: {err}"]
 

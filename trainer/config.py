@@ -8,11 +8,12 @@ this trainer does not implement yet, fills the derived values once and validates
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -809,6 +810,18 @@ def is_override(arg: str) -> bool:
     return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
 
 
+@contextlib.contextmanager
+def _reading_env(job_env: Mapping[str, str] | None) -> Iterator[None]:
+    """The variables of `job_env` this process lacks, set while the overrides are read."""
+    added = {k: v for k, v in (job_env or {}).items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The keys the overrides among `args` set and the value each ends with (verl's grammar,
     interpolations resolved, `~key` back to its default): how the launcher reads a payload's
@@ -816,14 +829,17 @@ def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = Non
     this trainer does not have are left out. `job_env`: variables the job will have that this
     process lacks (`${oc.env:HPCRL_NUM_NODES}`), for the reading only. Raises ConfigError as the
     trainer would."""
-    added = {k: v for k, v in (job_env or {}).items() if k not in os.environ}
-    os.environ.update(added)
-    try:
+    with _reading_env(job_env):
         tree, keys = _apply(load_defaults(), [a for a in args if is_override(a)])
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
     return {key: _lookup(tree, key)[1] for key in keys}
+
+
+def check_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> Config:
+    """The trainer's whole check of the overrides among `args` (types, ranges, the settings it
+    refuses), as its start on the job's nodes runs it, with `job_env` as in `override_values`;
+    files are not looked at (they may exist only on the compute nodes). Raises ConfigError."""
+    with _reading_env(job_env):
+        return load_config([a for a in args if is_override(a)], env=dict(os.environ))
 
 
 def _lookup(tree: dict[str, Any], key: str) -> tuple[bool, Any]:

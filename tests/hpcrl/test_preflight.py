@@ -106,12 +106,12 @@ def test_no_space_for_a_checkpoint(model: Path, data: Path, tmp_path: Path) -> N
 
     [msg] = pf.check_trainer_job(args(model, data / "train.parquet",
                                       "trainer.default_local_dir=/big/ckpt",
-                                      "algorithm.adv_estimator=grpo"), tmp_path, free=free)
+                                      "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"), tmp_path, free=free)
     assert seen == [Path("/big/ckpt")]
     assert "checkpoints go to `/big/ckpt`, whose filesystem has 4.4 MB free" in msg
     assert "needs about 4.4 MB" in msg and pf.format_bytes(3 * pf.GIB) == "3.00 GiB"
     assert "set `trainer.default_local_dir=`" in msg
-    assert pf.check_trainer_job(args(model, data / "train.parquet", "algorithm.adv_estimator=grpo"),
+    assert pf.check_trainer_job(args(model, data / "train.parquet", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"),
                                 tmp_path, free=lambda _: need) == []
 
 
@@ -159,3 +159,16 @@ def test_overrides_the_trainer_refuses_stop_the_submission(tmp_path: Path, model
                      {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 2 and "is a sweep in Hydra's grammar" in proc.stderr, proc.stderr
     assert not run.exists()
+
+
+def test_settings_the_trainer_refuses_at_its_start_are_refused_before_submission() -> None:
+    """Not only the grammar: the trainer's whole check runs at submit time (a refusal after the
+    queue wait would cost the user hours), with the nodes the job asks for."""
+    hf_tp = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    _, [problem] = pf.parse_overrides(hf_tp, {"HPCRL_NUM_NODES": "2"})
+    assert "the HF rollout does not shard the model over ranks" in problem
+    vllm_tp = [*hf_tp, "actor_rollout_ref.rollout.name=vllm", "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}",
+               "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"]
+    assert pf.parse_overrides(vllm_tp, {"HPCRL_NUM_NODES": "2"})[1] == []
+    _, [problem] = pf.parse_overrides(vllm_tp, {"HPCRL_NUM_NODES": "3"})
+    assert "must divide the 3 ranks" in problem

@@ -1,11 +1,11 @@
-"""The seeds' flagship job on the Slurm lab: the `main_ppo` line of the AMD Slurm script (verl's
-multinode guide: PPO with a critic, vLLM rollout with `tensor_model_parallel_size=2`) runs
-unchanged but for the substitutions in `LAB` below (the model and data paths, and sizes scaled to
-two 2-CPU lab nodes), through `hpcrl submit` on 2 nodes, to its checkpoint.
+"""The seeds' `main_ppo` command lines on the Slurm lab: each runs unchanged but for the
+substitutions in `LAB` below (the model and data paths, and sizes scaled to two 2-CPU lab nodes
+with a tiny model), through `hpcrl submit` on 2 nodes, to its checkpoint. The flagship, the AMD
+Slurm script's line (verl's multinode guide: PPO with a critic, vLLM rollout with
+`tensor_model_parallel_size=2`), forms one vLLM engine across the two nodes (TP=2 over gloo).
 
 It runs in the vLLM virtualenv (`make test`'s second stage): the lab's jobs use the Python that
-runs this test, and vLLM lives in `.venv-vllm`. The two ranks (one per node) form one vLLM engine
-(TP=2 over gloo across the nodes)."""
+runs this test, and vLLM lives in `.venv-vllm`."""
 
 from __future__ import annotations
 
@@ -23,16 +23,20 @@ from trainer.rollout.vllm import remove_cpu_shm
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.vllm]
 
-AMD_SLURM_LINE = 5  # the sixth block of tests/data/verl_seed_overrides.txt
+#: The seed lines (blocks of tests/data/verl_seed_overrides.txt) by where they come from.
+SEED_LINES = {"rocm-ppo": 0, "rocm-grpo": 1, "skypilot": 3, "dstack": 4, "amd-slurm": 5}
 
-#: Every change made to the seed line, in one place: paths to what exists here, sizes for two
-#: 2-CPU nodes with a tiny model. Nothing else of the line is touched.
+#: Every change made to a seed line, in one place: paths to what exists here, sizes for two
+#: 2-CPU nodes with a tiny model. A key the line sets gets this value; a key it lacks is added
+#: only if `ADDED` allows it (the paths and the node count, which some lines leave to verl's
+#: defaults or to the shell). Nothing else of a line is touched.
 LAB = {
     "data.train_files": "{data}/train.parquet",
     "data.val_files": "{data}/test.parquet",
     "actor_rollout_ref.model.path": "{model}",
     "critic.model.path": "{model}",
     "data.train_batch_size": "4",
+    "data.val_batch_size": "4",
     "data.max_prompt_length": "16",
     "data.max_response_length": "8",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
@@ -44,20 +48,21 @@ LAB = {
     "trainer.nnodes": "2",
     "trainer.total_epochs": "1",
 }
+ADDED = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "trainer.nnodes")
 
 
-def lab_line(data: Path, model: Path, out: Path) -> list[str]:
-    words = seed_command_lines()[AMD_SLURM_LINE]
+def lab_line(seed: str, data: Path, model: Path, out: Path) -> list[str]:
+    words = seed_command_lines()[SEED_LINES[seed]]
     keys = [w.split("=", 1)[0] for w in words]
-    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" in words
-    assert set(LAB) <= set(keys), set(LAB) - set(keys)  # only substitutions, no additions
-    line = [f"{k}={LAB[k].format(data=data, model=model)}" if k in LAB else w for k, w in zip(keys, words, strict=True)]
+    line = [f"{k}={LAB[k].format(data=data, model=model)}" if k in LAB else w
+            for k, w in zip(keys, words, strict=True)]
+    line += [f"{k}={LAB[k].format(data=data, model=model)}" for k in ADDED if k not in keys]
     # where the run writes (hpcrl's run directory holds both by default; named here for the test)
     return [*line, f"trainer.default_local_dir={out}", f"trainer.run_dir={out}"]
 
 
-def test_the_amd_slurm_seed_line_runs_on_two_nodes_with_tp2_vllm(lab, tmp_path: Path) -> None:
-    require_vllm()
+def submit_seed(lab, tmp_path: Path, seed: str) -> tuple[object, Path, Path]:
+    """`hpcrl submit` of the seed line on 2 lab nodes: (the finished process, run dir, output)."""
     from trainer.rewards.toy import write_toy_digits
     from trainer.tiny import save_tiny
 
@@ -70,8 +75,18 @@ def test_the_amd_slurm_seed_line_runs_on_two_nodes_with_tp2_vllm(lab, tmp_path: 
         "container:\n  runtime: none\n")
     run_dir = shared / "runs" / "seed"
     proc = run_hpcrl(["submit", "--site", "lab-seed", "--via", "sbatch", "--run-dir", str(run_dir),
-                      "--nodes", "2", "--", *lab_line(data, model, out)],
+                      "--nodes", "2", "--", *lab_line(seed, data, model, out)],
                      {**lab.env, "HPCRL_SITE_PATH": str(sites)})
+    return proc, run_dir, out
+
+
+@pytest.mark.parametrize("seed", ["amd-slurm", "rocm-ppo", "skypilot", "dstack"])
+def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab, tmp_path: Path, seed: str) -> None:
+    require_vllm()
+    if seed == "amd-slurm":
+        assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" in lab_line(
+            seed, tmp_path, tmp_path, tmp_path)
+    proc, run_dir, out = submit_seed(lab, tmp_path, seed)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = int(proc.stdout.split("job id: ")[1].split()[0])
     rec = finished(lab, job, run_dir, timeout=900)
@@ -79,8 +94,20 @@ def test_the_amd_slurm_seed_line_runs_on_two_nodes_with_tp2_vllm(lab, tmp_path: 
     assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir), payload[-4000:])
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]  # 8 prompts, batches of 4, one epoch
-    for r in rows:  # one TP=2 engine across the two nodes: both ranks answered every prompt
-        assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 4, r
+    for r in rows:
+        if seed == "amd-slurm":  # one TP=2 engine across the two nodes: both ranks answered all
+            assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 4, r
+        else:  # two engines, one per node, data-parallel
+            assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 2, r
         assert "critic/vf_loss" in r, r
     assert ckpt.find_latest_checkpoint(out) == out / "global_step_2"
     remove_cpu_shm()  # the job's engines ended with their processes, without closing
+
+
+def test_the_rocm_grpo_line_is_refused_at_submit_naming_hf_tensor_parallel(lab, tmp_path: Path) -> None:
+    """The ROCm GRPO line asks TP=2 of the default rollout engine (`hf`), which does not shard:
+    refused before anything reaches Slurm, naming the key and the fix, with no run created."""
+    proc, run_dir, _ = submit_seed(lab, tmp_path, "rocm-grpo")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "tensor_model_parallel_size=2" in proc.stderr and "name=hf" in proc.stderr, proc.stderr
+    assert not run_dir.exists()

@@ -99,7 +99,7 @@ def test_submit_via_submitit_submits_what_dry_run_prints(tmp_path: Path,
                                                         slurm: dict[str, str]) -> None:
     run_dir = tmp_path / "runs" / "two"
     args = ["submit", "--site", "slurmlab-apptainer", "--nodes", "2", "--run-dir", str(run_dir),
-            "--", "data.train_batch_size=4"]
+            "--", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
     dry = run_hpcrl(["submit", "--dry-run", *args[1:]], slurm)
     assert dry.returncode == 0, dry.stderr
     assert not run_dir.exists() and calls(slurm) == []  # a dry run creates and submits nothing
