@@ -147,9 +147,16 @@ def already_requeued(error_text: str) -> bool:
     return "pending execution" in error_text.lower()
 
 
+#: Seconds the agent's own clock waits past the moment Slurm's warning is due before acting in
+#: its place: Slurm's periodic timer can send it a few seconds late, and the signal, not the
+#: clock, is what the run should record when it comes.
+CLOCK_GRACE_S = 3.0
+
+
 def warning_due(end_time: float | None, lead_s: float, now: float) -> bool:
-    """The agent's own clock: Slurm's warning is due `lead_s` before the end (it may be late)."""
-    return end_time is not None and now >= end_time - lead_s
+    """The agent's own clock: Slurm's warning is due `lead_s` before the end; the clock stands
+    in for it `CLOCK_GRACE_S` later (Slurm may signal late, or not reach the agent at all)."""
+    return end_time is not None and now >= end_time - lead_s + CLOCK_GRACE_S
 
 
 def caught_signals(proc_status: str) -> set[int]:

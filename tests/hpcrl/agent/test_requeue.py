@@ -114,7 +114,8 @@ def test_end_time_from_scontrol_and_the_warning_clock() -> None:
     start = parse_slurm_time(info["StartTime"])
     assert end is not None and start is not None and end - start == 120  # TimeLimit=00:02:00
     assert parse_slurm_time("Unknown") is None and parse_slurm_time("N/A") is None
-    assert not rq.warning_due(end, 30, end - 31) and rq.warning_due(end, 30, end - 30)
+    grace = rq.CLOCK_GRACE_S
+    assert not rq.warning_due(end, 30, end - 30 + grace - 0.5) and rq.warning_due(end, 30, end - 30 + grace)
     assert not rq.warning_due(None, 30, end)
     assert rq.end_time_from_env({rq.END_TIME_ENV: "123.5"}) == 123.5
     assert rq.end_time_from_env({rq.END_TIME_ENV: "soon"}) is None
