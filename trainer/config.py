@@ -1040,7 +1040,8 @@ def validate(cfg: Config) -> None:
         f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` with "
         "`actor_rollout_ref.rollout.name=hf`: the HF rollout does not shard the model over ranks "
         "(every rank generates with the whole model, data-parallel), so the setting would do "
-        "nothing; set it to 1",
+        "nothing. Fix: `actor_rollout_ref.rollout.name=vllm` for tensor-parallel rollout (vLLM "
+        "engines of that many ranks), or set it to 1",
     )
     _require(not cfg.trainer.val_only or bool(data.val_files),
              "`trainer.val_only=true` validates and exits, and needs a validation set: set "

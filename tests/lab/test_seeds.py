@@ -93,6 +93,10 @@ def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab, tmp_path: Path, se
     payload = "\n".join(p.read_text(errors="replace") for p in run_dir.rglob("payload.log"))
     assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir), payload[-4000:])
     rows = read_jsonl(out / "metrics.jsonl")
+    before = [r for r in rows if r["step"] == 0]  # validation before training (verl's default)
+    assert bool(before) == (seed == "rocm-ppo"), rows  # the only line that keeps the default
+    assert all("val-core/toy_digits/reward/mean@1" in r for r in before), before
+    rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2]  # 8 prompts, batches of 4, one epoch
     for r in rows:
         if seed == "amd-slurm":  # one TP=2 engine across the two nodes: both ranks answered all
