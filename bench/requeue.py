@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from tests.lab import Lab, LabConfig
 from tests.test_lab_requeue import (
     RESUMED_RE,
     STEP_RE,
@@ -42,6 +41,8 @@ from tests.test_lab_requeue import (
     trainer_pid,
     write_site,
 )
+
+from tests.lab import Lab, LabConfig
 
 SCENARIOS = ("time-limit", "requeue", "preempt-0", "preempt-20", "kill-9")
 SAVE_FREQ = 3
