@@ -156,8 +156,9 @@ class RolloutConfig:
     n: int = _h("responses per prompt (group size for grpo/rloo)")
     gpu_memory_utilization: float = _h("vLLM: share of GPU memory for weights and KV cache")
     tensor_model_parallel_size: int = _h(
-        "vLLM: ranks per inference engine (k consecutive ranks shard one engine, the groups split "
-        "the prompts data-parallel); must divide the world size; the HF rollout needs 1")
+        "ranks per rollout engine: k consecutive ranks shard one engine (vLLM's tensor "
+        "parallelism; for `hf`, the decoder's projections split over them) and get the same "
+        "prompts, the groups split the prompts data-parallel; must divide the world size")
     enforce_eager: bool = _h("vLLM: no CUDA graphs")
     free_cache_engine: bool = _h("vLLM on GPUs: release the KV cache (sleep) between rollouts")
     max_num_batched_tokens: int = _h("vLLM: tokens per scheduler step")
@@ -1030,18 +1031,10 @@ def validate(cfg: Config) -> None:
     tp = rollout.tensor_model_parallel_size
     _require(tp >= 1, f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` must be at least 1")
     _require(
-        rollout.name != "vllm" or world % tp == 0,
+        world % tp == 0,
         f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` must divide the {world} "
         "ranks (`trainer.nnodes` x `trainer.n_gpus_per_node`): each group of that many ranks runs "
-        "one vLLM engine (verl's rollout mesh, dp x tp). Fix: pick a divisor of the world size",
-    )
-    _require(
-        rollout.name != "hf" or tp == 1,
-        f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` with "
-        "`actor_rollout_ref.rollout.name=hf`: the HF rollout does not shard the model over ranks "
-        "(every rank generates with the whole model, data-parallel), so the setting would do "
-        "nothing. Fix: `actor_rollout_ref.rollout.name=vllm` for tensor-parallel rollout (vLLM "
-        "engines of that many ranks), or set it to 1",
+        "one rollout engine (verl's rollout mesh, dp x tp). Fix: pick a divisor of the world size",
     )
     _require(not cfg.trainer.val_only or bool(data.val_files),
              "`trainer.val_only=true` validates and exits, and needs a validation set: set "

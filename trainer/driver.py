@@ -144,7 +144,7 @@ class PPODriver:
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
         rollout = cfg.actor_rollout_ref.rollout
-        self.rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
+        self.rollout_tp = rollout.tensor_model_parallel_size
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")

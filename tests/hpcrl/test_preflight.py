@@ -164,11 +164,8 @@ def test_overrides_the_trainer_refuses_stop_the_submission(tmp_path: Path, model
 def test_settings_the_trainer_refuses_at_its_start_are_refused_before_submission() -> None:
     """Not only the grammar: the trainer's whole check runs at submit time (a refusal after the
     queue wait would cost the user hours), with the nodes the job asks for."""
-    hf_tp = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
-    _, [problem] = pf.parse_overrides(hf_tp, {"HPCRL_NUM_NODES": "2"})
-    assert "the HF rollout does not shard the model over ranks" in problem
-    vllm_tp = [*hf_tp, "actor_rollout_ref.rollout.name=vllm", "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}",
-               "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"]
-    assert pf.parse_overrides(vllm_tp, {"HPCRL_NUM_NODES": "2"})[1] == []
-    _, [problem] = pf.parse_overrides(vllm_tp, {"HPCRL_NUM_NODES": "3"})
+    tp = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}",
+          "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"]
+    assert pf.parse_overrides(tp, {"HPCRL_NUM_NODES": "2"})[1] == []
+    _, [problem] = pf.parse_overrides(tp, {"HPCRL_NUM_NODES": "3"})
     assert "must divide the 3 ranks" in problem

@@ -50,13 +50,13 @@ TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
 def supported_part(words: list[str]) -> list[str]:
-    """The seed line as written, or, where it asks tensor-parallel rollout of the HF engine (the
-    default engine, which does not shard), with that set back to 1 after checking that the line
-    as written is refused naming it. Tensor-parallel vLLM rollout is accepted."""
+    """The seed line as written, or, where it asks more tensor-parallel ranks than the one rank
+    it leaves the world at (the ROCm GRPO line relies on its PPO line for the sizes), with that
+    set back to 1 after checking that the line as written is refused naming the world size."""
     tp = [w for w in words if w.startswith(TP_KEY + "=") and w.split("=", 1)[1] != "1"]
-    if not tp or any(w == "actor_rollout_ref.rollout.name=vllm" for w in words):
+    if not tp or any(w.startswith("trainer.nnodes=") for w in words):
         return words
-    with pytest.raises(C.ConfigError, match="the HF rollout does not shard the model over ranks"):
+    with pytest.raises(C.ConfigError, match=r"tensor_model_parallel_size=2` must divide the 1 ranks"):
         load_config(words)
     return [f"{TP_KEY}=1" if w in tp else w for w in words]
 
@@ -295,7 +295,7 @@ def test_every_accepted_key_acts_or_is_marked_compatibility_only() -> None:
 
 
 def test_settings_that_would_do_nothing_are_refused() -> None:
-    with pytest.raises(ConfigError, match="the HF rollout does not shard the model over ranks"):
+    with pytest.raises(ConfigError, match="must divide the 1 ranks"):  # an engine of 2, world of 1
         load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="a separate rollout deployment is not supported"):
         load_config(["actor_rollout_ref.hybrid_engine=false"])

@@ -4,7 +4,7 @@ the one tests use; it samples with the training model itself unless given a copy
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,7 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["HFRolloutEngine"]
+__all__ = ["HFRolloutEngine", "tensor_parallel"]
 
 
 def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> list[int]:
@@ -36,11 +36,72 @@ def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> li
     return [candidates] if isinstance(candidates, int) else list(candidates)
 
 
+#: How a decoder layer's projections split over a tensor-parallel group (Megatron's pattern,
+#: as vLLM and transformers' `tp_plan` split Llama-like models): attention's q/k/v and the MLP's
+#: gate/up by output columns (each rank its own heads and MLP slice), attention's output and the
+#: MLP's down projection by input rows, each followed by one all-reduce.
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def tensor_parallel(model: PreTrainedModel, tp: int, world_size: int) -> PreTrainedModel:
+    """Shard `model`'s decoder projections (`COLWISE`, `ROWWISE`) over this rank's group of
+    `tp` consecutive ranks (torch tensor parallelism: DTensor weights, each rank its share of the
+    heads and of the MLP), in place; every rank of the group must then run the same forward
+    passes. A collective over all `world_size` ranks (it builds the groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    cfg = model.config
+    sizes = {"num_attention_heads": cfg.num_attention_heads,
+             "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+             "intermediate_size": getattr(cfg, "intermediate_size", 0)}
+    uneven = {k: v for k, v in sizes.items() if v % tp}
+    if uneven:
+        raise ValueError(
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` must divide the model's "
+            + ", ".join(f"`{k}`={v}" for k, v in uneven.items())
+            + " (each rank of a tensor-parallel group holds an equal share). Fix: a divisor of them")
+    plan: dict[str, Any] = {}
+    for name, _ in model.named_modules():
+        if name.endswith(COLWISE):
+            plan[name] = ColwiseParallel()
+        elif name.endswith(ROWWISE):
+            plan[name] = RowwiseParallel()
+    if not plan:
+        raise ValueError(
+            f"tensor-parallel HF rollout: {type(model).__name__} has none of the projections it "
+            f"splits ({', '.join(COLWISE + ROWWISE)}). Fix: "
+            "`actor_rollout_ref.rollout.tensor_model_parallel_size=1`, or `rollout.name=vllm`")
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def _local_part(target: torch.Tensor, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor to write, what to write): for a tensor-parallel (DTensor) weight, this
+    rank's local shard and the matching slice of the whole tensor; else both as they are."""
+    placements = getattr(target, "placements", None)
+    if placements is None:
+        return target, whole
+    local, mesh = target.to_local(), target.device_mesh  # type: ignore[attr-defined]
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            whole = whole.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
+    return local, whole
+
+
 def _copy_bucket(targets: dict[str, torch.Tensor], bucket: WeightBucket) -> None:
     for name, tensor in bucket:
         if name not in targets:
             raise KeyError(f"weight sync: the rollout model has no `{name}`")
-        targets[name].copy_(tensor)
+        local, part = _local_part(targets[name], tensor)
+        local.copy_(part)
 
 
 class HFRolloutEngine:

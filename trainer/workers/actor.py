@@ -33,7 +33,7 @@ from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
 from trainer.rollout.base import RolloutBatch, SamplingParams
-from trainer.rollout.hf import HFRolloutEngine
+from trainer.rollout.hf import HFRolloutEngine, tensor_parallel
 from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.workers.base import Worker
 
@@ -81,12 +81,16 @@ class ActorRolloutRefWorker(Worker):
             return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer,
                                                  seed=self.cfg.trainer.seed + self.rank // tp), False
         assert self.ctx is not None
-        if not self.ctx.fsdp:
+        tp = arr.rollout.tensor_model_parallel_size
+        if not self.ctx.fsdp and tp == 1:
             return HFRolloutEngine(self.model, pad, eos), True
         # A sharded model cannot generate rank by rank (its forwards are collectives): keep a
-        # full copy for generation and sync it from the gathered weights.
+        # copy for generation, whole or split over the `tp` ranks of this rank's group (which
+        # get the same prompts and seed), and sync it from the gathered weights.
         copy: Any = M.load_actor(arr.model.path, trust_remote_code=arr.model.trust_remote_code)
         copy = copy.to(self.device).eval()
+        if tp > 1:
+            copy = tensor_parallel(copy, tp, self.ctx.world_size)
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 
     # ------------------------------------------------------------------ rollout

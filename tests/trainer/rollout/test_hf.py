@@ -112,3 +112,59 @@ def test_sync_weights_and_micro_batches(actor: torch.nn.Module) -> None:
     assert not torch.equal(before.response_ids, after.response_ids)
     engine.sleep()
     engine.wake_up()
+
+
+def _tensor_parallel_rank(rank: int, port: int, model_a: str, model_b: str, out: str) -> None:
+    """One of two gloo ranks sharing one tensor-parallel HF engine: greedy output on model A,
+    then after a streamed sync of model B, then sampled (the same seed on both ranks)."""
+    import torch.distributed as dist
+
+    from tests.trainer.ranks import leave_rank
+    from trainer.rollout.hf import tensor_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        engine = HFRolloutEngine(tensor_parallel(models.load_actor(model_a), 2, 2), PAD, EOS_IDS)
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                   for p in engine.model.parameters())
+        greedy = SamplingParams(temperature=0.0, max_response_length=8)
+        before = engine.generate(*prompts(), greedy)
+        engine.sync_weights(weight_buckets(models.load_actor(model_b), bucket_bytes=64 * 1024))
+        after = engine.generate(*prompts(), greedy)
+        torch.manual_seed(7)
+        sampled = engine.generate(*prompts(), SamplingParams(n=2, temperature=1.0, max_response_length=8))
+        torch.save({"before": (before.response_ids, before.log_probs), "held": held,
+                    "after": (after.response_ids, after.log_probs), "sampled": sampled.response_ids},
+                   Path(out) / f"{rank}.pt")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_rank()
+
+
+def test_a_tensor_parallel_engine_equals_one_rank_and_follows_a_weight_sync(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`rollout.name=hf` with `tensor_model_parallel_size=2`: two ranks hold half of each
+    decoder projection each and answer as one engine; their greedy tokens (and log-probs) equal
+    a whole model's on one rank, before and after a streamed sync to other weights, and sampling
+    with the same seed gives both ranks the same responses."""
+    import torch.multiprocessing as mp
+
+    from trainer.parallel import free_port
+
+    model_b = tiny.save_tiny(tmp_path / "b", seed=1)
+    mp.spawn(_tensor_parallel_rank, args=(free_port("127.0.0.1"), str(tiny_model_dir), str(model_b),
+                                          str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    greedy = SamplingParams(temperature=0.0, max_response_length=8)
+    for key, model in (("before", tiny_model_dir), ("after", model_b)):
+        want = HFRolloutEngine(models.load_actor(model), PAD, EOS_IDS).generate(*prompts(), greedy)
+        for rank in (0, 1):
+            ids, log_probs = got[rank][key]
+            assert ids.tolist() == want.response_ids.tolist(), (key, rank)
+            torch.testing.assert_close(log_probs, want.log_probs, rtol=0, atol=1e-5)
+    assert got[0]["before"][0].tolist() != got[0]["after"][0].tolist()  # the sync changed the answer
+    assert got[0]["sampled"].tolist() == got[1]["sampled"].tolist()
+    whole = sum(p.numel() for p in models.load_actor(tiny_model_dir).parameters())
+    assert got[0]["held"] == got[1]["held"] < whole  # each rank holds part of the projections
