@@ -1,6 +1,6 @@
 """Peak memory per rank of the actor worker on W = 1, 2, 4 CPU ranks (gloo), phase by phase.
 
-    python -m bench.memory [--ranks 1 2 4] [--baseline-tree /tmp/mem-base]
+    python -m bench.memory [--ranks 1 2 4] [--rollout-tp 1 2] [--baseline-tree /tmp/mem-base]
 
 A random Llama-shaped model (hidden 768, 16 layers, MLP 2560, GQA 12/4 heads, vocab 32000, tied
 embeddings: about 150M parameters, 0.6 GB in float32) is written once; then, for every tree
@@ -26,7 +26,10 @@ start (what the phase added, transiently or not). RSS counts everything the proc
 Python, torch, the tokenizer, the rollout engine's own weights. Every rank sets
 ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors go back to the system at once (glibc's
 dynamic threshold would otherwise keep them in the heap and carry them into the next phase's
-start), and ``OMP_NUM_THREADS=1``. The table shows the largest figure over the ranks.
+start), and ``OMP_NUM_THREADS=1``. The table shows the largest figure over the ranks. With ``--rollout-tp``, every W runs once per
+rollout tensor-parallel size k dividing it (``actor_rollout_ref.rollout.tensor_model_parallel_size``;
+the HF engine's copy split over k ranks), and ``rollout/rank`` is the bytes of that copy one rank
+holds.
 """
 
 from __future__ import annotations
@@ -111,7 +114,16 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
+def _rollout_bytes(worker: Any) -> int:
+    """Bytes of the rollout engine's weights this rank holds (its shards when split)."""
+    model = getattr(worker.rollout, "model", None)
+    if model is None:
+        return 0
+    params = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in params)
+
+
+def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int = 1) -> None:
     import torch
 
     from trainer.checkpoint import full_state as ckpt
@@ -129,7 +141,8 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
 
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"trainer.n_gpus_per_node={world}",
                        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                       "data.max_response_length=32", "data.max_prompt_length=32"])
+                       "data.max_response_length=32", "data.max_prompt_length=32",
+                       f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"])
     worker = ActorRolloutRefWorker(cfg, rank, world, total_steps=10)
     phase("build", lambda: worker.init_dist("127.0.0.1" if world > 1 else None, port if world > 1 else None))
     phase("step", lambda: worker.update_actor([[_share(2, 64, rank)]]))
@@ -148,15 +161,16 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
     phase("sync", lambda: worker.sync_rollout_weights())
     phase("sync again", lambda: worker.sync_rollout_weights())
     figures["params"] = sum(p.numel() for p in worker.model.parameters())
+    figures["rollout_bytes"] = _rollout_bytes(worker)
     figures["torch"] = torch.__version__
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
 
 
-def _child(world: int, port: int, model: str, out: str) -> None:
+def _child(world: int, port: int, model: str, out: str, tp: int) -> None:
     """Run W ranks of this tree (the one on PYTHONPATH) and wait for them."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(world, port, model, out), nprocs=world)
+    mp.spawn(_rank_main, args=(world, port, model, out, tp), nprocs=world)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -186,24 +200,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(tree: Path, world: int, model: Path, work: Path) -> list[dict[str, Any]]:
-    out = work / f"{tree.name}-{world}"
+def measure(tree: Path, world: int, model: Path, work: Path, tp: int = 1) -> list[dict[str, Any]]:
+    out = work / f"{tree.name}-{world}-tp{tp}"
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(world), str(_free_port()), str(model),
-           str(out)]
+           str(out), str(tp)]
     subprocess.run(cmd, env=env, cwd=tree, check=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     shutil.rmtree(out / "ckpt", ignore_errors=True)
     return ranks
 
 
-def row(label: str, world: int, ranks: list[dict[str, Any]]) -> str:
+def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1) -> str:
     def mib(value: float) -> str:
         return f"{value / MIB:,.0f}"
 
-    cells = [label, str(world), mib(max(r["state_bytes"] for r in ranks))]
+    cells = [label, str(world), str(tp), mib(max(r["state_bytes"] for r in ranks)),
+             mib(max(r.get("rollout_bytes", 0) for r in ranks))]
     for name in PHASES:
         peak = max(r[name]["peak"] for r in ranks)
         added = max(r[name]["peak"] - r[name]["start"] for r in ranks)
@@ -211,13 +226,16 @@ def row(label: str, world: int, ranks: list[dict[str, Any]]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| tree | W | state/rank MiB | " + " | ".join(f"{p} peak (+added) MiB" for p in PHASES) + " |\n"
-          "|---|---|---|" + "---|" * len(PHASES))
+HEADER = ("| tree | W | rollout TP | state/rank MiB | rollout/rank MiB | "
+          + " | ".join(f"{p} peak (+added) MiB" for p in PHASES) + " |\n"
+          "|---|---|---|---|---|" + "---|" * len(PHASES))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--rollout-tp", type=int, nargs="+", default=[1],
+                        help="rollout tensor-parallel sizes; each W runs with every k dividing it")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout of hpcrl to measure the same way (e.g. the tree before a change)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
@@ -229,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         lines = [HEADER]
         for label, tree in trees:
             for world in args.ranks:
-                ranks = measure(tree, world, model, work / "runs")
-                lines.append(row(label, world, ranks))
-                print(lines[-1], flush=True)
+                for tp in [k for k in args.rollout_tp if world % k == 0]:
+                    ranks = measure(tree, world, model, work / "runs", tp)
+                    lines.append(row(label, world, ranks, tp))
+                    print(lines[-1], flush=True)
         params = ranks[0]["params"]
         print(f"\nmodel: {params / 1e6:.0f}M parameters as the worker counts them (float32), "
               f"torch {ranks[0]['torch']}\n")
@@ -243,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+        _child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+               int(sys.argv[6]) if len(sys.argv) > 6 else 1)
     else:
         sys.exit(main())

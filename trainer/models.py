@@ -169,6 +169,44 @@ def load_actor(
     return model
 
 
+def empty_actor(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """The actor's architecture with no weights read or allocated: parameters on the meta
+    device, buffers (rotary frequencies) real, tied embeddings tied. For a rollout copy that is
+    split (tensor parallel) before `materialize` gives it memory and the first weight sync its
+    values: no rank ever holds the whole model for it."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code)
+    model.tie_weights()
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Give `empty_actor`'s (possibly split) parameters uninitialised memory on `device`, keeping
+    the buffers it computed; the values come with the first weight sync."""
+    buffers = dict(model.named_buffers())
+    model.to_empty(device=device)  # new parameter objects: tied ones are tied again below
+    for name, buffer in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = buffer.to(device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
 class CriticModel(nn.Module):
     """Value model: a causal LM's backbone with a linear head giving one value per token."""
 

@@ -21,7 +21,7 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["HFRolloutEngine", "tensor_parallel"]
+__all__ = ["HFRolloutEngine", "rollout_copy", "tensor_parallel"]
 
 
 def _eos_ids(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> list[int]:
@@ -44,11 +44,12 @@ COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
-def tensor_parallel(model: PreTrainedModel, tp: int, world_size: int) -> PreTrainedModel:
+def tensor_parallel(model: PreTrainedModel, tp: int, world_size: int, device: str = "cpu") -> PreTrainedModel:
     """Shard `model`'s decoder projections (`COLWISE`, `ROWWISE`) over this rank's group of
     `tp` consecutive ranks (torch tensor parallelism: DTensor weights, each rank its share of the
     heads and of the MLP), in place; every rank of the group must then run the same forward
-    passes. A collective over all `world_size` ranks (it builds the groups)."""
+    passes. A collective over all `world_size` ranks (it builds the groups); `device`: the
+    type of the devices the group computes on. The model may be on the meta device."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -77,10 +78,23 @@ def tensor_parallel(model: PreTrainedModel, tp: int, world_size: int) -> PreTrai
             f"tensor-parallel HF rollout: {type(model).__name__} has none of the projections it "
             f"splits ({', '.join(COLWISE + ROWWISE)}). Fix: "
             "`actor_rollout_ref.rollout.tensor_model_parallel_size=1`, or `rollout.name=vllm`")
-    device = next(model.parameters()).device.type
     mesh = init_device_mesh(device, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
     parallelize_module(model, mesh, plan)
     return model
+
+
+def rollout_copy(path: str, tp: int, world_size: int, device: torch.device, *,
+                 trust_remote_code: bool = False) -> PreTrainedModel:
+    """The HF engine's own model for a sharded actor: built empty, split over the `tp` ranks of
+    this rank's group when `tp` > 1, then given memory on `device`; the first weight sync (before
+    any rollout) gives it the actor's values. A rank holds its shares only, never the whole
+    model, and reads nothing of the checkpoint on disk."""
+    from trainer import models as M
+
+    copy = M.empty_actor(path, trust_remote_code=trust_remote_code)
+    if tp > 1:
+        copy = tensor_parallel(copy, tp, world_size, device.type)
+    return M.materialize(copy, device).eval()  # type: ignore[return-value]
 
 
 def _local_part(target: torch.Tensor, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

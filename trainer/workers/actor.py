@@ -33,7 +33,7 @@ from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
 from trainer.rollout.base import RolloutBatch, SamplingParams
-from trainer.rollout.hf import HFRolloutEngine, tensor_parallel
+from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.workers.base import Worker
 
@@ -87,10 +87,8 @@ class ActorRolloutRefWorker(Worker):
         # A sharded model cannot generate rank by rank (its forwards are collectives): keep a
         # copy for generation, whole or split over the `tp` ranks of this rank's group (which
         # get the same prompts and seed), and sync it from the gathered weights.
-        copy: Any = M.load_actor(arr.model.path, trust_remote_code=arr.model.trust_remote_code)
-        copy = copy.to(self.device).eval()
-        if tp > 1:
-            copy = tensor_parallel(copy, tp, self.ctx.world_size)
+        copy = rollout_copy(arr.model.path, tp, self.ctx.world_size, self.device,
+                            trust_remote_code=arr.model.trust_remote_code)
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 
     # ------------------------------------------------------------------ rollout

@@ -120,14 +120,15 @@ def _tensor_parallel_rank(rank: int, port: int, model_a: str, model_b: str, out:
     import torch.distributed as dist
 
     from tests.trainer.ranks import leave_rank
-    from trainer.rollout.hf import tensor_parallel
+    from trainer.rollout.hf import rollout_copy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        engine = HFRolloutEngine(tensor_parallel(models.load_actor(model_a), 2, 2), PAD, EOS_IDS)
+    try:  # as the actor builds it: empty, split, given memory, then synced before any rollout
+        engine = HFRolloutEngine(rollout_copy(model_a, 2, 2, torch.device("cpu")), PAD, EOS_IDS)
         held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                    for p in engine.model.parameters())
+        engine.sync_weights(weight_buckets(models.load_actor(model_a), bucket_bytes=64 * 1024))
         greedy = SamplingParams(temperature=0.0, max_response_length=8)
         before = engine.generate(*prompts(), greedy)
         engine.sync_weights(weight_buckets(models.load_actor(model_b), bucket_bytes=64 * 1024))
