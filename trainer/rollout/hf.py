@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.algos.core_algos import entropy_from_logits
-from trainer.models import log_probs_from_logits
+from trainer.models import empty_actor, log_probs_from_logits, materialize
 from trainer.rollout.base import (
     RolloutBatch,
     SamplingParams,
@@ -89,12 +89,10 @@ def rollout_copy(path: str, tp: int, world_size: int, device: torch.device, *,
     this rank's group when `tp` > 1, then given memory on `device`; the first weight sync (before
     any rollout) gives it the actor's values. A rank holds its shares only, never the whole
     model, and reads nothing of the checkpoint on disk."""
-    from trainer import models as M
-
-    copy = M.empty_actor(path, trust_remote_code=trust_remote_code)
+    copy = empty_actor(path, trust_remote_code=trust_remote_code)
     if tp > 1:
         copy = tensor_parallel(copy, tp, world_size, device.type)
-    return M.materialize(copy, device).eval()  # type: ignore[return-value]
+    return materialize(copy, device).eval()  # type: ignore[return-value]
 
 
 def _local_part(target: torch.Tensor, whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
