@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     profile, req = prepare(args)
     if args.dry_run:
+        check_payload(args, profile, req, dry_run=True)
         text = dry_run_text(req)
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return 0
@@ -73,15 +74,22 @@ def follow_job(job_id: str, run_dir: Any) -> None:
 
 def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
     """Stop before anything is created when the job cannot work (see `hpcrl.preflight`)."""
-    from pathlib import Path
-
     pf.report(pf.check_scheduler(profile.name, profile.scheduler)
               + pf.check_local_nodes(profile.name, profile.scheduler, req.spec.nodes), fatal=True)
+    check_payload(args, profile, req, dry_run=False)
+
+
+def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: bool) -> None:
+    """The trainer's checks of the payload's overrides. A key or value the trainer refuses
+    stops it on every node, so it is refused here on any site, dry run or not; a model, data
+    file or disk space that this host cannot confirm is fatal only where the job runs here (the
+    local site, not a dry run), a warning elsewhere."""
+    from pathlib import Path
+
     if args.whole_command or args.resume:
         return
     payload = list(req.spec.payload[3:])
-    # overrides the trainer refuses stop it on every node: refused here on any site
     job_env = reading_env(req.spec.nodes, Path(req.run_dir))
     pf.report(pf.parse_overrides(payload, job_env)[1], fatal=True)
     pf.report(pf.check_trainer_job(payload, Path(req.run_dir), nodes=req.spec.nodes),
-              fatal=profile.scheduler == "local")
+              fatal=profile.scheduler == "local" and not dry_run)

@@ -125,7 +125,7 @@ def test_dry_run_via_sbatch_prints_script_and_command(tmp_path: Path,
                                                       slurm: dict[str, str]) -> None:
     run_dir = tmp_path / "r"
     proc = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "mi300-cluster",
-                      "--run-dir", str(run_dir), "--", "x=1"], slurm)
+                      "--run-dir", str(run_dir), "--", "trainer.total_epochs=1"], slurm)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"# command: sbatch --export=WANDB_API_KEY,HF_TOKEN {run_dir}/job.sbatch" in out
@@ -211,11 +211,33 @@ def test_command_payload(tmp_path: Path, slurm: dict[str, str]) -> None:
 
 
 def test_local_site_dry_run(tmp_path: Path, slurm: dict[str, str]) -> None:
-    proc = run_hpcrl(["submit", "--dry-run", "--run-dir", str(tmp_path / "l"), "--", "a=1"],
-                     slurm)
+    proc = run_hpcrl(["submit", "--dry-run", "--run-dir", str(tmp_path / "l"), "--",
+                      "trainer.total_epochs=1"], slurm)
     assert proc.returncode == 0, proc.stderr
     assert "# via: local" in proc.stdout and "-m hpcrl.agent" in proc.stdout
     assert calls(slurm) == []
+
+
+def test_a_dry_run_refuses_what_the_submission_would(tmp_path: Path,
+                                                   slurm: dict[str, str]) -> None:
+    """A dry run says whether the trainer would take the job: an override it refuses fails the
+    dry run as it fails the submission (nothing printed as if it would run, nothing created);
+    a data file this host does not have is a warning, since it may exist on the cluster."""
+    run_dir = tmp_path / "r"
+    base = ["submit", "--dry-run", "--site", "slurmlab", "--nodes", "3", "--run-dir",
+            str(run_dir), "--"]
+    refused = run_hpcrl([*base, "actor_rollout_ref.rollout.name=sglang"], slurm)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("hpcrl: error:") and "SGLang rollout" in refused.stderr
+    uneven = run_hpcrl([*base, "trainer.nnodes=3",
+                        "data.train_batch_size=96", "actor_rollout_ref.actor.ppo_mini_batch_size=48",
+                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], slurm)
+    assert uneven.returncode == 2 and "must divide the 3 ranks" in uneven.stderr, uneven.stderr
+    elsewhere = run_hpcrl([*base, "data.train_files=/cluster/only/train.parquet"], slurm)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert "#SBATCH --nodes=3" in elsewhere.stdout
+    assert "hpcrl: warning:" in elsewhere.stderr and "/cluster/only/train.parquet" in elsewhere.stderr
+    assert not run_dir.exists() and calls(slurm) == []
 
 
 def submitted_run(tmp_path: Path, slurm: dict[str, str]) -> Path:
