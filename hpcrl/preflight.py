@@ -242,8 +242,14 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
     """Every check of a trainer job on `nodes` nodes whose payload overrides are
     `payload_args`."""
     overrides, problems = parse_overrides(payload_args, reading_env(nodes, run_dir))
-    if problems:
-        return problems
+    return problems or check_job_inputs(overrides, run_dir, read_columns, free)
+
+
+def check_job_inputs(overrides: Mapping[str, Any], run_dir: Path,
+                     read_columns: Callable[[Path], list[str] | None] = parquet_columns,
+                     free: Callable[[Path], int] = disk_free) -> list[str]:
+    """What the trainer will read and write, from its parsed `overrides`: the model, the
+    datasets and their columns, room for a checkpoint."""
     defaults = trainer_defaults()
     model, problems = check_model(overrides, defaults, run_dir)
     problems += check_data(overrides, defaults, run_dir, read_columns)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from hpcrl import preflight as pf
@@ -30,8 +31,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 @user_errors
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     profile, req = prepare(args)
     if args.dry_run:
         check_payload(args, profile, req, dry_run=True)
@@ -84,12 +83,11 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
     stops it on every node, so it is refused here on any site, dry run or not; a model, data
     file or disk space that this host cannot confirm is fatal only where the job runs here (the
     local site, not a dry run), a warning elsewhere."""
-    from pathlib import Path
-
     if args.whole_command or args.resume:
         return
-    payload = list(req.spec.payload[3:])
-    job_env = reading_env(req.spec.nodes, Path(req.run_dir))
-    pf.report(pf.parse_overrides(payload, job_env)[1], fatal=True)
-    pf.report(pf.check_trainer_job(payload, Path(req.run_dir), nodes=req.spec.nodes),
+    run_dir = Path(req.run_dir)
+    overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]),
+                                             reading_env(req.spec.nodes, run_dir))
+    pf.report(problems, fatal=True)
+    pf.report(pf.check_job_inputs(overrides, run_dir),
               fatal=profile.scheduler == "local" and not dry_run)
