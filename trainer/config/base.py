@@ -29,6 +29,12 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 PADDING = ("verl's padding-free packing is a speed-up only; the padded computation here gives "
            "the same losses")
 DERIVED_HINT = "is derived here; set `{}` instead"
+PROFILER = "verl's profilers (nsys, torch, NPU) only record timings; nothing is profiled here"
+TORCH_COMPILE = ("verl compiles its entropy and log-prob helpers with torch.compile for speed; they run "
+                 "eagerly here: the same formulas")
+PREFETCH = ("FSDP1's all-gather prefetch only overlaps communication; FSDP2 here gathers each layer "
+            "before its forward, the same weights")
+STRATEGY = "`fsdp` and `fsdp2` both shard with FSDP2 here"
 
 
 @dataclass(frozen=True)
@@ -47,3 +53,4 @@ class OptimConfig:
 class FsdpConfig:
     param_offload: bool = h("offload parameters to CPU between uses (FSDP workers)")
     optimizer_offload: bool = h("offload optimizer state to CPU between uses (FSDP workers)")
+    forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")

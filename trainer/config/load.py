@@ -17,7 +17,7 @@ from trainer.config.algorithm import estimator
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.overrides import _apply, _lookup, _reading_env, apply_overrides, is_override
 from trainer.config.reward import REWARD_MODEL_WORKER
-from trainer.config.schema import COMPAT, Config
+from trainer.config.schema import ALIASES, COMPAT, Config
 from trainer.config.values import _coerce_default, _hints, _is_section, _type_name, _valid_keys
 
 DEFAULTS_DIR = Path(__file__).parent
@@ -288,6 +288,36 @@ def describe_keys() -> list[tuple[str, str, str]]:
 
     walk(Config, "")
     return rows
+
+
+def compat_notes(overrides: Sequence[str], cfg: Config) -> list[str]:
+    """One line for each override among `overrides` that is accepted without acting (a `COMPAT`
+    key set away from its default, a newer verl spelling read as this trainer's key, a setting
+    LoRA makes moot): what runs instead, and that the numbers are the same. `cfg`: their config."""
+    items = [a for a in overrides if is_override(a)]
+    defaults = load_defaults()
+    tree, keys = _apply(defaults, items)
+    lines: list[str] = []
+    for compat in dict.fromkeys(_compat_key(key) for key in keys):
+        if compat is None or _lookup(tree, compat)[1] == _lookup(defaults, compat)[1]:
+            continue
+        shown = compat if compat in keys else f"{compat}.*"
+        lines.append(f"`{shown}` is accepted and changes nothing here: {COMPAT[compat]}; "
+                     "the numbers are the same")
+    for key in dict.fromkeys(item.lstrip("+~").split("=", 1)[0] for item in items):
+        if key in ALIASES:
+            lines.append(f"`{key}` is verl's newer name of `{ALIASES[key]}`, read as it")
+    arr = cfg.actor_rollout_ref
+    if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
+        lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
+                     "the reference policy is the actor with its adapters disabled (as in verl), with no "
+                     "weights of its own to offload; the numbers are the same")
+    return lines
+
+
+def _compat_key(key: str) -> str | None:
+    """The `COMPAT` key that `key` is or lies under (a sub-key of a free-form mapping)."""
+    return next((k for k in COMPAT if key == k or key.startswith(k + ".")), None)
 
 
 def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.base import h
+from trainer.config.base import PROFILER, h
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class TrainerConfig:
     seed: int = h("seed of model init, sampling and mini-batch shuffles")
 
 
+_OLD_PROFILER = ("verl's older profiler keys; verl now reads `global_profiler.*` and `<role>.profiler.*`, "
+                 "which are accepted here (the profiler changes no number)")
+
 #: verl's `trainer.*` (and top-level Ray) keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
     "trainer.default_hdfs_dir": "HDFS upload",
@@ -66,11 +69,16 @@ NOT_SUPPORTED: dict[str, str] = {
     "trainer.rollout_data_dir": "",
     "trainer.ray_wait_register_center_timeout": "",
     "trainer.esi_redundant_time": "",
-    "trainer.profile_steps": "profiling",
-    "trainer.controller_nsight_options": "profiling",
-    "trainer.worker_nsight_options": "profiling",
+    "trainer.profile_steps": _OLD_PROFILER,
+    "trainer.controller_nsight_options": _OLD_PROFILER,
+    "trainer.worker_nsight_options": _OLD_PROFILER,
     "ray_init": "",
     "ray_kwargs": "",
+}
+
+#: Keys accepted that change nothing here, and why nothing is lost.
+COMPAT: dict[str, str] = {
+    "global_profiler": PROFILER,
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
