@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import subprocess
@@ -221,7 +222,7 @@ def test_cli_print_config_validates_and_prints() -> None:
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "unknown key `data.nope`" in bad.stderr
     noted = subprocess.run([sys.executable, "-m", "trainer", "--print-config",
-                            "actor_rollout_ref.model.use_shm=true", "data.train_batch_size=512"],
+                            "actor_rollout_ref.model.use_shm=true", "data.train_batch_size=512", HF],
                            capture_output=True, text=True, check=False)
     assert noted.returncode == 0, noted.stderr
     [note] = noted.stderr.splitlines()  # one line on stderr; stdout stays YAML
@@ -337,6 +338,7 @@ def test_each_section_module_has_its_defaults_beside_it() -> None:
 
 # ------------------------------------------------- verl keys that change no number: accepted
 
+HF = "actor_rollout_ref.rollout.name=hf"
 NO_OPS = [  # (override, the key --print-config marks, a word of what runs instead)
     ("actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.use_fused_kernels", "full logits"),
     ("actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
@@ -364,28 +366,28 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
 def test_verl_keys_that_change_no_number_are_accepted_with_one_note(item: str, key: str, instead: str) -> None:
     """verl keys whose setting changes no number load, print one note naming what runs instead,
     and are marked in --print-config."""
-    cfg = load_config([item])
-    notes = C.compat_notes([item], cfg)
+    items = [HF, item]  # the engine named: no note about a derived one
+    notes = C.compat_notes(items, load_config(items))
     assert len(notes) == 1 and instead in notes[0] and "the numbers are the same" in notes[0], notes
     assert notes[0].startswith(f"`{key}")
-    marked = [line for line in C.dump_config(cfg).splitlines() if "# compatibility only:" in line]
+    marked = [line for line in C.dump_config(load_config(items)).splitlines() if "# compatibility only:" in line]
     assert any(line.strip().startswith(key.rsplit(".", 1)[-1] + ":") and instead in line for line in marked)
 
 
 def test_no_note_for_acting_keys_or_verl_defaults() -> None:
     items = ["data.train_batch_size=512", "actor_rollout_ref.model.use_fused_kernels=false",
-             "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.actor.use_torch_compile=true"]
+             "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.actor.use_torch_compile=true", HF]
     assert C.compat_notes(items, load_config(items)) == []
 
 
 def test_newer_verl_spellings_are_read_as_this_trainers_keys() -> None:
     items = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=32",
-             "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096"]
+             "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096", HF]
     cfg = load_config(items)
     arr = cfg.actor_rollout_ref
     assert (arr.model.lora_rank, arr.model.lora_alpha, arr.rollout.update_weights_bucket_megabytes) == (8, 32, 4096)
     notes = C.compat_notes(items, cfg)
-    assert [n.split("`")[1] for n in notes] == [i.split("=")[0] for i in items]
+    assert [n.split("`")[1] for n in notes] == [i.split("=")[0] for i in items[:-1]]
     assert "read as it" in notes[0] and "`actor_rollout_ref.model.lora_rank`" in notes[0]
     assert C.override_values(items)["actor_rollout_ref.model.lora_rank"] == 8
     # the rest of Megatron's LoRA section and other checkpoint-engine options change numbers or
@@ -398,7 +400,7 @@ def test_newer_verl_spellings_are_read_as_this_trainers_keys() -> None:
 
 
 def test_lora_with_reference_offload_is_accepted_with_a_note() -> None:
-    items = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.param_offload=true"]
+    items = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.param_offload=true", HF]
     [note] = C.compat_notes(items, load_config(items))
     assert "adapters disabled" in note and "the numbers are the same" in note
 
@@ -422,3 +424,54 @@ def test_free_form_mappings_take_any_sub_key() -> None:
         load_config(["data.apply_chat_template_kwargs=3"])
     with pytest.raises(ConfigError, match="holds a value, not a mapping"):
         load_config(["global_profiler.tool=nsys", "global_profiler.tool.x=1"])
+
+
+# ------------------------------------------------------------------ verl's defaults, here
+
+ROCM_GRPO = ["algorithm.adv_estimator=grpo", "data.train_batch_size=1024",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.n=5",
+             "actor_rollout_ref.ref.fsdp_config.param_offload=True"]
+
+
+def test_gpus_per_node_follows_the_gpus_granted_under_hpcrl() -> None:
+    """verl defaults `trainer.n_gpus_per_node` to 8; here it is the GPUs per node hpcrl asked
+    Slurm for (`HPCRL_GPUS_PER_NODE`), so a verl line that sets none runs on what was granted."""
+    cfg = load_config(ROCM_GRPO, env={C.GPUS_ENV: "8"})
+    assert (cfg.trainer.n_gpus_per_node, cfg.derived.world_size) == (8, 8)
+    assert load_config(["trainer.nnodes=2"], env={C.GPUS_ENV: "4"}).derived.world_size == 8
+    assert load_config(["trainer.n_gpus_per_node=2"], env={C.GPUS_ENV: "8"}).trainer.n_gpus_per_node == 2
+    assert load_config([], env={C.GPUS_ENV: "0"}).trainer.n_gpus_per_node == 1  # CPU nodes: one worker
+    with pytest.raises(ConfigError, match="`HPCRL_GPUS_PER_NODE=eight` is not a whole number"):
+        load_config([], env={C.GPUS_ENV: "eight"})
+
+
+def test_gpus_per_node_standalone_counts_the_visible_gpus_without_initialising_cuda() -> None:
+    import torch
+
+    cfg = load_config([], env={})
+    assert cfg.trainer.n_gpus_per_node == max(torch.cuda.device_count(), 1)
+    assert not torch.cuda.is_initialized()
+    run = subprocess.run([sys.executable, "-m", "trainer", "--print-config"], capture_output=True,
+                         text=True, check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert yaml.safe_load(run.stdout)["trainer"]["n_gpus_per_node"] == 1, run.stderr  # no GPU seen: 1
+
+
+def test_rollout_engine_is_vllm_where_installed_else_hf_with_a_note(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    items = ["data.train_batch_size=512"]
+    if importlib.util.find_spec("vllm") is None:
+        cfg = load_config(items)
+        assert cfg.actor_rollout_ref.rollout.name == "hf"
+        [note] = C.compat_notes(items, cfg)
+        assert "vLLM (verl's default engine) is not installed" in note and "`hf`" in note
+    (tmp_path / "vllm").mkdir()  # an installed vLLM, as the lookup sees it (nothing imports it)
+    (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('not imported by the config')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(items)
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+    assert C.compat_notes(items, cfg) == []
+    assert load_config(["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout.name == "hf"

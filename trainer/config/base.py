@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 RUN_DIR_ENV = "HPCRL_RUN_DIR"
 """Set by hpcrl's node agent: the job's run directory (shared by every restart)."""
+GPUS_ENV = "HPCRL_GPUS_PER_NODE"
+"""Set by hpcrl: the GPUs per node the job asked Slurm for (the profile's `slurm.gpus_per_node`;
+0 = none), the default of `trainer.n_gpus_per_node`."""
 
 
 class ConfigError(ValueError):

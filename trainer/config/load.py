@@ -17,7 +17,9 @@ from trainer.config.algorithm import estimator
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.overrides import _apply, _lookup, _reading_env, apply_overrides, is_override
 from trainer.config.reward import REWARD_MODEL_WORKER
+from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name
 from trainer.config.schema import ALIASES, COMPAT, Config
+from trainer.config.trainer import default_gpus_per_node
 from trainer.config.values import _coerce_default, _hints, _is_section, _type_name, _valid_keys
 
 DEFAULTS_DIR = Path(__file__).parent
@@ -95,6 +97,10 @@ def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
         critic["model"]["path"] = arr["model"]["path"]
     if critic["model"]["tokenizer_path"] is None:
         critic["model"]["tokenizer_path"] = critic["model"]["path"]
+    if arr["rollout"]["name"] is None:
+        arr["rollout"]["name"] = default_rollout_name()
+    if trainer["n_gpus_per_node"] is None:
+        trainer["n_gpus_per_node"] = default_gpus_per_node(env or {})
     launched = (env or {}).get(RUN_DIR_ENV)
     if trainer["default_local_dir"] is None:
         trainer["default_local_dir"] = (
@@ -230,7 +236,8 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (), env: Mapping[str, str] | None = None
 ) -> Config:
     """Defaults + dotted overrides -> validated, derived, frozen `Config`; `env` (default: the
-    process environment) supplies `HPCRL_RUN_DIR` when hpcrl launched the trainer."""
+    process environment) supplies `HPCRL_RUN_DIR` and `HPCRL_GPUS_PER_NODE` when hpcrl launched
+    the trainer."""
     tree = apply_overrides(load_defaults(), list(overrides))
     cfg = _build(Config, _derive(tree, os.environ if env is None else env), "")
     validate(cfg)
@@ -308,6 +315,8 @@ def compat_notes(overrides: Sequence[str], cfg: Config) -> list[str]:
         if key in ALIASES:
             lines.append(f"`{key}` is verl's newer name of `{ALIASES[key]}`, read as it")
     arr = cfg.actor_rollout_ref
+    if "actor_rollout_ref.rollout.name" not in keys and arr.rollout.name == "hf":
+        lines.append(NO_VLLM_NOTE)
     if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
         lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
                      "the reference policy is the actor with its adapters disabled (as in verl), with no "

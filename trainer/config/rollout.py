@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,7 +21,9 @@ class ValKwargs:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    name: Literal["hf", "vllm"] = h("generation engine: `hf` (transformers generate) or `vllm`")
+    name: Literal["hf", "vllm"] | None = h(
+        "generation engine: `hf` (transformers generate) or `vllm`; null = `vllm` (verl's default) "
+        "where vLLM is installed, else `hf` with a note saying so")
     temperature: float = h("sampling temperature")
     top_k: int = h("top-k sampling; -1 = off")
     top_p: float = h("nucleus sampling")
@@ -50,6 +53,18 @@ class RolloutConfig:
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
     enable_prefix_caching: bool = h("vLLM's prefix cache (compatibility only, see COMPAT)")
     profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
+
+
+def default_rollout_name() -> str:
+    """`actor_rollout_ref.rollout.name` when it is null: verl's default, `vllm`, where vLLM is
+    installed (looked up, not imported), else `hf`."""
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+NO_VLLM_NOTE = ("`actor_rollout_ref.rollout.name` is not set and vLLM (verl's default engine) is not "
+                "installed here: the rollout runs on `hf` (transformers generate), which samples from "
+                "the same policy but not the same tokens as vLLM would. Set "
+                "`actor_rollout_ref.rollout.name=hf` to choose it, or install vLLM")
 
 
 #: verl's `rollout.*` keys this trainer does not implement.
