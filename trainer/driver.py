@@ -105,7 +105,7 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, t.n_gpus_per_node, 2 if cfg.derived.use_critic else 1)
+        slot = make_placement_group(t.nnodes, world // t.nnodes, 2 if cfg.derived.use_critic else 1)
         actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
                                world_size=world)
         critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)

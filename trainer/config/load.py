@@ -137,7 +137,7 @@ def validate(cfg: Config) -> None:
                        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
                        ("actor_rollout_ref.rollout.n", rollout.n),
                        ("trainer.nnodes", cfg.trainer.nnodes),
-                       ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
+                       ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node or 0),  # derived: never null
                        ("data.max_prompt_length", data.max_prompt_length),
                        ("data.max_response_length", data.max_response_length),
                        ("actor_rollout_ref.rollout.update_weights_bucket_megabytes",
