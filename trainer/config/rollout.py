@@ -58,7 +58,11 @@ class RolloutConfig:
 def default_rollout_name() -> str:
     """`actor_rollout_ref.rollout.name` when it is null: verl's default, `vllm`, where vLLM is
     installed (looked up, not imported), else `hf`."""
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        found = False
+    return "vllm" if found else "hf"
 
 
 NO_VLLM_NOTE = ("`actor_rollout_ref.rollout.name` is not set and vLLM (verl's default engine) is not "
