@@ -38,6 +38,7 @@ class ModelConfig:
         "modules that get LoRA adapters: `all-linear` (every linear layer but the output head) "
         "or module names, e.g. `[q_proj,v_proj]`")
     use_shm: bool = h("verl: load the model through shared memory (compatibility only, see COMPAT)")
+    use_liger: bool = h("Liger's Triton kernels (compatibility only, see COMPAT)")
     use_fused_kernels: bool = h("verl's fused linear + log-prob kernel (compatibility only, see COMPAT)")
     fused_kernel_options: dict[str, Any] = h("options of verl's fused kernels (compatibility only, see COMPAT)")
 
@@ -111,8 +112,6 @@ CHUNKED_ENTROPY = ("verl computes the entropy over chunks of the sequence to sav
 NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.external_lib": "",
     "actor_rollout_ref.model.override_config": "",
-    "actor_rollout_ref.model.use_liger": ("Liger fused kernels; the log-probs here come from the "
-                                          "model's logits, which cost memory but give the same values"),
     "actor_rollout_ref.model.lora": ("Megatron's LoRA options; FSDP LoRA is "
                                      "`actor_rollout_ref.model.lora_rank`, `lora_alpha` and `target_modules` "
                                      "(`model.lora.rank` and `model.lora.alpha` are read as the first two)"),
@@ -149,6 +148,9 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.model.use_fused_kernels": (
         "verl's fused linear + log-prob kernel only saves memory; the log-probs here come from the "
         "model's full logits"),
+    "actor_rollout_ref.model.use_liger": ("Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear "
+                                          "cross-entropy) compute the same layers with less memory; the "
+                                          "model's own layers run here"),
     "actor_rollout_ref.model.fused_kernel_options": "options of verl's fused kernels, which do not run here",
     "actor_rollout_ref.actor.use_torch_compile": TORCH_COMPILE,
     "actor_rollout_ref.ref.use_torch_compile": TORCH_COMPILE,
@@ -168,7 +170,6 @@ ALIASES: dict[str, str] = {
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
-    "actor_rollout_ref.model.use_liger": False,
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
