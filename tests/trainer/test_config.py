@@ -354,6 +354,7 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
     ("actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.use_torch_compile", "eagerly"),
     ("actor_rollout_ref.ref.use_torch_compile=False", "actor_rollout_ref.ref.use_torch_compile", "eagerly"),
     ("actor_rollout_ref.ref.strategy=fsdp2", "actor_rollout_ref.ref.strategy", "FSDP2"),
+    ("actor_rollout_ref.rollout.multi_turn.format=hermes", "actor_rollout_ref.rollout.multi_turn", "single-turn"),
 ]
 
 
@@ -367,6 +368,14 @@ def test_verl_keys_that_change_no_number_are_accepted_with_one_note(item: str, k
     assert notes[0].startswith(f"`{key}")
     marked = [line for line in C.dump_config(load_config(items)).splitlines() if "# compatibility only:" in line]
     assert any(line.strip().startswith(key.rsplit(".", 1)[-1] + ":") and instead in line for line in marked)
+
+
+def test_multi_turn_rollout_is_refused_in_either_spelling() -> None:
+    load_config(["actor_rollout_ref.rollout.multi_turn.enable=false"])
+    for item in ("actor_rollout_ref.rollout.multi_turn.enable=true",
+                 "actor_rollout_ref.rollout.multi_turn={enable: true, format: hermes}"):
+        with pytest.raises(ConfigError, match="not supported yet \\(multi-turn rollout\\)"):
+            load_config([item])
 
 
 def test_no_note_for_acting_keys_or_verl_defaults() -> None:

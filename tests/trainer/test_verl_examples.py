@@ -4,7 +4,7 @@ read from the scripts by `python -m tests.trainer.verl_examples extract` into
 `tests/data/verl_examples.json` (verl's commit is recorded there); no verl checkout is needed.
 
 Refused on purpose: Megatron-LM training, model-based reward models (and sandbox-fusion
-scoring), multimodal data, SGLang / TensorRT-LLM rollout, multi-turn rollout, Ulysses sequence
+scoring), multimodal data, SGLang / TensorRT-LLM rollout, Ulysses sequence
 parallelism, PF-PPO, rollout importance-sampling correction, LoRA from a saved adapter and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
@@ -41,7 +41,7 @@ EXPECTED = {
     "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": "the reward model worker",
     "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_fused_kernels.sh": "the reward model worker",
     "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_nsys.sh": "the reward model worker",
-    "examples/ppo_trainer/run_qwen2-7b_seq_balance.sh": "multi-turn rollout",
+    "examples/ppo_trainer/run_qwen2-7b_seq_balance.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_sglang_seq_balance.sh": "SGLang rollout",
     "examples/ppo_trainer/run_qwen2.5-32b.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2.5-3b_rm_legacy.sh": "the reward model worker",

@@ -213,6 +213,10 @@ def validate(cfg: Config) -> None:
         "of weights here (verl's hybrid engine); a separate rollout deployment is not supported. "
         "Fix: remove the override",
     )
+    require(not rollout.multi_turn.get("enable"),
+            "`actor_rollout_ref.rollout.multi_turn.enable=true` is not supported yet (multi-turn "
+            "rollout): the rollout here is single-turn. Fix: remove `enable` from "
+            "`actor_rollout_ref.rollout.multi_turn`")
     validate_lora(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(

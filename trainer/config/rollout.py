@@ -53,6 +53,8 @@ class RolloutConfig:
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
     enable_prefix_caching: bool = h("vLLM's prefix cache (compatibility only, see COMPAT)")
     profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
+    multi_turn: dict[str, Any] = h("verl's multi-turn options; `multi_turn.enable=true` is refused "
+                                   "(compatibility only, see COMPAT)")
 
 
 def default_rollout_name() -> str:
@@ -79,7 +81,7 @@ NOT_SUPPORTED: dict[str, str] = {
         "size `checkpoint_engine.update_weights_bucket_megabytes` is read as "
         "`actor_rollout_ref.rollout.update_weights_bucket_megabytes`"),
     "actor_rollout_ref.rollout.engine_kwargs": "",
-    "actor_rollout_ref.rollout.multi_turn": "multi-turn rollout",
+    "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn rollout",
     "actor_rollout_ref.rollout.agent": "agent loops",
     "actor_rollout_ref.rollout.calculate_log_probs": "",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
@@ -92,6 +94,7 @@ NOT_SUPPORTED: dict[str, str] = {
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.rollout.ignore_eos": False,
+    "actor_rollout_ref.rollout.multi_turn.enable": False,
 }
 
 #: Keys accepted that change nothing here, and why nothing is lost.
@@ -107,6 +110,9 @@ COMPAT: dict[str, str] = {
         "vLLM's prefix cache is always on here (verl's default); it reuses the KV of identical prompt "
         "prefixes, the sampled responses follow the same distribution"),
     "actor_rollout_ref.rollout.profiler": PROFILER,
+    "actor_rollout_ref.rollout.multi_turn": ("multi-turn options act only with `multi_turn.enable=true` "
+                                             "(refused here); the rollout is single-turn, as verl's is "
+                                             "without it"),
 }
 
 #: Newer verl spellings read as this trainer's key.
