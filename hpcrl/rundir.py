@@ -243,6 +243,17 @@ def read_submission(run_dir: Path) -> dict[str, Any]:
                         "directory, or submit again with `--resume`")
 
 
+def submission_logs(run_dir: Path) -> dict[str, str]:
+    """The log patterns `submission.json` records (`batch`, `node`, ...)."""
+    logs = read_submission(run_dir).get("logs")
+    if not isinstance(logs, dict) or not all(isinstance(v, str) for v in logs.values()):
+        raise RunFileError(
+            f"`{RunDir(run_dir).submission}` has no `logs` mapping of log patterns (received "
+            f"`logs`: {logs!r}); `hpcrl submit` records them there. Fix: read one run's logs "
+            f"with `hpcrl logs {run_dir} --restart last`, or the files under `{run_dir}/logs/`")
+    return logs
+
+
 def submitted_job_id(run_dir: Path) -> str | None:
     """The job id `submission.json` records, None when there is none to read."""
     try:

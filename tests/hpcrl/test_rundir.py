@@ -217,6 +217,16 @@ def test_logs_of_one_restart(run: Path) -> None:
         absent.stderr, absent.stderr
 
 
+
+def test_logs_of_a_submission_without_log_patterns_is_a_clear_error(run: Path) -> None:
+    (run / "submission.json").write_text(json.dumps({"job_id": "17", "via": "sbatch"}))
+    out = run_hpcrl(["logs", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"`{run}/submission.json` has no `logs` mapping of log patterns (received `logs`: " \
+        f"None)" in out.stderr and f"Fix: read one run's logs with `hpcrl logs {run} --restart " \
+        "last`" in out.stderr
+
+
 # ----------------------------------------------------------------------------- progress
 
 
