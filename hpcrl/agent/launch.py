@@ -86,6 +86,10 @@ def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
     return dict(env_for_ray_version(profile_from_dict(job.profile).ray.version_env, ray_version))
 
 
+INHERITED_TOKEN = "RAY_AUTH_TOKEN"
+"""Ray's token variable, which would win over the job's token file."""
+
+
 def ray_start_argv(
     job: AgentJob, head: bool, address: str, temp_dir: Path, ports: PortBlock, gcs: str,
     alloc: Allocation,
@@ -244,7 +248,11 @@ class Launcher:
     def _ray_env(
         self, token: Path, ports: PortBlock, iface: str | None, alloc: Allocation
     ) -> dict[str, str]:
-        return {
+        """The environment of Ray's processes, the watch and the payload. The job's own token
+        (`RAY_AUTH_TOKEN_PATH`) is the only one: Ray prefers a `RAY_AUTH_TOKEN` variable to the
+        file, so one inherited from the submitting environment, the setup lines or the
+        profile is dropped."""
+        env = {
             **self.node.env,
             **HEALTH_CHECK_ENV,
             **self.node.job.env,
@@ -256,6 +264,8 @@ class Launcher:
             "RAY_AUTH_TOKEN_PATH": str(token),
             "RAY_USAGE_STATS_ENABLED": "0",
         }
+        env.pop(INHERITED_TOKEN, None)
+        return env
 
     def _version_env(self) -> dict[str, str]:
         """Profile variables chosen by the Ray version in the container (asked only if needed)."""
