@@ -64,7 +64,7 @@ five missed checks 2 s apart. The profile's `env` may set other values."""
 def taken_port(block: PortBlock, claims: PortClaims) -> str:
     """Why `block` cannot be used here: the agent that claimed it, or `port P is held by pid N
     (command)` for its first port in use."""
-    holders = unix_name_holders(f"{claims.prefix}{block.gcs}")
+    holders = unix_name_holders(claims.name(block))
     if holders:
         return f"claimed by another hpcrl agent on this node: {', '.join(holders)}"
     for port in block.all_ports():
