@@ -59,6 +59,8 @@ VIAS = ("submitit", "sbatch")
 LOCAL_VIA = "local"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SAFE_PATH_RE = re.compile(r"^[^%\x00-\x1f\x7f]+$")
+BIND_SEPARATORS = ":,"
+"""Characters a container runtime reads inside a bind (`SRC:DST:OPTS`, `a,b`)."""
 
 
 class RequestError(ValueError):
@@ -113,6 +115,13 @@ def check_run_dir(run_dir: str) -> str:
     if not _SAFE_PATH_RE.match(run_dir):
         raise RequestError(f"run directory {run_dir!r} contains `%` or a control character; "
                            "Slurm reads `%` in log paths as a pattern: choose another `--run-dir`")
+    bad = sorted({c for c in run_dir if c in BIND_SEPARATORS})
+    if bad:
+        raise RequestError(
+            f"run directory {run_dir!r} contains {' and '.join(f'`{c}`' for c in bad)}: the run "
+            "directory is bound into the job's containers as `SRC[:DST[:OPTS]]` (`,` separates "
+            "binds), so these would add other bind mounts. Fix: choose a `--run-dir` (or "
+            "`run_root` in the site profile) without `:` and `,`")
     return run_dir
 
 

@@ -81,6 +81,19 @@ class PortRange:
         return (self.limit - self.base) // self.block_size
 
 
+SITE_BLOCKS = 64
+"""Blocks in a site's range from `ray.port_base`."""
+
+
+def site_port_range(port_base: int | None) -> PortRange:
+    """The range the job's blocks lie in: `SITE_BLOCKS` blocks from the profile's
+    `ray.port_base` (keep it clear of ephemeral ports), or the default range."""
+    defaults = PortRange()
+    if not port_base:
+        return defaults
+    return PortRange(base=port_base, limit=min(65536, port_base + SITE_BLOCKS * defaults.block_size))
+
+
 @dataclass(frozen=True)
 class PortBlock:
     """Every port of one Ray node of one job; written to and read from the rendezvous file."""

@@ -237,6 +237,19 @@ def test_values_that_would_break_the_script_are_refused(field: str, value: str,
     assert proc.stderr.startswith("hpcrl: error:") and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("name", ["a:b", "x,y", "c:/etc:rw"])
+def test_bind_separators_in_the_run_directory_are_refused(name: str, tmp_path: Path,
+                                                          clean_env: dict[str, str]) -> None:
+    """`:` and `,` in the run directory would add bind mounts; nothing is created."""
+    run_dir = tmp_path / name
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir), "--", "a=1"],
+                     clean_env)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert f"run directory {str(run_dir)!r} contains `" in proc.stderr
+    assert "would add other bind mounts. Fix: choose a `--run-dir`" in proc.stderr
+    assert not run_dir.exists() and not (tmp_path / name.split(":")[0]).exists()
+
+
 def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
                                                        clean_env: dict[str, str]) -> None:
     run_dir = tmp_path / "r"
