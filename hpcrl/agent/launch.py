@@ -8,6 +8,7 @@ taken on its machine.
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import subprocess
@@ -292,7 +293,6 @@ class Launcher:
     ) -> Child:
         node, job = self.node, self.node.job
         self._remove_stale_temp_dirs()
-        node.tmp.mkdir(mode=0o700, parents=True)
         argv = ray_start_argv(job, head, address, node.tmp, ports, gcs, alloc)
         node.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
         if head:
@@ -307,10 +307,13 @@ class Launcher:
         return ray
 
     def _remove_stale_temp_dirs(self) -> None:
-        """Temp dirs of this job's earlier runs on this node whose agent was killed."""
+        """Temp dirs of this job's earlier runs on this node whose agent was killed (this
+        user's only, and none in use)."""
         ctx, tmp = self.node.ctx, self.node.tmp
-        for stale in tmp.parent.glob(f"hr-{ctx.job_id}-*-{ctx.node_rank}"):
-            if stale == tmp or not processes_mentioning(str(stale)):
+        for stale in tmp.parent.glob(f"hr-{ctx.job_id}-*-{ctx.node_rank}-*"):
+            if stale == tmp or not stale.is_dir() or stale.stat().st_uid != os.getuid():
+                continue
+            if not processes_mentioning(str(stale)):
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _copy_helpers(self) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,7 +160,8 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "HPCRL_"))}
     # a token inherited from the submitting environment: Ray would prefer it to the job's file
-    env = {**clean, "HPCRL_JOB_ID": run.name, "RAY_AUTH_TOKEN": "0" * 32}
+    base = tempfile.mkdtemp(prefix="hrt", dir="/tmp")  # the job's TMPDIR (short: Ray's sockets)
+    env = {**clean, "HPCRL_JOB_ID": run.name, "RAY_AUTH_TOKEN": "0" * 32, "TMPDIR": base}
     agent = Agent(run, env=env, wrap=wrap, context=job_context(env))
     assert agent.run() == 5, (run / "0" / "logs" / "payload.log").read_text()
     names = [c[4] for c in calls]
@@ -167,7 +170,10 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
         f"hr-{run.name}-0-0-watch",
         f"hr-{run.name}-0-0-payload",
     ]
-    tmp = f"/tmp/hr-{run.name}-0-0"
+    tmp = calls[0][2][1]  # private: made by mkdtemp under TMPDIR, an unguessable name
+    assert re.fullmatch(rf"{base}/hr-{run.name}-0-0-[A-Za-z0-9_]{{8}}", tmp), tmp
+    assert not os.path.exists(tmp) and os.listdir(base) == []  # removed at the teardown
+    os.rmdir(base)
     for _argv, cenv, binds, _workdir, _ in calls:
         assert binds == [str(run.resolve()), tmp]
         assert cenv["RAY_AUTH_MODE"] == "token"
