@@ -42,6 +42,7 @@ def test_shipped_profiles_load_and_round_trip(name: str, tmp_path: Path) -> None
     assert profile_from_dict(profile_to_dict(p)) == p
     if p.scheduler == "slurm":
         assert p.container.image, "every Slurm site runs in a container"
+    assert not p.container.privileged, "a shipped site names the devices and capabilities it needs"
 
 
 def test_shipped_names_are_listed(tmp_path: Path) -> None:

@@ -132,7 +132,8 @@ def test_mi300_render_has_every_seed_variable_and_device_flag() -> None:
     preview = next(ln for ln in script.splitlines() if ln.startswith("# podman run"))
     for flag, value in flags:
         assert f"--{flag}={value}" in preview, (flag, value)
-    assert "--network=host" in preview and "--privileged" in preview
+    assert "--network=host" in preview and "--privileged" in seed
+    assert "--privileged" not in preview  # the devices, groups and capabilities instead
     apptainer = request("mi300-cluster-apptainer").script
     assert re.search(r"^# \S*apptainer exec .*--rocm", apptainer, re.M)
 
