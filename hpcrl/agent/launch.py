@@ -89,6 +89,18 @@ def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
 
 INHERITED_TOKEN = "RAY_AUTH_TOKEN"
 """Ray's token variable, which would win over the job's token file."""
+NO_METRICS_ENV = {"RAY_enable_metrics_collection": "0"}
+"""Without the dashboard, nothing reads Ray's metrics: this closes each node's metrics export
+port, an unauthenticated Prometheus endpoint on every interface.
+
+What stays reachable from other users of the cluster (measured by
+`tests/hpcrl/agent/test_ray.py::test_every_process_goes_through_the_container_seam`, which
+lists the listening sockets of the job's port block): on every interface, the GCS, node
+manager, object manager and dashboard agent gRPC ports, all behind the job's token (a driver
+without it is refused); on every interface of the head, the autoscaler and dashboard metric
+ports (Prometheus text, read-only: node counts and request statistics, no control), which Ray
+binds to all interfaces for a non-loopback head and offers no switch for; the others on the
+node address or loopback. torch.distributed's store is described in `trainer.parallel`."""
 
 
 def ray_start_argv(
@@ -265,6 +277,8 @@ class Launcher:
             "RAY_AUTH_TOKEN_PATH": str(token),
             "RAY_USAGE_STATS_ENABLED": "0",
         }
+        if not self.node.job.dashboard:  # nothing reads the metrics: no open Prometheus port
+            env.update(NO_METRICS_ENV)
         env.pop(INHERITED_TOKEN, None)
         return env
 

@@ -98,6 +98,18 @@ print(f"payload: one task ran on each of {len(ran_on)} nodes", flush=True)
 print(
     f"payload: MASTER_ADDR={os.environ['MASTER_ADDR']} GLOO={os.environ.get('GLOO_SOCKET_IFNAME')}"
 )
+
+if os.environ.get("PAYLOAD_LIST_LISTENERS") == "1":  # where each port of the block listens
+    run = os.path.join(os.environ["HPCRL_RUN_DIR"], os.environ["HPCRL_RESTART"])
+    with open(os.path.join(run, "rendezvous.json")) as f:
+        ports = json.load(f)["ports"]
+    names = {p: n for n, p in ports.items() if not n.endswith("worker_port")}
+    out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout.split()
+    for local in out[3::5]:
+        host, _, port = local.rpartition(":")
+        if port.isdigit() and int(port) in names:
+            print(f"payload: listener {names[int(port)]} {host}:{port}", flush=True)
+
 ray.shutdown()
 if os.environ.get("PAYLOAD_WAIT_USR1") == "1":
     signal.signal(signal.SIGUSR1, lambda *_: sys.exit(42))
