@@ -86,6 +86,8 @@ class Agent:
                 rdv.verify_canary(self.run_dir, nonce, self.ctx.hostname)
             job = load_job(self.run_dir)
             tmp = make_node_tmp(self.ctx, self.env)
+            log.info("working directory %s, safe_path %s (python -P), private temp dir %s",
+                     os.getcwd(), bool(sys.flags.safe_path), tmp)
             node = Node(self.run_dir, self.env, self.ctx, self.paths, job, log, self.wrap, children,
                         tmp)
             outcome = self._run_node(node, heartbeat, inbox)
