@@ -563,7 +563,6 @@ def _build(cls: type, raw: Mapping[str, Any], prov: Mapping[str, str], prefix: s
             continue
         dotted = f"{prefix}{f.name}"
         value = _convert(hints[f.name], raw[f.name], prov, dotted)
-        _check_bounds(f, value, prov, dotted)
         choices = f.metadata.get("choices") or ()
         if choices and value not in choices:
             raise ProfileError(f"{prov.get(dotted, '<profile>')}: key `{dotted}` must be one of "
@@ -578,18 +577,25 @@ def _build(cls: type, raw: Mapping[str, Any], prov: Mapping[str, str], prefix: s
     return cls(**kwargs)
 
 
-def _check_bounds(f: dataclasses.Field[Any], value: Any, prov: Mapping[str, str],
-                  dotted: str) -> None:
-    """A number must be finite and within its field's bounds."""
-    bounds = f.metadata.get("bounds")
-    if bounds is None or value is None or isinstance(value, bool):
-        return
-    low, high = bounds
-    if not math.isfinite(value) or not low <= value <= high:
-        raise ProfileError(
-            f"{prov.get(dotted, '<profile>')}: key `{dotted}` must be a number from {low:g} to "
-            f"{high:g} ({f.metadata['rule']}), got {value!r}. Fix: set `{dotted}` within that "
-            "range in the profile (or on the command line)")
+def _out_of_bounds(obj: Any, prefix: str = "") -> tuple[str, str] | None:
+    """The first number of `obj` (a profile or section) that is not finite or not within its
+    field's bounds: (dotted key, what is wrong and the fix)."""
+    for f in dataclasses.fields(obj):
+        value, dotted = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found = _out_of_bounds(value, f"{dotted}.")
+            if found:
+                return found
+            continue
+        bounds = f.metadata.get("bounds")
+        if bounds is None or value is None or isinstance(value, bool):
+            continue
+        low, high = bounds
+        if not math.isfinite(value) or not low <= value <= high:
+            return dotted, (f"must be a number from {low:g} to {high:g} ({f.metadata['rule']}), "
+                            f"got {value!r}. Fix: set `{dotted}` within that range in the "
+                            "profile (or on the command line)")
+    return None
 
 
 def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> None:
@@ -599,6 +605,9 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
         src = source_of(prov, re.sub(r"\[\d+\]", "", key))
         return ProfileError(f"{own_file if src == 'default' else src}: key `{key}` {msg}")
 
+    bad = _out_of_bounds(p)
+    if bad:
+        raise err(*bad)
     c = p.container
     if c.runtime != "none" and not c.image:
         raise err("container.image", f"is missing: runtime `{c.runtime}` needs an image; set "

@@ -260,6 +260,16 @@ def test_profile_numbers_are_range_checked(tmp_path: Path, section: str, key: st
         assert f"Fix: set `{section}.{key}` within that range" in str(raised.value)
 
 
+
+def test_command_line_numbers_are_range_checked_too(tmp_path: Path) -> None:
+    from hpcrl.profiles import replace_slurm
+
+    lab = load_profile("slurmlab", env_with(tmp_path)).profile
+    with pytest.raises(ProfileError, match=r"the command line: key `slurm.nodes` must be a number "
+                       r"from 1 to 100000 \(a Slurm node count\), got 10000000"):
+        replace_slurm(lab, nodes=10_000_000)
+
+
 def test_signal_lead_is_checked_against_the_time_limit(tmp_path: Path) -> None:
     sites = tmp_path / "sites"
     write_profile(sites, "late", """\
