@@ -599,6 +599,11 @@ class PPODriver:
         t = self.cfg.trainer
         start = time.perf_counter()
         path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path, run=self.run)
+        others = ckpt.others_checkpoints(self.ckpt_root, self.run) if t.resume_mode == "auto" else []
+        if others:
+            print(f"trainer: note: `{self.ckpt_root}` also holds checkpoints of other runs "
+                  f"({ckpt.describe_others(others)}); auto-resume takes only this run's "
+                  f"(`{self.run.run_id}`)", flush=True)
         if path is not None:
             saved_on = self.load_checkpoint(path)
             print(f"trainer: resumed from {path} (step {self.global_step}) (saved on {saved_on} rank(s)) "

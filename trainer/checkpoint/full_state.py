@@ -75,6 +75,8 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_state",
+    "others_checkpoints",
+    "describe_others",
     "prune_checkpoints",
     "read_latest_marker",
     "resolve_resume",
