@@ -11,8 +11,11 @@ commands and the trainer's reader ask :class:`RunDir` and :class:`RunPaths`. Rea
     RUN/canary                 nonce written at submission; every node checks it
     RUN/state.jsonl            the job's state file: one JSON object per line, appended by the
                                node agents (phase changes, exit statuses, requeues)
+    RUN/lease.json             the job holding the run directory (its head's lease: job id, run,
+                               host, pid); one job at a time, a requeued run takes it over
     RUN/logs/                  the batch script's and the nodes' output (Slurm's log files)
-    RUN/<R>/                   one directory per run of the job (restart R = 0, 1, ...):
+    RUN/<R>/                   one directory per run (R = 0, 1, ...: the next free one, claimed
+                               by the job script at every start, of every job of RUN):
         token rendezvous.json head-alive nodes/<rank>.json stop.json warning summary.txt
         logs/agent-<rank>-<host>.log logs/payload.log
     RUN/metrics.png            `hpcrl plot`'s picture
@@ -48,6 +51,7 @@ JOB_FILE = "job.json"
 SUBMISSION_FILE = "submission.json"
 CANARY_FILE = "canary"
 STATE_FILE = "state.jsonl"
+LEASE_FILE = "lease.json"
 LOGS = "logs"
 PAYLOAD_LOG = "payload.log"
 CHECKPOINTS = "checkpoints"
@@ -155,6 +159,11 @@ class RunDir:
         return self.path / STATE_FILE
 
     @property
+    def lease(self) -> Path:
+        """The head's lease: which job holds the run directory (`hpcrl.agent.lease`)."""
+        return self.path / LEASE_FILE
+
+    @property
     def plot(self) -> Path:
         """Where `hpcrl plot` writes its PNG unless told otherwise."""
         return self.path / "metrics.png"
@@ -243,6 +252,15 @@ def submitted_job_id(run_dir: Path) -> str | None:
     except RunFileError:
         return None
     return None if job_id is None else str(job_id)
+
+
+def read_lease(run_dir: Path) -> dict[str, Any] | None:
+    """The lease (`job_id`, `run`, `host`, `pid`, `time`), None when no job holds it; a damaged
+    one reads as `{"job_id": None}` (held by nobody known)."""
+    try:
+        return _read_object(RunDir(run_dir).lease, "")
+    except RunFileError:
+        return None if not RunDir(run_dir).lease.exists() else {"job_id": None}
 
 
 def write_submission(run_dir: Path, data: dict[str, Any]) -> None:

@@ -12,8 +12,8 @@ from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.jobspec import prepare_run_dir
 from hpcrl.progress import NO_ANSWER, Progress, follow
 from hpcrl.rundir import reading_env, run_report
-from hpcrl.slurm import SlurmUnavailable, queue_entries
-from hpcrl.submission import dry_run_text, submit
+from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
+from hpcrl.submission import LOCAL_VIA, dry_run_text, refuse_if_queued, submit
 
 HELP = "submit a job (`--dry-run` prints exactly what would be submitted)"
 
@@ -38,8 +38,16 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return 0
     preflight(args, profile, req)
-    prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume)
-    done = submit(req)
+    if args.resume and req.via != LOCAL_VIA:
+        refuse_if_queued(Path(req.run_dir))
+    prepared = prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
+                               update_spec=args.update_spec)
+    try:
+        done = submit(req)
+    except SlurmError:  # not submitted: leave no job.json that a later `--resume` would run
+        if req.via != LOCAL_VIA:
+            prepared.undo()
+        raise
     if done.via != "local":  # a local run printed its own summary
         for line in done.lines():
             print(line, flush=True)
@@ -83,7 +91,7 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
     stops it on every node, so it is refused here on any site, dry run or not; a model, data
     file or disk space that this host cannot confirm is fatal only where the job runs here (the
     local site, not a dry run), a warning elsewhere."""
-    if args.whole_command or args.resume:
+    if args.whole_command or (args.resume and not args.update_spec):
         return
     run_dir = Path(req.run_dir)
     overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]),
