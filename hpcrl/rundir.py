@@ -387,6 +387,8 @@ class RestartInfo:
         "help": "the head's requeue decision (or what the requeue did), when it made one"})
     requeue_action: str | None = field(default=None, metadata={
         "help": "the decision's kind (`hpcrl.agent.requeue`: requeue, no-slurm, ...)"})
+    job_id: str | None = field(default=None, metadata={
+        "help": "the job this run belongs to (its head's word), None before the head started"})
 
 
 def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> RestartInfo:
@@ -426,6 +428,7 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
         started=head.get("time") if isinstance(head.get("time"), int | float) else None,
         requeue=requeue,
         requeue_action=action if isinstance(action, str) else None,
+        job_id=str(head["job_id"]) if head.get("job_id") is not None else None,
     )
 
 
@@ -683,14 +686,20 @@ class RunReport:
         return out
 
 
-def run_report(run_dir: Path, alive: bool | None = None) -> RunReport:
+def run_report(run_dir: Path, alive: bool | None = None, job_id: str | None = None
+               ) -> RunReport:
     """Read `run_dir` into a :class:`RunReport`; `alive`: whether the job is known to be
-    running (None: judge by the head agent's process when it runs on this machine)."""
+    running (None: judge by the head agent's process when it runs on this machine); `job_id`:
+    the job submitted last, whose state it is once it has a run (an earlier job's end is not
+    its state)."""
     import socket
 
     restarts = [read_restart(run_dir, r) for r in restart_indices(run_dir)]
     if not restarts:
         state = "not started"
+    elif job_id is not None and restarts[-1].job_id not in (None, job_id):
+        state = (f"job {job_id} not started yet" + (" (queued)" if alive else "")
+                 + f"; run {restarts[-1].index} was job {restarts[-1].job_id}'s")
     else:
         last = restarts[-1]
         if alive is None and last.ended is None and last.head_pid is not None:

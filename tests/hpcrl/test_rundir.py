@@ -32,14 +32,14 @@ def write_metrics(path: Path, records: list[dict]) -> None:
 
 
 def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payload: bool = True,
-                 exit_code: int | None = 0, pid: int | None = None) -> None:
+                 exit_code: int | None = 0, pid: int | None = None, job: str = "local-1") -> None:
     """`RUN/<index>/` and the state lines of that run as the head's agent leaves them (written
     with the agent's own writer); the agent's log is for people and read by no command."""
     paths = rundir.RunPaths(run, index)
     paths.nodes.mkdir(parents=True)
     paths.logs.mkdir()
     head = rundir.StateWriter(run, index, 0, HOST)
-    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id="local-1")
+    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id=job)
     for n in range(joined + 1):
         head.append(rundir.NODES_JOINED, joined=n, total=total)
     log = [f"2026-01-01 00:00:00,000 hpcrl-agent[{HOST} rank 0] {n}/{total} nodes joined"
@@ -52,7 +52,7 @@ def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payl
     if exit_code is not None:
         head.append(rundir.PAYLOAD_EXITED, status=exit_code)
         head.append(rundir.RUN_ENDED, exit_code=exit_code, summary=(
-            f"job local-1 restart {index}: payload exited with status {exit_code} "
+            f"job {job} restart {index}: payload exited with status {exit_code} "
             f"(exit {exit_code})"))
         head.append(rundir.TEARDOWN_DONE, exit_code=exit_code)
 
@@ -177,6 +177,19 @@ def test_report_and_status_command(run: Path) -> None:
     proc = run_hpcrl(["status", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("job local-1\n") and "steps: 3 of 6" in proc.stdout
+
+
+def test_a_resumed_jobs_state_is_its_own_not_the_earlier_jobs(run: Path) -> None:
+    """After `--resume`, the run directory's state is the new job's: before its first run
+    starts it is not the cancelled job's end, and each run names its job."""
+    make_restart(run, 0, exit_code=3, job="12")
+    assert rundir.run_report(run, alive=False).state == "stopped"
+    waiting = rundir.run_report(run, alive=True, job_id="13")
+    assert waiting.state == "job 13 not started yet (queued); run 0 was job 12's"
+    assert "  run 0: job 12 restart 0: payload exited with status 3" in "\n".join(waiting.lines())
+    make_restart(run, 1, exit_code=None, job="13")
+    started = rundir.run_report(run, alive=True, job_id="13")
+    assert started.state == "running" and started.restarts[-1].job_id == "13"
 
 
 def test_report_sees_a_dead_agent(run: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ which changes no number) so that the event falls in the middle of a run and late
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -217,6 +218,8 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     wait_for_step(lab, job, run_dir, 0, 4)
     lab.run("scontrol", "requeue", str(job))
     wait_for_step(lab, job, run_dir, 1, 6)
+    lease = json.loads((run_dir / "lease.json").read_text())
+    assert (lease["job_id"], lease["run"]) == (str(job), 1)  # the requeued run of the same job
     newest = max(saved(run_dir, 0))
     assert newest >= 4 and resumed_from(run_dir, 1) == newest
     assert "Slurm ended the job" in summary(run_dir, 0), logs(run_dir)
