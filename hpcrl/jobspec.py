@@ -169,7 +169,7 @@ def spec_differences(old: JobSpec, new: JobSpec) -> list[str]:
             [f"adds {', '.join(f'`{a}`' for a in added)}"] if added else []) or ["reorders it"]
         out.append(f"`payload` {' and '.join(words)}")
     flat_old, flat_new = _flatten(before), _flatten(after)
-    for key in sorted(set(flat_old) | set(flat_new)):
+    for key in sorted(set(flat_old) | set(flat_new), key=lambda k: (k.startswith("profile."), k)):
         if key == "created" or flat_old.get(key) == flat_new.get(key):
             continue
         out.append(f"`{key}` {_shown(flat_old.get(key, _ABSENT))} -> "
