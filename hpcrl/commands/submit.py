@@ -11,7 +11,7 @@ from hpcrl import preflight as pf
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.jobspec import prepare_run_dir
 from hpcrl.progress import NO_ANSWER, Progress, follow
-from hpcrl.rundir import reading_env, run_report
+from hpcrl.rundir import reading_env, restart_indices, run_report
 from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
 from hpcrl.submission import LOCAL_VIA, dry_run_text, refuse_if_queued, submit
 
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_if_queued(Path(req.run_dir))
     prepared = prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
                                update_spec=args.update_spec)
+    earlier = restart_indices(Path(req.run_dir))  # runs of earlier jobs: not this job's
     try:
         done = submit(req)
     except SlurmError:  # not submitted: leave no job.json that a later `--resume` would run
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         for line in done.lines():
             print(line, flush=True)
         if args.follow:
-            follow_job(done.job_id, Path(done.run_dir))
+            follow_job(done.job_id, Path(done.run_dir), earlier)
     return done.exit_status or 0
 
 
@@ -66,16 +67,16 @@ def queue_state(job_id: str) -> tuple[str, str] | None:
     return (entries[0].state, entries[0].reason) if entries else None
 
 
-def follow_job(job_id: str, run_dir: Any) -> None:
+def follow_job(job_id: str, run_dir: Any, earlier: list[int]) -> None:
     progress = Progress(sys.stdout)
     try:
-        follow(run_dir, lambda: queue_state(job_id), progress)
+        follow(run_dir, lambda: queue_state(job_id), progress, earlier=earlier)
     except KeyboardInterrupt:
         progress.close()
         print(f"stopped following; the job goes on (`hpcrl status {run_dir}`)")
         return
     progress.close()
-    for line in run_report(run_dir, alive=False).lines():
+    for line in run_report(run_dir, alive=False, job_id=job_id).lines():
         print(line)
 
 

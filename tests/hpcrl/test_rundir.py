@@ -339,6 +339,30 @@ def test_follow_a_slurm_job_from_queue_to_requeue(run: Path) -> None:
     ]
 
 
+def test_follow_a_resumed_job_shows_its_own_runs_only(run: Path) -> None:
+    """`submit --resume --follow`: the earlier job's run (`RUN/0/`, its steps) is not this
+    job's; its first run is `RUN/1/`, not a requeue."""
+    from hpcrl.progress import follow
+
+    make_restart(run, 0, exit_code=3, job="12")
+    write_metrics(run / "metrics.jsonl", [record(1, 0), record(2, 0)])
+    states = iter([("PENDING", "Priority"), ("RUNNING", ""), ("RUNNING", ""), None])
+
+    def world(poll: int) -> None:
+        if poll == 0:
+            make_restart(run, 1, exit_code=None, job="13")
+            write_metrics(run / "metrics.jsonl", [record(1, 0), record(2, 0), record(3, 1)])
+
+    polls = iter(range(100))
+    out = io.StringIO()
+    follow(run, lambda: next(states), Progress(out, tty=False),
+           sleep=lambda _: world(next(polls)), earlier=[0])
+    assert out.getvalue().splitlines() == [
+        "queued (Priority)",
+        "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
+    ]
+
+
 def test_follow_goes_on_while_slurm_does_not_answer(run: Path) -> None:
     from hpcrl.progress import NO_ANSWER, follow
 
