@@ -13,6 +13,7 @@ Slurm is asked through :func:`hpcrl.slurm.queue_entries` (the one `squeue` seam)
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -58,28 +59,57 @@ def take_lease(run_dir: Path, ctx: JobContext,
     tmp = lease.with_name(f".{lease.name}.{os.getpid()}.{secrets.token_hex(3)}")
     atomic_write_json(tmp, mine)
     try:
-        try:
-            os.link(tmp, lease)
+        if _link(tmp, lease):
             return None
-        except FileExistsError:
-            pass
         held = read_lease(run_dir) or {}
-        note = None
-        if held.get("job_id") != ctx.job_id:
-            why = runs(held, ctx.hostname) if held.get("job_id") is not None else None
-            if why:
-                job = held.get("job_id")
-                raise LeaseError(
-                    f"run directory `{run_dir}` is held by job {job} (`{lease}`: run "
-                    f"{held.get('run')} on `{held.get('host')}`), and {why}; one job per run "
-                    f"directory. Fix: wait until job {job} ends, or stop it (`hpcrl cancel {job}`),"
-                    f" then `hpcrl submit --resume`; if it is over, remove `{lease}`")
-            note = (f"took over the run directory's lease from job {held.get('job_id')}, "
-                    "which no longer runs")
-        os.replace(tmp, lease)
-        return note
+        if held.get("job_id") == ctx.job_id:  # this job's earlier run: a requeue keeps the id
+            os.replace(tmp, lease)
+            return None
+        why = runs(held, ctx.hostname) if held.get("job_id") is not None else None
+        if why:
+            raise LeaseError(_held_message(run_dir, held, why))
+        _move_aside(lease, held)
+        if not _link(tmp, lease):  # another job's head took it over first
+            raise LeaseError(_held_message(run_dir, read_lease(run_dir) or {},
+                                           "it took the lease over a moment ago"))
+        return (f"took over the run directory's lease from job {held.get('job_id')}, "
+                "which no longer runs")
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link(tmp: Path, lease: Path) -> bool:
+    """Create `lease` as `tmp`, exclusively (a hard link: atomic also on NFS)."""
+    try:
+        os.link(tmp, lease)
+        return True
+    except FileExistsError:
+        return False
+
+
+def _move_aside(lease: Path, held: Mapping[str, Any]) -> None:
+    """Remove the stale lease `held` by renaming it (one head wins); a lease that is no longer
+    `held` (taken meanwhile) is put back."""
+    aside = lease.with_name(f".{lease.name}.stale.{os.getpid()}.{secrets.token_hex(3)}")
+    try:
+        os.rename(lease, aside)
+    except FileNotFoundError:
+        return  # another head moved it first; the exclusive link decides
+    try:
+        moved = json.loads(aside.read_text())
+    except (OSError, ValueError):
+        moved = {"job_id": None}
+    if isinstance(moved, dict) and moved.get("job_id") is not None and moved != dict(held):
+        _link(aside, lease)
+    aside.unlink(missing_ok=True)
+
+
+def _held_message(run_dir: Path, held: Mapping[str, Any], why: str) -> str:
+    job, lease = held.get("job_id"), RunDir(run_dir).lease
+    return (f"run directory `{run_dir}` is held by job {job} (`{lease}`: run {held.get('run')} "
+            f"on `{held.get('host')}`), and {why}; one job per run directory. Fix: wait until "
+            f"job {job} ends, or stop it (`hpcrl cancel {job}`), then `hpcrl submit --resume`; "
+            f"if it is over, remove `{lease}`")
 
 
 def release_lease(run_dir: Path, ctx: JobContext) -> None:

@@ -206,14 +206,16 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
 def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path):
     """Through submitit: `scontrol requeue` mid-run sends SIGTERM; the trainer finishes its step
     and checkpoints; Slurm requeues (the agent does not add a second requeue); the rerun resumes
-    from the newest complete checkpoint. While it runs, `--resume` is refused naming the job (one
-    job per run directory). Then `scancel`, and `hpcrl submit --resume` (via sbatch, no
-    overrides: the job's own) starts a new job whose run claims the next free `RUN/2/`, never the
+    from the newest complete checkpoint, holding the run directory's lease. While it runs,
+    `--resume` is refused naming the job, and a second job sbatched by hand (past that check)
+    stops at its head's lease, naming the running job, in a run directory of its own (`RUN/2/`):
+    one job per run directory. Then `scancel`, and `hpcrl submit --resume` (via sbatch, no
+    overrides: the job's own) starts a new job whose run claims the next free `RUN/3/`, never the
     cancelled job's stop request: it resumes from the checkpoint taken at the SIGTERM and
-    completes, every step logged once, and `hpcrl status` tells the new job's end."""
+    completes, every step logged once, and `hpcrl status` tells each job's runs."""
     write_site(sites, "rq-ext", tmp_path / "runs", slow_s=0.5, slow_runs="0,1")
     run_dir = tmp_path / "runs" / "ext"
-    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=10, save_freq=3),
+    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=12, save_freq=3),
                  via="submitit")
     wait_for_step(lab, job, run_dir, 0, 4)
     lab.run("scontrol", "requeue", str(job))
@@ -229,6 +231,13 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     refused = run_hpcrl(resume, env)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert f"job {job} of `{run_dir}` is still RUNNING" in refused.stderr, refused.stderr
+    rogue = lab.sbatch(run_dir / "job.sbatch")  # plain Slurm, past hpcrl's own check
+    rec = finished(lab, rogue, run_dir, timeout=120)
+    assert rec["JobState"] == "FAILED", (rec, logs(run_dir))
+    assert f"is held by job {job} " in summary(run_dir, 2), logs(run_dir)
+    assert "Slurm lists it as RUNNING" in summary(run_dir, 2)
+    lease = json.loads((run_dir / "lease.json").read_text())
+    assert (lease["job_id"], lease["run"]) == (str(job), 1) and lab.state(job) == "RUNNING"
     lab.run("scancel", str(job))
     rec = finished(lab, job, run_dir)
     assert rec["JobState"] == "CANCELLED" and rec["Restarts"] == "1", (rec, logs(run_dir))
@@ -240,13 +249,14 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     second = int(proc.stdout.split("job id: ")[1].split()[0])
     rec = finished(lab, second, run_dir)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", (rec, logs(run_dir))
-    assert restart_dirs(run_dir) == [0, 1, 2] and resumed_from(run_dir, 2) == stopped
-    check_metrics(run_dir, 10)
+    assert restart_dirs(run_dir) == [0, 1, 2, 3] and resumed_from(run_dir, 3) == stopped
+    check_metrics(run_dir, 12)
     status = run_hpcrl(["status", str(run_dir)], env)
-    assert f"run {run_dir}: finished (3 runs: 2 restarts)" in status.stdout, status.stdout
+    assert f"run {run_dir}: finished (4 runs: 3 restarts)" in status.stdout, status.stdout
     assert f"  run 1: job {job} restart 1: " in status.stdout, status.stdout
-    assert f"  run 2: job {second} restart 0: " in status.stdout, status.stdout
-    assert "last checkpointed step: 10" in status.stdout
+    assert f"  run 2: job {rogue} restart 0: LeaseError: " in status.stdout, status.stdout
+    assert f"  run 3: job {second} restart 0: " in status.stdout, status.stdout
+    assert "last checkpointed step: 12" in status.stdout
     assert not (run_dir / "lease.json").exists()  # the last head gave it back
 
 

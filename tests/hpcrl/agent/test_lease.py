@@ -116,3 +116,19 @@ def test_a_local_runs_lease_is_held_while_its_agent_lives(tmp_path: Path) -> Non
         alive.wait()
     (tmp_path / "lease.json").write_text(json.dumps(local))
     assert take_lease(tmp_path, ctx("13", 1)) is not None
+
+
+def test_two_jobs_taking_over_a_stale_lease_at_once_one_wins(tmp_path: Path) -> None:
+    """Job 14's head judges job 2's lease stale while job 13's head takes it over: 14 moves
+    13's fresh lease aside, sees it is not the one it judged, puts it back, and stops."""
+    (tmp_path / "lease.json").write_text(json.dumps({"job_id": "2", "run": 0, "host": "node1",
+                                                     "pid": 1}))
+
+    def over_meanwhile(holder, host):  # type: ignore[no-untyped-def]
+        assert take_lease(tmp_path, ctx("13", 1), runs=lambda h, _: None) is not None
+        return None  # job 2 is over
+
+    with pytest.raises(LeaseError, match="is held by job 13 .*took the lease over a moment ago"):
+        take_lease(tmp_path, ctx("14", 2), runs=over_meanwhile)
+    assert read_lease(tmp_path)["job_id"] == "13"  # type: ignore[index]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lease.json"]
