@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -148,8 +149,6 @@ class Prepared:
     def undo(self) -> None:
         """Remove the run directory made for this submission, or put `job.json` back."""
         if self.created:
-            import shutil
-
             shutil.rmtree(self.run_dir, ignore_errors=True)
         elif self.previous_job is None:
             RunDir(self.run_dir).job.unlink(missing_ok=True)
