@@ -13,7 +13,13 @@ from hpcrl.jobspec import prepare_run_dir
 from hpcrl.progress import NO_ANSWER, Progress, follow
 from hpcrl.rundir import reading_env, restart_indices, run_report
 from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
-from hpcrl.submission import LOCAL_VIA, dry_run_text, refuse_if_queued, submit
+from hpcrl.submission import (
+    LOCAL_VIA,
+    dry_run_text,
+    refuse_if_queued,
+    refuse_if_running,
+    submit,
+)
 
 HELP = "submit a job (`--dry-run` prints exactly what would be submitted)"
 
@@ -37,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
         text = dry_run_text(req)
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return 0
+    if args.resume:  # one job per run directory: its job must be over
+        (refuse_if_running if req.via == LOCAL_VIA else refuse_if_queued)(Path(req.run_dir))
     preflight(args, profile, req)
-    if args.resume and req.via != LOCAL_VIA:
-        refuse_if_queued(Path(req.run_dir))
     prepared = prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
                                update_spec=args.update_spec)
     earlier = restart_indices(Path(req.run_dir))  # runs of earlier jobs: not this job's

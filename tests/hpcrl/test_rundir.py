@@ -402,6 +402,22 @@ def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
     refuse_if_running(run)
 
 
+def test_a_local_resume_refused_while_the_run_is_alive_changes_nothing(tmp_path: Path) -> None:
+    """`--resume --update-spec` of a local run whose agent still runs is refused before its
+    `job.json` is touched."""
+    run = tmp_path / "local-run"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    made = run_hpcrl(["render", "--site", "local", "--run-dir", str(run), "--",
+                      "trainer.total_epochs=1"], env)
+    assert made.returncode == 0, made.stderr
+    job = (run / "job.json").read_text()
+    make_restart(run, 0, exit_code=None)  # this test process stands in for its live agent
+    proc = run_hpcrl(["submit", "--site", "local", "--run-dir", str(run), "--resume",
+                      "--update-spec", "--", "trainer.total_epochs=2"], env)
+    assert proc.returncode == 2 and "is still running" in proc.stderr, proc.stderr
+    assert (run / "job.json").read_text() == job
+
+
 # ----------------------------------------------------------------------------- the state file
 
 APPENDER = """
