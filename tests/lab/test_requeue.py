@@ -1,7 +1,8 @@
 """Checkpoint, requeue and resume on the real Slurm lab with the real trainer and the tiny model.
 
-Time limit (Slurm's warning signal), `scontrol requeue` from outside, preemption by the `high`
-partition with and without GraceTime, kill -9 in the middle of a checkpoint write, and
+Time limit (Slurm's warning signal), `scontrol requeue` from outside then `scancel` and
+`hpcrl submit --resume` (a new job in the same run directory, one job at a time), preemption by
+the `high` partition with and without GraceTime, kill -9 in the middle of a checkpoint write, and
 `max_requeues` reached. Each checks `metrics.jsonl`: every step exactly once.
 
 Steps are slowed in chosen runs only (`tests/payloads/slow_reward.py`: a pause in the reward,
