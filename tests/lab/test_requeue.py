@@ -216,7 +216,8 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     completes, every step logged once, and `hpcrl status` tells each job's runs."""
     write_site(sites, "rq-ext", tmp_path / "runs", slow_s=0.5, slow_runs="0,1")
     run_dir = tmp_path / "runs" / "ext"
-    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=12, save_freq=3),
+    # run 1 is slow and long (20 steps), so that the job still runs through the checks below
+    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=20, save_freq=3),
                  via="submitit")
     wait_for_step(lab, job, run_dir, 0, 4)
     lab.run("scontrol", "requeue", str(job))
@@ -251,13 +252,13 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     rec = finished(lab, second, run_dir)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", (rec, logs(run_dir))
     assert restart_dirs(run_dir) == [0, 1, 2, 3] and resumed_from(run_dir, 3) == stopped
-    check_metrics(run_dir, 12)
+    check_metrics(run_dir, 20)
     status = run_hpcrl(["status", str(run_dir)], env)
     assert f"run {run_dir}: finished (4 runs: 3 restarts)" in status.stdout, status.stdout
     assert f"  run 1: job {job} restart 1: " in status.stdout, status.stdout
     assert f"  run 2: job {rogue} restart 0: LeaseError: " in status.stdout, status.stdout
     assert f"  run 3: job {second} restart 0: " in status.stdout, status.stdout
-    assert "last checkpointed step: 12" in status.stdout
+    assert "last checkpointed step: 20" in status.stdout
     assert not (run_dir / "lease.json").exists()  # the last head gave it back
 
 
