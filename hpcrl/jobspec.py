@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -135,11 +136,73 @@ def canary_nonce(spec: JobSpec, run_dir: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Path:
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare_run_dir` did, so that a submission that fails can undo it: no
+    `job.json` remains that a later `--resume` would run."""
+
+    run_dir: Path
+    created: bool = field(metadata={"help": "the run directory did not exist before"})
+    previous_job: str | None = field(metadata={
+        "help": "the text of `job.json` before (None: there was none)"})
+
+    def undo(self) -> None:
+        """Remove the run directory made for this submission, or put `job.json` back."""
+        if self.created:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        elif self.previous_job is None:
+            RunDir(self.run_dir).job.unlink(missing_ok=True)
+        else:
+            _write_private(RunDir(self.run_dir).job, self.previous_job)
+
+
+def spec_differences(old: JobSpec, new: JobSpec) -> list[str]:
+    """What `new` changes in `old`, one phrase per key (its creation time aside): the payload's
+    arguments dropped and added, other values as `old -> new`."""
+    before, after = json.loads(old.to_json()), json.loads(new.to_json())
+    out = []
+    if before.pop("payload") != after.pop("payload"):
+        gone = [a for a in old.payload if a not in new.payload]
+        added = [a for a in new.payload if a not in old.payload]
+        words = ([f"drops {', '.join(f'`{a}`' for a in gone)}"] if gone else []) + (
+            [f"adds {', '.join(f'`{a}`' for a in added)}"] if added else []) or ["reorders it"]
+        out.append(f"`payload` {' and '.join(words)}")
+    flat_old, flat_new = _flatten(before), _flatten(after)
+    for key in sorted(set(flat_old) | set(flat_new), key=lambda k: (k.startswith("profile."), k)):
+        if key == "created" or flat_old.get(key) == flat_new.get(key):
+            continue
+        out.append(f"`{key}` {_shown(flat_old.get(key, _ABSENT))} -> "
+                   f"{_shown(flat_new.get(key, _ABSENT))}")
+    return out
+
+
+_ABSENT = object()
+
+
+def _shown(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else f"`{json.dumps(value)}`"
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+UPDATE_SPEC = "--update-spec"
+
+
+def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False,
+                    update_spec: bool = False) -> Prepared:
     """Create `run_dir` (0700) with `logs/` and write `job.json` (0600) atomically.
 
-    An existing non-empty directory is refused unless `resume` is true; when resuming, an existing
-    `job.json` is kept (the job continues as first specified).
+    An existing non-empty directory is refused unless `resume` is true. When resuming, the
+    existing `job.json` is kept if `spec` is the same job; a changed one is refused, naming each
+    difference, unless `update_spec` (`--update-spec`) replaces it.
     """
     run_dir = run_dir.expanduser().absolute()
     if resume and not run_dir.is_dir():
@@ -151,6 +214,9 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
         raise RunDirError(
             f"run directory `{run_dir}` exists and is not empty; it belongs to another job. "
             "Choose a new `--run-dir`, or pass `--resume` to continue that job")
+    target = RunDir(run_dir).job
+    previous = _kept_job(run_dir, spec, update_spec) if resume and target.exists() else None
+    created = not run_dir.exists()
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir.mkdir(mode=0o700, exist_ok=True)
@@ -162,15 +228,28 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False) -> Pa
             f"cannot create the run directory `{run_dir}`: {exc.strerror or exc} "
             f"(`{exc.filename}`); choose a `--run-dir` on a writable file system the nodes "
             "share") from None
-    target = RunDir(run_dir).job
-    if resume and target.exists():
-        try:  # refuse a damaged job.json before submitting
-            JobSpec.from_dict(read_job(run_dir, "rewrite it with `hpcrl submit`/`hpcrl render`"))
-        except RunFileError as exc:
-            raise JobSpecError(str(exc)) from None
-        return run_dir
+    if previous is not None and not update_spec:
+        return Prepared(run_dir, created, previous)
     _write_private(target, spec.to_json())
-    return run_dir
+    return Prepared(run_dir, created, previous)
+
+
+def _kept_job(run_dir: Path, spec: JobSpec, update_spec: bool) -> str:
+    """The text of the run's `job.json`, checked against `spec`: refused when damaged, or when
+    it is another job and `update_spec` is false."""
+    try:  # refuse a damaged job.json before submitting
+        old = JobSpec.from_dict(read_job(run_dir, "rewrite it with `hpcrl submit`/`hpcrl render`"))
+    except RunFileError as exc:
+        raise JobSpecError(str(exc)) from None
+    changed = spec_differences(old, spec)
+    if changed and not update_spec:
+        shown = "; ".join(changed[:12]) + (f"; and {len(changed) - 12} more" if len(changed) > 12
+                                           else "")
+        raise JobSpecError(
+            f"`--resume`: this submission is not the job in `{RunDir(run_dir).job}`: {shown}. "
+            "Fix: resume with the job's own site, flags and overrides (no overrides after `--` "
+            f"keeps the job's), or pass `{UPDATE_SPEC}` to run the rest of the job with these")
+    return RunDir(run_dir).job.read_text()
 
 
 def _nearby_runs(parent: Path, limit: int = 5) -> str:

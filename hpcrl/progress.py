@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -185,15 +185,17 @@ NO_ANSWER = "NO_ANSWER"
 
 
 def follow(run_dir: Path, job_state: JobState, progress: Progress, poll_s: float = 2.0,
-           sleep: Callable[[float], None] = time.sleep, max_polls: int | None = None) -> None:
+           sleep: Callable[[float], None] = time.sleep, max_polls: int | None = None,
+           earlier: Collection[int] = ()) -> None:
     """Print a submitted job's progress until the scheduler forgets it: queued, nodes joining,
-    one line per step; a requeue starts following the next run (`RUN/<N>/`)."""
+    one line per step; a requeue starts following the next run (`RUN/<N>/`). `earlier`: the
+    runs of earlier jobs (a `--resume`d run directory's), never followed."""
     watcher: RunWatcher | None = None
     polls = 0
     while max_polls is None or polls < max_polls:
         polls += 1
         state = job_state()
-        found = rundir.restart_indices(run_dir)
+        found = [r for r in rundir.restart_indices(run_dir) if r not in earlier]
         if found and (watcher is None or watcher.restart != found[-1]):
             if watcher is not None:
                 progress.steps(watcher)  # the last steps of the run that ended

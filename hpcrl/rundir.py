@@ -11,8 +11,11 @@ commands and the trainer's reader ask :class:`RunDir` and :class:`RunPaths`. Rea
     RUN/canary                 nonce written at submission; every node checks it
     RUN/state.jsonl            the job's state file: one JSON object per line, appended by the
                                node agents (phase changes, exit statuses, requeues)
+    RUN/lease.json             the job holding the run directory (its head's lease: job id, run,
+                               host, pid); one job at a time, a requeued run takes it over
     RUN/logs/                  the batch script's and the nodes' output (Slurm's log files)
-    RUN/<R>/                   one directory per run of the job (restart R = 0, 1, ...):
+    RUN/<R>/                   one directory per run (R = 0, 1, ...: the next free one, claimed
+                               by the job script at every start, of every job of RUN):
         token rendezvous.json head-alive nodes/<rank>.json stop.json warning summary.txt
         logs/agent-<rank>-<host>.log logs/payload.log
     RUN/metrics.png            `hpcrl plot`'s picture
@@ -55,6 +58,7 @@ JOB_FILE = "job.json"
 SUBMISSION_FILE = "submission.json"
 CANARY_FILE = "canary"
 STATE_FILE = "state.jsonl"
+LEASE_FILE = "lease.json"
 LOGS = "logs"
 PAYLOAD_LOG = "payload.log"
 CHECKPOINTS = "checkpoints"
@@ -162,6 +166,11 @@ class RunDir:
         return self.path / STATE_FILE
 
     @property
+    def lease(self) -> Path:
+        """The head's lease: which job holds the run directory (`hpcrl.agent.lease`)."""
+        return self.path / LEASE_FILE
+
+    @property
     def plot(self) -> Path:
         """Where `hpcrl plot` writes its PNG unless told otherwise."""
         return self.path / "metrics.png"
@@ -261,6 +270,15 @@ def submitted_job_id(run_dir: Path) -> str | None:
     except RunFileError:
         return None
     return None if job_id is None else str(job_id)
+
+
+def read_lease(run_dir: Path) -> dict[str, Any] | None:
+    """The lease (`job_id`, `run`, `host`, `pid`, `time`), None when no job holds it; a damaged
+    one reads as `{"job_id": None}` (held by nobody known)."""
+    try:
+        return _read_object(RunDir(run_dir).lease, "")
+    except RunFileError:
+        return None if not RunDir(run_dir).lease.exists() else {"job_id": None}
 
 
 def write_submission(run_dir: Path, data: dict[str, Any]) -> None:
@@ -387,6 +405,8 @@ class RestartInfo:
         "help": "the head's requeue decision (or what the requeue did), when it made one"})
     requeue_action: str | None = field(default=None, metadata={
         "help": "the decision's kind (`hpcrl.agent.requeue`: requeue, no-slurm, ...)"})
+    job_id: str | None = field(default=None, metadata={
+        "help": "the job this run belongs to (its head's word), None before the head started"})
 
 
 def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> RestartInfo:
@@ -426,6 +446,7 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
         started=head.get("time") if isinstance(head.get("time"), int | float) else None,
         requeue=requeue,
         requeue_action=action if isinstance(action, str) else None,
+        job_id=str(head["job_id"]) if head.get("job_id") is not None else None,
     )
 
 
@@ -698,14 +719,20 @@ class RunReport:
         return out
 
 
-def run_report(run_dir: Path, alive: bool | None = None) -> RunReport:
+def run_report(run_dir: Path, alive: bool | None = None, job_id: str | None = None
+               ) -> RunReport:
     """Read `run_dir` into a :class:`RunReport`; `alive`: whether the job is known to be
-    running (None: judge by the head agent's process when it runs on this machine)."""
+    running (None: judge by the head agent's process when it runs on this machine); `job_id`:
+    the job submitted last, whose state it is once it has a run (an earlier job's end is not
+    its state)."""
     import socket
 
     restarts = [read_restart(run_dir, r) for r in restart_indices(run_dir)]
     if not restarts:
         state = "not started"
+    elif job_id is not None and restarts[-1].job_id not in (None, job_id):
+        state = (f"job {job_id} not started yet" + (" (queued)" if alive else "")
+                 + f"; run {restarts[-1].index} was job {restarts[-1].job_id}'s")
     else:
         last = restarts[-1]
         if alive is None and last.ended is None and last.head_pid is not None:

@@ -175,6 +175,10 @@ class JobContext:
     """Index of this node in `nodes` (`SLURM_NODEID`)."""
     restart: int
     """How often the job was requeued (`SLURM_RESTART_COUNT`, unset on the first run = 0)."""
+    run: int
+    """This run's index in the run directory (`RUN/<run>/`): the next free one, claimed by the
+    job script (`HPCRL_RESTART`) for every run of every job of the run directory, so a job
+    resumed with `--resume` never meets an earlier job's files; `restart` when unset."""
     end_time: float | None
     """Unix time at which Slurm ends the job (`SLURM_JOB_END_TIME`), None when unknown."""
     local: bool
@@ -226,7 +230,9 @@ def job_context(
     `end_time_reader(job_id)` is the place to ask Slurm (`scontrol show job`) for the end time
     when `SLURM_JOB_END_TIME` is not exported; without it the end time is that variable or None.
     Outside Slurm (`SLURM_JOB_ID` unset) the job is local: one node, rank 0, id from
-    `HPCRL_JOB_ID` or `new_job_id()`, restart from `HPCRL_RESTART` (default 0).
+    `HPCRL_JOB_ID` or `new_job_id()`, restart from `HPCRL_RESTART` (default 0). Under Slurm the
+    run's index in the run directory is `HPCRL_RESTART` (claimed by the batch script), else
+    `SLURM_RESTART_COUNT`.
     """
     job_id = (env.get("SLURM_JOB_ID") or "").strip()
     if not job_id:
@@ -237,6 +243,7 @@ def job_context(
             nodes=(hostname(),),
             node_rank=0,
             restart=_int_var(env, "HPCRL_RESTART", 0) or 0,
+            run=_int_var(env, "HPCRL_RESTART", 0) or 0,
             end_time=None,
             local=True,
         )
@@ -265,13 +272,15 @@ def job_context(
         )
     end = _int_var(env, "SLURM_JOB_END_TIME")
     end_time = float(end) if end else (end_time_reader(job_id) if end_time_reader else None)
+    restart = _int_var(env, "SLURM_RESTART_COUNT", 0) or 0
     return JobContext(
         job_id=job_id,
         array_job_id=(env.get("SLURM_ARRAY_JOB_ID") or None),
         array_task_id=_int_var(env, "SLURM_ARRAY_TASK_ID"),
         nodes=nodes,
         node_rank=rank,
-        restart=_int_var(env, "SLURM_RESTART_COUNT", 0) or 0,
+        restart=restart,
+        run=_int_var(env, "HPCRL_RESTART", restart) or 0,
         end_time=end_time,
         local=False,
     )

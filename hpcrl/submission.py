@@ -52,7 +52,13 @@ from hpcrl.jobspec import JobSpec, canary_nonce
 from hpcrl.localrun import run_foreground
 from hpcrl.profiles import SiteProfile, parse_time_minutes, profile_to_dict
 from hpcrl.rundir import JOB_FILE
-from hpcrl.slurm import SlurmError, parse_sbatch_output, run_slurm
+from hpcrl.slurm import (
+    SlurmError,
+    SlurmUnavailable,
+    parse_sbatch_output,
+    queue_entries,
+    run_slurm,
+)
 from hpcrl.templates import render_template
 
 TEMPLATE = "job.sbatch.j2"
@@ -216,10 +222,31 @@ def srun_argv(python: str, run_dir: str, logs: Mapping[str, str]) -> list[str]:
             f"--output={logs['node']}", *agent_argv(python, run_dir)]
 
 
+RUN_ENV = "HPCRL_RESTART"
+"""The run's index in the run directory (`RUN/<N>/`), claimed by the batch script."""
+
+
+def claim_run_lines(run_dir: str) -> list[str]:
+    """Shell lines claiming this run's directory `<run_dir>/<N>/` (`RunPaths.root`) with the
+    next free N, exported as `HPCRL_RESTART` to every node agent. Every run of every job claims
+    its own: a job resumed with `--resume` (whose `SLURM_RESTART_COUNT` starts at 0 again) never
+    meets an earlier job's stop request, warning or rendezvous. `mkdir` is atomic, also on NFS."""
+    run = shlex.quote(run_dir) + f'/"${RUN_ENV}"'
+    return [
+        "# Each run of the job claims the next free run directory (a `--resume`d job too).",
+        f"{RUN_ENV}=0",
+        f"until mkdir -m 700 {run} 2>/dev/null; do",
+        f"    [ -e {run} ] || {{ echo \"hpcrl: cannot create \"{run}; exit 2; }} >&2",
+        f"    {RUN_ENV}=$(({RUN_ENV} + 1))",
+        "done",
+        f"export {RUN_ENV}",
+    ]
+
+
 def warning_dir(run_dir: str) -> str:
-    """Shell text for `<run_dir>/<restart>` (`RunPaths.root`), where the batch script notes the
+    """Shell text for `<run_dir>/<N>` (`RunPaths.root`), where the batch script notes the
     warning signal for the node agents."""
-    return shlex.quote(run_dir) + '/"${SLURM_RESTART_COUNT:-0}"'
+    return shlex.quote(run_dir) + f'/"${RUN_ENV}"'
 
 
 def container_preview(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) -> str:
@@ -256,6 +283,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
         comments=preview,
         exports=[(k, shlex.quote(v)) for k, v in job_env(profile, python, spec, run_dir).items()],
         identity=[*IDENTITY_LINES, *STEP_LINES],
+        claim=claim_run_lines(run_dir),
         run_dir=shlex.quote(run_dir),
         job_file=shlex.quote(rundir.job_file(run_dir)),
         setup=list(profile.slurm.setup),
@@ -329,6 +357,7 @@ def setup_lines(profile: SiteProfile, spec: JobSpec, python: str, run_dir: str) 
     lines += list(profile.slurm.setup)
     job_file = shlex.quote(rundir.job_file(run_dir))
     lines.append(f'[ -r {job_file} ] || {{ echo "hpcrl: "{job_file}" is missing" >&2; exit 2; }}')
+    lines += claim_run_lines(run_dir)
     return lines
 
 
@@ -465,6 +494,25 @@ def refuse_if_running(run_dir: Path) -> None:
         raise RequestError(f"run {info.index} of `{run_dir}` is still running (agent pid "
                            f"{info.head_pid}); stop it first with `hpcrl cancel {run_dir}` or "
                            "Ctrl-C in its terminal, then `--resume`")
+
+
+def refuse_if_queued(run_dir: Path) -> None:
+    """One job per run directory: `--resume` is refused while the run's job (the one submitted
+    last, or the one holding the run directory's lease) is still in Slurm's queue."""
+    named = (rundir.submitted_job_id(run_dir), (rundir.read_lease(run_dir) or {}).get("job_id"))
+    for job in dict.fromkeys(str(j) for j in named if j is not None):
+        if not job.split("_")[0].isdigit():  # a local run: `refuse_if_running` on this machine
+            continue
+        try:
+            entries = queue_entries(job)
+        except SlurmUnavailable as exc:
+            raise RequestError(f"`--resume`: cannot tell whether job {job} of `{run_dir}` still "
+                               f"runs: {exc}") from None
+        if entries:
+            raise RequestError(
+                f"`--resume`: job {job} of `{run_dir}` is still {entries[0].state} (`squeue`); "
+                f"one job per run directory. Fix: wait until job {job} ends, or stop it with "
+                f"`hpcrl cancel {job}`, then `--resume`")
 
 
 def run_local(req: Request) -> Submitted:

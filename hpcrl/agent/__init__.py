@@ -2,6 +2,9 @@
 
 Run as `python -m hpcrl.agent RUN_DIR` (one Slurm task per node, on the host). Without
 `SLURM_JOB_ID` it runs a single-node local job (`HPCRL_JOB_ID`, `HPCRL_RESTART` optional).
+Under Slurm, `HPCRL_RESTART` is the run directory `RUN/<N>/` the job script claimed for this run
+(the next free one); an agent refuses an `<N>/` of another job, and the head holds the run
+directory's lease (`hpcrl.agent.lease`) while it runs.
 If the submitting side exported `HPCRL_CANARY` (see `rendezvous.write_canary`), every node
 checks that it sees the same run directory.
 

@@ -22,6 +22,7 @@ from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.head import Head
 from hpcrl.agent.jobfile import AgentJob, load_job
 from hpcrl.agent.launch import Launcher
+from hpcrl.agent.lease import release_lease, take_lease
 from hpcrl.agent.node import (
     AgentError,
     ContainerWrap,
@@ -62,12 +63,15 @@ class Agent:
         self.wrap = wrap
         self.addresses = addresses
         self.ctx = context or job_context(self.env)
-        self.paths = RunPaths(self.run_dir, self.ctx.restart)
+        self.paths = RunPaths(self.run_dir, self.ctx.run)
         self.claims = PortClaims()
         """Port blocks claimed on this node; held until Ray is torn down."""
+        self.leased = False
+        """The head holds the run directory's lease (`hpcrl.agent.lease`)."""
 
     def run(self) -> int:
         try:
+            rdv.check_new_run(self.paths, self.ctx.job_id)  # before this run writes a file there
             log = open_log(self.paths, self.ctx)
         except (OSError, rdv.RendezvousError) as exc:
             print(f"hpcrl-agent[{self.ctx.hostname}]: {exc}", file=sys.stderr)
@@ -101,8 +105,16 @@ class Agent:
         finally:
             Teardown(self.paths, self.ctx, log, heartbeat, children, job, tmp).run(outcome)
             self.claims.release()
+            self._release_lease()
             inbox.restore()
         return outcome.exit_code
+
+    def _release_lease(self) -> None:
+        if self.leased:
+            try:
+                release_lease(self.run_dir, self.ctx)
+            except OSError:
+                pass  # the next job takes a lease whose job is over
 
     def _run_node(self, node: Node, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome:
         """The head runs the payload; a worker keeps its Ray up until the job ends."""
@@ -116,6 +128,10 @@ class Agent:
             )
         launcher = Launcher(node, heartbeat, self.addresses, self.claims)
         if node.ctx.is_head:
+            note = take_lease(self.run_dir, node.ctx)  # one job per run directory
+            self.leased = True
+            if note:
+                node.log.info("%s", note)
             return Head(node, heartbeat, inbox, launcher).run()
         ray = launcher.worker(keep_waiting=lambda: early_stop_reason(node.paths, inbox))
         return watch_worker(node, ray, heartbeat, inbox)

@@ -79,7 +79,7 @@ class Head:
             "RAY_ADDRESS": cluster.gcs,
             "MASTER_ADDR": format_host(cluster.address.address),
             "HPCRL_RUN_DIR": str(node.run_dir),
-            "HPCRL_RESTART": str(node.ctx.restart),
+            "HPCRL_RESTART": str(node.ctx.run),
             "HPCRL_JOB_ID": node.ctx.job_id,
             "HPCRL_NUM_NODES": str(node.ctx.num_nodes),
             "HPCRL_JOIN_TIMEOUT_S": f"{node.job.join_timeout_s:.0f}",

@@ -177,6 +177,7 @@ class Launcher:
             {
                 "job_id": ctx.job_id,
                 "restart": ctx.restart,
+                "run": ctx.run,
                 "head": ctx.hostname,
                 "address": addr.address,
                 "gcs_address": gcs,
@@ -212,7 +213,8 @@ class Launcher:
         node, job, ctx = self.node, self.node.job, self.node.ctx
         self.heartbeat.write("waiting")
         info = rdv.wait_for_publication(
-            node.paths, ctx.nodes[0], job.join_timeout_s, keep_waiting=keep_waiting
+            node.paths, ctx.nodes[0], job.join_timeout_s, keep_waiting=keep_waiting,
+            job_id=ctx.job_id,
         )
         addr = self._address(NetworkPolicy(job.network.interface, info["family"]))
         head_ports = PortBlock.from_dict(info["ports"])

@@ -136,7 +136,7 @@ def container_name(ctx: JobContext, role: str) -> str:
 
 def state_writer(run_dir: Path, ctx: JobContext) -> StateWriter:
     """This node's voice in the job's state file (what `hpcrl status` and `--follow` read)."""
-    return StateWriter(run_dir, ctx.restart, ctx.node_rank, ctx.hostname)
+    return StateWriter(run_dir, ctx.run, ctx.node_rank, ctx.hostname)
 
 
 def open_log(paths: RunPaths, ctx: JobContext) -> logging.Logger:

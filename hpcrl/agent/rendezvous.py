@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rundir import RunDir, RunPaths
+from hpcrl.rundir import AGENT_STARTED, RunDir, RunPaths, read_state
 
 RENDEZVOUS_VERSION = 2  # 2: workers start Ray once `head-alive` appears
 POLL_S = 0.1
@@ -90,6 +90,26 @@ def create_run_dirs(paths: RunPaths, host: str) -> None:
         d.mkdir(mode=0o700, exist_ok=True)
 
 
+def check_new_run(paths: RunPaths, job_id: str) -> None:
+    """Refuse to run in `RUN/<N>/` when it holds another job's run (its agents' state lines or
+    its head's publication): its stop request, warning and rendezvous are not this job's. The
+    job script claims a new `<N>/` for every run, so this meets only an agent started otherwise
+    (by hand, or with `HPCRL_RESTART` set to a used N)."""
+    others = {str(r["job_id"]) for r in read_state(paths.run_dir, paths.restart)
+              if r["event"] == AGENT_STARTED and r.get("job_id") not in (None, job_id)}
+    try:
+        published = read_json(paths.rendezvous)
+    except (ValueError, RendezvousError):
+        published = {"job_id": "unknown (a damaged publication)"}
+    if published is not None and published.get("job_id") != job_id:
+        others.add(str(published.get("job_id")))
+    if others:
+        raise RendezvousError(
+            f"`{paths.root}` holds the run of job {', '.join(sorted(others))}, not of this job "
+            f"{job_id}; each run of a job needs a new `<N>/`. Submit with `hpcrl submit --resume` "
+            "(its job script claims the next free one), or set `HPCRL_RESTART` to an unused N")
+
+
 def secure_dir(path: Path) -> None:
     """Give `path` mode 0700 when it is ours; refuse to go on when others can read it."""
     st = path.stat()
@@ -153,10 +173,12 @@ def wait_for_publication(
     keep_waiting: Callable[[], str | None] = lambda: None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    job_id: str | None = None,
 ) -> dict[str, Any]:
     """Worker: wait for the head's rendezvous file, polling every 100 ms.
 
-    `keep_waiting()` returns a reason to give up early (a stop request, a signal) or None.
+    `keep_waiting()` returns a reason to give up early (a stop request, a signal) or None;
+    a publication of another job than `job_id` is refused (never joined).
     """
     deadline = clock() + timeout_s
     while True:
@@ -167,6 +189,11 @@ def wait_for_publication(
                     f"`{paths.rendezvous}` has version {data.get('version')}, this agent reads "
                     f"{RENDEZVOUS_VERSION}; run the same hpcrl version on every node"
                 )
+            if job_id is not None and data.get("job_id") != job_id:
+                raise RendezvousError(
+                    f"`{paths.rendezvous}` was published by job {data.get('job_id')}, not by "
+                    f"this job {job_id}; each run of a job needs a new `<N>/` (`hpcrl submit "
+                    "--resume` claims one)")
             return data
         reason = keep_waiting()
         if reason:

@@ -10,11 +10,11 @@ from typing import Any
 
 from hpcrl.containers import ContainerError
 from hpcrl.jobs import resolve
-from hpcrl.jobspec import JobSpecError, RunDirError, default_payload
+from hpcrl.jobspec import UPDATE_SPEC, JobSpec, JobSpecError, RunDirError, default_payload
 from hpcrl.plotting import PlotError
 from hpcrl.preflight import PreflightError
 from hpcrl.profiles import ProfileError, load_profile, replace_slurm
-from hpcrl.rundir import RunDir, RunFileError
+from hpcrl.rundir import RunDir, RunFileError, read_job
 from hpcrl.slurm import SlurmError
 from hpcrl.submission import RequestError, build_request, default_python, default_run_dir, make_spec
 
@@ -96,6 +96,16 @@ def elastic_world(profile: Any, overrides: list[str]) -> list[str]:
     return overrides if given else [*overrides, NNODES_FROM_ALLOCATION]
 
 
+def resumed_payload(run_dir: Any) -> tuple[tuple[str, ...], str] | None:
+    """(payload, payload_start) of the job in `run_dir`'s `job.json`; None when unreadable
+    (`prepare_run_dir` then names the fault)."""
+    try:
+        job = JobSpec.from_dict(read_job(run_dir))
+    except (RunFileError, JobSpecError):
+        return None
+    return job.payload, job.payload_start
+
+
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """--site/--nodes/--time/--partition/--run-dir/--resume/--command and the payload."""
     add_site(parser)
@@ -107,7 +117,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", help="run directory (default: a new one under the "
                         "profile's `run_root`)")
     parser.add_argument("--resume", action="store_true",
-                        help="reuse an existing `--run-dir` (continue that job)")
+                        help="continue the job of an existing `--run-dir` (a new Slurm job, "
+                        "refused while the run's job is queued or running); without overrides "
+                        "after `--` it keeps the job's")
+    parser.add_argument(UPDATE_SPEC, dest="update_spec", action="store_true",
+                        help="with `--resume`: run the rest of the job with this site, these "
+                        "flags and overrides where they differ from its `job.json`")
     parser.add_argument("--command", dest="whole_command", action="store_true",
                         help="the arguments after `--` are the whole command to run in the "
                         "container, not trainer overrides")
@@ -129,7 +144,14 @@ def prepare(args: argparse.Namespace) -> Any:
     payload = list(args.payload)
     if payload[:1] == ["--"]:
         payload = payload[1:]
-    if args.whole_command:
+    if args.run_dir is not None and not args.run_dir.strip():
+        raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
+                           "new one under the profile's `run_root`")
+    run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
+    kept = resumed_payload(run_dir) if args.resume and not payload else None
+    if kept is not None:  # `--resume` without overrides: the job's own payload
+        argv, start = kept
+    elif args.whole_command:
         if not payload:
             raise RequestError("`--command` needs the command after `--`, e.g. "
                                "`hpcrl submit --command -- env`")
@@ -137,10 +159,6 @@ def prepare(args: argparse.Namespace) -> Any:
     else:  # the trainer waits for its nodes (its placement group): start it with the head
         argv = default_payload(profile.container.python or python, elastic_world(profile, payload))
         start = "head-alive"
-    if args.run_dir is not None and not args.run_dir.strip():
-        raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
-                           "new one under the profile's `run_root`")
-    run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
     spec = make_spec(profile, argv, payload_start=start)
     via = getattr(args, "via", "sbatch")
     return profile, build_request(profile, spec, os.path.abspath(run_dir), python, via=via)

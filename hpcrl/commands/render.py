@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
     _, req = prepare(args)
     if not args.no_prepare:
-        prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume)
+        prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
+                        update_spec=args.update_spec)
         print(f"hpcrl: run directory {req.run_dir} (job.json written)", file=sys.stderr)
     sys.stdout.write(req.script)
     return 0

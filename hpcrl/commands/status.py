@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if job_id and job_id.split("_")[0].isdigit() and shutil.which("squeue"):
         lines, alive = slurm_lines(job_id)
         alive = alive or None  # not in the queue: judge by the run directory
-    report = run_report(run_dir, alive=alive)
+    report = run_report(run_dir, alive=alive, job_id=job_id)
     if job_id:
         print(f"job {job_id}")
     for line in [*report.lines(), *lines]:

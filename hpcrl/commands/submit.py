@@ -11,9 +11,15 @@ from hpcrl import preflight as pf
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.jobspec import prepare_run_dir
 from hpcrl.progress import NO_ANSWER, Progress, follow
-from hpcrl.rundir import reading_env, run_report
-from hpcrl.slurm import SlurmUnavailable, queue_entries
-from hpcrl.submission import dry_run_text, submit
+from hpcrl.rundir import reading_env, restart_indices, run_report
+from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
+from hpcrl.submission import (
+    LOCAL_VIA,
+    dry_run_text,
+    refuse_if_queued,
+    refuse_if_running,
+    submit,
+)
 
 HELP = "submit a job (`--dry-run` prints exactly what would be submitted)"
 
@@ -37,14 +43,23 @@ def run(args: argparse.Namespace) -> int:
         text = dry_run_text(req)
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return 0
+    if args.resume:  # one job per run directory: its job must be over
+        (refuse_if_running if req.via == LOCAL_VIA else refuse_if_queued)(Path(req.run_dir))
     preflight(args, profile, req)
-    prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume)
-    done = submit(req)
+    prepared = prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
+                               update_spec=args.update_spec)
+    earlier = restart_indices(Path(req.run_dir))  # runs of earlier jobs: not this job's
+    try:
+        done = submit(req)
+    except SlurmError:  # not submitted: leave no job.json that a later `--resume` would run
+        if req.via != LOCAL_VIA:
+            prepared.undo()
+        raise
     if done.via != "local":  # a local run printed its own summary
         for line in done.lines():
             print(line, flush=True)
         if args.follow:
-            follow_job(done.job_id, Path(done.run_dir))
+            follow_job(done.job_id, Path(done.run_dir), earlier)
     return done.exit_status or 0
 
 
@@ -58,16 +73,16 @@ def queue_state(job_id: str) -> tuple[str, str] | None:
     return (entries[0].state, entries[0].reason) if entries else None
 
 
-def follow_job(job_id: str, run_dir: Any) -> None:
+def follow_job(job_id: str, run_dir: Any, earlier: list[int]) -> None:
     progress = Progress(sys.stdout)
     try:
-        follow(run_dir, lambda: queue_state(job_id), progress)
+        follow(run_dir, lambda: queue_state(job_id), progress, earlier=earlier)
     except KeyboardInterrupt:
         progress.close()
         print(f"stopped following; the job goes on (`hpcrl status {run_dir}`)")
         return
     progress.close()
-    for line in run_report(run_dir, alive=False).lines():
+    for line in run_report(run_dir, alive=False, job_id=job_id).lines():
         print(line)
 
 
@@ -83,7 +98,7 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
     stops it on every node, so it is refused here on any site, dry run or not; a model, data
     file or disk space that this host cannot confirm is fatal only where the job runs here (the
     local site, not a dry run), a warning elsewhere."""
-    if args.whole_command or args.resume:
+    if args.whole_command or (args.resume and not args.update_spec):
         return
     run_dir = Path(req.run_dir)
     overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]),

@@ -32,14 +32,14 @@ def write_metrics(path: Path, records: list[dict]) -> None:
 
 
 def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payload: bool = True,
-                 exit_code: int | None = 0, pid: int | None = None) -> None:
+                 exit_code: int | None = 0, pid: int | None = None, job: str = "local-1") -> None:
     """`RUN/<index>/` and the state lines of that run as the head's agent leaves them (written
     with the agent's own writer); the agent's log is for people and read by no command."""
     paths = rundir.RunPaths(run, index)
     paths.nodes.mkdir(parents=True)
     paths.logs.mkdir()
     head = rundir.StateWriter(run, index, 0, HOST)
-    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id="local-1")
+    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id=job)
     for n in range(joined + 1):
         head.append(rundir.NODES_JOINED, joined=n, total=total)
     log = [f"2026-01-01 00:00:00,000 hpcrl-agent[{HOST} rank 0] {n}/{total} nodes joined"
@@ -52,7 +52,7 @@ def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payl
     if exit_code is not None:
         head.append(rundir.PAYLOAD_EXITED, status=exit_code)
         head.append(rundir.RUN_ENDED, exit_code=exit_code, summary=(
-            f"job local-1 restart {index}: payload exited with status {exit_code} "
+            f"job {job} restart {index}: payload exited with status {exit_code} "
             f"(exit {exit_code})"))
         head.append(rundir.TEARDOWN_DONE, exit_code=exit_code)
 
@@ -190,6 +190,19 @@ def test_report_and_status_command(run: Path) -> None:
     proc = run_hpcrl(["status", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("job local-1\n") and "steps: 3 of 6" in proc.stdout
+
+
+def test_a_resumed_jobs_state_is_its_own_not_the_earlier_jobs(run: Path) -> None:
+    """After `--resume`, the run directory's state is the new job's: before its first run
+    starts it is not the cancelled job's end, and each run names its job."""
+    make_restart(run, 0, exit_code=3, job="12")
+    assert rundir.run_report(run, alive=False).state == "stopped"
+    waiting = rundir.run_report(run, alive=True, job_id="13")
+    assert waiting.state == "job 13 not started yet (queued); run 0 was job 12's"
+    assert "  run 0: job 12 restart 0: payload exited with status 3" in "\n".join(waiting.lines())
+    make_restart(run, 1, exit_code=None, job="13")
+    started = rundir.run_report(run, alive=True, job_id="13")
+    assert started.state == "running" and started.restarts[-1].job_id == "13"
 
 
 def test_report_sees_a_dead_agent(run: Path, tmp_path: Path) -> None:
@@ -349,6 +362,30 @@ def test_follow_a_slurm_job_from_queue_to_requeue(run: Path) -> None:
     ]
 
 
+def test_follow_a_resumed_job_shows_its_own_runs_only(run: Path) -> None:
+    """`submit --resume --follow`: the earlier job's run (`RUN/0/`, its steps) is not this
+    job's; its first run is `RUN/1/`, not a requeue."""
+    from hpcrl.progress import follow
+
+    make_restart(run, 0, exit_code=3, job="12")
+    write_metrics(run / "metrics.jsonl", [record(1, 0), record(2, 0)])
+    states = iter([("PENDING", "Priority"), ("RUNNING", ""), ("RUNNING", ""), None])
+
+    def world(poll: int) -> None:
+        if poll == 0:
+            make_restart(run, 1, exit_code=None, job="13")
+            write_metrics(run / "metrics.jsonl", [record(1, 0), record(2, 0), record(3, 1)])
+
+    polls = iter(range(100))
+    out = io.StringIO()
+    follow(run, lambda: next(states), Progress(out, tty=False),
+           sleep=lambda _: world(next(polls)), earlier=[0])
+    assert out.getvalue().splitlines() == [
+        "queued (Priority)",
+        "step 3/6  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  ETA 6s",
+    ]
+
+
 def test_follow_goes_on_while_slurm_does_not_answer(run: Path) -> None:
     from hpcrl.progress import NO_ANSWER, follow
 
@@ -386,6 +423,22 @@ def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
         refuse_if_running(run)
     make_restart(run, 1, exit_code=3)
     refuse_if_running(run)
+
+
+def test_a_local_resume_refused_while_the_run_is_alive_changes_nothing(tmp_path: Path) -> None:
+    """`--resume --update-spec` of a local run whose agent still runs is refused before its
+    `job.json` is touched."""
+    run = tmp_path / "local-run"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    made = run_hpcrl(["render", "--site", "local", "--run-dir", str(run), "--",
+                      "trainer.total_epochs=1"], env)
+    assert made.returncode == 0, made.stderr
+    job = (run / "job.json").read_text()
+    make_restart(run, 0, exit_code=None)  # this test process stands in for its live agent
+    proc = run_hpcrl(["submit", "--site", "local", "--run-dir", str(run), "--resume",
+                      "--update-spec", "--", "trainer.total_epochs=2"], env)
+    assert proc.returncode == 2 and "is still running" in proc.stderr, proc.stderr
+    assert (run / "job.json").read_text() == job
 
 
 # ----------------------------------------------------------------------------- the state file

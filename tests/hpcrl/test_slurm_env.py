@@ -142,7 +142,19 @@ def test_local_context_without_slurm() -> None:
     assert ctx.local and ctx.job_id == "local-ab" and ctx.nodes == ("vm",)
     assert ctx.node_rank == 0 and ctx.is_head and ctx.restart == 0
     ctx2 = job_context({"HPCRL_JOB_ID": "j7", "HPCRL_RESTART": "2"}, hostname=lambda: "vm")
-    assert ctx2.job_id == "j7" and ctx2.restart == 2
+    assert ctx2.job_id == "j7" and ctx2.restart == 2 and ctx2.run == 2
+
+
+def test_the_run_directory_index_is_the_one_the_job_script_claimed() -> None:
+    """`RUN/<run>/` is `HPCRL_RESTART` (the batch script's claim of the next free index), not
+    `SLURM_RESTART_COUNT`, which starts at 0 again for a job resumed with `--resume`; the
+    restart count stays Slurm's (it bounds `max_requeues`)."""
+    resumed = job_context(dict(LAB_ENV, SLURM_RESTART_COUNT="0", HPCRL_RESTART="3"))
+    assert resumed.run == 3 and resumed.restart == 0
+    requeued = job_context(dict(LAB_ENV, SLURM_RESTART_COUNT="1", HPCRL_RESTART="4"))
+    assert requeued.run == 4 and requeued.restart == 1
+    by_hand = job_context(dict(LAB_ENV, SLURM_RESTART_COUNT="2"))  # no job script's claim
+    assert by_hand.run == by_hand.restart == 2
 
 
 @pytest.mark.parametrize(

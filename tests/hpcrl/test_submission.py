@@ -195,7 +195,8 @@ def test_missing_job_json_stops_the_script(tmp_path: Path) -> None:
 
 FAKE_SRUN_WAITS = """#!{python}
 import os, sys, time
-marker, warning = os.environ["HPCRL_TEST_OUT"], sys.argv[-1] + "/2/warning"
+marker = os.environ["HPCRL_TEST_OUT"]
+warning = sys.argv[-1] + "/" + os.environ["HPCRL_RESTART"] + "/warning"
 open(marker + ".ready", "w").close()
 deadline = time.monotonic() + 30
 while not os.path.exists(warning) and time.monotonic() < deadline:
@@ -206,7 +207,9 @@ sys.exit(7)
 
 
 def test_warning_signal_is_noted_for_the_agents_not_sent_through_srun(tmp_path: Path) -> None:
-    """The trap writes `<run>/<restart>/warning` (where the head's agent looks); the step is not
+    """The script claims the next free run directory `<run>/<N>/` (an earlier job's `0/` and
+    `1/` are left alone, whatever `SLURM_RESTART_COUNT` says) and exports `HPCRL_RESTART=N` to the
+    step; the trap writes `<run>/<N>/warning` (where the head's agent looks); the step is not
     signalled (srun would pass the signal to every process of the step, Ray's included)."""
     p = load_profile("slurmlab", FIXED_ENV).profile
     bindir = tmp_path / "bin"
@@ -215,8 +218,11 @@ def test_warning_signal_is_noted_for_the_agents_not_sent_through_srun(tmp_path: 
     spec = make_spec(p, ["x"])
     prepare_run_dir(run_dir, spec)
     req = build_request(p, spec, str(run_dir), str(bindir / "python"))
+    for earlier in ("0", "1"):  # an earlier job's runs, its stop request among them
+        (run_dir / earlier).mkdir()
+        (run_dir / earlier / "stop.json").write_text("{}")
     marker = tmp_path / "marker"
-    env = {"SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": "2", "HPCRL_TEST_OUT": str(marker)}
+    env = {"SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": "0", "HPCRL_TEST_OUT": str(marker)}
     batch = subprocess.Popen(["bash", "-c", req.script], text=True, env=env)
     deadline = time.monotonic() + 20
     while not Path(f"{marker}.ready").exists():
@@ -226,6 +232,8 @@ def test_warning_signal_is_noted_for_the_agents_not_sent_through_srun(tmp_path: 
     assert batch.wait(timeout=40) == 7  # the step's own exit status comes back
     assert marker.read_text() == "USR1\n"
     assert (run_dir / "2").stat().st_mode & 0o077 == 0
+    assert sorted(p.name for p in (run_dir / "2").iterdir()) == ["warning"]
+    assert not (run_dir / "0" / "warning").exists() and not (run_dir / "1" / "warning").exists()
 
 
 @pytest.mark.parametrize("field, value", [("--partition", "a\nb"), ("--time", "1\n2"),
@@ -285,10 +293,24 @@ def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
     assert spec.profile["slurm"]["partition"] == "high"
     again = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir)], clean_env)
     assert again.returncode == 2 and "not empty" in again.stderr and "--resume" in again.stderr
-    resumed = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir),
-                         "--resume"], clean_env)
+    same = ["render", "--site", "slurmlab", "--nodes", "2", "--time", "5", "--partition", "high",
+            "--run-dir", str(run_dir), "--resume"]
+    resumed = run_hpcrl(same, clean_env)  # no overrides after `--`: the job's own
     assert resumed.returncode == 0, resumed.stderr
     assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec
+    changed = run_hpcrl([*same[:3], "--time", "7", *same[7:], "--", "trainer.total_epochs=2"],
+                        clean_env)
+    assert changed.returncode == 2 and changed.stdout == "", changed.stderr
+    assert changed.stderr.count("\n") == 1 and "`profile.slurm.time` `\"5\"` -> `\"7\"`" in \
+        changed.stderr and "`partition`" not in changed.stderr, changed.stderr
+    assert ("`payload` drops `trainer.total_epochs=1` and adds `trainer.total_epochs=2`"
+            in changed.stderr and "--update-spec" in changed.stderr)
+    assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec  # kept
+    updated = run_hpcrl([*same[:3], "--time", "7", *same[7:], "--update-spec", "--",
+                         "trainer.total_epochs=2"], clean_env)
+    assert updated.returncode == 0, updated.stderr
+    now = JobSpec.from_json((run_dir / "job.json").read_text())
+    assert now.profile["slurm"]["time"] == "7" and now.payload[-1] == "trainer.total_epochs=2"
 
 
 def test_a_node_range_lets_the_trainer_run_on_the_nodes_granted(tmp_path: Path,

@@ -1,7 +1,8 @@
 """Checkpoint, requeue and resume on the real Slurm lab with the real trainer and the tiny model.
 
-Time limit (Slurm's warning signal), `scontrol requeue` from outside, preemption by the `high`
-partition with and without GraceTime, kill -9 in the middle of a checkpoint write, and
+Time limit (Slurm's warning signal), `scontrol requeue` from outside then `scancel` and
+`hpcrl submit --resume` (a new job in the same run directory, one job at a time), preemption by
+the `high` partition with and without GraceTime, kill -9 in the middle of a checkpoint write, and
 `max_requeues` reached. Each checks `metrics.jsonl`: every step exactly once.
 
 Steps are slowed in chosen runs only (`tests/payloads/slow_reward.py`: a pause in the reward,
@@ -10,6 +11,7 @@ which changes no number) so that the event falls in the middle of a run and late
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -202,22 +204,62 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
 # ------------------------------------------------------------------ 2. scontrol requeue
 
 
-def test_scontrol_requeue_from_outside_resumes_from_newest_checkpoint(lab, sites, assets, tmp_path):
+def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path):
     """Through submitit: `scontrol requeue` mid-run sends SIGTERM; the trainer finishes its step
     and checkpoints; Slurm requeues (the agent does not add a second requeue); the rerun resumes
-    from the newest complete checkpoint."""
-    write_site(sites, "rq-ext", tmp_path / "runs", slow_s=0.5)
+    from the newest complete checkpoint, holding the run directory's lease. While it runs,
+    `--resume` is refused naming the job, and a second job sbatched by hand (past that check)
+    stops at its head's lease, naming the running job, in a run directory of its own (`RUN/2/`):
+    one job per run directory. Then `scancel`, and `hpcrl submit --resume` (via sbatch, no
+    overrides: the job's own) starts a new job whose run claims the next free `RUN/3/`, never the
+    cancelled job's stop request: it resumes from the checkpoint taken at the SIGTERM and
+    completes, every step logged once, and `hpcrl status` tells each job's runs."""
+    write_site(sites, "rq-ext", tmp_path / "runs", slow_s=0.5, slow_runs="0,1")
     run_dir = tmp_path / "runs" / "ext"
-    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=10, save_freq=3),
+    # run 1 is slow and long (20 steps), so that the job still runs through the checks below
+    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=20, save_freq=3),
                  via="submitit")
     wait_for_step(lab, job, run_dir, 0, 4)
     lab.run("scontrol", "requeue", str(job))
-    rec = finished(lab, job, run_dir)
-    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, logs(run_dir))
+    wait_for_step(lab, job, run_dir, 1, 6)
+    lease = json.loads((run_dir / "lease.json").read_text())
+    assert (lease["job_id"], lease["run"]) == (str(job), 1)  # the requeued run of the same job
     newest = max(saved(run_dir, 0))
     assert newest >= 4 and resumed_from(run_dir, 1) == newest
     assert "Slurm ended the job" in summary(run_dir, 0), logs(run_dir)
-    check_metrics(run_dir, 10)
+    env = {**lab.env, "HPCRL_SITE_PATH": str(sites)}
+    resume = ["submit", "--site", "rq-ext", "--via", "sbatch", "--run-dir", str(run_dir),
+              "--resume"]
+    refused = run_hpcrl(resume, env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"job {job} of `{run_dir}` is still RUNNING" in refused.stderr, refused.stderr
+    rogue = lab.sbatch(run_dir / "job.sbatch")  # plain Slurm, past hpcrl's own check
+    rec = finished(lab, rogue, run_dir, timeout=120)
+    assert rec["JobState"] == "FAILED", (rec, logs(run_dir))
+    assert f"is held by job {job} " in summary(run_dir, 2), logs(run_dir)
+    assert "Slurm lists it as RUNNING" in summary(run_dir, 2)
+    lease = json.loads((run_dir / "lease.json").read_text())
+    assert (lease["job_id"], lease["run"]) == (str(job), 1) and lab.state(job) == "RUNNING"
+    lab.run("scancel", str(job))
+    rec = finished(lab, job, run_dir)
+    assert rec["JobState"] == "CANCELLED" and rec["Restarts"] == "1", (rec, logs(run_dir))
+    assert (run_dir / "1" / "stop.json").is_file()  # the cancelled run's, left where it was
+    stopped = max(saved(run_dir, 1))
+    assert stopped == max(steps_run(run_dir, 1)), logs(run_dir)  # saved at the SIGTERM
+    proc = run_hpcrl(resume, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    second = int(proc.stdout.split("job id: ")[1].split()[0])
+    rec = finished(lab, second, run_dir)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", (rec, logs(run_dir))
+    assert restart_dirs(run_dir) == [0, 1, 2, 3] and resumed_from(run_dir, 3) == stopped
+    check_metrics(run_dir, 20)
+    status = run_hpcrl(["status", str(run_dir)], env)
+    assert f"run {run_dir}: finished (4 runs: 3 restarts)" in status.stdout, status.stdout
+    assert f"  run 1: job {job} restart 1: " in status.stdout, status.stdout
+    assert f"  run 2: job {rogue} restart 0: LeaseError: " in status.stdout, status.stdout
+    assert f"  run 3: job {second} restart 0: " in status.stdout, status.stdout
+    assert "last checkpointed step: 20" in status.stdout
+    assert not (run_dir / "lease.json").exists()  # the last head gave it back
 
 
 # ------------------------------------------------------------------ 3. preemption

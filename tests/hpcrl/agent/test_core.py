@@ -57,6 +57,24 @@ def test_run_dir_missing_on_this_node(tmp_path: Path) -> None:
     assert not (tmp_path / "elsewhere").exists()
 
 
+def test_an_earlier_jobs_run_is_left_alone(tmp_path: Path) -> None:
+    """The issue of a `--resume` after `scancel`: the new job's agent, given the run index of an
+    earlier job's run (here by hand: `HPCRL_RESTART=0`), refuses before it writes anything
+    there; it never reads that job's stop request as its own."""
+    earlier = rundir.RunPaths(tmp_path, 0)
+    rdv.create_run_dirs(earlier, "node1")
+    rundir.StateWriter(tmp_path, 0, 0, "node1").append(rundir.AGENT_STARTED, pid=1, nodes=1,
+                                                        job_id="41")
+    rdv.request_stop(earlier, 0, "node1", "payload exited with status 3 after the stop request")
+    before = sorted(p.name for p in earlier.root.rglob("*"))
+    state = rundir.RunDir(tmp_path).state.read_text()
+    result = run_agent(tmp_path, {"HPCRL_RESTART": "0"})
+    assert result.returncode == 1, result.stderr
+    assert "holds the run of job 41, not of this job t-core" in result.stderr
+    assert sorted(p.name for p in earlier.root.rglob("*")) == before
+    assert rundir.RunDir(tmp_path).state.read_text() == state
+
+
 def test_canary_mismatch_stops_before_ray(tmp_path: Path) -> None:
     rdv.write_canary(tmp_path)
     (tmp_path / "job.json").write_text(json.dumps({"payload": ["true"]}))

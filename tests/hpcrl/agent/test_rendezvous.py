@@ -167,3 +167,32 @@ def test_canary(tmp_path: Path) -> None:
         rdv.verify_canary(run, "0" * 32, "node2")
     with pytest.raises(rdv.RendezvousError, match="node `node3` cannot read"):
         rdv.verify_canary(tmp_path / "elsewhere", nonce, "node3")
+
+
+def test_a_run_directory_of_another_job_is_refused(tmp_path: Path) -> None:
+    """`RUN/<N>/` of another job (its agents' state lines, its head's publication: the stop
+    request and rendezvous there are not this job's) is refused before anything is written;
+    this job's own, or a new one, is accepted."""
+    from hpcrl.rundir import AGENT_STARTED, StateWriter
+
+    p = paths(tmp_path)
+    rdv.check_new_run(p, "12")  # new
+    StateWriter(p.run_dir, 0, 0, "node1").append(AGENT_STARTED, pid=1, nodes=1, job_id="12")
+    rdv.request_stop(p, 0, "node1", "payload exited with status 3 after the stop request")
+    rdv.check_new_run(p, "12")  # its own run
+    with pytest.raises(rdv.RendezvousError, match=r"holds the run of job 12, not of this job 13"):
+        rdv.check_new_run(p, "13")
+    rdv.check_new_run(rdv.RunPaths(p.run_dir, 1), "13")  # the next free one is fine
+    (tmp_path / "b").mkdir()
+    other = paths(tmp_path / "b")
+    rdv.publish(other, {"job_id": "7", "gcs_address": "10.0.0.1:6379"})
+    with pytest.raises(rdv.RendezvousError, match="job 7, not of this job 8"):
+        rdv.check_new_run(other, "8")
+
+
+def test_a_worker_never_joins_another_jobs_publication(tmp_path: Path) -> None:
+    p = paths(tmp_path)
+    rdv.publish(p, {"job_id": "7", "gcs_address": "10.0.0.1:6379"})
+    assert rdv.wait_for_publication(p, "node1", 1.0, job_id="7")["job_id"] == "7"
+    with pytest.raises(rdv.RendezvousError, match="published by job 7, not by this job 8"):
+        rdv.wait_for_publication(p, "node1", 1.0, job_id="8")

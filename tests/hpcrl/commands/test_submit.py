@@ -188,11 +188,59 @@ def test_resume_of_a_missing_run_dir_is_refused_naming_the_nearby_ones(
     assert not elsewhere.parent.exists()
 
 
-def test_sbatch_failure_is_reported(tmp_path: Path, slurm: dict[str, str]) -> None:
-    env = {**slurm, "FAKE_SBATCH_RC": "1"}
-    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
-                      str(tmp_path / "r")], env)
-    assert proc.returncode == 2 and "failed with status 1" in proc.stderr
+def test_sbatch_failure_is_reported_and_leaves_no_job_to_resume(tmp_path: Path,
+                                                                 slurm: dict[str, str]) -> None:
+    """A submission sbatch refuses leaves no `job.json` that a later `--resume` would run: a
+    new run directory is removed, a resumed one gets its `job.json` back."""
+    failing = {**slurm, "FAKE_SBATCH_RC": "1"}
+    run_dir = tmp_path / "r"
+    for via in ("sbatch", "submitit"):
+        proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", via, "--run-dir",
+                          str(run_dir), "--", "trainer.total_epochs=1"], failing)
+        assert proc.returncode == 2 and "hpcrl: error:" in proc.stderr, proc.stderr
+        assert not run_dir.exists()
+    args = ["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(run_dir)]
+    assert run_hpcrl([*args, "--", "trainer.total_epochs=1"], slurm).returncode == 0
+    job = (run_dir / "job.json").read_text()
+    proc = run_hpcrl([*args, "--resume", "--update-spec", "--", "trainer.total_epochs=2"],
+                     failing)
+    assert proc.returncode == 2 and "failed with status 1" in proc.stderr, proc.stderr
+    assert (run_dir / "job.json").read_text() == job
+
+
+def test_resume_is_one_job_per_run_directory_and_keeps_the_jobs_spec(
+        tmp_path: Path, slurm: dict[str, str]) -> None:
+    """`--resume` is refused while the run's job is queued or running (`squeue`), naming it;
+    once Slurm no longer lists it, a new job is submitted with the job's own overrides (none
+    given after `--`); other overrides are refused, naming the change, unless `--update-spec`."""
+    run_dir = tmp_path / "run"
+    args = ["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(run_dir)]
+    assert run_hpcrl([*args, "--", "trainer.total_epochs=1"], slurm).returncode == 0
+    job = (run_dir / "job.json").read_text()
+    for fixture, state in (("squeue_running.txt", "RUNNING"), ("squeue_pending.txt", "PENDING")):
+        queued = {**slurm, "FAKE_SQUEUE": str(DATA / "slurm" / fixture)}
+        proc = run_hpcrl([*args, "--resume"], queued)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert f"job 4 of `{run_dir}` is still {state} (`squeue`)" in proc.stderr
+        assert "hpcrl cancel 4" in proc.stderr and proc.stderr.count("\n") == 1
+    assert len(calls(slurm, "sbatch")) == 1 and (run_dir / "job.json").read_text() == job
+    assert calls(slurm, "squeue")[0]["argv"][:3] == ["-h", "-j", "4"]
+    gone = {**slurm, "FAKE_SQUEUE": str(DATA / "slurm" / "scontrol_unknown.txt"),
+            "FAKE_SQUEUE_RC": "1"}
+    changed = run_hpcrl([*args, "--resume", "--", "trainer.total_epochs=5"], gone)
+    assert changed.returncode == 2 and len(calls(slurm, "sbatch")) == 1, changed.stderr
+    assert ("`payload` drops `trainer.total_epochs=1` and adds `trainer.total_epochs=5`"
+            in changed.stderr and "`--update-spec`" in changed.stderr)
+    resumed = run_hpcrl([*args, "--resume"], gone)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (run_dir / "job.json").read_text() == job
+    script = calls(slurm, "sbatch")[-1]["script"]
+    assert "until mkdir -m 700 " in script and "export HPCRL_RESTART" in script
+    updated = run_hpcrl([*args, "--resume", "--update-spec", "--", "trainer.total_epochs=5"],
+                        gone)
+    assert updated.returncode == 0, updated.stderr
+    assert JobSpec.from_json((run_dir / "job.json").read_text()).payload[-1] == \
+        "trainer.total_epochs=5"
 
 
 def test_default_run_dir_is_new_under_run_root(slurm: dict[str, str]) -> None:
