@@ -167,7 +167,9 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
 
 def test_micro_batch_split_does_not_change_the_update(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
-    """One step with micro-batches of 1, by tokens, or none gives the same weights."""
+    """Under verl's model engine (`trainer.use_legacy_worker_impl=disable`, mini-batch
+    normalisers) one step with micro-batches of 1, by tokens, or none gives the same weights
+    (verl's default worker takes micro-batch means: tests/trainer/test_parallel.py)."""
     updated = []
     for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
                                ["actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -175,7 +177,8 @@ def test_micro_batch_split_does_not_change_the_update(
                                [])):
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
                 if "ppo_micro_batch_size_per_gpu=2" not in o]
-        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                 "trainer.use_legacy_worker_impl=disable"]
         t = PPODriver(load_config(over))
         assert t.fit() == 0
         updated.append(weights(t))
@@ -241,8 +244,9 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
 def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path, score: str) -> None:
     """GRPO groups whose samples scored alike have zero advantages: their rows skip the actor's
-    forward and backward passes (all of them with a constant score), and the weights equal those
-    of a run that passes every row."""
+    forward and backward passes (all of them with a constant score) under verl's model engine
+    (mini-batch normalisers), and the weights equal those of a run that passes every row. verl's
+    default worker divides by micro-batch counts, which a skipped row would change: none is skipped."""
     reward = tmp_path / "reward.py"
     reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       f"    return {score}\n")
@@ -251,7 +255,7 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
                 if not o.startswith(("algorithm.", "actor_rollout_ref.actor.use_kl_loss"))]
         t = PPODriver(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
-                                    "trainer.test_freq=-1"]))
+                                    "trainer.test_freq=-1", "trainer.use_legacy_worker_impl=disable"]))
         if name == "every_row":
             t._rows_to_update = lambda mini, keep_entropy: list(range(len(mini)))  # type: ignore[method-assign]
         assert t.fit() == 0
@@ -266,6 +270,22 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
     for name, tensor in weights(skip).items():
         torch.testing.assert_close(tensor, weights(every_row)[name], rtol=0, atol=1e-6)
         assert not torch.equal(tensor, start[name]), name  # the optimiser did step
+
+
+def test_default_worker_keeps_rows_of_zero_advantage() -> None:
+    """Under verl's default worker a row counts in its micro-batch's mean: none is skipped."""
+    from types import SimpleNamespace
+
+    from trainer.batch import StepBatch
+
+    mask = torch.ones(3, 2)
+    mini = StepBatch(examples=[], uids=[], input_ids=torch.zeros(3, 4, dtype=torch.long),
+                     attention_mask=torch.ones(3, 4, dtype=torch.long), response_mask=mask,
+                     advantages=torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+    for impl, kept in (("auto", [0, 1, 2]), ("enable", [0, 1, 2]), ("disable", [1])):
+        cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                           f"trainer.use_legacy_worker_impl={impl}"])
+        assert PPODriver._rows_to_update(SimpleNamespace(cfg=cfg), mini, False) == kept, impl  # type: ignore[arg-type]
 
 
 def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
