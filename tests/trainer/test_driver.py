@@ -288,6 +288,42 @@ def test_default_worker_keeps_rows_of_zero_advantage() -> None:
         assert PPODriver._rows_to_update(SimpleNamespace(cfg=cfg), mini, False) == kept, impl  # type: ignore[arg-type]
 
 
+def test_remax_baseline_is_the_score_of_the_greedy_response(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`adv_estimator=remax`: each prompt's greedy response, decoded by HF `generate` on the
+    initial weights here, scored by the reward function, is the baseline of the prompt's rows;
+    a run trains with it and times the greedy rollout as verl (`timing_s/gen_max`)."""
+    from transformers import AutoTokenizer
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str))\n")
+    over = toy_overrides(tiny_model_dir, toy_data, tmp_path / "run", "algorithm.adv_estimator=remax",
+                         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=2",
+                         f"custom_reward_function.path={reward}", "trainer.test_freq=-1")
+    t = PPODriver(load_config(over))
+    examples = t.loader.next_batch()
+    batch = t.generate(examples)
+    t.compute_reward_baselines(examples, batch)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = load_actor(tiny_model_dir).eval()
+    expected = []
+    for e in examples:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([e.prompt_ids]), attention_mask=torch.ones(1, len(e.prompt_ids)),
+                                 do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id)
+        new = out[0, len(e.prompt_ids):].tolist()
+        if tok.eos_token_id in new:
+            new = new[:new.index(tok.eos_token_id) + 1]
+        expected.append(float(len(tok.decode(new, skip_special_tokens=True))))
+    assert batch.reward_baselines is not None
+    assert batch.reward_baselines.tolist() == [expected[uid] for uid in batch.uids]
+    assert PPODriver(load_config([*over, f"trainer.default_local_dir={tmp_path / 'fit'}"])).fit() == 0
+    rows = read_jsonl(tmp_path / "fit" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["timing_s/gen_max"] > 0 for r in rows)
+
+
 def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     """`batch` (one call with lists) scored in a thread while the workers compute gives the run
     that `naive` scored inline gives; `dapo`'s overlong penalty lands in the scores and metrics."""

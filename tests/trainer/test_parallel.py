@@ -139,8 +139,8 @@ COMPARED = {"actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/lr", "cr
 
 def _grad_rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
     """One actor update of one mini-batch of 4 rows on `world` ranks with micro-batches of one
-    row, under verl's default worker and under its model engine; the averaged gradient each
-    rank holds before the optimizer step, gathered whole."""
+    row, under verl's default worker and under its model engine, for two epochs; the averaged
+    gradient each rank holds before the first optimizer step, gathered whole, and `actor/pg_loss`."""
     from trainer.algos.core_algos import loss_normalizers
     from trainer.workers.actor import ActorRolloutRefWorker
 
@@ -162,12 +162,13 @@ def _grad_rank_main(rank: int, world: int, port: int, model: str, out: str) -> N
 
         def capture(clip: float, actor: ActorRolloutRefWorker = actor, impl: str = impl,
                     step=step) -> float:  # noqa: ANN001
-            grads[impl] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                           for n, p in actor.model.named_parameters() if p.grad is not None}
+            grads.setdefault(impl, {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                                    for n, p in actor.model.named_parameters() if p.grad is not None})
             return float(step(clip))
 
         actor._optimizer_step = capture  # type: ignore[method-assign]
-        actor.update_actor([[share]])
+        metrics = actor.update_actor([[share], [share]])["metrics"]  # two epochs; the first step's gradient kept
+        grads[f"pg_loss-{impl}"] = {"value": torch.tensor(metrics["actor/pg_loss"])}
     torch.save(grads, f"{out}.{rank}")
 
 
@@ -199,6 +200,7 @@ def test_two_ranks_with_gradient_accumulation_give_verls_gradients(tiny_model_di
     while not ctx.join():
         pass
     got = torch.load(f"{tmp_path / 'g'}.0")
+    other = torch.load(f"{tmp_path / 'g'}.1")
     legacy = _reference_grads(tiny_model_dir, [[[0], [1]], [[2], [3]]], [0.25, 0.25])
     mask = _batch(4, 3).response_mask
     engine = {n: torch.zeros_like(g) for n, g in legacy.items()}
@@ -210,6 +212,15 @@ def test_two_ranks_with_gradient_accumulation_give_verls_gradients(tiny_model_di
         for name, grad in expected.items():
             torch.testing.assert_close(got[impl][name], grad, rtol=1e-4, atol=1e-6, msg=f"{impl} {name}")
     assert any(not torch.allclose(legacy[n], engine[n], rtol=1e-3, atol=1e-6) for n in legacy)
+    # actor/pg_loss as verl: micro-batch losses times their scale, summed over micro-batches and
+    # the two epochs, averaged over ranks. On-policy each token's loss is -A.
+    adv = _batch(4, 3).advantages
+    assert adv is not None
+    row_means = [float(-(adv[r] * mask[r]).sum() / mask[r].sum()) for r in range(4)]
+    whole = float(-(adv * mask).sum() / mask.sum())
+    for impl, expected_loss in (("auto", 2 * 0.25 * sum(row_means)), ("disable", 2 * whole)):
+        mean = (got[f"pg_loss-{impl}"]["value"] + other[f"pg_loss-{impl}"]["value"]) / 2
+        assert mean.tolist() == pytest.approx([expected_loss], rel=1e-5), impl
 
 
 def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
