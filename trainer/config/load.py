@@ -173,6 +173,9 @@ def validate(cfg: Config) -> None:
                       ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
         require(name in registry.KL_ESTIMATORS,
                 f"`{key}={name}` is not a KL estimator; valid values: {', '.join(registry.KL_ESTIMATORS)}")
+    require(actor.loss_scale_factor is None or actor.loss_scale_factor > 0,
+            f"`actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor}` must be positive (the "
+            "divisor of seq-mean-token-sum-norm) or null for the padded response length")
     require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
     require(
         cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path is not None,

@@ -166,8 +166,9 @@ class Worker:
         verl's default worker (verl/workers/actor/dp_actor.py `update_policy`, dp_critic.py
         `update_critic`) takes each micro-batch's own mean times `1 / gradient_accumulation`,
         `gradient_accumulation = (mini_size // world) // micro_size`, or with dynamic batch size
-        the micro-batch's share `micro_rows / (mini_size // world)`; gradients are averaged over
-        ranks. verl's model engine (verl/workers/utils/losses.py `ppo_loss`) divides by the whole
+        the micro-batch's share `micro_rows / (mini_size // world)` (dp_actor.py:575-578 at verl
+        b178a3c); gradients are averaged over ranks. verl's model engine
+        (verl/workers/utils/losses.py:103-106 `ppo_loss`) divides by the whole
         mini-batch's tokens or rows times the world size instead, factor 1. Dr.GRPO divides by
         `loss_scale_factor` alone: the padded response length (`data.max_response_length`, the
         width verl pads responses to); verl's default worker passes no `loss_scale_factor`.

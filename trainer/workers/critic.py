@@ -64,7 +64,9 @@ class CriticWorker(Worker):
 
     def _update_mini(self, share: MiniBatchShare, collected: dict[str, list[float]]) -> float:
         """One optimizer step on this rank's rows of one mini-batch; returns its `critic/vf_loss`
-        share: each micro-batch's loss times its scale, summed (dp_critic.py `update_critic`)."""
+        share: each micro-batch's loss times its scale, summed (verl b178a3c
+        verl/workers/critic/dp_critic.py:256 `metrics["critic/vf_loss"] += vf_loss.detach().item() *
+        loss_scale_factor`)."""
         c = self.cfg.critic
         mini = share.batch.to(self.device)
         vf_loss = 0.0
