@@ -17,6 +17,8 @@ commands and the trainer's reader ask :class:`RunDir` and :class:`RunPaths`. Rea
         logs/agent-<rank>-<host>.log logs/payload.log
     RUN/metrics.png            `hpcrl plot`'s picture
     <trainer.run_dir>/metrics.jsonl              one JSON object per step
+    <trainer.run_dir>/run_id                     the run's identity, written once by its first
+                                                 checkpoint (`trainer.checkpoint.layout`)
     <trainer.default_local_dir>/global_step_N/   checkpoints (complete: the trainer's rule,
                                                  a manifest naming the step and every file
                                                  with its size, all present)
@@ -39,8 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.layout import is_complete, step_of
-from trainer.config import ConfigError, override_values
+from trainer.checkpoint.layout import (
+    is_complete,
+    latest_run_checkpoint,
+    read_run_identity,
+    step_of,
+)
+from trainer.config import GPUS_ENV, ConfigError, override_values
 from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import METRICS_FILE  # the trainer writes it; named once, there
 
@@ -234,6 +241,17 @@ def read_submission(run_dir: Path) -> dict[str, Any]:
     """The decoded `submission.json`: `job_id`, `via`, `logs` (patterns with `%j`, `%n`)."""
     return _read_object(RunDir(run_dir).submission, "give the job id instead of the run "
                         "directory, or submit again with `--resume`")
+
+
+def submission_logs(run_dir: Path) -> dict[str, str]:
+    """The log patterns `submission.json` records (`batch`, `node`, ...)."""
+    logs = read_submission(run_dir).get("logs")
+    if not isinstance(logs, dict) or not all(isinstance(v, str) for v in logs.values()):
+        raise RunFileError(
+            f"`{RunDir(run_dir).submission}` has no `logs` mapping of log patterns (received "
+            f"`logs`: {logs!r}); `hpcrl submit` records them there. Fix: read one run's logs "
+            f"with `hpcrl logs {run_dir} --restart last`, or the files under `{run_dir}/logs/`")
+    return logs
 
 
 def submitted_job_id(run_dir: Path) -> str | None:
@@ -454,11 +472,19 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
 # ----------------------------------------------------------------------------- trainer's files
 
 
-def reading_env(nodes: int, run_dir: Path) -> dict[str, str]:
+def reading_env(nodes: int, run_dir: Path, profile: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The variables the node agent gives the trainer that its overrides may name
-    (`${oc.env:HPCRL_NUM_NODES}`), as the launcher assumes them when it reads the overrides
-    before or after the job (the nodes asked for; the agent passes the nodes granted)."""
-    return {"HPCRL_NUM_NODES": str(nodes), "HPCRL_RUN_DIR": str(run_dir)}
+    (`${oc.env:HPCRL_NUM_NODES}`) or its defaults follow (`trainer.n_gpus_per_node`), as the
+    launcher assumes them when it reads the overrides before or after the job (the nodes asked
+    for; the agent passes the nodes granted). `profile`: the job's profile as plain data."""
+    return {"HPCRL_NUM_NODES": str(nodes), "HPCRL_RUN_DIR": str(run_dir), **gpus_env(profile or {})}
+
+
+def gpus_env(profile: Mapping[str, Any]) -> dict[str, str]:
+    """`HPCRL_GPUS_PER_NODE`: the GPUs per node the job asks Slurm for (the profile's
+    `slurm.gpus_per_node`, 0 = none), which `trainer.n_gpus_per_node` follows by default."""
+    slurm = profile.get("slurm") or {}
+    return {GPUS_ENV: str(int(slurm.get("gpus_per_node") or 0))}
 
 
 def payload_overrides(run_dir: Path) -> dict[str, Any]:
@@ -467,8 +493,9 @@ def payload_overrides(run_dir: Path) -> dict[str, Any]:
     try:
         job = read_job(run_dir)
         nodes = job.get("nodes") if isinstance(job.get("nodes"), int) else 1
+        profile = job.get("profile") if isinstance(job.get("profile"), dict) else {}
         return override_values([a for a in job.get("payload", []) if isinstance(a, str)],
-                               reading_env(nodes, run_dir))
+                               reading_env(nodes, run_dir, profile))
     except (RunFileError, ConfigError):
         return {}
 
@@ -538,7 +565,13 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    _, root = trainer_dirs(run_dir)
+    """The run's newest checkpoint: by the trainer's rule (its own, newest commit) once the run
+    has an identity, else the highest complete step found."""
+    named, root = trainer_dirs(run_dir)
+    run = read_run_identity(named)
+    own = latest_run_checkpoint(root, run) if run is not None else None
+    if own is not None:
+        return step_of(own), own
     found = checkpoints(root)
     if not found:  # trainer dirs not where the overrides say: look near the metrics file
         metrics = find_metrics(run_dir)

@@ -106,7 +106,7 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, t.n_gpus_per_node, 2 if cfg.derived.use_critic else 1)
+        slot = make_placement_group(t.nnodes, world // t.nnodes, 2 if cfg.derived.use_critic else 1)
         actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
                                world_size=world)
         critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)
@@ -128,11 +128,12 @@ class PPODriver:
         t = cfg.trainer
         self.ckpt_root = Path(t.default_local_dir or ".")
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
+        self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
-                                          trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        tokenizer_path, tokenizer_trust = cfg.tokenizer_source
+        self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         self._build_data()
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -159,7 +160,8 @@ class PPODriver:
         common: dict[str, Any] = {"max_prompt_length": data.max_prompt_length, "prompt_key": data.prompt_key,
                                   "reward_fn_key": data.reward_fn_key,
                                   "filter_overlong_prompts": data.filter_overlong_prompts,
-                                  "truncation": data.truncation}
+                                  "truncation": data.truncation,
+                                  "chat_template_kwargs": data.apply_chat_template_kwargs}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
         t = self.cfg.trainer
@@ -552,6 +554,13 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ checkpoints
 
+    @property
+    def run(self) -> ckpt.RunIdentity:
+        """This run (its run directory's persisted id): whose checkpoints it resumes and prunes."""
+        if self._run is None:
+            self._run = ckpt.run_identity(self.run_dir)
+        return self._run
+
     def save_checkpoint(self) -> Path:
         """`<default_local_dir>/global_step_N/`: every rank of each group writes its shards into
         the temporary directory, the driver adds the loop state and the config, then commits. A
@@ -559,14 +568,14 @@ class PPODriver:
         and, when the storage is out of room, says where and how much is needed."""
         tmp = None
         try:
-            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step)
+            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step, run=self.run)
             for group in self._groups():
                 group.run("save_checkpoint", str(tmp))
             ckpt.write_states(tmp, {"trainer_state": self._trainer_state()})
             return ckpt.commit_checkpoint(
                 self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
                 metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
-                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
+                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep, run=self.run)
         except BaseException as exc:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -584,7 +593,7 @@ class PPODriver:
 
     def _previous_checkpoint_bytes(self) -> int | None:
         """The size of the newest complete checkpoint: what the next one needs, about."""
-        newest = ckpt.find_latest_checkpoint(self.ckpt_root)
+        newest = ckpt.latest_run_checkpoint(self.ckpt_root, self.run)
         manifest = read_manifest(newest) if newest is not None else None
         return None if manifest is None else sum(int(n) for n in manifest["files"].values())
 
@@ -610,7 +619,12 @@ class PPODriver:
         return the checkpoint (None: fresh start)."""
         t = self.cfg.trainer
         start = time.perf_counter()
-        path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path)
+        path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path, run=self.run)
+        others = ckpt.others_checkpoints(self.ckpt_root, self.run) if t.resume_mode == "auto" else []
+        if others:
+            print(f"trainer: note: `{self.ckpt_root}` also holds checkpoints of other runs "
+                  f"({ckpt.describe_others(others)}); auto-resume takes only this run's "
+                  f"(`{self.run.run_id}`)", flush=True)
         if path is not None:
             saved_on = self.load_checkpoint(path)
             print(f"trainer: resumed from {path} (step {self.global_step}) (saved on {saved_on} rank(s)) "
