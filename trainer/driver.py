@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 
 from trainer import models as M
 from trainer import startup
-from trainer.algos import core_algos
+from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
@@ -192,13 +193,17 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ phases
 
-    def generate(self, examples: list[Example], validate: bool = False) -> StepBatch:
-        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part."""
+    def generate(self, examples: list[Example], validate: bool = False, greedy: bool = False) -> StepBatch:
+        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part;
+        `greedy`: one greedy response per prompt (ReMax's baseline)."""
         ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
         tp = self.rollout_tp  # the ranks of one engine get the same prompts and seed
         parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
-        salt = 2000 if validate else 1000
-        args = [(ids[p], mask[p], self._sampling(validate),
+        salt = 2000 if validate else 3000 if greedy else 1000
+        sampling = self._sampling(validate)
+        if greedy:
+            sampling = replace(sampling, n=1, do_sample=False)
+        args = [(ids[p], mask[p], sampling,
                  step_seed(self.cfg.trainer.seed, self.global_step, salt + rank // tp)) for rank, p in enumerate(parts)]
         results = self.actor_group.run_each("generate", args)
         outs: list[RolloutBatch] = []
@@ -206,7 +211,7 @@ class PPODriver:
             if out is not None and rank % tp == 0:  # one answer per engine
                 out.prompt_index = out.prompt_index + part[0]
                 outs.append(out)
-        if not validate:
+        if not validate and not greedy:
             self._note("gen_rows", [len(p) for p in parts])
             self._note("gen_tokens", [info["gen_tokens"] for _, info in results])
             self._note("gen_s", [info["gen"] for _, info in results])
@@ -261,6 +266,15 @@ class PPODriver:
                 out[part] = res[key]
         return out, results
 
+    def compute_reward_baselines(self, examples: list[Example], batch: StepBatch) -> None:
+        """ReMax's baseline (verl ray_trainer `gen_max`): each prompt's greedy response, generated
+        with the weights that sampled `batch` and scored like it; its score is the baseline of
+        every row of that prompt."""
+        greedy = self.generate(examples, greedy=True)
+        self.compute_rewards(greedy)
+        score_of = dict(zip(greedy.uids, need(greedy.sequence_scores, "scores").tolist(), strict=True))
+        batch.reward_baselines = torch.tensor([score_of[uid] for uid in batch.uids], dtype=torch.float32)
+
     def reuses_update_log_probs(self, batch: StepBatch) -> bool:
         """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
 
@@ -310,7 +324,7 @@ class PPODriver:
         batch.advantages, batch.returns = core_algos.compute_advantage(
             algo.adv_estimator, batch.token_rewards, batch.response_mask, values=batch.values,
             index=batch.uids, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
         return metrics
 
     # ------------------------------------------------------------------------------ updates
@@ -326,12 +340,15 @@ class PPODriver:
         """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
 
         With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
-        group whose samples scored alike) adds exactly zero to the policy gradient, and the loss
-        normalisers (from the whole mini-batch) still count it. Every row is kept when the update
+        group whose samples scored alike) adds exactly zero to the policy gradient, and under
+        `trainer.use_legacy_worker_impl=disable` the loss normalisers (from the whole mini-batch)
+        still count it. verl's default worker divides by each micro-batch's own counts, which a
+        skipped row would change: there every row is kept. Every row is kept too when the update
         must supply the entropy metric (`keep_entropy`).
         """
         a = self.cfg.actor_rollout_ref.actor
-        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss:
+        micro_means = self.cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
+        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means:
             return list(range(len(mini)))
         advantages = need(mini.advantages, "advantages") * mini.response_mask
         return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
@@ -526,6 +543,9 @@ class PPODriver:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generate(examples)
+            if registry.adv_estimator(self.cfg.algorithm.adv_estimator).greedy_baseline:
+                with timer.phase("gen_max"):
+                    self.compute_reward_baselines(examples, batch)
             self.clock.mark("first_rollout")
             metrics = self._collect(batch, timer)
             metrics.update(self._update(batch, timer))

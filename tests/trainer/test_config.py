@@ -184,6 +184,26 @@ def test_cross_key_rules() -> None:
         load_config(["trainer.resume_mode=resume_path"])
 
 
+def test_clip_ratios_kl_names_and_the_worker_switch() -> None:
+    """verl's clip-ratio rule: `clip_ratio` stands in only for a null `clip_ratio_low`/`high`; an
+    explicit 0 is kept. KL names: verl's seven and their `+` variants. The worker switch takes
+    verl's three values."""
+    actor = load_config(["actor_rollout_ref.actor.clip_ratio_low=0"]).actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.0, 0.2)
+    actor = load_config(["actor_rollout_ref.actor.clip_ratio_high=null",
+                         "actor_rollout_ref.actor.clip_ratio=0.28"]).actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
+    for name in ("k1", "k2", "k3", "k3+", "low_var_kl+", "kl+"):
+        cfg = load_config([f"actor_rollout_ref.actor.kl_loss_type={name}", f"algorithm.kl_penalty={name}"])
+        assert cfg.actor_rollout_ref.actor.kl_loss_type == cfg.algorithm.kl_penalty == name
+    with pytest.raises(ConfigError, match="`algorithm.kl_penalty=full` is not a KL estimator; valid values: kl, k1"):
+        load_config(["algorithm.kl_penalty=full"])
+    for impl in ("auto", "enable", "disable"):
+        assert load_config([f"trainer.use_legacy_worker_impl={impl}"]).trainer.use_legacy_worker_impl == impl
+    with pytest.raises(ConfigError, match="use_legacy_worker_impl"):
+        load_config(["trainer.use_legacy_worker_impl=yes"])
+
+
 def test_derived_values() -> None:
     cfg = load_config(["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                        "actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.ppo_epochs=2",
@@ -191,7 +211,8 @@ def test_derived_values() -> None:
     arr = cfg.actor_rollout_ref
     assert cfg.critic.model.path == "/m" and cfg.critic.ppo_epochs == 2
     assert arr.ref.log_prob_use_dynamic_bsz is True and arr.rollout.log_prob_use_dynamic_bsz is True
-    assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == 0.3
+    # as in verl, `clip_ratio` alone changes nothing: `clip_ratio_low`/`high` default to 0.2
+    assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == 0.2
     assert cfg.trainer.default_local_dir == "checkpoints/p/e" == cfg.trainer.run_dir
     assert cfg.derived.use_critic and not cfg.derived.use_reference
     grpo = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",

@@ -167,7 +167,9 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
 
 def test_micro_batch_split_does_not_change_the_update(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
-    """One step with micro-batches of 1, by tokens, or none gives the same weights."""
+    """Under verl's model engine (`trainer.use_legacy_worker_impl=disable`, mini-batch
+    normalisers) one step with micro-batches of 1, by tokens, or none gives the same weights
+    (verl's default worker takes micro-batch means: tests/trainer/test_parallel.py)."""
     updated = []
     for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
                                ["actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -175,7 +177,8 @@ def test_micro_batch_split_does_not_change_the_update(
                                [])):
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
                 if "ppo_micro_batch_size_per_gpu=2" not in o]
-        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                 "trainer.use_legacy_worker_impl=disable"]
         t = PPODriver(load_config(over))
         assert t.fit() == 0
         updated.append(weights(t))
@@ -241,8 +244,9 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
 def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path, score: str) -> None:
     """GRPO groups whose samples scored alike have zero advantages: their rows skip the actor's
-    forward and backward passes (all of them with a constant score), and the weights equal those
-    of a run that passes every row."""
+    forward and backward passes (all of them with a constant score) under verl's model engine
+    (mini-batch normalisers), and the weights equal those of a run that passes every row. verl's
+    default worker divides by micro-batch counts, which a skipped row would change: none is skipped."""
     reward = tmp_path / "reward.py"
     reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       f"    return {score}\n")
@@ -251,7 +255,7 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
                 if not o.startswith(("algorithm.", "actor_rollout_ref.actor.use_kl_loss"))]
         t = PPODriver(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
-                                    "trainer.test_freq=-1"]))
+                                    "trainer.test_freq=-1", "trainer.use_legacy_worker_impl=disable"]))
         if name == "every_row":
             t._rows_to_update = lambda mini, keep_entropy: list(range(len(mini)))  # type: ignore[method-assign]
         assert t.fit() == 0
@@ -266,6 +270,58 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
     for name, tensor in weights(skip).items():
         torch.testing.assert_close(tensor, weights(every_row)[name], rtol=0, atol=1e-6)
         assert not torch.equal(tensor, start[name]), name  # the optimiser did step
+
+
+def test_default_worker_keeps_rows_of_zero_advantage() -> None:
+    """Under verl's default worker a row counts in its micro-batch's mean: none is skipped."""
+    from types import SimpleNamespace
+
+    from trainer.batch import StepBatch
+
+    mask = torch.ones(3, 2)
+    mini = StepBatch(examples=[], uids=[], input_ids=torch.zeros(3, 4, dtype=torch.long),
+                     attention_mask=torch.ones(3, 4, dtype=torch.long), response_mask=mask,
+                     advantages=torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+    for impl, kept in (("auto", [0, 1, 2]), ("enable", [0, 1, 2]), ("disable", [1])):
+        cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                           f"trainer.use_legacy_worker_impl={impl}"])
+        assert PPODriver._rows_to_update(SimpleNamespace(cfg=cfg), mini, False) == kept, impl  # type: ignore[arg-type]
+
+
+def test_remax_baseline_is_the_score_of_the_greedy_response(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`adv_estimator=remax`: each prompt's greedy response, decoded by HF `generate` on the
+    initial weights here, scored by the reward function, is the baseline of the prompt's rows;
+    a run trains with it and times the greedy rollout as verl (`timing_s/gen_max`)."""
+    from transformers import AutoTokenizer
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str))\n")
+    over = toy_overrides(tiny_model_dir, toy_data, tmp_path / "run", "algorithm.adv_estimator=remax",
+                         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=2",
+                         f"custom_reward_function.path={reward}", "trainer.test_freq=-1")
+    t = PPODriver(load_config(over))
+    examples = t.loader.next_batch()
+    batch = t.generate(examples)
+    t.compute_reward_baselines(examples, batch)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = load_actor(tiny_model_dir).eval()
+    expected = []
+    for e in examples:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([e.prompt_ids]), attention_mask=torch.ones(1, len(e.prompt_ids)),
+                                 do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id)
+        new = out[0, len(e.prompt_ids):].tolist()
+        if tok.eos_token_id in new:
+            new = new[:new.index(tok.eos_token_id) + 1]
+        expected.append(float(len(tok.decode(new, skip_special_tokens=True))))
+    assert batch.reward_baselines is not None
+    assert batch.reward_baselines.tolist() == [expected[uid] for uid in batch.uids]
+    assert PPODriver(load_config([*over, f"trainer.default_local_dir={tmp_path / 'fit'}"])).fit() == 0
+    rows = read_jsonl(tmp_path / "fit" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["timing_s/gen_max"] > 0 for r in rows)
 
 
 def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:

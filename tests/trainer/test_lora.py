@@ -87,7 +87,9 @@ def _overrides(model: str, world: int) -> list[str]:
             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.optim.lr=1e-2",
             "actor_rollout_ref.actor.use_kl_loss=true", "data.max_response_length=8",
-            "actor_rollout_ref.rollout.update_weights_bucket_megabytes=1"]
+            "actor_rollout_ref.rollout.update_weights_bucket_megabytes=1",
+            # mini-batch normalisers (verl's model engine): one rank and two take the same step
+            "trainer.use_legacy_worker_impl=disable"]
 
 
 def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:

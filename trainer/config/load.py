@@ -175,6 +175,13 @@ def validate(cfg: Config) -> None:
         f"`actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode}` is not a "
         f"registered policy loss; valid values: {', '.join(registry.policy_loss_names())}",
     )
+    for key, name in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
+                      ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
+        require(name in registry.KL_ESTIMATORS,
+                f"`{key}={name}` is not a KL estimator; valid values: {', '.join(registry.KL_ESTIMATORS)}")
+    require(actor.loss_scale_factor is None or actor.loss_scale_factor > 0,
+            f"`actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor}` must be positive (the "
+            "divisor of seq-mean-token-sum-norm) or null for the padded response length")
     require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
     require(
         cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path is not None,

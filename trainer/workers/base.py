@@ -23,7 +23,7 @@ from hpcrl.runtimes import running_in
 from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
-from trainer.batch import StepBatch, seed_everything
+from trainer.batch import MiniBatchShare, StepBatch, seed_everything
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
 from trainer.checkpoint.hf_export import write_hf_export
@@ -152,10 +152,37 @@ class Worker:
         lengths = batch.attention_mask.sum(-1).long().tolist()
         return P.rank_micro_batches(lengths, micro, dynamic, max_len)
 
-    def _agg_kwargs(self, num_tokens: float, num_seqs: float) -> dict[str, Any]:
-        """Loss normalisers of the whole mini-batch (all ranks, skipped rows included)."""
-        return {"global_num_tokens": num_tokens, "global_num_seqs": num_seqs, "dp_size": self.world_size,
-                "norm_length": float(self.cfg.data.max_response_length)}
+    @property
+    def global_normalisers(self) -> bool:
+        """verl's model engine (`trainer.use_legacy_worker_impl=disable`): losses normalised by
+        the whole mini-batch; otherwise verl's default worker: micro-batch means."""
+        return str(self.cfg.trainer.use_legacy_worker_impl) == "disable"
+
+    def _loss_scale(self, share: MiniBatchShare, micro_rows: int, mini_size: int, micro_size: int | None,
+                    dynamic: bool, loss_scale_factor: float | None = None) -> tuple[dict[str, Any], float]:
+        """`(normalisers for agg_loss, factor of the micro-batch loss)` of one micro-batch of
+        `micro_rows` rows; `mini_size` counts the mini-batch's rows over all ranks.
+
+        verl's default worker (verl/workers/actor/dp_actor.py `update_policy`, dp_critic.py
+        `update_critic`) takes each micro-batch's own mean times `1 / gradient_accumulation`,
+        `gradient_accumulation = (mini_size // world) // micro_size`, or with dynamic batch size
+        the micro-batch's share `micro_rows / (mini_size // world)` (dp_actor.py:575-578 at verl
+        b178a3c); gradients are averaged over ranks. verl's model engine
+        (verl/workers/utils/losses.py:103-106 `ppo_loss`) divides by the whole
+        mini-batch's tokens or rows times the world size instead, factor 1. Dr.GRPO divides by
+        `loss_scale_factor` alone: the padded response length (`data.max_response_length`, the
+        width verl pads responses to); verl's default worker passes no `loss_scale_factor`.
+        """
+        length = float(self.cfg.data.max_response_length)
+        if self.global_normalisers:
+            return {"dp_size": self.world_size, "batch_num_tokens": share.num_tokens,
+                    "global_batch_size": share.num_seqs,
+                    "loss_scale_factor": loss_scale_factor or length}, 1.0
+        per_rank = max(mini_size // self.world_size, 1)
+        if dynamic:
+            return {"loss_scale_factor": length}, micro_rows / per_rank
+        accumulation = per_rank // micro_size if micro_size else 1
+        return {"loss_scale_factor": length}, 1.0 / max(accumulation, 1)
 
     def _zero_grads(self) -> None:
         """Zero gradients where no backward pass left one (this rank skipped every row of a
