@@ -75,10 +75,11 @@ class ActorRolloutRefWorker(Worker):
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
         arr = self.cfg.actor_rollout_ref
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        eos = M.eos_token_ids(arr.model.path, self.tokenizer, trust_remote_code=arr.model.trust_remote_code)
         if arr.rollout.name == "vllm":
             tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
-            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer,
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, eos,
                                                  seed=self.cfg.trainer.seed + self.rank // tp), False
         assert self.ctx is not None
         tp = arr.rollout.tensor_model_parallel_size
