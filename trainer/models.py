@@ -34,6 +34,7 @@ __all__ = [
     "left_pad",
     "load_actor",
     "load_critic",
+    "load_model_config",
     "load_tokenizer",
     "log_probs_from_logits",
     "position_ids_from_mask",
@@ -124,17 +125,26 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreT
     return tok
 
 
+def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a model path (a directory or a GGUF file)."""
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+
+
 def _generation_eos(directory: str, gguf_file: str | None, trust_remote_code: bool) -> list[int]:
     """The `eos_token_id` of the model's generation config (`generation_config.json`, else the
     one transformers derives from the model config, as verl's `get_generation_config`)."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     try:
         ids: Any = GenerationConfig.from_pretrained(directory).eos_token_id
     except OSError:  # no generation_config.json
-        kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         try:
-            config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+            config = load_model_config(str(Path(directory) / gguf_file) if gguf_file else directory,
+                                       trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
             return []
         ids = GenerationConfig.from_model_config(config).eos_token_id
@@ -217,11 +227,9 @@ def empty_actor(
     split (tensor parallel) before `materialize` gives it memory and the first weight sync its
     values: no rank ever holds the whole model for it."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    directory, gguf_file = resolve_model_path(path)
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+    config = load_model_config(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,

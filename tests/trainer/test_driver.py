@@ -4,6 +4,7 @@ reproduces an uninterrupted one exactly."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -343,3 +344,23 @@ def test_val_only_validates_once_with_standard_errors_and_trains_nothing(
     with pytest.raises(Exception, match="needs a validation set"):
         load_config([o for o in toy_overrides(tiny_model_dir, toy_data, run, "trainer.val_only=true")
                      if not o.startswith("data.val_files")] + ["data.val_files=[]"])
+
+
+def test_step_metrics_follow_verl(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """A GAE run of 3 steps, cosine schedule with 1 warm-up step: `actor/lr` and `critic/lr` are
+    the rates each update used (verl logs them before the scheduler steps: 0 during the warm-up,
+    then 1e-3 and 1e-3 * (1 + cos(pi/2)) / 2), and verl's other step metrics are there."""
+    run = tmp_path / "run"
+    assert run_training(load_config(_small(tiny_model_dir, toy_data, run, "trainer.test_freq=0"))) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 1e-3, 5e-4])
+    assert [r["critic/lr"] for r in rows] == pytest.approx([1e-3] * 3)  # the critic's: constant, no warm-up
+    for r in rows:
+        assert math.isfinite(r["critic/vf_explained_var"]) and r["critic/vf_explained_var"] <= 1.0
+        assert math.isfinite(r["critic/vpred_mean"])
+        assert 0.0 <= r["prompt_length/clip_ratio"] <= 1.0
+        assert r["timing_per_token_ms/gen"] == pytest.approx(
+            r["timing_s/gen"] * 1000 / (r["response_length/mean"] * 8))  # 4 prompts x 2 responses
+        assert r["timing_s/update_weights"] >= 0.0 and "timing_s/weight_sync" not in r
+        assert r["perf/mfu/actor"] > 0.0 and r["perf/mfu/critic"] > 0.0  # CPU: verl's 448 GFLOP/s
+        assert r["perf/max_memory_allocated_gb"] == 0.0  # no such counter on the CPU

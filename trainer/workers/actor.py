@@ -32,6 +32,7 @@ from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
+from trainer.metrics import memory_metrics
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -236,10 +237,13 @@ class ActorRolloutRefWorker(Worker):
             for share in minis:
                 tokens += float(share.batch.attention_mask.sum())
                 entropy = self._update_mini(share, keep_entropy, collected)
+        collected["actor/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        collected["actor/lr"].append(self.lr())
+        for key, value in memory_metrics(self.device).items():
+            collected[key].append(value)
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu()}
+                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu(),
+                "device_name": self.device_name()}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -187,6 +187,12 @@ class Worker:
     def lr(self) -> float:
         return float(self.sched.get_last_lr()[0])
 
+    def device_name(self) -> str:
+        """This rank's device as verl's FLOPs table names it: the GPU's name, or `CPU`."""
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_name(self.device))
+        return "CPU"
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None) -> float:

@@ -64,6 +64,7 @@ class CriticWorker(Worker):
             loss.backward()
             vf_loss += loss.item()
             collected["critic/vf_clipfrac"].append(clipfrac.item())
+            collected["critic/vpred_mean"].append(core_algos.masked_mean(vpreds, mb.response_mask).item())
         collected["critic/vf_loss"].append(vf_loss)
         collected["critic/grad_norm"].append(self._optimizer_step(c.grad_clip))
 
@@ -76,10 +77,10 @@ class CriticWorker(Worker):
             for share in minis:
                 tokens += float(share.batch.attention_mask.sum())
                 self._update_mini(share, collected)
+        collected["critic/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        collected["critic/lr"].append(self.lr())
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens}
+                "tokens": tokens, "device_name": self.device_name()}
 
     def save_checkpoint(self, tmp: str) -> float:
         return self.save(tmp, "critic")

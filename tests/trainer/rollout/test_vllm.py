@@ -162,7 +162,7 @@ def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tm
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for rank in (0, 1):
-            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/update_weights_s"] > 0, r
 
 
 def _tp_rank(rank: int, port: int, model_a: str, model_b: str, out: str) -> None:
@@ -283,7 +283,7 @@ def test_two_ray_ranks_train_lora_with_vllm(tiny_model_dir: Path, tmp_path: Path
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for rank in (0, 1):
-            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/update_weights_s"] > 0, r
 
 
 def test_vllm_rollout_stops_on_every_eos_of_the_generation_config(tiny_model_dir: Path, tmp_path: Path) -> None:
