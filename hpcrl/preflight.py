@@ -67,7 +67,7 @@ def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys."""
+    """The trainer's defaults (`trainer/config/*.yaml`), flattened to dotted keys."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:

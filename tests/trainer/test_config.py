@@ -111,7 +111,7 @@ def test_defaults_file_matches_the_dataclasses_exactly() -> None:
             out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
         return out
 
-    yaml_keys = keys(yaml.safe_load(C.DEFAULTS_FILE.read_text()))
+    yaml_keys = keys(C.load_defaults())
     assert yaml_keys == {row[0] for row in C.describe_keys()}
 
 
@@ -282,7 +282,7 @@ def test_every_accepted_key_acts_or_is_marked_compatibility_only() -> None:
     """No silent no-ops: every key the trainer accepts is read by the trainer's code (attribute
     access outside its declaration, or by name in the derivation) or is listed in `COMPAT` with the reason nothing is lost.
     A static check: a new key without code behind it fails here."""
-    trainer_dir = Path(C.__file__).parent
+    trainer_dir = Path(C.__file__).parents[1]
     source = "\n".join(p.read_text() for p in trainer_dir.rglob("*.py"))
     silent = [key for key, _, _ in C.describe_keys()
               if key not in C.COMPAT and not re.search(rf'\.{key.split(".")[-1]}\b|\["{key.split(".")[-1]}"\]', source)]
@@ -309,3 +309,17 @@ def test_fused_kernel_keys_accept_off_and_refuse_on_naming_the_kernel() -> None:
     for key, kernel in (("use_liger", "Liger fused kernels"), ("use_fused_kernels", "fused linear \\+ log-prob")):
         with pytest.raises(ConfigError, match=kernel):
             load_config([f"actor_rollout_ref.model.{key}=True"])
+
+
+def test_each_section_module_has_its_defaults_beside_it() -> None:
+    """`data.yaml` holds `data.*`, `rollout.yaml` `actor_rollout_ref.rollout.*`, ...: a key's
+    default sits beside its type and help line, and no default is set in two files."""
+    tops = {"data": ["data"], "actor": ["actor_rollout_ref"], "rollout": ["actor_rollout_ref"],
+            "critic": ["critic"], "reward": ["reward_model", "custom_reward_function"],
+            "algorithm": ["algorithm"], "trainer": ["trainer"]}
+    for path in C.DEFAULTS_FILES:
+        tree = yaml.safe_load(path.read_text())
+        assert list(tree) == tops[path.stem], path
+        assert path.with_suffix(".py").is_file(), path
+    assert list(yaml.safe_load((C.DEFAULTS_DIR / "rollout.yaml").read_text())["actor_rollout_ref"]) == ["rollout"]
+    assert "rollout" not in yaml.safe_load((C.DEFAULTS_DIR / "actor.yaml").read_text())["actor_rollout_ref"]
