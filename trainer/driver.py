@@ -142,9 +142,12 @@ class PPODriver:
         self.ckpt_root = Path(t.default_local_dir or ".")
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         seed_everything(t.seed)
+        rm = cfg.reward_model
+        batch_manager = rm.reward_manager == "batch"
         self.reward_fn = load_reward_fn(
             cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-            keywords=BATCH_ARGS if cfg.reward_model.reward_manager == "batch" else PER_RESPONSE_ARGS)
+            cfg.custom_reward_function.reward_kwargs,
+            keywords=[*BATCH_ARGS, *rm.reward_kwargs] if batch_manager else PER_RESPONSE_ARGS)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
@@ -240,18 +243,23 @@ class PPODriver:
         texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
                  for row, n in zip(batch.responses, lengths, strict=True)]
         rm = self.cfg.reward_model
-        score = score_batch if rm.reward_manager == "batch" else score_responses
-        scores, extras = score(
-            self.reward_fn, [e.data_source for e in batch.examples], texts,
-            [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
-        buffer = rm.overlong_buffer
-        if rm.reward_manager == "dapo" and buffer.enable:
-            penalties = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len,
-                                         buffer.penalty_factor)
-            scores = [s + p for s, p in zip(scores, penalties, strict=True)]
-            if buffer.log:
-                extras["overlong_reward"] = penalties
-                extras["overlong"] = [float(p < 0) for p in penalties]
+        args = (self.reward_fn, [e.data_source for e in batch.examples], texts,
+                [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
+        if rm.reward_manager == "batch":
+            scores, extras = score_batch(*args, rm.reward_kwargs)
+        else:
+            scores, extras = score_responses(*args)
+        if rm.reward_manager == "dapo":
+            if not extras:  # verl's dapo reports a plain score as the accuracy
+                extras["acc"] = list(scores)
+            buffer = rm.overlong_buffer
+            if buffer.enable:
+                max_len = rm.reward_kwargs.get("max_resp_len", self.cfg.data.max_response_length)
+                penalties = overlong_penalty(lengths, max_len, buffer.len, buffer.penalty_factor)
+                scores = [s + p for s, p in zip(scores, penalties, strict=True)]
+                if buffer.log:
+                    extras["overlong_reward"] = penalties
+                    extras["overlong"] = [float(p < 0) for p in penalties]
         batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_extras = extras
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)

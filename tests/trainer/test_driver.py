@@ -276,8 +276,8 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     fn.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
                   "def per_row(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    return toy_digits_score(solution_str)\n\n"
-                  "def rows(data_sources, solution_strs, ground_truths, extra_infos):\n"
-                  "    return [toy_digits_score(s) for s in solution_strs]\n")
+                  "def rows(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):\n"
+                  "    return [toy_digits_score(s) + bonus for s in solution_strs]\n")
 
     def run(name: str, *extra: str) -> list[dict]:
         cfg = load_config(toy_overrides(
@@ -298,6 +298,17 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     assert first["reward_extra/overlong_reward/mean"] < 0 < first["reward_extra/overlong/mean"]
     assert first["critic/score/mean"] == pytest.approx(
         naive[0]["critic/score/mean"] + first["reward_extra/overlong_reward/mean"], abs=1e-6)
+    # verl's current spelling of the buffer gives the same run
+    verl_keys = run("dapo_verl", "reward_model.reward_manager=dapo",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=True",
+                    "+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}")
+    assert [r["critic/score/mean"] for r in verl_keys] == [r["critic/score/mean"] for r in dapo]
+    # `batch` passes `reward_model.reward_kwargs` to the function: +0.5 on every score
+    bonus = run("bonus", "custom_reward_function.name=rows", "reward_model.reward_manager=batch",
+                "+reward_model.reward_kwargs.bonus=0.5")
+    assert bonus[0]["critic/score/mean"] == pytest.approx(naive[0]["critic/score/mean"] + 0.5)
 
 
 def test_newer_verl_keys_act_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from trainer.config.values import (
     _type_name,
     _unquote,
     _valid_keys,
+    is_mapping,
     parse_value,
     typed_value,
 )
@@ -59,6 +60,8 @@ def _resolve_key(key: str) -> tuple[list[str], Any]:
                 f"unknown key `{key}`: `{part}` is not a key of {where}; valid keys there: {valid}"
             )
         cls = hints[part]
+        if is_mapping(cls) and depth < len(parts) - 1:
+            return parts, Any  # an entry of a free-form mapping, at any depth
         if _is_section(cls) and depth == len(parts) - 1:
             raise ConfigError(
                 f"`{key}` is a section, not a value; set one of its keys: {_valid_keys(cls)}"
@@ -203,7 +206,11 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str
             if o.text is not None and node.get(parts[-1]) != _override_value(o, tp):
                 raise ConfigError(f"`{item}` deletes `{o.key}` only while it equals the given "
                                   f"value, but it is {node.get(parts[-1])!r}; write `~{o.key}`")
-            node[parts[-1]] = copy.deepcopy(_lookup(defaults, o.key)[1])
+            found, default = _lookup(defaults, o.key)
+            if found:
+                node[parts[-1]] = copy.deepcopy(default)
+            else:  # an entry of a mapping the defaults lack
+                node.pop(parts[-1], None)
         elif o.interpolated:
             node[parts[-1]] = o.value
             deferred.append((o, parts, tp))

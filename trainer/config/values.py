@@ -27,8 +27,18 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def is_mapping(tp: Any) -> bool:
+    """A free-form mapping key (`dict[str, Any]`, e.g. `reward_kwargs`): its entries are
+    whatever the user names, set whole (`key={a: 1}`) or one at a time (`key.a=1`)."""
+    return typing.get_origin(_split_optional(tp)[0]) is dict
+
+
 def _type_name(tp: Any) -> str:
     inner, optional = _split_optional(tp)
+    if inner is Any:
+        return "value"
+    if typing.get_origin(inner) is dict:
+        return "mapping"
     if typing.get_origin(inner) is Literal:
         name = " | ".join(repr(a) for a in typing.get_args(inner))
     elif typing.get_origin(inner) is list:
@@ -115,6 +125,12 @@ def _coerce_default(value: Any, tp: Any, key: str) -> Any:
         if optional:
             return None
         raise ConfigError(f"`{key}` is null but must be a {_type_name(tp)}")
+    if inner is Any:
+        return value
+    if typing.get_origin(inner) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{key}`={value!r} must be a mapping")
+        return dict(value)
     if typing.get_origin(inner) is list:
         seq = value if isinstance(value, list) else [value]
         return [_coerce_default(v, typing.get_args(inner)[0], key) for v in seq]
@@ -144,6 +160,12 @@ def typed_value(value: Any, text: str | None, tp: Any) -> Any:
         if optional:
             return None
         raise ValueError("null is not allowed here")
+    if inner is Any:  # an entry of a mapping: as the grammar reads it
+        return value
+    if typing.get_origin(inner) is dict:
+        if not isinstance(value, dict):
+            raise ValueError("not a mapping (write `{name: value, ...}`)")
+        return dict(value)
     if typing.get_origin(inner) is list:
         seq = value if isinstance(value, list) else [value]
         return [typed_value(v, text if len(seq) == 1 and not isinstance(value, list) else None,

@@ -144,7 +144,8 @@ class Worker:
         warmup = core_algos.resolve_warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio,
                                                  self.total_steps)
         self.sched = core_algos.build_lr_scheduler(self.optim, warmup, self.total_steps,
-                                                   optim.warmup_style, optim.min_lr_ratio)
+                                                   optim.lr_scheduler_type, optim.min_lr_ratio,
+                                                   optim.num_cycles)
 
     # ------------------------------------------------------------------ shared pieces
 
