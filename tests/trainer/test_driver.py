@@ -375,3 +375,29 @@ def test_step_metrics_follow_verl(tiny_model_dir: Path, toy_data: Path, tmp_path
         assert r["timing_s/update_weights"] >= 0.0 and "timing_s/weight_sync" not in r
         assert r["perf/mfu/actor"] > 0.0 and r["perf/mfu/critic"] > 0.0  # CPU: verl's 448 GFLOP/s
         assert r["perf/max_memory_allocated_gb"] == 0.0  # no such counter on the CPU
+
+
+def test_validation_with_several_samples_reports_verl_s_layout(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`val_kwargs.n=2` sampled responses per prompt and a reward returning `acc` and `pred`:
+    `val-core` holds `acc`'s mean, best and majority at 2; the reward and the spreads are
+    `val-aux`; the best of 2 is at least the mean, the worst at most."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    s = toy_digits_score(solution_str)\n"
+                      "    return {'score': s, 'acc': s >= 0.5, 'pred': solution_str[:3]}\n")
+    run = tmp_path / "val"
+    driver = PPODriver(load_config(toy_overrides(
+        tiny_model_dir, toy_data, run, "trainer.val_only=true", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", f"custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "data.val_batch_size=5")))
+    assert driver.fit() == 0
+    [row] = read_jsonl(run / "metrics.jsonl")
+    src = "val-core/toy_digits/acc"
+    assert {f"{src}/mean@2", f"{src}/best@2/mean", f"{src}/maj@2/mean"} <= set(row)
+    assert "val-aux/toy_digits/acc/worst@2/mean" in row
+    assert "val-aux/toy_digits/reward/mean@2" in row and "val-aux/toy_digits/acc/std@2" in row
+    assert not any(k.startswith("val-core/toy_digits/reward") for k in row)
+    assert row[f"{src}/best@2/mean"] >= row[f"{src}/mean@2"] >= row["val-aux/toy_digits/acc/worst@2/mean"]
