@@ -428,8 +428,9 @@ class PPODriver:
         batch in each rank's update time, per rank, over its device's promised FLOP/s; the mean
         over ranks."""
         if role not in self._model_configs:
-            model = self.cfg.critic.model if role == "critic" else self.cfg.actor_rollout_ref.model
-            self._model_configs[role] = M.load_model_config(model.path, trust_remote_code=model.trust_remote_code)
+            model: Any = self.cfg.critic.model if role == "critic" else self.cfg.actor_rollout_ref.model
+            self._model_configs[role] = M.load_model_config(str(model.path),
+                                                            trust_remote_code=model.trust_remote_code)
         seqlens = batch.attention_mask.sum(-1).long().tolist()
         return float(np.mean([mfu(self._model_configs[role], seqlens, r["seconds"], r["device_name"],
                                   epochs=epochs, world_size=self.world) for r in results]))

@@ -387,7 +387,7 @@ def validation_metrics(data_sources: list[str], uids: list[Any], columns: Mappin
                 is_core = (name == core and metric.startswith(("mean", "maj", "best"))
                            and f"@{n_max}" in metric)
                 out[f"{'val-core' if is_core else 'val-aux'}/{source}/{name}/{metric}"] = float(np.mean(values))
-            rows = [float(columns[name][r]) for p in prompts.values() for r in p]
-            sem = float(np.std(rows, ddof=1) / np.sqrt(len(rows))) if len(rows) > 1 else 0.0
+            every = [float(columns[name][r]) for p in prompts.values() for r in p]
+            sem = float(np.std(every, ddof=1) / np.sqrt(len(every))) if len(every) > 1 else 0.0
             out[f"val-aux/{source}/{name}/sem@{n_max}"] = sem
     return out
