@@ -159,7 +159,6 @@ class PPODriver:
         self.deadline = Deadline.from_env(os.environ, t.deadline_margin_s)
         self.global_step = 0
         self.rank_metrics: dict[str, float] = {}
-        self._model_configs: dict[str, Any] = {}  # for `perf/mfu/*`, read once
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
@@ -406,7 +405,7 @@ class PPODriver:
                                    int(c.ppo_epochs or 1), 100)
         results = self.critic_group.run_each("update_critic", args)
         metrics = self._merge(results, "update_critic")
-        metrics["perf/mfu/critic"] = self._mfu("critic", batch, results, int(c.ppo_epochs or 1))
+        metrics["perf/mfu/critic"] = self._mfu(batch, results, int(c.ppo_epochs or 1))
         return metrics
 
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
@@ -417,22 +416,18 @@ class PPODriver:
                                          skip=lambda mini: self._rows_to_update(mini, keep_entropy))
         results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
         metrics = self._merge(results, "update_actor")
-        metrics["perf/mfu/actor"] = self._mfu("actor", batch, results, a.ppo_epochs)
+        metrics["perf/mfu/actor"] = self._mfu(batch, results, a.ppo_epochs)
         metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
         if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
             metrics["actor/entropy"] = self._update_entropy(batch, [r["entropy"] for r in results])
         return metrics
 
-    def _mfu(self, role: str, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
+    def _mfu(self, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
         """verl's `perf/mfu/<role>`: the model FLOPs of `epochs` passes over every row of the
         batch in each rank's update time, per rank, over its device's promised FLOP/s; the mean
         over ranks."""
-        if role not in self._model_configs:
-            model: Any = self.cfg.critic.model if role == "critic" else self.cfg.actor_rollout_ref.model
-            self._model_configs[role] = M.load_model_config(str(model.path),
-                                                            trust_remote_code=model.trust_remote_code)
         seqlens = batch.attention_mask.sum(-1).long().tolist()
-        return float(np.mean([mfu(self._model_configs[role], seqlens, r["seconds"], r["device_name"],
+        return float(np.mean([mfu(r["flops_fields"], seqlens, r["seconds"], r["device_name"],
                                   epochs=epochs, world_size=self.world) for r in results]))
 
     def _update_entropy(self, batch: StepBatch, per_rank: list[torch.Tensor]) -> float:

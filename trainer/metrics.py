@@ -16,6 +16,7 @@ import secrets
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -260,10 +261,21 @@ def device_flops(device_name: str) -> float:
     return float("inf")
 
 
+FLOPS_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "num_hidden_layers", "vocab_size")
+
+
+def flops_fields(config: Any) -> dict[str, Any]:
+    """What :func:`train_flops` reads of a model config, as a plain dict (sent by each worker)."""
+    return {name: getattr(config, name, None) for name in FLOPS_FIELDS}
+
+
 def train_flops(config: Any, seqlens: Iterable[int]) -> float:
     """FLOPs of one forward and backward pass over sequences of `seqlens` tokens, verl's count
     for dense decoders: 6 x (the linear layers' and embeddings' parameters) per token, plus
     6 x seqlen^2 x head_dim x heads per layer for attention. 0 for other model types."""
+    if isinstance(config, Mapping):
+        config = SimpleNamespace(**config)
     if getattr(config, "model_type", None) not in DENSE_MODEL_TYPES:
         return 0.0
     hidden, heads = config.hidden_size, config.num_attention_heads

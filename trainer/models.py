@@ -139,12 +139,13 @@ def _generation_eos(directory: str, gguf_file: str | None, trust_remote_code: bo
     one transformers derives from the model config, as verl's `get_generation_config`)."""
     from transformers import GenerationConfig
 
+    if gguf_file:  # a GGUF file names one EOS, the one its tokenizer has (reading it again: ~10 s)
+        return []
     try:
         ids: Any = GenerationConfig.from_pretrained(directory).eos_token_id
     except OSError:  # no generation_config.json
         try:
-            config = load_model_config(str(Path(directory) / gguf_file) if gguf_file else directory,
-                                       trust_remote_code=trust_remote_code)
+            config = load_model_config(directory, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
             return []
         ids = GenerationConfig.from_model_config(config).eos_token_id

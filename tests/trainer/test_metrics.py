@@ -17,6 +17,7 @@ from trainer.metrics import (
     MetricsLogger,
     data_metrics,
     device_flops,
+    flops_fields,
     memory_metrics,
     mfu,
     read_jsonl,
@@ -131,6 +132,7 @@ def test_mfu_hand_computed() -> None:
     config = SimpleNamespace(model_type="llama", hidden_size=4, num_attention_heads=2, num_key_value_heads=1,
                              intermediate_size=8, num_hidden_layers=2, vocab_size=10)
     assert train_flops(config, [3, 5]) == 19296
+    assert train_flops(flops_fields(config), [3, 5]) == 19296  # what a worker sends
     got = mfu(config, [3, 5], seconds=2.0, device_name="NVIDIA H100 80GB HBM3", epochs=2, world_size=4)
     assert got == pytest.approx(19296 / 2.0 * 2 / 989e12 / 4)
     assert device_flops("NVIDIA H200") == 989e12 and device_flops("NVIDIA H20") == 148e12

@@ -32,7 +32,7 @@ from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
-from trainer.metrics import memory_metrics
+from trainer.metrics import flops_fields, memory_metrics
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -243,7 +243,7 @@ class ActorRolloutRefWorker(Worker):
             collected[key].append(value)
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
                 "tokens": tokens, "entropy": None if entropy is None else entropy.cpu(),
-                "device_name": self.device_name()}
+                "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -12,6 +12,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.metrics import flops_fields
 from trainer.workers.base import Worker
 
 __all__ = ["CriticWorker"]
@@ -80,7 +81,7 @@ class CriticWorker(Worker):
         collected["critic/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens, "device_name": self.device_name()}
+                "tokens": tokens, "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     def save_checkpoint(self, tmp: str) -> float:
         return self.save(tmp, "critic")
