@@ -25,13 +25,14 @@ from trainer.config.actor import (
     RefFsdpConfig,
 )
 from trainer.config.algorithm import AlgorithmConfig, KLCtrlConfig
-from trainer.config.base import RUN_DIR_ENV, ConfigError, FsdpConfig, OptimConfig
+from trainer.config.base import GPUS_ENV, RUN_DIR_ENV, ConfigError, FsdpConfig, OptimConfig
 from trainer.config.critic import CriticConfig, CriticModelConfig
 from trainer.config.data import DataConfig
 from trainer.config.load import (
     DEFAULTS_DIR,
     DEFAULTS_FILES,
     check_overrides,
+    compat_notes,
     config_from_dict,
     config_to_dict,
     describe_keys,
@@ -62,13 +63,13 @@ from trainer.config.trainer import TrainerConfig
 from trainer.config.values import parse_value, typed_value
 
 __all__ = [
-    "ACCEPTED_ONLY_AS", "COMPAT", "DEFAULTS_DIR", "DEFAULTS_FILES", "NOT_SUPPORTED", "RUN_DIR_ENV",
+    "ACCEPTED_ONLY_AS", "COMPAT", "DEFAULTS_DIR", "DEFAULTS_FILES", "GPUS_ENV", "NOT_SUPPORTED", "RUN_DIR_ENV",
     "UNSUPPORTED_VALUES", "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config",
     "ConfigError", "CriticConfig", "CriticModelConfig", "CustomRewardConfig", "DataConfig",
     "DerivedConfig", "FsdpConfig", "KLCtrlConfig", "ModelConfig", "OptimConfig",
     "OverlongBufferConfig", "Override", "PolicyLossConfig", "RefConfig", "RefFsdpConfig",
     "RewardModelConfig", "RolloutConfig", "TrainerConfig", "ValKwargs", "_resolve_key",
-    "apply_overrides", "check_overrides", "config_from_dict", "config_to_dict", "describe_keys",
+    "apply_overrides", "check_overrides", "compat_notes", "config_from_dict", "config_to_dict", "describe_keys",
     "dump_config", "is_override", "load_config", "load_defaults", "override_values",
     "parse_override", "parse_value", "typed_value", "validate",
 ]

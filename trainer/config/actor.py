@@ -9,6 +9,10 @@ from typing import Any, Literal
 from trainer.config.base import (
     DERIVED_HINT,
     PADDING,
+    PREFETCH,
+    PROFILER,
+    STRATEGY,
+    TORCH_COMPILE,
     FsdpConfig,
     LossAggMode,
     OptimConfig,
@@ -33,11 +37,16 @@ class ModelConfig:
     target_modules: list[str] = h(
         "modules that get LoRA adapters: `all-linear` (every linear layer but the output head) "
         "or module names, e.g. `[q_proj,v_proj]`")
+    use_shm: bool = h("verl: load the model through shared memory (compatibility only, see COMPAT)")
+    use_liger: bool = h("Liger's Triton kernels (compatibility only, see COMPAT)")
+    use_fused_kernels: bool = h("verl's fused linear + log-prob kernel (compatibility only, see COMPAT)")
+    fused_kernel_options: dict[str, Any] = h("options of verl's fused kernels (compatibility only, see COMPAT)")
 
 
 @dataclass(frozen=True)
 class RefFsdpConfig:
     param_offload: bool = h("offload the reference model's parameters to CPU (FSDP workers)")
+    forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ class ActorConfig:
     shuffle: bool = h("shuffle samples between mini-batches")
     optim: OptimConfig = h("actor optimizer")
     fsdp_config: FsdpConfig = h("actor FSDP options")
+    use_torch_compile: bool = h("verl: torch.compile the entropy and log-prob helpers (compatibility only)")
+    entropy_from_logits_with_chunking: bool = h("verl: the entropy in chunks (compatibility only, see COMPAT)")
+    profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,10 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool | None = h("token-count micro-batches; null = actor's `use_dynamic_bsz`")
     log_prob_max_token_len_per_gpu: int | None = h("token budget; null = actor's `ppo_max_token_len_per_gpu`")
     fsdp_config: RefFsdpConfig = h("reference FSDP options")
+    strategy: Literal["fsdp", "fsdp2"] = h("parallel strategy of the reference workers (compatibility only)")
+    use_torch_compile: bool = h("verl: torch.compile the log-prob helpers (compatibility only)")
+    entropy_from_logits_with_chunking: bool = h("verl: the entropy in chunks (compatibility only, see COMPAT)")
+    profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
 
 
 @dataclass(frozen=True)
@@ -89,26 +105,29 @@ class ActorRolloutRefConfig:
     rollout: RolloutConfig = h("generation")
 
 
+CHUNKED_ENTROPY = ("verl computes the entropy over chunks of the sequence to save memory; it is "
+                   "computed over the whole logits here, the same values")
+
 #: verl's model, actor and reference keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.external_lib": "",
     "actor_rollout_ref.model.override_config": "",
-    "actor_rollout_ref.model.use_shm": "",
-    "actor_rollout_ref.model.use_liger": ("Liger fused kernels; the log-probs here come from the "
-                                          "model's logits, which cost memory but give the same values"),
-    "actor_rollout_ref.model.use_fused_kernels": ("verl's fused linear + log-prob kernel; the "
-                                                  "log-probs here come from the model's logits"),
+    "actor_rollout_ref.model.lora": ("Megatron's LoRA options; FSDP LoRA is "
+                                     "`actor_rollout_ref.model.lora_rank`, `lora_alpha` and `target_modules` "
+                                     "(`model.lora.rank` and `model.lora.alpha` are read as the first two)"),
+    "actor_rollout_ref.model.lora_adapter_path": "starting LoRA from a saved adapter",
     "actor_rollout_ref.model.custom_chat_template": "",
     "actor_rollout_ref.actor.ppo_micro_batch_size": (
         "deprecated in verl; use `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"
     ),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "sequence parallelism",
-    "actor_rollout_ref.actor.use_torch_compile": "",
     "actor_rollout_ref.actor.checkpoint": "checkpoint contents are fixed",
     "actor_rollout_ref.actor.fsdp_config.wrap_policy": "",
     "actor_rollout_ref.actor.fsdp_config.offload_policy": "",
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": "",
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": "",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": ("parameter dtypes other than fp32: the actor's "
+                                                        "weights are fp32 here, verl's default"),
     "actor_rollout_ref.actor.optim.total_training_steps": DERIVED_HINT.format(
         "trainer.total_training_steps"
     ),
@@ -122,15 +141,38 @@ NOT_SUPPORTED: dict[str, str] = {
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
     "actor_rollout_ref.model.use_remove_padding": PADDING,
-    "actor_rollout_ref.actor.strategy": "`fsdp` and `fsdp2` both shard with FSDP2 here",
+    "actor_rollout_ref.actor.strategy": STRATEGY,
+    "actor_rollout_ref.ref.strategy": STRATEGY,
+    "actor_rollout_ref.model.use_shm": ("the model is read from its path; verl's copy to shared memory "
+                                        "only speeds the load, the weights are the same"),
+    "actor_rollout_ref.model.use_fused_kernels": (
+        "verl's fused linear + log-prob kernel only saves memory; the log-probs here come from the "
+        "model's full logits"),
+    "actor_rollout_ref.model.use_liger": ("Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear "
+                                          "cross-entropy) compute the same layers with less memory; the "
+                                          "model's own layers run here"),
+    "actor_rollout_ref.model.fused_kernel_options": "options of verl's fused kernels, which do not run here",
+    "actor_rollout_ref.actor.use_torch_compile": TORCH_COMPILE,
+    "actor_rollout_ref.ref.use_torch_compile": TORCH_COMPILE,
+    "actor_rollout_ref.actor.profiler": PROFILER,
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch": PREFETCH,
+    "actor_rollout_ref.ref.fsdp_config.forward_prefetch": PREFETCH,
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,
+    "actor_rollout_ref.ref.profiler": PROFILER,
+}
+
+#: Newer verl spellings read as this trainer's key.
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
-    "actor_rollout_ref.model.use_liger": False,
-    "actor_rollout_ref.model.use_fused_kernels": False,
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
 }
 
 #: Values naming a feature this trainer does not have.
@@ -141,7 +183,7 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
 
 
 def validate_lora(arr: ActorRolloutRefConfig) -> None:
-    """LoRA's rules (`model.lora_rank` > 0): a positive alpha, target modules, no reference offload."""
+    """LoRA's rules (`model.lora_rank` > 0): a positive alpha, target modules."""
     model = arr.model
     require(model.lora_rank >= 0, f"`actor_rollout_ref.model.lora_rank={model.lora_rank}` must be 0 "
             "(full fine-tuning) or a positive LoRA rank")
@@ -157,8 +199,3 @@ def validate_lora(arr: ActorRolloutRefConfig) -> None:
     require("all-linear" not in targets or len(targets) == 1,
             f"`actor_rollout_ref.model.target_modules={targets}`: `all-linear` already selects "
             "every linear layer; give it alone or list module names without it")
-    require(not arr.ref.fsdp_config.param_offload,
-            "`actor_rollout_ref.ref.fsdp_config.param_offload=true` with LoRA (`lora_rank` > 0): "
-            "the reference policy is the actor with its adapters disabled and has no weights of "
-            "its own to offload. Fix: remove the override (or offload the actor's with "
-            "`actor_rollout_ref.actor.fsdp_config.param_offload=true`)")

@@ -35,6 +35,7 @@ NOT_SUPPORTED: dict[str, str] = {
     "algorithm.use_pf_ppo": "",
     "algorithm.pf_ppo": "",
     "algorithm.filter_groups": "DAPO group filtering",
+    "algorithm.rollout_correction": "rollout importance-sampling correction",
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).

@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 RUN_DIR_ENV = "HPCRL_RUN_DIR"
 """Set by hpcrl's node agent: the job's run directory (shared by every restart)."""
+GPUS_ENV = "HPCRL_GPUS_PER_NODE"
+"""Set by hpcrl: the GPUs per node the job asked Slurm for (the profile's `slurm.gpus_per_node`;
+0 = none), the default of `trainer.n_gpus_per_node`."""
 
 
 class ConfigError(ValueError):
@@ -29,6 +32,12 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 PADDING = ("verl's padding-free packing is a speed-up only; the padded computation here gives "
            "the same losses")
 DERIVED_HINT = "is derived here; set `{}` instead"
+PROFILER = "verl's profilers (nsys, torch, NPU) only record timings; nothing is profiled here"
+TORCH_COMPILE = ("verl compiles its entropy and log-prob helpers with torch.compile for speed; they run "
+                 "eagerly here: the same formulas")
+PREFETCH = ("FSDP1's all-gather prefetch only overlaps communication; FSDP2 here gathers each layer "
+            "before its forward, the same weights")
+STRATEGY = "`fsdp` and `fsdp2` both shard with FSDP2 here"
 
 
 @dataclass(frozen=True)
@@ -51,3 +60,4 @@ class OptimConfig:
 class FsdpConfig:
     param_offload: bool = h("offload parameters to CPU between uses (FSDP workers)")
     optimizer_offload: bool = h("offload optimizer state to CPU between uses (FSDP workers)")
+    forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.base import DERIVED_HINT, PADDING, FsdpConfig, LossAggMode, OptimConfig, h
+from trainer.config.base import (
+    DERIVED_HINT,
+    PADDING,
+    PREFETCH,
+    PROFILER,
+    STRATEGY,
+    FsdpConfig,
+    LossAggMode,
+    OptimConfig,
+    h,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ class CriticConfig:
     grad_clip: float = h("clip the critic gradient norm to this value")
     cliprange_value: float = h("value clipping range")
     loss_agg_mode: LossAggMode | None = h("value-loss aggregation; null = actor's `loss_agg_mode`")
+    profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
 
 
 _CRITIC_LORA = ("LoRA for the critic; the critic trains all its weights. LoRA for the actor is "
@@ -55,7 +66,9 @@ NOT_SUPPORTED: dict[str, str] = {
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
     "critic.model.use_remove_padding": PADDING,
-    "critic.strategy": "`fsdp` and `fsdp2` both shard with FSDP2 here",
+    "critic.strategy": STRATEGY,
+    "critic.profiler": PROFILER,
+    "critic.model.fsdp_config.forward_prefetch": PREFETCH,
     "critic.model.tokenizer_path": ("the critic scores the actor's tokens and has no HF export, "
                                     "so it loads no tokenizer"),
 }

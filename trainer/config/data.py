@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from trainer.config.base import h
 
@@ -27,6 +27,14 @@ class DataConfig:
     truncation: Literal["error", "left", "right", "middle"] = h(
         "what to do with a prompt longer than `max_prompt_length` that was not filtered"
     )
+    trust_remote_code: bool = h(
+        "allow code shipped with the tokenizer (verl loads the trainer's tokenizer with it); the "
+        "tokenizer loads with remote code when this or `actor_rollout_ref.model.trust_remote_code` is set")
+    use_shm: bool = h("verl: copy the data files to shared memory first (compatibility only, see COMPAT)")
+    apply_chat_template_kwargs: dict[str, Any] = h(
+        "extra keyword arguments of the tokenizer's `apply_chat_template` when the prompts are "
+        "rendered, as verl passes them (e.g. `data.apply_chat_template_kwargs.enable_thinking=false`); "
+        "they change the prompt text")
 
 
 #: verl's `data.*` keys this trainer does not implement (the reason, when there is more to say).
@@ -38,8 +46,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "data.custom_cls": "custom dataset classes",
     "data.dataloader_num_workers": "",
     "data.filter_overlong_prompts_workers": "",
-    "data.trust_remote_code": "",
-    "data.use_shm": "",
     "data.sampler": "custom samplers",
     "data.datagen": "",
 }
@@ -48,4 +54,5 @@ NOT_SUPPORTED: dict[str, str] = {
 COMPAT: dict[str, str] = {
     "data.return_raw_chat": ("every prompt's chat messages are kept with its batch anyway "
                              "(`Example.prompt`)"),
+    "data.use_shm": "the data files are read from their path; verl's copy to shared memory only speeds the read",
 }

@@ -17,7 +17,9 @@ from trainer.config.algorithm import estimator
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.overrides import _apply, _lookup, _reading_env, apply_overrides, is_override
 from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
-from trainer.config.schema import COMPAT, Config
+from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name
+from trainer.config.schema import ALIASES, COMPAT, Config
+from trainer.config.trainer import default_gpus_per_node
 from trainer.config.values import _coerce_default, _hints, _is_section, _type_name, _valid_keys
 
 DEFAULTS_DIR = Path(__file__).parent
@@ -99,6 +101,10 @@ def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
     for section in (actor, critic):  # verl's deprecated name of `lr_scheduler_type`
         if section["optim"]["warmup_style"] is not None:
             section["optim"]["lr_scheduler_type"] = section["optim"]["warmup_style"]
+    if arr["rollout"]["name"] is None:
+        arr["rollout"]["name"] = default_rollout_name()
+    if trainer["n_gpus_per_node"] is None:
+        trainer["n_gpus_per_node"] = default_gpus_per_node(env or {})
     launched = (env or {}).get(RUN_DIR_ENV)
 
     if trainer["default_local_dir"] is None:
@@ -136,7 +142,7 @@ def validate(cfg: Config) -> None:
                        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
                        ("actor_rollout_ref.rollout.n", rollout.n),
                        ("trainer.nnodes", cfg.trainer.nnodes),
-                       ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node),
+                       ("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node or 0),  # derived: never null
                        ("data.max_prompt_length", data.max_prompt_length),
                        ("data.max_response_length", data.max_response_length),
                        ("actor_rollout_ref.rollout.update_weights_bucket_megabytes",
@@ -214,6 +220,10 @@ def validate(cfg: Config) -> None:
         "of weights here (verl's hybrid engine); a separate rollout deployment is not supported. "
         "Fix: remove the override",
     )
+    require(not rollout.multi_turn.get("enable"),
+            "`actor_rollout_ref.rollout.multi_turn.enable=true` is not supported yet (multi-turn "
+            "rollout): the rollout here is single-turn. Fix: remove `enable` from "
+            "`actor_rollout_ref.rollout.multi_turn`")
     validate_lora(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(
@@ -237,7 +247,8 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (), env: Mapping[str, str] | None = None
 ) -> Config:
     """Defaults + dotted overrides -> validated, derived, frozen `Config`; `env` (default: the
-    process environment) supplies `HPCRL_RUN_DIR` when hpcrl launched the trainer."""
+    process environment) supplies `HPCRL_RUN_DIR` and `HPCRL_GPUS_PER_NODE` when hpcrl launched
+    the trainer."""
     tree = apply_overrides(load_defaults(), list(overrides))
     cfg = _build(Config, _derive(tree, os.environ if env is None else env), "")
     validate(cfg)
@@ -295,6 +306,38 @@ def describe_keys() -> list[tuple[str, str, str]]:
 
     walk(Config, "")
     return rows
+
+
+def compat_notes(overrides: Sequence[str], cfg: Config) -> list[str]:
+    """One line for each override among `overrides` that is accepted without acting (a `COMPAT`
+    key set away from its default, a newer verl spelling read as this trainer's key, a setting
+    LoRA makes moot): what runs instead, and that the numbers are the same. `cfg`: their config."""
+    items = [a for a in overrides if is_override(a)]
+    defaults = load_defaults()
+    tree, keys = _apply(defaults, items)
+    lines: list[str] = []
+    for compat in dict.fromkeys(_compat_key(key) for key in keys):
+        if compat is None or _lookup(tree, compat)[1] == _lookup(defaults, compat)[1]:
+            continue
+        shown = compat if compat in keys else f"{compat}.*"
+        lines.append(f"`{shown}` is accepted and changes nothing here: {COMPAT[compat]}; "
+                     "the numbers are the same")
+    for key in dict.fromkeys(item.lstrip("+~").split("=", 1)[0] for item in items):
+        if key in ALIASES:
+            lines.append(f"`{key}` is verl's newer name of `{ALIASES[key]}`, read as it")
+    arr = cfg.actor_rollout_ref
+    if "actor_rollout_ref.rollout.name" not in keys and arr.rollout.name == "hf":
+        lines.append(NO_VLLM_NOTE)
+    if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
+        lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
+                     "the reference policy is the actor with its adapters disabled (as in verl), with no "
+                     "weights of its own to offload; the numbers are the same")
+    return lines
+
+
+def _compat_key(key: str) -> str | None:
+    """The `COMPAT` key that `key` is or lies under (a sub-key of a free-form mapping)."""
+    return next((k for k in COMPAT if key == k or key.startswith(k + ".")), None)
 
 
 def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -13,14 +13,20 @@ from typing import Any, Literal
 
 from trainer.config.base import ConfigError
 from trainer.config.reward import REWARD_MODEL_WORKER as _REWARD_MODEL_WORKER
-from trainer.config.schema import ACCEPTED_ONLY_AS, NOT_SUPPORTED, UNSUPPORTED_VALUES, Config
+from trainer.config.schema import (
+    ACCEPTED_ONLY_AS,
+    ALIASES,
+    NOT_SUPPORTED,
+    UNSUPPORTED_VALUES,
+    Config,
+)
 from trainer.config.values import (
     _hints,
+    _is_mapping,
     _is_section,
     _type_name,
     _unquote,
     _valid_keys,
-    is_mapping,
     parse_value,
     typed_value,
 )
@@ -60,8 +66,8 @@ def _resolve_key(key: str) -> tuple[list[str], Any]:
                 f"unknown key `{key}`: `{part}` is not a key of {where}; valid keys there: {valid}"
             )
         cls = hints[part]
-        if is_mapping(cls) and depth < len(parts) - 1:
-            return parts, Any  # an entry of a free-form mapping, at any depth
+        if _is_mapping(cls) and depth < len(parts) - 1:
+            return parts, Any  # a sub-key of a free-form mapping
         if _is_section(cls) and depth == len(parts) - 1:
             raise ConfigError(
                 f"`{key}` is a section, not a value; set one of its keys: {_valid_keys(cls)}"
@@ -185,7 +191,7 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str
     deferred: list[tuple[Override, list[str], Any]] = []
     keys: list[str] = []
     for item in overrides:
-        o = parse_override(item, parser)
+        o = _aliased(parse_override(item, parser))
         if o.op == "delete" and _not_supported(o.key) is not None:
             continue  # removing a key this trainer does not have leaves nothing to remove
         if o.op != "delete" and _check_accepted_only_as(o.key, o.text or ""):
@@ -199,8 +205,11 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str
         parts, tp = _resolve_key(o.key)
         keys.append(o.key)
         node = tree
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"`{item}`: `{'.'.join(parts[:depth + 1])}` holds a value, not "
+                                  "a mapping; set the mapping itself, e.g. `key={a: 1}`")
         deferred = [d for d in deferred if d[0].key != o.key]
         if o.op == "delete":
             if o.text is not None and node.get(parts[-1]) != _override_value(o, tp):
@@ -209,7 +218,7 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str
             found, default = _lookup(defaults, o.key)
             if found:
                 node[parts[-1]] = copy.deepcopy(default)
-            else:  # an entry of a mapping the defaults lack
+            else:  # a sub-key of a free-form mapping that its default lacks
                 node.pop(parts[-1], None)
         elif o.interpolated:
             node[parts[-1]] = o.value
@@ -219,6 +228,12 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str
     if deferred:
         _resolve_interpolations(tree, deferred)
     return tree, keys
+
+
+def _aliased(o: Override) -> Override:
+    """`o` with a newer verl spelling of a key (`ALIASES`) read as this trainer's key."""
+    key = ALIASES.get(o.key)
+    return o if key is None else dataclasses.replace(o, key=key)
 
 
 def is_override(arg: str) -> bool:

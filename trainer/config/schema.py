@@ -34,7 +34,16 @@ class Config:
     custom_reward_function: CustomRewardConfig = h("user reward function")
     algorithm: AlgorithmConfig = h("advantage and KL settings")
     trainer: TrainerConfig = h("loop, logging, checkpoints")
+    global_profiler: dict[str, Any] = h("verl's profiler settings (compatibility only, see COMPAT)")
     derived: DerivedConfig = h("computed values")
+
+    @property
+    def tokenizer_source(self) -> tuple[str, bool]:
+        """(path, trust_remote_code) of the trainer's tokenizer: `data.tokenizer`, else the actor
+        model's; remote code when `data.trust_remote_code` (verl's key for it) or the model's is set."""
+        arr = self.actor_rollout_ref
+        return (self.data.tokenizer or arr.model.path,
+                self.data.trust_remote_code or arr.model.trust_remote_code)
 
 
 _SECTIONS = (data, actor, rollout, critic, reward, algorithm, trainer)
@@ -51,5 +60,7 @@ NOT_SUPPORTED: dict[str, str] = _merged("NOT_SUPPORTED")
 COMPAT: dict[str, str] = _merged("COMPAT")
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = _merged("ACCEPTED_ONLY_AS")
+#: Newer verl spellings of a key, read as this trainer's key.
+ALIASES: dict[str, str] = _merged("ALIASES")
 #: Values of a key that name a feature this trainer does not have: one clear error each.
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = _merged("UNSUPPORTED_VALUES")

@@ -3,10 +3,11 @@ section), and verl's top-level Ray keys. Defaults: `trainer/config/trainer.yaml`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.base import h
+from trainer.config.base import GPUS_ENV, PROFILER, ConfigError, h
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,10 @@ class TrainerConfig:
     log_val_generations: int = h(
         "at each validation, log this many samples (the same prompts every time: input, output, "
         "score) to `val_generations.jsonl` in `run_dir` and, with the console logger, print them")
-    n_gpus_per_node: int = h("workers (GPUs) per node; CPU worker slots on nodes without GPUs")
+    n_gpus_per_node: int | None = h(
+        "workers (GPUs) per node; CPU worker slots on nodes without GPUs. null (verl's default is 8) = "
+        "under hpcrl the GPUs per node the job was granted (the profile's `slurm.gpus_per_node`, "
+        "`HPCRL_GPUS_PER_NODE`), standalone the GPUs this process sees; 1 where there are none")
     distributed: bool | None = h(
         "run on Ray worker groups (true) or in this process (false); null = Ray when "
         "`nnodes` x `n_gpus_per_node` > 1. Ray is joined at `RAY_ADDRESS` (never `auto`), "
@@ -58,6 +62,31 @@ class TrainerConfig:
     seed: int = h("seed of model init, sampling and mini-batch shuffles")
 
 
+_OLD_PROFILER = ("verl's older profiler keys; verl now reads `global_profiler.*` and `<role>.profiler.*`, "
+                 "which are accepted here (the profiler changes no number)")
+
+def default_gpus_per_node(env: Mapping[str, str]) -> int:
+    """`trainer.n_gpus_per_node` when it is null: `HPCRL_GPUS_PER_NODE` (set by hpcrl from the
+    GPUs asked of Slurm) when set, else the GPUs visible to this process; at least 1 (one CPU
+    worker on a node without GPUs)."""
+    given = env.get(GPUS_ENV)
+    if given is None:
+        return max(visible_gpus(), 1)
+    try:
+        return max(int(given), 1)
+    except ValueError:
+        raise ConfigError(f"`{GPUS_ENV}={given}` is not a whole number; it is set by hpcrl to the "
+                          "GPUs per node of the job (unset it, or set `trainer.n_gpus_per_node`)") from None
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees (`CUDA_VISIBLE_DEVICES` / ROCm's variables applied), counted by
+    torch without initialising CUDA (NVML on NVIDIA); 0 without GPUs or a CUDA/ROCm torch."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 #: verl's `trainer.*` (and top-level Ray) keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
     "trainer.default_hdfs_dir": "HDFS upload",
@@ -66,11 +95,16 @@ NOT_SUPPORTED: dict[str, str] = {
     "trainer.rollout_data_dir": "",
     "trainer.ray_wait_register_center_timeout": "",
     "trainer.esi_redundant_time": "",
-    "trainer.profile_steps": "profiling",
-    "trainer.controller_nsight_options": "profiling",
-    "trainer.worker_nsight_options": "profiling",
+    "trainer.profile_steps": _OLD_PROFILER,
+    "trainer.controller_nsight_options": _OLD_PROFILER,
+    "trainer.worker_nsight_options": _OLD_PROFILER,
     "ray_init": "",
     "ray_kwargs": "",
+}
+
+#: Keys accepted that change nothing here, and why nothing is lost.
+COMPAT: dict[str, str] = {
+    "global_profiler": PROFILER,
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).

@@ -18,6 +18,12 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _is_mapping(tp: Any) -> bool:
+    """A free-form mapping (`dict[str, Any]`): any sub-keys, values as the grammar reads them
+    (verl's `profiler`, `apply_chat_template_kwargs`)."""
+    return typing.get_origin(tp) is dict
+
+
 def _split_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -27,22 +33,14 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def is_mapping(tp: Any) -> bool:
-    """A free-form mapping key (`dict[str, Any]`, e.g. `reward_kwargs`): its entries are
-    whatever the user names, set whole (`key={a: 1}`) or one at a time (`key.a=1`)."""
-    return typing.get_origin(_split_optional(tp)[0]) is dict
-
-
 def _type_name(tp: Any) -> str:
     inner, optional = _split_optional(tp)
-    if inner is Any:
-        return "value"
-    if typing.get_origin(inner) is dict:
-        return "mapping"
     if typing.get_origin(inner) is Literal:
         name = " | ".join(repr(a) for a in typing.get_args(inner))
     elif typing.get_origin(inner) is list:
         name = f"list of {_type_name(typing.get_args(inner)[0])}"
+    elif _is_mapping(inner):
+        name = "mapping (any sub-keys)"
     else:
         name = getattr(inner, "__name__", str(inner))
     return f"{name} or null" if optional else name
@@ -125,15 +123,13 @@ def _coerce_default(value: Any, tp: Any, key: str) -> Any:
         if optional:
             return None
         raise ConfigError(f"`{key}` is null but must be a {_type_name(tp)}")
-    if inner is Any:
-        return value
-    if typing.get_origin(inner) is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"`{key}`={value!r} must be a mapping")
-        return dict(value)
     if typing.get_origin(inner) is list:
         seq = value if isinstance(value, list) else [value]
         return [_coerce_default(v, typing.get_args(inner)[0], key) for v in seq]
+    if _is_mapping(inner):
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{key}`={value!r} must be a {_type_name(tp)}")
+        return value
     if typing.get_origin(inner) is Literal:
         if value not in typing.get_args(inner):
             raise ConfigError(f"`{key}`={value!r} must be a {_type_name(tp)}")
@@ -154,18 +150,19 @@ def _scalar_text(value: Any) -> str:
 
 def typed_value(value: Any, text: str | None, tp: Any) -> Any:
     """A value read by the grammar (`text` is its unquoted text, when it has one) as type `tp`;
-    raise ValueError naming the rule."""
+    raise ValueError naming the rule. `tp` Any (a sub-key of a free-form mapping): the value as
+    the grammar reads it."""
+    if tp is Any:
+        return value
     inner, optional = _split_optional(tp)
     if value is None:
         if optional:
             return None
         raise ValueError("null is not allowed here")
-    if inner is Any:  # an entry of a mapping: as the grammar reads it
-        return value
-    if typing.get_origin(inner) is dict:
+    if _is_mapping(inner):
         if not isinstance(value, dict):
-            raise ValueError("not a mapping (write `{name: value, ...}`)")
-        return dict(value)
+            raise ValueError("a mapping is expected: `key={a: 1}`, or set one entry with `key.a=1`")
+        return value
     if typing.get_origin(inner) is list:
         seq = value if isinstance(value, list) else [value]
         return [typed_value(v, text if len(seq) == 1 and not isinstance(value, list) else None,
