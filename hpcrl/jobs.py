@@ -6,7 +6,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.rundir import LOGS, SUBMISSION_FILE, RunDir, RunFileError, read_submission
+from hpcrl.rundir import (
+    LOGS,
+    SUBMISSION_FILE,
+    RunDir,
+    RunFileError,
+    read_submission,
+    submission_logs,
+)
 from hpcrl.slurm import SlurmError, check_job_id, show_job
 
 
@@ -49,7 +56,7 @@ def resolve(arg: str) -> JobRef:
 
 def log_files(run_dir: Path, job_id: str, node: int | None = None) -> list[Path]:
     """The job's log files that exist: batch log first, then per-node logs (or just `node`)."""
-    patterns: dict[str, str] = read_submission(run_dir)["logs"]
+    patterns = submission_logs(run_dir)
     out: list[Path] = []
     if node is None and "batch" in patterns:
         out.append(Path(patterns["batch"].replace("%j", job_id)))

@@ -30,6 +30,7 @@ Interfaces other parts rely on:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -42,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from hpcrl.agent.ports import PortError, PortRange, site_port_range
 from hpcrl.allocation import AllocationError, RayOverrides
 from hpcrl.resources import data_dir
 from hpcrl.runtimes import NAMES as RUNTIME_NAMES
@@ -57,13 +59,21 @@ SIGNAL_NAMES = frozenset(("HUP", "INT", "QUIT", "USR1", "USR2", "TERM", "ALRM", 
                           "XCPU", "XFSZ", "VTALRM", "PROF", "WINCH", "PWR"))
 
 
+MAX_NODES = 100_000
+MAX_CPUS = 100_000
+MAX_DEVICES = 1024
+
+
 class ProfileError(ValueError):
     """A site profile is missing, malformed, or holds a value that breaks a rule."""
 
 
 def _f(help: str, default: Any = dataclasses.MISSING, *, choices: tuple[str, ...] = (),
-       factory: Any = dataclasses.MISSING) -> Any:
-    meta = {"help": help, "choices": choices}
+       factory: Any = dataclasses.MISSING, bounds: tuple[float, float] | None = None,
+       rule: str = "") -> Any:
+    """A profile field: its help line, and for a number its `bounds` (inclusive) and the
+    `rule` they come from (every number has bounds: `test_every_number_has_bounds`)."""
+    meta = {"help": help, "choices": choices, "bounds": bounds, "rule": rule}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -86,20 +96,26 @@ class SlurmConfig:
     partition: str | None = _f("partition (`#SBATCH --partition`); null: the cluster default", None)
     account: str | None = _f("account to charge (`--account`)", None)
     qos: str | None = _f("quality of service (`--qos`)", None)
-    nodes: int = _f("number of nodes", 1)
+    nodes: int = _f("number of nodes", 1, bounds=(1, MAX_NODES), rule="a Slurm node count")
     min_nodes: int | None = _f(
         "fewest nodes the job may resume on: after a node died, a requeued job that finds no "
         "spare node free asks for fewer nodes (not below this) and the trainer resumes on "
-        "them (hpcrl sets `trainer.nnodes` from the nodes granted); null: always `nodes`", None)
-    gpus_per_node: int = _f("GPUs per node (`--gpus-per-node`); 0: none requested", 0)
-    cpus_per_task: int | None = _f("CPUs for the one task per node (`--cpus-per-task`)", None)
+        "them (hpcrl sets `trainer.nnodes` from the nodes granted); null: always `nodes`", None,
+        bounds=(1, MAX_NODES), rule="a Slurm node count")
+    gpus_per_node: int = _f("GPUs per node (`--gpus-per-node`); 0: none requested", 0,
+                            bounds=(0, MAX_DEVICES), rule="GPUs of one node")
+    cpus_per_task: int | None = _f("CPUs for the one task per node (`--cpus-per-task`)", None,
+                                   bounds=(1, MAX_CPUS), rule="CPUs of one node")
     mem: str | None = _f("memory per node (`--mem`, e.g. `200G`, `0` for all)", None)
     time: str = _f("time limit (`--time`, `MM`, `HH:MM:SS` or `D-HH:MM:SS`)", "01:00:00")
     signal: str = _f("signal sent before the time limit (`--signal=B:SIG@lead`)", "USR1")
-    signal_lead_s: int = _f("seconds before the time limit the signal is sent", 300)
+    signal_lead_s: int = _f("seconds before the time limit the signal is sent (less than "
+                            "`time`)", 300, bounds=(1, 65535),
+                            rule="Slurm's `--signal` lead is 0 to 65535 s, and 0 gives no warning")
     exclusive: bool = _f("ask for whole nodes (`--exclusive`)", False)
     job_name: str = _f("job name prefix (`--job-name`)", "hpcrl")
-    max_requeues: int = _f("how many times the job may requeue itself", 3)
+    max_requeues: int = _f("how many times the job may requeue itself", 3,
+                           bounds=(0, 10_000), rule="a count of requeues")
     extra_sbatch: tuple[str, ...] = _f("extra `#SBATCH` options, e.g. `--constraint=mi300x`",
                                        factory=tuple)
     setup: tuple[str, ...] = _f("shell lines run by the batch script before the node agents "
@@ -175,15 +191,19 @@ class RayConfig:
     dashboard: bool = _f("start the Ray dashboard", False)
     dashboard_host: str = _f("address the dashboard listens on (loopback unless opted in)",
                              "127.0.0.1")
-    port_base: int | None = _f("first of the ports given to Ray; null: chosen per job", None)
+    port_base: int | None = _f("first of the ports given to Ray (64 blocks of 256 from it, below "
+                               "65536); null: chosen per job", None, bounds=(1024, 65535),
+                               rule="ports below 1024 are privileged")
     version_env: tuple[VersionEnvRule, ...] = _f("variables chosen by Ray version at run time",
                                                  factory=tuple)
     num_cpus: int | None = _f("CPUs Ray offers on each node (`ray start --num-cpus`); null: what "
                               "Slurm granted the job there (`SLURM_CPUS_ON_NODE`, the cgroup's "
-                              "cpuset and CPU quota), never the whole node", None)
+                              "cpuset and CPU quota), never the whole node", None,
+                              bounds=(0, MAX_CPUS), rule="CPUs of one node")
     num_gpus: int | None = _f("GPUs Ray offers on each node (`--num-gpus`); null: the job's GPUs "
                               "there (`SLURM_STEP_GPUS`/`SLURM_JOB_GPUS`, `SLURM_GPUS_ON_NODE`, "
-                              "`CUDA_`/`ROCR_`/`HIP_VISIBLE_DEVICES`)", None)
+                              "`CUDA_`/`ROCR_`/`HIP_VISIBLE_DEVICES`)", None,
+                              bounds=(0, MAX_DEVICES), rule="GPUs of one node")
     memory: str | None = _f("memory Ray may use on each node, object store included (e.g. "
                             "`64G`; K/M/G/T are powers of 1024, a bare number is bytes); null: "
                             "the job's memory there (`SLURM_MEM_PER_NODE`/`_PER_CPU`/`_PER_GPU`, "
@@ -197,9 +217,13 @@ class RayConfig:
 class AgentConfig:
     """How the node agents wait for one another and end the job."""
 
-    join_timeout_s: float = _f("seconds the nodes may take to publish, arrive and join Ray", 300.0)
-    grace_s: float = _f("seconds between SIGTERM and SIGKILL when the job ends", 10.0)
-    heartbeat_timeout_s: float = _f("seconds of silence after which a node counts as dead", 15.0)
+    join_timeout_s: float = _f("seconds the nodes may take to publish, arrive and join Ray", 300.0,
+                               bounds=(1, 86_400), rule="a wait of up to a day")
+    grace_s: float = _f("seconds between SIGTERM and SIGKILL when the job ends", 10.0,
+                        bounds=(0, 3600), rule="a wait of up to an hour")
+    heartbeat_timeout_s: float = _f("seconds of silence after which a node counts as dead", 15.0,
+                                    bounds=(5, 86_400),
+                                    rule="more than two heartbeats (one every 2 s), up to a day")
     stop_signal: str = _f("signal the head's agent sends the payload to ask for a checkpoint and "
                           "a stop when the time limit nears (the trainer takes `USR2` or `TERM`)",
                           "USR2")
@@ -288,6 +312,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _check_name(name: str, requested_by: Path | None) -> None:
+    """A profile name, checked before any file is looked for: never a path."""
+    if not PROFILE_NAME_RE.match(name):
+        where = f"`extends:` of {requested_by}" if requested_by else "the site (`--site`)"
+        raise ProfileError(
+            f"{where} names {name!r}, not a profile name: names are letters, digits, `.`, `_` "
+            "and `-`, starting with a letter or digit (a name, never a path); no file was read. "
+            "Fix: pass a name `hpcrl sites` lists, or put the file in `~/.config/hpcrl/sites/` "
+            "(or a directory of `HPCRL_SITE_PATH`) and pass its name")
+
+
 def _raw_chain(name: str, environ: Mapping[str, str]) -> list[tuple[Path, dict[str, Any]]]:
     """[(file, raw dict)] from the root ancestor down to `name`."""
     chain: list[tuple[Path, dict[str, Any]]] = []
@@ -295,6 +330,7 @@ def _raw_chain(name: str, environ: Mapping[str, str]) -> list[tuple[Path, dict[s
     current: str | None = name
     requested_by: Path | None = None
     while current is not None:
+        _check_name(current, requested_by)
         candidates = _candidates(current, environ)
         files = [p for p in candidates if p.resolve() not in seen]
         if candidates and not files:
@@ -541,6 +577,27 @@ def _build(cls: type, raw: Mapping[str, Any], prov: Mapping[str, str], prefix: s
     return cls(**kwargs)
 
 
+def _out_of_bounds(obj: Any, prefix: str = "") -> tuple[str, str] | None:
+    """The first number of `obj` (a profile or section) that is not finite or not within its
+    field's bounds: (dotted key, what is wrong and the fix)."""
+    for f in dataclasses.fields(obj):
+        value, dotted = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found = _out_of_bounds(value, f"{dotted}.")
+            if found:
+                return found
+            continue
+        bounds = f.metadata.get("bounds")
+        if bounds is None or value is None or isinstance(value, bool):
+            continue
+        low, high = bounds
+        if not math.isfinite(value) or not low <= value <= high:
+            return dotted, (f"must be a number from {low:g} to {high:g} ({f.metadata['rule']}), "
+                            f"got {value!r}. Fix: set `{dotted}` within that range in the "
+                            "profile (or on the command line)")
+    return None
+
+
 def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> None:
     """Rules spanning several keys (errors name the file of the key, else the profile's own)."""
 
@@ -548,6 +605,9 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
         src = source_of(prov, re.sub(r"\[\d+\]", "", key))
         return ProfileError(f"{own_file if src == 'default' else src}: key `{key}` {msg}")
 
+    bad = _out_of_bounds(p)
+    if bad:
+        raise err(*bad)
     c = p.container
     if c.runtime != "none" and not c.image:
         raise err("container.image", f"is missing: runtime `{c.runtime}` needs an image; set "
@@ -597,9 +657,20 @@ def _check_profile(p: SiteProfile, prov: Mapping[str, str], own_file: str) -> No
         raise err("python", f"must be an absolute path (jobs may start with an empty PATH), "
                   f"got {p.python!r}")
     try:
-        parse_time_minutes(p.slurm.time)
+        limit_s = parse_time_seconds(p.slurm.time)
     except ProfileError as exc:
         raise err("slurm.time", str(exc)) from None
+    if limit_s and p.slurm.signal_lead_s >= limit_s:  # `0`: no limit
+        raise err("slurm.signal_lead_s", f"is {p.slurm.signal_lead_s} s, not less than the time "
+                  f"limit `slurm.time` {p.slurm.time!r} ({limit_s} s): the warning would come "
+                  "at the start and the job would checkpoint and requeue itself until "
+                  "`slurm.max_requeues`. Fix: a lead well below the time limit (e.g. "
+                  f"{max(1, limit_s // 10)}), or a longer `slurm.time`")
+    try:
+        site_port_range(p.ray.port_base)
+    except PortError as exc:
+        raise err("ray.port_base", f"is {p.ray.port_base}: {exc}. Fix: a `ray.port_base` from "
+                  f"1024 to {65536 - PortRange().block_size} (e.g. 20000), or null") from None
     for i, rule in enumerate(p.ray.version_env):
         for v in (rule.min_version, rule.below_version):
             try:
@@ -638,6 +709,11 @@ def env_for_ray_version(rules: Sequence[VersionEnvRule], ray_version: str) -> di
 
 def parse_time_minutes(text: str) -> int:
     """Slurm `--time` (`M`, `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S`) -> whole minutes, rounded up."""
+    return max(1, -(-parse_time_seconds(text) // 60))
+
+
+def parse_time_seconds(text: str) -> int:
+    """Slurm `--time` -> seconds (see :func:`parse_time_minutes`)."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
     if not m:
         raise ProfileError(f"time limit {text!r} is not a Slurm time; use `MM`, `HH:MM:SS` or "
@@ -651,8 +727,7 @@ def parse_time_minutes(text: str) -> int:
         h, mi, s = 0, int(a), int(b)
     else:
         h, mi, s = 0, int(a), 0
-    total_s = ((int(days or 0) * 24 + h) * 60 + mi) * 60 + s
-    return max(1, -(-total_s // 60))
+    return ((int(days or 0) * 24 + h) * 60 + mi) * 60 + s
 
 
 def profile_to_dict(p: Any) -> Any:

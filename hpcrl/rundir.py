@@ -17,6 +17,8 @@ commands and the trainer's reader ask :class:`RunDir` and :class:`RunPaths`. Rea
         logs/agent-<rank>-<host>.log logs/payload.log
     RUN/metrics.png            `hpcrl plot`'s picture
     <trainer.run_dir>/metrics.jsonl              one JSON object per step
+    <trainer.run_dir>/run_id                     the run's identity, written once by its first
+                                                 checkpoint (`trainer.checkpoint.layout`)
     <trainer.default_local_dir>/global_step_N/   checkpoints (complete: the trainer's rule,
                                                  a manifest naming the step and every file
                                                  with its size, all present)
@@ -39,7 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.layout import is_complete, step_of
+from trainer.checkpoint.layout import (
+    is_complete,
+    latest_run_checkpoint,
+    read_run_identity,
+    step_of,
+)
 from trainer.config import GPUS_ENV, ConfigError, override_values
 from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import METRICS_FILE  # the trainer writes it; named once, there
@@ -234,6 +241,17 @@ def read_submission(run_dir: Path) -> dict[str, Any]:
     """The decoded `submission.json`: `job_id`, `via`, `logs` (patterns with `%j`, `%n`)."""
     return _read_object(RunDir(run_dir).submission, "give the job id instead of the run "
                         "directory, or submit again with `--resume`")
+
+
+def submission_logs(run_dir: Path) -> dict[str, str]:
+    """The log patterns `submission.json` records (`batch`, `node`, ...)."""
+    logs = read_submission(run_dir).get("logs")
+    if not isinstance(logs, dict) or not all(isinstance(v, str) for v in logs.values()):
+        raise RunFileError(
+            f"`{RunDir(run_dir).submission}` has no `logs` mapping of log patterns (received "
+            f"`logs`: {logs!r}); `hpcrl submit` records them there. Fix: read one run's logs "
+            f"with `hpcrl logs {run_dir} --restart last`, or the files under `{run_dir}/logs/`")
+    return logs
 
 
 def submitted_job_id(run_dir: Path) -> str | None:
@@ -547,7 +565,13 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    _, root = trainer_dirs(run_dir)
+    """The run's newest checkpoint: by the trainer's rule (its own, newest commit) once the run
+    has an identity, else the highest complete step found."""
+    named, root = trainer_dirs(run_dir)
+    run = read_run_identity(named)
+    own = latest_run_checkpoint(root, run) if run is not None else None
+    if own is not None:
+        return step_of(own), own
     found = checkpoints(root)
     if not found:  # trainer dirs not where the overrides say: look near the metrics file
         metrics = find_metrics(run_dir)

@@ -12,8 +12,10 @@ The rendered script (``sbatch_templates/job.sbatch.j2``):
 - exports ``SLURM_EXPORT_ENV=ALL`` (so `srun` steps see what the script exports), an absolute
   ``PATH`` and the profile's non-secret environment, every value shell-quoted;
 - traps the warning signal and notes it in the run directory for the node agents;
-- runs ``srun --ntasks-per-node=1 --nodes=$SLURM_JOB_NUM_NODES --kill-on-bad-exit=1
-  --export=ALL <abs python> -m hpcrl.agent <RUN_DIR>``: one node agent per node, each node's
+- starts in the run directory (``--chdir``) and runs ``srun --ntasks-per-node=1
+  --nodes=$SLURM_JOB_NUM_NODES --kill-on-bad-exit=1 --export=ALL <abs python> -P -m hpcrl.agent
+  <RUN_DIR>`` (``-P``: neither the directory the job was submitted from nor the working
+  directory is put on ``sys.path``, so no file planted there is imported): one node agent per node, each node's
   output in ``<RUN_DIR>/logs/<jobid>-node<N>.out``, the batch script's in
   ``<RUN_DIR>/logs/slurm-<jobid>.out``.
 
@@ -22,7 +24,7 @@ and the head's node agent asks the payload to checkpoint and stop. It is never s
 ``srun``: Slurm would deliver it to every process of the step, and Ray's processes die of it.
 
 Through submitit the same job runs :func:`hpcrl.agent_entry` (``python -m hpcrl.agent`` in
-process) as one task per node. submitit's batch shell waits on ``srun`` in the foreground, so a
+process) as one task per node, with ``python -P`` and ``--chdir`` likewise. submitit's batch shell waits on ``srun`` in the foreground, so a
 trap there could not act before the job ends: it ignores the warning (``--signal=B:SIG@lead``,
 ``trap '' SIG``) and the head's agent relies on its own clock (end time minus the lead).
 """
@@ -59,6 +61,8 @@ VIAS = ("submitit", "sbatch")
 LOCAL_VIA = "local"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SAFE_PATH_RE = re.compile(r"^[^%\x00-\x1f\x7f]+$")
+BIND_SEPARATORS = ":,"
+"""Characters a container runtime reads inside a bind (`SRC:DST:OPTS`, `a,b`)."""
 
 
 class RequestError(ValueError):
@@ -87,7 +91,7 @@ class Request:
         else:
             params = json.dumps(dict(self.submitit_params), sort_keys=True)
             lines.append(f"# submitit.SlurmExecutor(folder={self.logs['submitit_folder']!r}, "
-                         f"python={self.python!r}).update_parameters(**{params})")
+                         f"python={submitit_python(self.python)!r}).update_parameters(**{params})")
             lines.append(f"# submitit callable: hpcrl.agent_entry({self.run_dir!r})")
         lines += [f"# log ({k}): {v}" for k, v in job_logs(self).items()]
         lines.append(f"# {JOB_FILE}:")
@@ -113,6 +117,13 @@ def check_run_dir(run_dir: str) -> str:
     if not _SAFE_PATH_RE.match(run_dir):
         raise RequestError(f"run directory {run_dir!r} contains `%` or a control character; "
                            "Slurm reads `%` in log paths as a pattern: choose another `--run-dir`")
+    bad = sorted({c for c in run_dir if c in BIND_SEPARATORS})
+    if bad:
+        raise RequestError(
+            f"run directory {run_dir!r} contains {' and '.join(f'`{c}`' for c in bad)}: the run "
+            "directory is bound into the job's containers as `SRC[:DST[:OPTS]]` (`,` separates "
+            "binds), so these would add other bind mounts. Fix: choose a `--run-dir` (or "
+            "`run_root` in the site profile) without `:` and `,`")
     return run_dir
 
 
@@ -190,10 +201,19 @@ def signal_name(profile: SiteProfile) -> str:
     return profile.slurm.signal.upper().removeprefix("SIG")
 
 
+SAFE_PATH = "-P"
+"""Python's flag keeping the working directory (and a script's directory) off `sys.path`."""
+
+
+def agent_argv(python: str, run_dir: str) -> list[str]:
+    """The node agent's command line."""
+    return [python, SAFE_PATH, "-m", "hpcrl.agent", run_dir]
+
+
 def srun_argv(python: str, run_dir: str, logs: Mapping[str, str]) -> list[str]:
     """The step starting one node agent per node (after `--nodes=$SLURM_JOB_NUM_NODES`)."""
     return ["--kill-on-bad-exit=1", "--export=ALL", "--open-mode=append",
-            f"--output={logs['node']}", python, "-m", "hpcrl.agent", run_dir]
+            f"--output={logs['node']}", *agent_argv(python, run_dir)]
 
 
 def warning_dir(run_dir: str) -> str:
@@ -223,7 +243,7 @@ def render_script(profile: SiteProfile, spec: JobSpec, run_dir: str, python: str
     logs = rundir.log_patterns(run_dir)
     sig = signal_name(profile)
     options = slurm_options(profile, f"{profile.slurm.job_name}-{profile.name}")
-    options += [("requeue", True), ("open-mode", "append"), ("output", logs["batch"]),
+    options += [("chdir", run_dir), ("requeue", True), ("open-mode", "append"), ("output", logs["batch"]),
                 ("signal", f"B:{sig}@{profile.slurm.signal_lead_s}"),
                 ("export", export_value(spec.secrets))]
     preview = [] if profile.container.runtime == "none" else comment_lines(
@@ -249,7 +269,7 @@ def render_local_script(profile: SiteProfile, spec: JobSpec, run_dir: str, pytho
     """The script running the node agent directly on this machine (`scheduler: local`)."""
     preview = [] if profile.container.runtime == "none" else comment_lines(
         "container:\n" + container_preview(profile, spec, python, run_dir))
-    agent = shlex.join([python, "-m", "hpcrl.agent", run_dir])
+    agent = shlex.join(agent_argv(python, run_dir))
     return render_template(
         LOCAL_TEMPLATE,
         site=profile.name,
@@ -267,7 +287,7 @@ def submitit_params(profile: SiteProfile, spec: JobSpec, run_dir: str, python: s
                     ) -> dict[str, Any]:
     """`SlurmExecutor.update_parameters` arguments for the same job."""
     s = profile.slurm
-    extra: dict[str, Any] = {"requeue": True,
+    extra: dict[str, Any] = {"chdir": run_dir, "requeue": True,
                              "signal": f"B:{signal_name(profile)}@{s.signal_lead_s}",
                              "export": export_value(spec.secrets)}
     if s.mem is not None:
@@ -353,10 +373,15 @@ def submitit_script(req: Request) -> str:
     """The batch script submitit writes for this request (what `--via submitit` submits)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    command = " ".join([shlex.quote(req.python), "-u -m submitit.core._submit",
+    command = " ".join([submitit_python(req.python), "-u -m submitit.core._submit",
                         shlex.quote(req.logs["submitit_folder"])])
     return _make_sbatch_string(command=command, folder=req.logs["submitit_folder"],
                                **req.submitit_params)
+
+
+def submitit_python(python: str) -> str:
+    """submitit's command prefix for its entry (`<python> -P -u -m submitit.core._submit`)."""
+    return f"{shlex.quote(python)} {SAFE_PATH}"
 
 
 def dry_run_text(req: Request) -> str:
@@ -411,7 +436,7 @@ def submit(req: Request) -> Submitted:
         import submitit
 
         executor = submitit.SlurmExecutor(folder=req.logs["submitit_folder"],
-                                          python=shlex.quote(req.python))
+                                          python=submitit_python(req.python))
         executor.update_parameters(**req.submitit_params)
         try:
             job = executor.submit(hpcrl.agent_entry, req.run_dir)

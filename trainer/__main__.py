@@ -24,6 +24,7 @@ _STARTUP_STOP = StopRequest() if __name__ == "__main__" else None
 if _STARTUP_STOP is not None:
     _STARTUP_STOP.install()
 
+from trainer.checkpoint.layout import CheckpointOwnerError, CheckpointPermissionError  # noqa: E402
 from trainer.config import ConfigError, compat_notes, describe_keys, dump_config, load_config  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.deadline import DeadlineError  # noqa: E402
@@ -86,7 +87,7 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     try:
         return run_training(cfg, stop)
     except (ConfigError, DataError, RewardError, MetricsError, DeadlineError,
-            FileNotFoundError) as err:
+            FileNotFoundError, CheckpointOwnerError, CheckpointPermissionError) as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
     except (WorkerFailure, ConnectionError) as err:  # before OSError: ConnectionError is one

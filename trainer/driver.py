@@ -141,6 +141,7 @@ class PPODriver:
         t = cfg.trainer
         self.ckpt_root = Path(t.default_local_dir or ".")
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
+        self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         rm = cfg.reward_model
         batch_manager = rm.reward_manager == "batch"
@@ -573,6 +574,13 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ checkpoints
 
+    @property
+    def run(self) -> ckpt.RunIdentity:
+        """This run (its run directory's persisted id): whose checkpoints it resumes and prunes."""
+        if self._run is None:
+            self._run = ckpt.run_identity(self.run_dir)
+        return self._run
+
     def save_checkpoint(self) -> Path:
         """`<default_local_dir>/global_step_N/`: every rank of each group writes its shards into
         the temporary directory, the driver adds the loop state and the config, then commits. A
@@ -580,14 +588,14 @@ class PPODriver:
         and, when the storage is out of room, says where and how much is needed."""
         tmp = None
         try:
-            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step)
+            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step, run=self.run)
             for group in self._groups():
                 group.run("save_checkpoint", str(tmp))
             ckpt.write_states(tmp, {"trainer_state": self._trainer_state()})
             return ckpt.commit_checkpoint(
                 self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
                 metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
-                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
+                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep, run=self.run)
         except BaseException as exc:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -605,7 +613,7 @@ class PPODriver:
 
     def _previous_checkpoint_bytes(self) -> int | None:
         """The size of the newest complete checkpoint: what the next one needs, about."""
-        newest = ckpt.find_latest_checkpoint(self.ckpt_root)
+        newest = ckpt.latest_run_checkpoint(self.ckpt_root, self.run)
         manifest = read_manifest(newest) if newest is not None else None
         return None if manifest is None else sum(int(n) for n in manifest["files"].values())
 
@@ -631,7 +639,12 @@ class PPODriver:
         return the checkpoint (None: fresh start)."""
         t = self.cfg.trainer
         start = time.perf_counter()
-        path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path)
+        path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path, run=self.run)
+        others = ckpt.others_checkpoints(self.ckpt_root, self.run) if t.resume_mode == "auto" else []
+        if others:
+            print(f"trainer: note: `{self.ckpt_root}` also holds checkpoints of other runs "
+                  f"({ckpt.describe_others(others)}); auto-resume takes only this run's "
+                  f"(`{self.run.run_id}`)", flush=True)
         if path is not None:
             saved_on = self.load_checkpoint(path)
             print(f"trainer: resumed from {path} (step {self.global_step}) (saved on {saved_on} rank(s)) "

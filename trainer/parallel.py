@@ -4,6 +4,14 @@
   on AMD GPUs, both named ``nccl`` in torch), rendezvous over TCP at the address and port the
   driver chose; IPv6 addresses are bracketed in the URL. The socket interface comes from
   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, which the node agent exports on every node.
+  **Reach** (measured by ``tests/trainer/test_parallel.py::test_the_store_reach_is_as_stated``):
+  rank 0's TCPStore listens on every interface of its node (torch has no bind address for it;
+  it listens on ``*:PORT`` even for a store named ``127.0.0.1``) and has no authentication:
+  while the group lives, any user who can reach that node and finds the port (free, picked
+  per group) can connect, list and read its keys, among them the group's rendezvous (NCCL's
+  unique id) and write keys. Gloo's and NCCL's own sockets are reachable likewise. Keeping
+  other users out of them takes the site: whole nodes per job (``slurm.exclusive``) on a
+  network that only the job's nodes share, or a firewall between users' jobs.
 - Data parallelism: with more than one rank the model is sharded with FSDP2 ``fully_shard``
   (:func:`apply_fsdp2`) on GPUs and on the CPU alike (FSDP2 runs over gloo), so parameters,
   gradients and Adam moments per rank fall as 1/W; backward reduce-scatters the gradients. One

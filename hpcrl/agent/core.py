@@ -30,6 +30,7 @@ from hpcrl.agent.node import (
     Outcome,
     check_image,
     container_wrap,
+    make_node_tmp,
     open_log,
     state_writer,
 )
@@ -74,6 +75,7 @@ class Agent:
         inbox, heartbeat = SignalInbox(), Heartbeat(self.paths, self.ctx)
         children: dict[str, Child] = {}
         job: AgentJob | None = None
+        tmp: Path | None = None
         outcome = Outcome("agent error", 1, self.ctx.hostname)
         inbox.install()
         try:
@@ -83,7 +85,11 @@ class Agent:
             if nonce:
                 rdv.verify_canary(self.run_dir, nonce, self.ctx.hostname)
             job = load_job(self.run_dir)
-            node = Node(self.run_dir, self.env, self.ctx, self.paths, job, log, self.wrap, children)
+            tmp = make_node_tmp(self.ctx, self.env)
+            log.info("working directory %s, safe_path %s (python -P), private temp dir %s",
+                     os.getcwd(), bool(sys.flags.safe_path), tmp)
+            node = Node(self.run_dir, self.env, self.ctx, self.paths, job, log, self.wrap, children,
+                        tmp)
             outcome = self._run_node(node, heartbeat, inbox)
         except Exception as exc:  # every failure ends the job with a message naming the node
             outcome = Outcome(f"{type(exc).__name__}: {exc}", 1, self.ctx.hostname)
@@ -93,7 +99,7 @@ class Agent:
             except OSError:
                 pass
         finally:
-            Teardown(self.paths, self.ctx, log, heartbeat, children, job).run(outcome)
+            Teardown(self.paths, self.ctx, log, heartbeat, children, job, tmp).run(outcome)
             self.claims.release()
             inbox.restore()
         return outcome.exit_code

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.agent.ports import PortRange
+from hpcrl.agent.ports import PortRange, site_port_range
 from hpcrl.allocation import AllocationError, RayOverrides
 from hpcrl.jobspec import PAYLOAD_STARTS
 from hpcrl.netaddr import NetworkPolicy
@@ -116,13 +116,8 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
     agent = _section(profile, "agent", "profile")
     _check_keys(agent, AGENT_KEYS + AGENT_TEXT_KEYS, "profile.agent")
     slurm = _section(profile, "slurm", "profile")
-    defaults = PortRange()
     base = ray.get("port_base")
-    ports = defaults
-    if (
-        base
-    ):  # the site's block range: 64 blocks from `port_base` (keep it clear of ephemeral ports)
-        ports = PortRange(base=int(base), limit=min(65536, int(base) + 64 * defaults.block_size))
+    ports = site_port_range(int(base) if base else None)
     env = _section(profile, "env", "profile")
     nodes = data.get("nodes", 1)
     if not isinstance(nodes, int) or nodes < 1:

@@ -8,6 +8,7 @@ taken on its machine.
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import subprocess
@@ -64,7 +65,7 @@ five missed checks 2 s apart. The profile's `env` may set other values."""
 def taken_port(block: PortBlock, claims: PortClaims) -> str:
     """Why `block` cannot be used here: the agent that claimed it, or `port P is held by pid N
     (command)` for its first port in use."""
-    holders = unix_name_holders(f"{claims.prefix}{block.gcs}")
+    holders = unix_name_holders(claims.name(block))
     if holders:
         return f"claimed by another hpcrl agent on this node: {', '.join(holders)}"
     for port in block.all_ports():
@@ -84,6 +85,22 @@ def ray_version_env(job: AgentJob, ray_version: str) -> dict[str, str]:
         return {}
 
     return dict(env_for_ray_version(profile_from_dict(job.profile).ray.version_env, ray_version))
+
+
+INHERITED_TOKEN = "RAY_AUTH_TOKEN"
+"""Ray's token variable, which would win over the job's token file."""
+NO_METRICS_ENV = {"RAY_enable_metrics_collection": "0"}
+"""Without the dashboard, nothing reads Ray's metrics: this closes each node's metrics export
+port, an unauthenticated Prometheus endpoint on every interface.
+
+What stays reachable from other users of the cluster (measured by
+`tests/hpcrl/agent/test_ray.py::test_every_process_goes_through_the_container_seam`, which
+lists the listening sockets of the job's port block): on every interface, the GCS, node
+manager, object manager and dashboard agent gRPC ports, all behind the job's token (a driver
+without it is refused); on every interface of the head, the autoscaler and dashboard metric
+ports (Prometheus text, read-only: node counts and request statistics, no control), which Ray
+binds to all interfaces for a non-loopback head and offers no switch for; the others on the
+node address or loopback. torch.distributed's store is described in `trainer.parallel`."""
 
 
 def ray_start_argv(
@@ -244,7 +261,11 @@ class Launcher:
     def _ray_env(
         self, token: Path, ports: PortBlock, iface: str | None, alloc: Allocation
     ) -> dict[str, str]:
-        return {
+        """The environment of Ray's processes, the watch and the payload. The job's own token
+        (`RAY_AUTH_TOKEN_PATH`) is the only one: Ray prefers a `RAY_AUTH_TOKEN` variable to the
+        file, so one inherited from the submitting environment, the setup lines or the
+        profile is dropped."""
+        env = {
             **self.node.env,
             **HEALTH_CHECK_ENV,
             **self.node.job.env,
@@ -256,6 +277,10 @@ class Launcher:
             "RAY_AUTH_TOKEN_PATH": str(token),
             "RAY_USAGE_STATS_ENABLED": "0",
         }
+        if not self.node.job.dashboard:  # nothing reads the metrics: no open Prometheus port
+            env.update(NO_METRICS_ENV)
+        env.pop(INHERITED_TOKEN, None)
+        return env
 
     def _version_env(self) -> dict[str, str]:
         """Profile variables chosen by the Ray version in the container (asked only if needed)."""
@@ -282,7 +307,6 @@ class Launcher:
     ) -> Child:
         node, job = self.node, self.node.job
         self._remove_stale_temp_dirs()
-        node.tmp.mkdir(mode=0o700, parents=True)
         argv = ray_start_argv(job, head, address, node.tmp, ports, gcs, alloc)
         node.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
         if head:
@@ -297,10 +321,13 @@ class Launcher:
         return ray
 
     def _remove_stale_temp_dirs(self) -> None:
-        """Temp dirs of this job's earlier runs on this node whose agent was killed."""
+        """Temp dirs of this job's earlier runs on this node whose agent was killed (this
+        user's only, and none in use)."""
         ctx, tmp = self.node.ctx, self.node.tmp
-        for stale in tmp.parent.glob(f"hr-{ctx.job_id}-*-{ctx.node_rank}"):
-            if stale == tmp or not processes_mentioning(str(stale)):
+        for stale in tmp.parent.glob(f"hr-{ctx.job_id}-*-{ctx.node_rank}-*"):
+            if stale == tmp or not stale.is_dir() or stale.stat().st_uid != os.getuid():
+                continue
+            if not processes_mentioning(str(stale)):
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _copy_helpers(self) -> None:

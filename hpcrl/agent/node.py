@@ -7,8 +7,10 @@ and the one way its processes enter the job's container.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,9 +103,30 @@ def node_tag(ctx: JobContext) -> str:
     return f"{ctx.node_rank}-{ctx.hostname}"
 
 
-def node_tmp(ctx: JobContext) -> Path:
-    """This run's private temp dir on this node (Ray's `--temp-dir`, bound into containers)."""
-    return Path(f"/tmp/hr-{ctx.job_id}-{ctx.restart}-{ctx.node_rank}")
+TMP_BASE_MAX = 40
+"""Longest temp base taken from `TMPDIR`: Ray's Unix sockets lie about 70 characters below its
+temp dir, and a socket path holds at most 107."""
+
+
+def temp_base(environ: Mapping[str, str]) -> Path:
+    """Where this node's temp dir goes: the job's `TMPDIR` (Slurm sites point it at the job's
+    own space) when it is an existing absolute directory short enough for Ray's sockets, else
+    `/tmp`."""
+    base = environ.get("TMPDIR", "")
+    if base and os.path.isabs(base) and os.path.isdir(base) and len(base) <= TMP_BASE_MAX:
+        return Path(base)
+    return Path("/tmp")
+
+
+def tmp_prefix(ctx: JobContext) -> str:
+    """The name of this run's temp dir on this node, before its random part."""
+    return f"hr-{ctx.job_id}-{ctx.restart}-{ctx.node_rank}-"
+
+
+def make_node_tmp(ctx: JobContext, environ: Mapping[str, str]) -> Path:
+    """This run's private temp dir on this node (Ray's `--temp-dir`, bound into containers):
+    created by `mkdtemp` (mode 0700, a random name no other user can guess or create first)."""
+    return Path(tempfile.mkdtemp(prefix=tmp_prefix(ctx), dir=temp_base(environ)))
 
 
 def container_name(ctx: JobContext, role: str) -> str:
@@ -177,14 +200,12 @@ class Node:
     log: logging.Logger
     wrap: ContainerWrap
     children: dict[str, Child]
+    tmp: Path
+    """This run's private temp dir on this node (`make_node_tmp`)."""
 
     @property
     def state(self) -> StateWriter:
         return state_writer(self.run_dir, self.ctx)
-
-    @property
-    def tmp(self) -> Path:
-        return node_tmp(self.ctx)
 
     @property
     def python(self) -> str:

@@ -8,16 +8,21 @@ own node; the head-only ports (GCS, dashboard, client server) stay the head's.
 
 A probe alone leaves a race: two jobs starting on one node at once can both find the same block
 free before either Ray binds it. So an agent first claims a block by binding an abstract Unix
-socket named for it (`PortClaims`), held until the agent exits: the claim is atomic, vanishes
-with the process, needs no file, and lives in the node's network namespace, the same one the
-ports live in.
+socket named for it and for its user (`PortClaims`), held until the agent exits: the claim is
+atomic, vanishes with the process, needs no file, and lives in the node's network namespace,
+the same one the ports live in. Abstract sockets have no permissions, so any user could bind
+a claim's name: a taken name counts only when its holder, asked over the socket
+(`SO_PEERCRED`), is this user. Another user's claims, and names squatted by another user, are
+ignored (the probe of the ports alone decides there), so no user can block another's jobs.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import socket
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 
@@ -74,6 +79,19 @@ class PortRange:
     @property
     def blocks(self) -> int:
         return (self.limit - self.base) // self.block_size
+
+
+SITE_BLOCKS = 64
+"""Blocks in a site's range from `ray.port_base`."""
+
+
+def site_port_range(port_base: int | None) -> PortRange:
+    """The range the job's blocks lie in: `SITE_BLOCKS` blocks from the profile's
+    `ray.port_base` (keep it clear of ephemeral ports), or the default range."""
+    defaults = PortRange()
+    if not port_base:
+        return defaults
+    return PortRange(base=port_base, limit=min(65536, port_base + SITE_BLOCKS * defaults.block_size))
 
 
 @dataclass(frozen=True)
@@ -201,32 +219,53 @@ CLAIM_PREFIX = "hpcrl-port-block-"
 """Abstract socket name of a claim, followed by the block's first port."""
 
 
+def claim_holder_uid(name: str) -> int | None:
+    """The uid of the process listening on abstract socket `name`, None when none answers."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(2)
+            probe.connect(f"\0{name}")
+            creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return int(struct.unpack("3i", creds)[1])
+
+
 class PortClaims:
     """The port blocks this process has claimed on its node, held until `release`.
 
-    Other agents on the node (of any job, any user) see a claimed block as taken. Where abstract
-    Unix sockets do not exist (not Linux), claiming always succeeds and the probe alone decides.
+    This user's other agents on the node (of any job) see a claimed block as taken; other
+    users' claims are ignored (see the module docstring). Where abstract Unix sockets do not
+    exist (not Linux), or another user squats the name, claiming succeeds without holding
+    anything and the probe alone decides.
     """
 
-    def __init__(self, prefix: str = CLAIM_PREFIX) -> None:
+    def __init__(self, prefix: str = CLAIM_PREFIX, uid: int | None = None) -> None:
         self.prefix = prefix
+        self.uid = os.getuid() if uid is None else uid
         self._held: dict[int, socket.socket | None] = {}
 
+    def name(self, block: PortBlock) -> str:
+        """The abstract socket name of this user's claim on `block` (without the NUL)."""
+        return f"{self.prefix}{self.uid}-{block.gcs}"
+
     def claim(self, block: PortBlock) -> bool:
-        """True when this process now holds `block` (or already did); False when another does."""
+        """True when this process now holds `block` (or already did); False when another
+        process of this user does."""
         key = block.gcs
         if key in self._held:
             return True
         sock = None
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind(f"\0{self.prefix}{key}")
+            sock.bind(f"\0{self.name(block)}")
+            sock.listen(128)  # answers `claim_holder_uid`
         except OSError as exc:
             if sock is not None:
                 sock.close()
-            if exc.errno == errno.EADDRINUSE:
+            if exc.errno == errno.EADDRINUSE and claim_holder_uid(self.name(block)) == self.uid:
                 return False
-            sock = None  # no abstract sockets here: nothing to coordinate through
+            sock = None  # no abstract sockets, or a name another user squats: the probe decides
         self._held[key] = sock
         return True
 

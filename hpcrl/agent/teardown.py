@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
@@ -20,7 +21,6 @@ from hpcrl.agent.node import (
     Outcome,
     close_log,
     container_name,
-    node_tmp,
     state_writer,
 )
 from hpcrl.agent.procs import Child, kill_all, processes_mentioning
@@ -44,11 +44,13 @@ class Teardown:
     heartbeat: Heartbeat
     children: dict[str, Child]
     job: AgentJob | None
+    tmp: Path | None
+    """The node's temp dir (None: not made)."""
 
     def run(self, outcome: Outcome) -> None:
         self._announce(outcome)
         self._stop_children()
-        leftovers = processes_mentioning(str(node_tmp(self.ctx)))
+        leftovers = processes_mentioning(str(self.tmp)) if self.tmp else []
         if leftovers:
             self.log.info("killing %d leftover processes of this run", len(leftovers))
             kill_all(leftovers)
@@ -121,7 +123,9 @@ class Teardown:
             self.log.info("could not remove container %s: %s", name, exc)
 
     def _keep_ray_logs(self) -> None:
-        tmp = node_tmp(self.ctx)
+        tmp = self.tmp
+        if tmp is None:
+            return
         src = tmp / "session_latest" / "logs"
         if src.is_dir():
             shutil.copytree(

@@ -14,7 +14,7 @@ from hpcrl.jobspec import JobSpecError, RunDirError, default_payload
 from hpcrl.plotting import PlotError
 from hpcrl.preflight import PreflightError
 from hpcrl.profiles import ProfileError, load_profile, replace_slurm
-from hpcrl.rundir import RunDir
+from hpcrl.rundir import RunDir, RunFileError
 from hpcrl.slurm import SlurmError
 from hpcrl.submission import RequestError, build_request, default_python, default_run_dir, make_spec
 
@@ -27,7 +27,7 @@ def user_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
         try:
             return fn(args)
         except (ProfileError, RequestError, RunDirError, JobSpecError, ContainerError,
-                SlurmError, PlotError, PreflightError) as exc:
+                SlurmError, PlotError, PreflightError, RunFileError) as exc:
             print(f"hpcrl: error: {exc}", file=sys.stderr)
             return 2
 

@@ -323,6 +323,7 @@ def test_the_granted_devices_reach_the_container_even_when_slurm_set_them(tmp_pa
         return list(argv), {}
 
     ctx = job_context(env)
-    node = Node(tmp_path, env, ctx, RunPaths(tmp_path, 0), job, logging.getLogger("t"), wrap, {})
+    node = Node(tmp_path, env, ctx, RunPaths(tmp_path, 0), job, logging.getLogger("t"), wrap, {},
+                tmp_path / "tmp")
     node.in_container("ray", ["ray", "start"], {**env, "RAY_AUTH_MODE": "token"}, "/w")
     assert seen == [{"CUDA_VISIBLE_DEVICES": "2,3", "RAY_AUTH_MODE": "token"}]

@@ -32,8 +32,9 @@ def test_podman_mi300_flags_and_env_names_only(tmp_path: Path) -> None:
     assert argv[:3] == ["podman", "run", "--rm"]
     for flag in ["--network=host", "--device=/dev/kfd", "--device=/dev/dri",
                  "--device=/dev/infiniband", "--group-add=video", "--cap-add=SYS_PTRACE",
-                 "--security-opt=seccomp=unconfined", "--privileged", "--shm-size=128G"]:
+                 "--security-opt=seccomp=unconfined", "--cap-add=IPC_LOCK", "--shm-size=128G"]:
         assert flag in argv, flag
+    assert "--privileged" not in argv and argv[argv.index("--ulimit") + 1] == "memlock=-1:-1"
     assert argv[argv.index("--name") + 1] == "hpcrl-1"
     assert argv[argv.index("-w") + 1] == "/runs/r"
     assert f"{tmp_path}/home:{tmp_path}/home" in argv and "/runs/r:/runs/r" in argv
@@ -50,6 +51,10 @@ def test_docker_uses_same_flags_with_its_binary(tmp_path: Path) -> None:
     c = dataclasses.replace(p.container, runtime="docker", binary="/usr/bin/docker")
     argv = container_command(c, ["true"], {}, environ={}).argv
     assert argv[:3] == ("/usr/bin/docker", "run", "--rm") and "--device=/dev/kfd" in argv
+    # rootful Docker would run the job as root: it runs as the job's user
+    assert argv[3] == f"--user={os.getuid()}:{os.getgid()}"
+    podman = container_command(p.container, ["true"], {}, environ={}).argv
+    assert not [a for a in podman if a.startswith("--user")]  # rootless Podman is the user
 
 
 def test_apptainer_rocm_through_spython_head(tmp_path: Path) -> None:

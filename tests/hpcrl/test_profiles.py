@@ -42,6 +42,7 @@ def test_shipped_profiles_load_and_round_trip(name: str, tmp_path: Path) -> None
     assert profile_from_dict(profile_to_dict(p)) == p
     if p.scheduler == "slurm":
         assert p.container.image, "every Slurm site runs in a container"
+    assert not p.container.privileged, "a shipped site names the devices and capabilities it needs"
 
 
 def test_shipped_names_are_listed(tmp_path: Path) -> None:
@@ -212,3 +213,97 @@ def test_sites_cli_list_and_show(clean_env: dict[str, str]) -> None:
     assert by_key["container.ipc_host"].endswith("# default")
     bad = run_hpcrl(["sites", "show", "nope"], clean_env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no site profile" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- bad numbers and names
+
+
+def test_every_number_has_bounds() -> None:
+    """Every int/float field of every section declares its range and the rule behind it."""
+    import dataclasses
+    import typing
+
+    from hpcrl import profiles
+
+    for cls in (profiles.SlurmConfig, profiles.ContainerConfig, profiles.NetworkConfig,
+                profiles.RayConfig, profiles.AgentConfig, profiles.SiteProfile):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            inner = {a for a in typing.get_args(hints[f.name]) if a is not type(None)} or {hints[f.name]}
+            if inner & {int, float} and bool not in inner:
+                assert f.metadata["bounds"] and f.metadata["rule"], f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("section, key, value, shown", [
+    ("slurm", "cpus_per_task", "-1", "from 1 to 100000 (CPUs of one node), got -1"),
+    ("slurm", "signal_lead_s", "-100", "from 1 to 65535 (Slurm's `--signal` lead"),
+    ("agent", "grace_s", ".nan", "from 0 to 3600 (a wait of up to an hour), got nan"),
+    ("agent", "heartbeat_timeout_s", ".inf", "from 5 to 86400"),
+    ("slurm", "nodes", "100000000000000000000000", "from 1 to 100000 (a Slurm node count)"),
+    ("slurm", "nodes", "1e23", "must be a integer, got '1e23'"),
+    ("slurm", "max_requeues", "-1", "from 0 to 10000"),
+    ("ray", "port_base", "80", "from 1024 to 65535 (ports below 1024 are privileged), got 80"),
+    ("ray", "num_gpus", "-2", "from 0 to 1024"),
+])
+def test_profile_numbers_are_range_checked(tmp_path: Path, section: str, key: str, value: str,
+                                           shown: str) -> None:
+    sites = tmp_path / "sites"
+    path = write_profile(sites, "bad", f"""\
+        extends: slurmlab
+        {section}:
+          {key}: {value}
+        """)
+    with pytest.raises(ProfileError) as raised:
+        load_profile("bad", env_with(tmp_path, HPCRL_SITE_PATH=str(sites)))
+    assert f"{path}: key `{section}.{key}`" in str(raised.value) and shown in str(raised.value)
+    if "must be a number" in str(raised.value):
+        assert f"Fix: set `{section}.{key}` within that range" in str(raised.value)
+
+
+
+def test_command_line_numbers_are_range_checked_too(tmp_path: Path) -> None:
+    from hpcrl.profiles import replace_slurm
+
+    lab = load_profile("slurmlab", env_with(tmp_path)).profile
+    with pytest.raises(ProfileError, match=r"the command line: key `slurm.nodes` must be a number "
+                       r"from 1 to 100000 \(a Slurm node count\), got 10000000"):
+        replace_slurm(lab, nodes=10_000_000)
+
+
+def test_signal_lead_is_checked_against_the_time_limit(tmp_path: Path) -> None:
+    sites = tmp_path / "sites"
+    write_profile(sites, "late", """\
+        extends: slurmlab
+        slurm: {time: "00:10:00", signal_lead_s: 600}
+        """)
+    with pytest.raises(ProfileError, match=r"`slurm.signal_lead_s` is 600 s, not less than the "
+                       r"time limit `slurm.time` '00:10:00' \(600 s\).*requeue itself until "
+                       r"`slurm.max_requeues`. Fix: a lead well below the time limit \(e.g. 60\)"):
+        load_profile("late", env_with(tmp_path, HPCRL_SITE_PATH=str(sites)))
+    from hpcrl.profiles import replace_slurm
+
+    lab = load_profile("slurmlab", env_with(tmp_path)).profile
+    with pytest.raises(ProfileError, match="the command line: key `slurm.signal_lead_s` is 30 s"):
+        replace_slurm(lab, time="0:30")  # `--time 0:30` under the lab's 30 s lead
+
+
+def test_a_port_base_without_room_for_a_block_is_refused_at_load(tmp_path: Path) -> None:
+    sites = tmp_path / "sites"
+    write_profile(sites, "high", "extends: slurmlab\nray: {port_base: 65500}\n")
+    with pytest.raises(ProfileError, match=r"key `ray.port_base` is 65500: port range "
+                       r"65500..65536 cannot hold one block of 256.*Fix: a `ray.port_base` from "
+                       r"1024 to 65280"):
+        load_profile("high", env_with(tmp_path, HPCRL_SITE_PATH=str(sites)))
+
+
+@pytest.mark.parametrize("name", ["../../x", "/etc/x", ".hidden", "a/b", ""])
+def test_profile_names_are_checked_before_any_file_is_read(tmp_path: Path, name: str) -> None:
+    sites = tmp_path / "a" / "b"
+    sites.mkdir(parents=True)
+    (tmp_path / "x.yaml").write_text("description: planted\n")  # what `../../x` would reach
+    with pytest.raises(ProfileError, match=r"the site \(`--site`\) names .*, not a profile name"
+                       r".*no file was read. Fix: pass a name `hpcrl sites` lists"):
+        load_profile(name, env_with(tmp_path, HPCRL_SITE_PATH=str(sites)))
+    write_profile(sites, "child", "extends: ../../x\n")
+    with pytest.raises(ProfileError, match=r"`extends:` of .*child.yaml names '../../x'"):
+        load_profile("child", env_with(tmp_path, HPCRL_SITE_PATH=str(sites)))

@@ -154,6 +154,19 @@ def test_latest_complete_checkpoint(run: Path) -> None:
     assert (step, path.name) == (10, "global_step_10")
 
 
+
+def test_latest_checkpoint_is_the_runs_own_newest_commit(run: Path) -> None:
+    from trainer.checkpoint import full_state as ckpt
+
+    me, other = ckpt.run_identity(run), ckpt.run_identity(run.parent / "other")
+    root = run / "checkpoints"
+    ckpt.save_checkpoint(root, 20, {"s": 20}, run=other)
+    ckpt.save_checkpoint(root, 8, {"s": 8}, run=me)
+    ckpt.save_checkpoint(root, 6, {"s": 6}, run=me)  # resumed from an earlier step
+    step, path = rundir.latest_checkpoint(run)
+    assert (step, path) == (6, root / "global_step_6")
+
+
 def test_restart_starts_from_markers() -> None:
     records = [record(s, 0) for s in (1, 2, 3)] + [record(s, 1) for s in (4, 5)] + [record(6, 2)]
     assert rundir.restart_starts(records) == [(1, 4), (2, 6)]
@@ -202,6 +215,16 @@ def test_logs_of_one_restart(run: Path) -> None:
     absent = run_hpcrl(["logs", str(run), "--restart", "0", "--node", "3"], env)
     assert absent.returncode == 2 and "the agents of run 0 were nodes 0 (the state file)" in \
         absent.stderr, absent.stderr
+
+
+
+def test_logs_of_a_submission_without_log_patterns_is_a_clear_error(run: Path) -> None:
+    (run / "submission.json").write_text(json.dumps({"job_id": "17", "via": "sbatch"}))
+    out = run_hpcrl(["logs", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"`{run}/submission.json` has no `logs` mapping of log patterns (received `logs`: " \
+        f"None)" in out.stderr and f"Fix: read one run's logs with `hpcrl logs {run} --restart " \
+        "last`" in out.stderr
 
 
 # ----------------------------------------------------------------------------- progress

@@ -96,7 +96,7 @@ def test_script_has_fixed_shape() -> None:
     srun = next(ln for ln in script.splitlines() if ln.startswith("srun "))
     assert srun.startswith('srun --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" '
                            "--kill-on-bad-exit=1 ")
-    assert srun.endswith(f"{PY} -m hpcrl.agent /scratch/runs/slurmlab-golden &")
+    assert srun.endswith(f"{PY} -P -m hpcrl.agent /scratch/runs/slurmlab-golden &")
     assert "--gpus-per-node" not in script
 
 
@@ -132,7 +132,8 @@ def test_mi300_render_has_every_seed_variable_and_device_flag() -> None:
     preview = next(ln for ln in script.splitlines() if ln.startswith("# podman run"))
     for flag, value in flags:
         assert f"--{flag}={value}" in preview, (flag, value)
-    assert "--network=host" in preview and "--privileged" in preview
+    assert "--network=host" in preview and "--privileged" in seed
+    assert "--privileged" not in preview  # the devices, groups and capabilities instead
     apptainer = request("mi300-cluster-apptainer").script
     assert re.search(r"^# \S*apptainer exec .*--rocm", apptainer, re.M)
 
@@ -178,7 +179,7 @@ def test_hostile_values_reach_the_step_verbatim(tmp_path: Path) -> None:
     for i, value in enumerate(HOSTILE):
         assert seen["env"][f"HOSTILE_{i}"] == value
     assert seen["env"]["HPCRL_LAB_QUOTING"] == p.env["HPCRL_LAB_QUOTING"]
-    assert seen["argv"][-4:] == [str(bindir / "python"), "-m", "hpcrl.agent", str(run_dir)]
+    assert seen["argv"][-5:] == [str(bindir / "python"), "-P", "-m", "hpcrl.agent", str(run_dir)]
     assert seen["argv"][:2] == ["--ntasks-per-node=1", "--nodes=3"]
     assert JobSpec.from_json((run_dir / "job.json").read_text()).payload == tuple(payload)
     assert not Path("/tmp/hpcrl-pwned").exists() and not (tmp_path / "pwned").exists()
@@ -235,6 +236,37 @@ def test_values_that_would_break_the_script_are_refused(field: str, value: str,
                      clean_env)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("hpcrl: error:") and proc.stderr.count("\n") == 1
+
+
+def test_a_module_planted_in_the_working_directory_is_not_imported(tmp_path: Path) -> None:
+    """The job's node agent command (`-P`), run from a directory holding a planted `yaml.py`
+    (the submit directory, or a run directory others could write): the planted module is not
+    imported. The same command without `-P` imports it, so the check can fail."""
+    from hpcrl.submission import agent_argv
+
+    (tmp_path / "yaml.py").write_text(f"open({str(tmp_path / 'pwned')!r}, 'w').close()\n")
+    run_dir = tmp_path / "run"  # no job.json: the agent stops after its imports
+    argv = agent_argv(sys.executable, str(run_dir))
+    assert argv[1] == "-P"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert not (tmp_path / "pwned").exists()
+    subprocess.run([a for a in argv if a != "-P"], cwd=tmp_path, env=env, capture_output=True,
+                   timeout=120)
+    assert (tmp_path / "pwned").exists(), "without -P the planted module is imported"
+
+
+@pytest.mark.parametrize("name", ["a:b", "x,y", "c:/etc:rw"])
+def test_bind_separators_in_the_run_directory_are_refused(name: str, tmp_path: Path,
+                                                          clean_env: dict[str, str]) -> None:
+    """`:` and `,` in the run directory would add bind mounts; nothing is created."""
+    run_dir = tmp_path / name
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir), "--", "a=1"],
+                     clean_env)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert f"run directory {str(run_dir)!r} contains `" in proc.stderr
+    assert "would add other bind mounts. Fix: choose a `--run-dir`" in proc.stderr
+    assert not run_dir.exists() and not (tmp_path / name.split(":")[0]).exists()
 
 
 def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
@@ -296,7 +328,7 @@ def test_a_node_range_lets_the_trainer_run_on_the_nodes_granted(tmp_path: Path,
 def test_local_site_renders_and_dry_runs() -> None:
     req = request("local")
     assert req.via == "local" and "#SBATCH" not in req.script and "srun" not in req.script
-    assert f"{PY} -m hpcrl.agent /scratch/runs/local-golden" in req.script
+    assert f"{PY} -P -m hpcrl.agent /scratch/runs/local-golden" in req.script
     assert "# via: local" in dry_run_text(req)
 
 

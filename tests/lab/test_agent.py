@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,11 @@ def test_ray_on_every_node_with_every_profile_variable(lab, lab_images, sites, t
     check_probe(lab, run_dir, container)
     summary = (run_dir / "0" / "summary.txt").read_text()
     assert summary.count("node") >= 3, summary
+    # every agent started in the run directory (`--chdir`), with `python -P`, in a private temp dir
+    for rank, host in enumerate(("node1", "node2", "node3")):
+        log = (run_dir / "0" / "logs" / f"agent-{rank}-{host}.log").read_text()
+        assert re.search(rf"working directory {re.escape(str(run_dir))}, safe_path True \(python "
+                         rf"-P\), private temp dir /\S+/hr-{job}-0-{rank}-[A-Za-z0-9_]{{8}}\n", log), log
     assert lab_ray_processes(lab) == []
     assert lab_containers() == []
 

@@ -279,7 +279,7 @@ def kill_during_save(lab, job: int, run_dir: Path, point: str, timeout: float = 
         assert lab.state(job) not in FINISHED, logs(run_dir)
         pid = pid or trainer_pid(run_dir)
         newest = ckpt.find_latest_checkpoint(root)
-        for tmp in (root.glob(".tmp-global_step_*") if newest and pid else []):
+        for tmp in (root.glob(".tmp-*-global_step_*") if newest and pid else []):
             step = int(re.findall(r"global_step_(\d+)", tmp.name)[0])
             reached = {"started": True, "states": any((tmp / "actor").glob("*.distcp")),
                        "export": (tmp / "huggingface").exists()}

@@ -2,6 +2,8 @@
 
 Environment: PAYLOAD_EXIT (exit status), PAYLOAD_SLEEP (seconds to wait before exiting),
 PAYLOAD_CHECK_REFUSAL=1 (first check that a driver without the token is refused),
+PAYLOAD_CHECK_JOB_TOKEN=1 (first check that a driver holding only the job's token file is
+accepted: the cluster runs on the job's token, not on one inherited from the environment),
 PAYLOAD_WAIT_USR1=1 (at the end, wait for SIGUSR1 or SIGUSR2, the agent's stop request, and
 exit 42),
 PAYLOAD_WAIT_NODES=N (report the nodes alive at the start, then wait up to 120 s for N, as
@@ -37,6 +39,22 @@ if os.environ.get("PAYLOAD_CHECK_REFUSAL") == "1":
     print(f"payload: driver without token: {result.stdout.strip()}", flush=True)
     if result.returncode != 0:
         sys.exit(90)
+
+if os.environ.get("PAYLOAD_CHECK_JOB_TOKEN") == "1":
+    file_only = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    probe = (
+        "import ray, sys\n"
+        f"ray.init(address={address!r}, log_to_driver=False)\n"
+        "print('accepted with the job token file')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=file_only, capture_output=True, text=True, timeout=120
+    )
+    print(f"payload: driver with the job's token file: {result.stdout.strip() or 'refused'} "
+          f"({'RAY_AUTH_TOKEN set' if 'RAY_AUTH_TOKEN' in os.environ else 'no RAY_AUTH_TOKEN'})",
+          flush=True)
+    if result.returncode != 0:
+        sys.exit(91)
 
 if os.environ.get("PAYLOAD_PROBE_DASHBOARD") == "1":
     run = os.path.join(os.environ["HPCRL_RUN_DIR"], os.environ["HPCRL_RESTART"])
@@ -80,6 +98,18 @@ print(f"payload: one task ran on each of {len(ran_on)} nodes", flush=True)
 print(
     f"payload: MASTER_ADDR={os.environ['MASTER_ADDR']} GLOO={os.environ.get('GLOO_SOCKET_IFNAME')}"
 )
+
+if os.environ.get("PAYLOAD_LIST_LISTENERS") == "1":  # where each port of the block listens
+    run = os.path.join(os.environ["HPCRL_RUN_DIR"], os.environ["HPCRL_RESTART"])
+    with open(os.path.join(run, "rendezvous.json")) as f:
+        ports = json.load(f)["ports"]
+    names = {p: n for n, p in ports.items() if not n.endswith("worker_port")}
+    out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout.split()
+    for local in out[3::5]:
+        host, _, port = local.rpartition(":")
+        if port.isdigit() and int(port) in names:
+            print(f"payload: listener {names[int(port)]} {host}:{port}", flush=True)
+
 ray.shutdown()
 if os.environ.get("PAYLOAD_WAIT_USR1") == "1":
     signal.signal(signal.SIGUSR1, lambda *_: sys.exit(42))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_keep_last_and_resave(tmp_path: Path) -> None:
         ck.save_checkpoint(tmp_path, step, {"s": step}, keep_last=2)
     assert [ck.step_of(p) for p in ck.list_checkpoints(tmp_path)] == [4, 5]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "global_step_4", "global_step_5", "latest_checkpointed_iteration.txt",
+        "global_step_4", "global_step_5", "latest_checkpointed_iteration.txt", "run_id",
     ]  # fmt: skip
     ck.save_checkpoint(tmp_path, 5, {"s": 50})
     assert ck.load_state(tmp_path / "global_step_5", "s") == 50
@@ -121,6 +122,104 @@ def test_resolve_resume_modes(tmp_path: Path) -> None:
         ck.resolve_resume(tmp_path, "latest")
 
 
+def _other_run(tmp_path: Path) -> ck.RunIdentity:
+    return ck.run_identity(tmp_path / "other-run")
+
+
+def test_a_run_is_its_run_directory_and_its_id_persists(tmp_path: Path) -> None:
+    first = ck.run_identity(tmp_path / "run")
+    assert ck.run_identity(tmp_path / "run") == first  # a requeue or --resume of the run
+    assert (tmp_path / "run" / "run_id").read_text().strip() == first.run_id
+    assert first.run_dir == str(tmp_path / "run")
+    assert ck.run_identity(tmp_path / "other").run_id != first.run_id
+    (tmp_path / "run" / "run_id").write_text("../../x\n")
+    with pytest.raises(ck.CheckpointOwnerError, match=r"holds `\.\./\.\./x`, not a run id.*Fix:"):
+        ck.run_identity(tmp_path / "run")
+
+
+def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path: Path) -> None:
+    """The run resumed from an earlier step: its step 200 is older than its step 110."""
+    ck.save_checkpoint(tmp_path, 200, {"s": 200})
+    kept = ck.save_checkpoint(tmp_path, 110, {"s": 110}, keep_last=1)
+    assert ck.read_latest_marker(tmp_path) == 110 and ck.is_complete(kept)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["global_step_110"]
+    assert ck.resolve_resume(tmp_path, "auto") == kept
+    manifest = json.loads((kept / "manifest.json").read_text())
+    assert manifest["seq"] == 2 and manifest["run"] == {
+        "id": ck.run_identity(tmp_path).run_id, "dir": str(tmp_path)}
+
+
+def test_retention_and_resume_leave_another_runs_checkpoints_alone(tmp_path: Path) -> None:
+    other = _other_run(tmp_path)
+    theirs = ck.save_checkpoint(tmp_path, 200, {"s": 200}, run=other)
+    with pytest.raises(ck.CheckpointOwnerError, match=(
+            rf"found no checkpoint of this run `[0-9a-f]{{16}}` .*only other runs': global_step_200 "
+            rf"of run `{other.run_id}` \(run directory `{other.run_dir}`\).*Fix: .*"
+            rf"trainer.resume_from_path={theirs}")):
+        ck.resolve_resume(tmp_path, "auto")
+    ours = [ck.save_checkpoint(tmp_path, step, {"s": step}, keep_last=1) for step in (100, 110)]
+    assert not ours[0].exists() and ours[1].exists() and theirs.exists()
+    assert ck.resolve_resume(tmp_path, "auto") == ours[1]  # not their higher step
+    assert ck.resolve_resume(tmp_path, "auto", run=other) == theirs
+    with pytest.raises(ck.CheckpointOwnerError, match=rf"`{theirs}` belongs to run `{other.run_id}`"
+                       r".*never replaces another run's checkpoint. Fix:"):
+        ck.save_checkpoint(tmp_path, 200, {"s": -1})
+    assert ck.load_state(theirs, "s") == 200
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    legacy = tmp_path / "global_step_300"  # a manifest without a run: whose is unknown
+    legacy.mkdir()
+    (legacy / "manifest.json").write_text('{"step": 300, "files": {}}')
+    with pytest.raises(ck.CheckpointOwnerError, match="global_step_300 of an unknown run"):
+        ck.resolve_resume(tmp_path, "auto", run=ck.run_identity(tmp_path / "third"))
+
+
+def test_only_this_runs_temporaries_are_removed(tmp_path: Path) -> None:
+    other = _other_run(tmp_path)
+    theirs = ck.begin_checkpoint(tmp_path, 5, run=other)  # another writer, still writing
+    (theirs / "s.pt").write_bytes(b"half")
+    unknown = tmp_path / ".tmp-global_step_5-123-abcd"  # named before run ids: whose is unknown
+    unknown.mkdir()
+    ours = ck.begin_checkpoint(tmp_path, 5)  # this run's writer, killed
+    ck.save_checkpoint(tmp_path, 6, {"s": 6})
+    assert theirs.is_dir() and (theirs / "s.pt").read_bytes() == b"half" and unknown.is_dir()
+    assert not ours.exists()
+
+
+def test_checkpoints_writable_by_others_are_refused_and_saves_are_not(
+        tmp_path: Path) -> None:
+    old = os.umask(0o002)  # a site whose users share a group-writable default
+    try:
+        path = ck.save_checkpoint(tmp_path / "root", 1, {"s": torch.ones(2)})
+    finally:
+        os.umask(old)
+    assert all(not p.stat().st_mode & 0o022 for p in [path.parent, path, *path.rglob("*")])
+    assert ck.resolve_resume(tmp_path / "root", "auto") == path
+    (path / "s.pt").chmod(0o664)
+    with pytest.raises(ck.CheckpointPermissionError, match=(
+            rf"`{path / 's.pt'}` is writable by users other than its owner \(mode -rw-rw-r--\).*"
+            rf"Fix: `chmod -R go-w {path}`")):
+        ck.load_state(path, "s")
+    (path / "s.pt").chmod(0o644)
+    (tmp_path / "root").chmod(0o777)
+    for call in (lambda: ck.resolve_resume(tmp_path / "root", "auto"),
+                 lambda: ck.save_checkpoint(tmp_path / "root", 2, {"s": 2})):
+        with pytest.raises(ck.CheckpointPermissionError, match=r"`chmod -R go-w .*root`"):
+            call()
+
+
+class Payload:
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, ("true",))
+
+
+def test_states_load_weights_only(tmp_path: Path) -> None:
+    """A pickle that runs code on load (what a writer of the checkpoint could plant) is refused."""
+    path = ck.save_checkpoint(tmp_path, 1, {"evil": Payload(), "fine": {"w": torch.ones(1), "n": [1, 2.0, "x"]}})
+    assert ck.load_state(path, "fine")["n"] == [1, 2.0, "x"]
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ck.load_state(path, "evil")
+
+
 CHILD = textwrap.dedent(
     """
     import sys, time, torch
@@ -157,7 +256,7 @@ def test_writer_killed_mid_write_is_never_picked(tmp_path: Path) -> None:
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    partial = [p for p in root.iterdir() if p.name.startswith(".tmp-global_step_2")]
+    partial = [p for p in root.iterdir() if re.match(r"\.tmp-[0-9a-f]{16}-global_step_2-", p.name)]
     assert len(partial) == 1 and (partial[0] / "a_model.pt").is_file()
     assert not (partial[0] / "manifest.json").exists()
     assert not (root / "global_step_2").exists()
@@ -418,7 +517,7 @@ def test_driver_save_out_of_space_keeps_the_previous_checkpoint_and_refuses_old_
     driver.global_step = 2
     full = OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(sharded, "_storage_writer", _failing_writer(full))
-    with pytest.raises(sharded.CheckpointWriteError, match=r"\.tmp-global_step_2-.*No space left on "
+    with pytest.raises(sharded.CheckpointWriteError, match=r"\.tmp-[0-9a-f]{16}-global_step_2-.*No space left on "
                        r"device \(ENOSPC\)\. The checkpoint needs about .* GiB \(\d+ bytes\)") as raised:
         driver.save_checkpoint()
     assert str(run) in str(raised.value)

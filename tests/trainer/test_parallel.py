@@ -172,3 +172,33 @@ def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:
                      "trainer.nnodes=3", "trainer.n_gpus_per_node=2"])
     assert load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                         "trainer.nnodes=2", "trainer.n_gpus_per_node=2"]).actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
+def test_the_store_reach_is_as_stated() -> None:
+    """`trainer.parallel`'s statement, measured: rank 0's store listens on every interface
+    whatever host it is given, and a process of another user reads its keys. If torch ever
+    binds it to the host, or authenticates, this fails and the statement must change."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    store.set("rendezvous", "secret-of-the-group")
+    listening = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout.split()[3::5]
+    assert f"*:{store.port}" in listening or f"0.0.0.0:{store.port}" in listening, listening
+    code = ("import datetime, torch.distributed as d\n"
+            f"s = d.TCPStore('127.0.0.1', {store.port}, is_master=False, "
+            "timeout=datetime.timedelta(seconds=30))\n"
+            "print(sorted(s.list_keys()), s.get('rendezvous').decode())\n")
+    as_other = {"user": 65534, "group": 65534} if os.getuid() == 0 else {}
+    # another user (as root: `nobody`) needs a Python it may run: the venv's may be private
+    python = "/usr/bin/python3" if as_other and os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("site-packages")),
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env, **as_other if python == "/usr/bin/python3" else {})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "secret-of-the-group" in out.stdout and "rendezvous" in out.stdout

@@ -8,7 +8,13 @@ is written last. All files and directories are fsynced, the directory is renamed
 ``global_step_N``, and only then is the marker ``latest_checkpointed_iteration.txt`` (verl's
 name) replaced atomically. A directory without a valid manifest, or whose files do not match
 it, is never picked for resume: a writer killed at any point leaves at worst a temporary
-directory that the next save removes.
+directory that the next save of the same run removes.
+
+Which run a checkpoint belongs to, and what that run may prune, resume and clean up, is the
+rule of :mod:`trainer.checkpoint.layout` (its docstring): each manifest records the writing
+run's id and commit counter; a save never replaces or deletes another run's entries, and the
+checkpoint it just committed is never pruned. States load with ``torch.load(weights_only=True)``
+and only from roots and checkpoints that no one but their owner can write.
 """
 
 from __future__ import annotations
@@ -28,9 +34,23 @@ import torch
 
 from trainer.checkpoint.layout import (
     MANIFEST,
+    TMP_PREFIX,
+    CheckpointOwnerError,
+    CheckpointPermissionError,
+    RunIdentity,
+    describe_others,
+    describe_owner,
     find_latest_checkpoint,
     is_complete,
+    latest_run_checkpoint,
     list_checkpoints,
+    next_seq,
+    others_checkpoints,
+    owner_of,
+    read_manifest,
+    require_private,
+    run_checkpoints,
+    run_identity,
     step_dir,
     step_of,
 )
@@ -40,20 +60,29 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HF_DIR",
+    "CheckpointOwnerError",
+    "CheckpointPermissionError",
+    "RunIdentity",
     "begin_checkpoint",
     "commit_checkpoint",
     "LATEST_MARKER",
     "MANIFEST",
+    "TMP_PREFIX",
     "capture_rng_state",
     "find_latest_checkpoint",
     "is_complete",
+    "latest_run_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_state",
+    "others_checkpoints",
+    "describe_others",
     "prune_checkpoints",
     "read_latest_marker",
     "resolve_resume",
     "restore_rng_state",
+    "run_checkpoints",
+    "run_identity",
     "save_checkpoint",
     "step_dir",
     "step_of",
@@ -62,7 +91,6 @@ __all__ = [
 
 LATEST_MARKER = "latest_checkpointed_iteration.txt"
 HF_DIR = "huggingface"
-TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 RESUME_MODES = ("auto", "disable", "resume_path")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
@@ -80,10 +108,13 @@ def _fsync_path(path: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, under ``root``."""
+    """fsync every file, then every directory bottom-up, under ``root``; none is left writable
+    by group or world (whatever umask the ranks that wrote them had)."""
     for dirpath, _dirs, files in os.walk(root, topdown=False):
         for name in files:
+            _drop_others_write(Path(dirpath) / name)
             _fsync_path(Path(dirpath) / name)
+        _drop_others_write(Path(dirpath))
         _fsync_path(Path(dirpath))
 
 
@@ -94,10 +125,29 @@ def _write_bytes_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _replace_atomically(path: Path, data: bytes) -> None:
+def _drop_others_write(path: Path) -> None:
+    """Clear the group and world write bits of `path` (the umask may have set them)."""
+    mode = path.lstat().st_mode
+    if mode & 0o022 and not os.path.islink(path):
+        os.chmod(path, mode & ~0o022)
+
+
+def _open_root(root: str | Path) -> Path:
+    """The checkpoint root, created without group/world write when absent; an existing root
+    that others can write is refused (`require_private`)."""
+    r = Path(root)
+    if not r.exists():
+        r.mkdir(parents=True, exist_ok=True)
+        _drop_others_write(r)
+    require_private(r)
+    return r
+
+
+def _replace_atomically(path: Path, data: bytes, run: RunIdentity) -> None:
     """Write ``data`` to a temporary sibling, fsync it, rename it over ``path``, fsync the dir."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(f"{run.tmp_prefix}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _write_bytes_durably(tmp, data)
+    _drop_others_write(tmp)
     os.replace(tmp, path)
     _fsync_path(path.parent)
 
@@ -147,7 +197,7 @@ def _write_contents(
             hf_tokenizer.save_pretrained(tmp / HF_DIR)
 
 
-def _write_manifest(tmp: Path, step: int, metadata: Mapping[str, Any]) -> None:
+def _write_manifest(tmp: Path, step: int, metadata: Mapping[str, Any], run: RunIdentity, seq: int) -> None:
     sizes = {
         str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
     }
@@ -157,8 +207,11 @@ def _write_manifest(tmp: Path, step: int, metadata: Mapping[str, Any]) -> None:
         "created_unix": time.time(),
         "files": sizes,
         "metadata": dict(metadata),
+        "run": {"id": run.run_id, "dir": run.run_dir},
+        "seq": seq,
     }
     _write_bytes_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _drop_others_write(tmp / MANIFEST)
 
 
 def save_checkpoint(
@@ -171,6 +224,7 @@ def save_checkpoint(
     hf_tokenizer: PreTrainedTokenizerBase | None = None,
     metadata: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
+    run: RunIdentity | None = None,
 ) -> Path:
     """Write ``<root>/global_step_<step>/`` atomically and return its path.
 
@@ -178,29 +232,33 @@ def save_checkpoint(
     to objects for ``torch.save``; ``files`` maps names to text or bytes written as-is (e.g.
     ``config.yaml``); ``hf_model``/``hf_tokenizer`` are exported to ``huggingface/`` with
     ``save_pretrained``. ``metadata`` (JSON-serialisable) goes into the manifest. With
-    ``keep_last``, older complete checkpoints beyond the newest ``keep_last`` are removed.
+    ``keep_last``, this run's older checkpoints beyond its newest ``keep_last`` are removed.
+    ``run``: the writing run (default: the run whose run directory is ``root``).
     """
-    tmp = begin_checkpoint(root, step)
+    run = run or run_identity(_open_root(root))
+    tmp = begin_checkpoint(root, step, run=run)
     try:
         write_states(tmp, states, hf_model=hf_model, hf_tokenizer=hf_tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return commit_checkpoint(root, step, tmp, files=files, metadata=metadata, keep_last=keep_last)
+    return commit_checkpoint(root, step, tmp, files=files, metadata=metadata, keep_last=keep_last,
+                             run=run)
 
 
-def begin_checkpoint(root: str | Path, step: int) -> Path:
+def begin_checkpoint(root: str | Path, step: int, *, run: RunIdentity | None = None) -> Path:
     """Create and return the temporary directory that step ``step``'s checkpoint is written to.
 
     Several writers (e.g. the rank 0 of each worker group) may fill it with :func:`write_states`
-    before one of them calls :func:`commit_checkpoint`.
+    before one of them calls :func:`commit_checkpoint` with the same ``run``.
     """
     if step < 0:
         raise ValueError(f"Checkpoint `step` must be >= 0, received {step}.")
-    r = Path(root)
-    r.mkdir(parents=True, exist_ok=True)
-    tmp = r / f"{TMP_PREFIX}{step_dir(r, step).name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    r = _open_root(root)
+    run = run or run_identity(r)
+    tmp = r / f"{run.tmp_prefix}{step_dir(r, step).name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    _drop_others_write(tmp)
     return tmp
 
 
@@ -230,50 +288,69 @@ def commit_checkpoint(
     files: Mapping[str, str | bytes] | None = None,
     metadata: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
+    run: RunIdentity | None = None,
 ) -> Path:
     """Add ``files``, write the manifest, rename ``tmp`` to ``global_step_<step>`` and move the
-    marker: the checkpoint becomes visible complete or not at all."""
+    marker: the checkpoint becomes visible complete or not at all. A ``global_step_<step>`` of
+    another run is never replaced (`CheckpointOwnerError`, nothing changed)."""
     r, tmp = Path(root), Path(tmp)
+    run = run or run_identity(r)
     for name in files or {}:
         _check_name(name)
     final = step_dir(r, step)
     try:
+        _require_replaceable(final, run)
         _write_contents(tmp, {}, files or {}, None, None)
         _fsync_tree(tmp)
-        _write_manifest(tmp, step, metadata or {})
+        _write_manifest(tmp, step, metadata or {}, run, next_seq(r, run))
         _fsync_path(tmp)
         if final.exists():  # re-saving a step: move the old one aside first
-            os.rename(final, r / f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, r / f"{run.tmp_prefix}old-{final.name}-{uuid.uuid4().hex[:8]}")
         os.rename(tmp, final)
         _fsync_path(r)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _replace_atomically(r / LATEST_MARKER, f"{step}\n".encode())
-    _remove_stale_temporaries(r)
+    _replace_atomically(r / LATEST_MARKER, f"{step}\n".encode(), run)
+    _remove_stale_temporaries(r, run)
     if keep_last is not None:
-        prune_checkpoints(r, keep_last)
+        prune_checkpoints(r, keep_last, run=run)
     return final
 
 
-def _remove_stale_temporaries(root: Path) -> None:
-    """Remove leftovers of interrupted writes (one writer per run directory is assumed)."""
+def _require_replaceable(final: Path, run: RunIdentity) -> None:
+    """A step directory may be replaced only by the run that wrote it."""
+    if not final.exists():
+        return
+    owner = owner_of(read_manifest(final))
+    if owner is None or owner.run_id != run.run_id:
+        raise CheckpointOwnerError(
+            f"`{final}` belongs to {describe_owner(owner)}, not to this run `{run.run_id}` (run "
+            f"directory `{run.run_dir}`): a run never replaces another run's checkpoint. Fix: "
+            "give this run its own `trainer.default_local_dir`, or move that checkpoint away.")
+
+
+def _remove_stale_temporaries(root: Path, run: RunIdentity) -> None:
+    """Remove leftovers of this run's interrupted writes (one writer per run at a time);
+    another run's temporaries, and those of unknown writers, are left alone."""
     for p in root.iterdir():
-        if p.name.startswith(TMP_PREFIX):
+        if p.name.startswith(run.tmp_prefix):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; return the removed paths.
+def prune_checkpoints(root: str | Path, keep_last: int, *, run: RunIdentity | None = None) -> list[Path]:
+    """Delete all but this run's ``keep_last`` newest checkpoints (by commit, ``seq``); return
+    the removed paths. Other runs' checkpoints are never considered, and the newest commit (the
+    one just written) is always kept.
 
     ``keep_last`` <= 0 keeps everything (verl's ``max_actor_ckpt_to_keep=None`` behaviour).
     """
     if keep_last <= 0:
         return []
-    old = list_checkpoints(root)[:-keep_last]
+    old = run_checkpoints(root, run or run_identity(root))[:-keep_last]
     for p in old:
         shutil.rmtree(p)
     return old
@@ -283,6 +360,8 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
 
 
 def _require_complete(path: Path) -> None:
+    require_private(path.parent)
+    require_private(path, tree=True)
     if not is_complete(path):
         raise FileNotFoundError(
             f"`{path}` is not a complete checkpoint (missing or mismatching `{MANIFEST}`; it "
@@ -292,7 +371,7 @@ def _require_complete(path: Path) -> None:
 
 
 def load_state(path: str | Path, name: str, map_location: str | torch.device = "cpu") -> Any:
-    """One named state of a checkpoint (objects are unpickled: load only your own runs)."""
+    """One named state of a checkpoint (tensors and plain containers: ``weights_only``)."""
     p = Path(path)
     _require_complete(p)
     target = p / f"{name}.pt"
@@ -301,7 +380,7 @@ def load_state(path: str | Path, name: str, map_location: str | torch.device = "
         raise KeyError(
             f"Checkpoint `{p}` has no state named `{name}`. Available: {', '.join(names)}."
         )
-    return torch.load(target, map_location=map_location, weights_only=False)
+    return torch.load(target, map_location=map_location, weights_only=True)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -315,17 +394,20 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def resolve_resume(
-    root: str | Path, resume_mode: str, resume_path: str | Path | None = None
+    root: str | Path, resume_mode: str, resume_path: str | Path | None = None,
+    *, run: RunIdentity | None = None,
 ) -> Path | None:
     """The checkpoint to resume from under verl's ``trainer.resume_mode``.
 
-    ``auto``: the newest complete checkpoint under ``root`` (None when there is none);
-    ``disable``: None; ``resume_path``: ``resume_path``, which must be complete.
+    ``auto``: this run's newest complete checkpoint under ``root`` (None when there is none; when
+    ``root`` holds only other runs' checkpoints, `CheckpointOwnerError` naming whose they are);
+    ``disable``: None; ``resume_path``: ``resume_path``, which must be complete, whoever wrote
+    it. ``run``: default, the run whose run directory is ``root``.
     """
     if resume_mode == "disable":
         return None
     if resume_mode == "auto":
-        return find_latest_checkpoint(root)
+        return _auto_resume(Path(root), run)
     if resume_mode == "resume_path":
         if resume_path is None:
             raise ValueError(
@@ -340,6 +422,27 @@ def resolve_resume(
     )
 
 
+def _auto_resume(root: Path, run: RunIdentity | None) -> Path | None:
+    if not root.is_dir():
+        return None
+    require_private(root)
+    run = run or run_identity(root)
+    own = latest_run_checkpoint(root, run)
+    if own is not None:
+        return own
+    others = others_checkpoints(root, run)
+    if others:
+        raise CheckpointOwnerError(
+            f"`trainer.resume_mode=auto` found no checkpoint of this run `{run.run_id}` (run "
+            f"directory `{run.run_dir}`) under `{root}`, only other runs': "
+            f"{describe_others(others)}. Auto-resume takes only the run's own checkpoints, and "
+            "this run must not write over theirs. Fix: continue from one of them with "
+            f"`trainer.resume_mode=resume_path trainer.resume_from_path={others[-1][0]}` and "
+            "this run's own `trainer.default_local_dir`, or start afresh in an empty "
+            "`trainer.default_local_dir`.")
+    return None
+
+
 # --------------------------------------------------------------------------- RNG
 
 
@@ -351,7 +454,10 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # Tensors and plain numbers, so that `weights_only` loads it.
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                          float(cached))
     except ImportError:
         pass
     return state
@@ -366,4 +472,6 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos,
+                             has_gauss, cached))

@@ -179,7 +179,7 @@ def read_group_state(path: str | Path, name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "state.pt"
         dcp_to_torch_save(p / name, out)
-        state: dict[str, Any] = torch.load(out, weights_only=False)
+        state: dict[str, Any] = torch.load(out, weights_only=True)
     return state
 
 

@@ -8,6 +8,8 @@ export TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 export HPCRL_CANARY=<CANARY>
 
+# Start in the run directory, as a Slurm job does (`--chdir`).
+cd /scratch/runs/local-golden || exit 2
 if [ ! -r /scratch/runs/local-golden/job.json ]; then
     echo "hpcrl: "/scratch/runs/local-golden/job.json" is missing; create jobs with hpcrl render or hpcrl submit" >&2
     exit 2
@@ -24,7 +26,7 @@ trap 'kill -s INT "$hpcrl_step" 2>/dev/null || true' INT
 trap 'kill -s TERM "$hpcrl_step" 2>/dev/null || true' TERM
 trap 'kill -s USR1 "$hpcrl_step" 2>/dev/null || true' USR1
 
-setsid /opt/hpcrl/venv/bin/python -m hpcrl.agent /scratch/runs/local-golden >> /scratch/runs/local-golden/logs/local-node0.out 2>&1 &
+setsid /opt/hpcrl/venv/bin/python -P -m hpcrl.agent /scratch/runs/local-golden >> /scratch/runs/local-golden/logs/local-node0.out 2>&1 &
 hpcrl_step=$!
 while kill -0 "$hpcrl_step" 2>/dev/null; do
     wait "$hpcrl_step"

@@ -85,5 +85,5 @@ def leftovers(run: Path, ranks: tuple[int, ...] = (0,)) -> list[str]:
     nodes = [json.loads(p.read_text()) for p in (run / "0" / "nodes").glob("*.json")]
     sids = {n["ray_pid"] for n in nodes if n.get("ray_pid")}
     assert sids, "node files name the Ray process"
-    dirs = [f"temp dir {p}" for r in ranks for p in Path("/tmp").glob(f"hr-{run.name}-*-{r}")]
+    dirs = [f"temp dir {p}" for r in ranks for p in Path("/tmp").glob(f"hr-{run.name}-*-{r}-*")]
     return sessions_alive(sids) + dirs

@@ -116,3 +116,28 @@ def test_import_stays_light() -> None:
     code = "import sys, hpcrl.agent.core, hpcrl.agent.__main__; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_node_temp_dirs_are_private_and_unguessable(tmp_path: Path) -> None:
+    """`mkdtemp` under the job's `TMPDIR` (mode 0700, a random name: another user can neither
+    guess nor create it first); `/tmp` when `TMPDIR` is unset, relative, missing, or too long
+    for Ray's socket paths."""
+    from hpcrl.slurm_env import job_context
+
+    ctx = job_context({"HPCRL_JOB_ID": "77"})
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="hrt", dir="/tmp"))  # short, as Ray's sockets need
+    try:
+        first = node.make_node_tmp(ctx, {"TMPDIR": str(base)})
+        second = node.make_node_tmp(ctx, {"TMPDIR": str(base)})
+        assert first != second and first.parent == base == second.parent
+        assert first.name.startswith("hr-77-0-0-") and len(first.name) == len("hr-77-0-0-") + 8
+        assert first.stat().st_mode & 0o777 == 0o700 and first.stat().st_uid == os.getuid()
+    finally:
+        shutil.rmtree(base)
+    long = tmp_path / ("x" * node.TMP_BASE_MAX)
+    long.mkdir()
+    for environ in ({}, {"TMPDIR": "rel"}, {"TMPDIR": str(tmp_path / "gone")}, {"TMPDIR": str(long)}):
+        assert node.temp_base(environ) == Path("/tmp")

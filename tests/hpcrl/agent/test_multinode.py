@@ -68,7 +68,7 @@ def test_two_agent_job_survives_join_and_ends_fast_when_a_worker_dies(tmp_path: 
     # the killed agent could not remove its temp dir; its next run on that node does
     assert leftovers(run, ranks=(0,)) == []
     assert len(list((run / "0" / "nodes").glob("*.json"))) == 2
-    for stale in Path("/tmp").glob(f"hr-{run.name}-*-1"):
+    for stale in Path("/tmp").glob(f"hr-{run.name}-*-1-*"):
         shutil.rmtree(stale)
 
 

@@ -16,6 +16,7 @@ from hpcrl.agent.ports import (
     PortError,
     PortRange,
     block_at,
+    claim_holder_uid,
     find_free_block,
     first_index,
     job_number,
@@ -184,6 +185,41 @@ def test_a_claim_ends_with_its_process_and_names_it_while_held() -> None:
         holder.wait()
     assert mine.claim(block), "a dead agent's claim must vanish with it"
     mine.release()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="starts the system Python as another user (needs root)")
+@pytest.mark.parametrize("listens", [True, False])
+def test_another_users_claim_on_our_name_is_ignored(listens: bool) -> None:
+    """Abstract sockets have no permissions: a process of user `nobody` binds this user's claim
+    name for a block (listening or not). The block stays claimable; this user's own holder
+    still keeps it."""
+    rng = PortRange(base=21000, limit=23000, block_size=64)
+    prefix = f"hpcrl-test-{os.getpid()}-"
+    mine = PortClaims(prefix)
+    block = block_at(rng, 7)
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        f"s.bind('\\0' + {mine.name(block)!r})\n"
+        + ("s.listen(8)\n" if listens else "")
+        + "print('squatting', flush=True); sys.stdin.read()\n"
+    )
+    squatter = subprocess.Popen(["/usr/bin/python3", "-I", "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, user=65534, group=65534)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "squatting"
+        assert claim_holder_uid(mine.name(block)) == (65534 if listens else None)
+        assert find_free_block(rng, 7, is_free=lambda p: True, claims=mine) == block
+        assert mine.name(block) == f"{prefix}{os.getuid()}-{block.gcs}"
+    finally:
+        squatter.kill()
+        squatter.wait()
+        mine.release()
+    held = PortClaims(prefix)
+    assert held.claim(block) and claim_holder_uid(held.name(block)) == os.getuid()
+    assert not PortClaims(prefix).claim(block), "this user's own claim still counts"
+    held.release()
 
 
 def test_time_wait_is_told_apart_from_a_holder() -> None:

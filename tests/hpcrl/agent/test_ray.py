@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -146,7 +148,7 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
     from hpcrl.agent.core import Agent
     from hpcrl.slurm_env import job_context
 
-    run = make_run(tmp_path, f"jc{os.getpid()}", {"PAYLOAD_EXIT": "5"})
+    run = make_run(tmp_path, f"jc{os.getpid()}", {"PAYLOAD_EXIT": "5", "PAYLOAD_CHECK_JOB_TOKEN": "1", "PAYLOAD_LIST_LISTENERS": "1"})
     job = json.loads((run / "job.json").read_text())
     job["profile"]["container"] = {"runtime": "podman", "image": "img", "binary": "true"}
     (run / "job.json").write_text(json.dumps(job))
@@ -157,19 +159,25 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
         return ["/usr/bin/env", *argv], {"ADDED_BY_RUNTIME": "1"}
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_", "HPCRL_"))}
-    env = {**clean, "HPCRL_JOB_ID": run.name}
+    # a token inherited from the submitting environment: Ray would prefer it to the job's file
+    base = tempfile.mkdtemp(prefix="hrt", dir="/tmp")  # the job's TMPDIR (short: Ray's sockets)
+    env = {**clean, "HPCRL_JOB_ID": run.name, "RAY_AUTH_TOKEN": "0" * 32, "TMPDIR": base}
     agent = Agent(run, env=env, wrap=wrap, context=job_context(env))
-    assert agent.run() == 5
+    assert agent.run() == 5, (run / "0" / "logs" / "payload.log").read_text()
     names = [c[4] for c in calls]
     assert names == [
         f"hr-{run.name}-0-0-ray",
         f"hr-{run.name}-0-0-watch",
         f"hr-{run.name}-0-0-payload",
     ]
-    tmp = f"/tmp/hr-{run.name}-0-0"
+    tmp = calls[0][2][1]  # private: made by mkdtemp under TMPDIR, an unguessable name
+    assert re.fullmatch(rf"{base}/hr-{run.name}-0-0-[A-Za-z0-9_]{{8}}", tmp), tmp
+    assert not os.path.exists(tmp) and os.listdir(base) == []  # removed at the teardown
+    os.rmdir(base)
     for _argv, cenv, binds, _workdir, _ in calls:
         assert binds == [str(run.resolve()), tmp]
         assert cenv["RAY_AUTH_MODE"] == "token"
+        assert "RAY_AUTH_TOKEN" not in cenv
         assert cenv["RAY_AUTH_TOKEN_PATH"] == str(run.resolve() / "0" / "token")
     ray_argv, _, _, ray_workdir, _ = calls[0]
     assert "start" in ray_argv and ray_workdir == tmp
@@ -178,5 +186,14 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
     assert payload_env["RAY_ADDRESS"].endswith(
         str(json.loads((run / "0" / "rendezvous.json").read_text())["ports"]["gcs"])
     )
-    assert "one task ran on each of 1 nodes" in (run / "0" / "logs" / "payload.log").read_text()
+    log = (run / "0" / "logs" / "payload.log").read_text()
+    assert "one task ran on each of 1 nodes" in log
+    assert "driver with the job's token file: accepted with the job token file (no " \
+        "RAY_AUTH_TOKEN)" in log
+    # The reach of the job's ports, as `hpcrl.agent.launch.NO_METRICS_ENV` states it.
+    listeners = set(re.findall(r"payload: listener (\w+) (\S+):\d+", log))
+    everywhere = {name for name, host in listeners if host in ("*", "0.0.0.0", "[::]")}
+    assert everywhere == {"gcs", "node_manager", "object_manager", "dashboard_agent_grpc",
+                          "autoscaler_metric", "dashboard_metric"}, listeners
+    assert "metrics_export" not in {name for name, _ in listeners}
     assert leftovers(run) == []

@@ -29,7 +29,8 @@ def head(tmp_path: Path, **agent: float) -> tuple[GcsWatch, RunPaths]:
     paths.logs.mkdir(parents=True, exist_ok=True)
     job = parse_job({"payload": ["x"], "nodes": 3, "payload_start": "head-alive",
                      "profile": {"agent": agent}})
-    node = Node(tmp_path, ENV, ctx, paths, job, logging.getLogger("t"), lambda *a: ([], {}), {})
+    node = Node(tmp_path, ENV, ctx, paths, job, logging.getLogger("t"), lambda *a: ([], {}), {},
+                tmp_path / "tmp")
     return GcsWatch(node, queue.Queue()), paths
 
 
