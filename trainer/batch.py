@@ -28,7 +28,7 @@ class StepBatch:
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     sequence_scores: torch.Tensor | None = None
-    reward_extras: dict[str, list[float]] = field(default_factory=dict)
+    reward_extras: dict[str, list[Any]] = field(default_factory=dict)
     """Per-row numbers a reward function returned beside `score` (e.g. `acc`)."""
     token_scores: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None

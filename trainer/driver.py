@@ -47,9 +47,23 @@ from trainer.config import Config, ConfigError, config_to_dict, dump_config
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
-from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
+from trainer.metrics import (
+    MetricsLogger,
+    data_metrics,
+    mfu,
+    throughput_metrics,
+    timing_metrics,
+    validation_metrics,
+)
 from trainer.parallel import balanced_split, split_rows
-from trainer.rewards import load_reward_fn, overlong_penalty, score_batch, score_responses
+from trainer.rewards import (
+    BATCH_ARGS,
+    PER_RESPONSE_ARGS,
+    load_reward_fn,
+    overlong_penalty,
+    score_batch,
+    score_responses,
+)
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
@@ -130,7 +144,12 @@ class PPODriver:
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
-        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        rm = cfg.reward_model
+        batch_manager = rm.reward_manager == "batch"
+        self.reward_fn = load_reward_fn(
+            cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+            cfg.custom_reward_function.reward_kwargs,
+            keywords=[*BATCH_ARGS, *rm.reward_kwargs] if batch_manager else PER_RESPONSE_ARGS)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         tokenizer_path, tokenizer_trust = cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
@@ -230,22 +249,28 @@ class PPODriver:
         texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
                  for row, n in zip(batch.responses, lengths, strict=True)]
         rm = self.cfg.reward_model
-        score = score_batch if rm.reward_manager == "batch" else score_responses
-        scores, extras = score(
-            self.reward_fn, [e.data_source for e in batch.examples], texts,
-            [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
-        buffer = rm.overlong_buffer
-        if rm.reward_manager == "dapo" and buffer.enable:
-            penalties = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len,
-                                         buffer.penalty_factor)
-            scores = [s + p for s, p in zip(scores, penalties, strict=True)]
-            if buffer.log:
-                extras["overlong_reward"] = penalties
-                extras["overlong"] = [float(p < 0) for p in penalties]
+        args = (self.reward_fn, [e.data_source for e in batch.examples], texts,
+                [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
+        if rm.reward_manager == "batch":
+            scores, extras = score_batch(*args, rm.reward_kwargs)
+        else:
+            scores, extras = score_responses(*args)
+        if rm.reward_manager == "dapo":
+            if not extras:  # verl's dapo reports a plain score as the accuracy
+                extras["acc"] = list(scores)
+            buffer = rm.overlong_buffer
+            if buffer.enable:
+                max_len = rm.reward_kwargs.get("max_resp_len", self.cfg.data.max_response_length)
+                penalties = overlong_penalty(lengths, max_len, buffer.len, buffer.penalty_factor)
+                scores = [s + p for s, p in zip(scores, penalties, strict=True)]
+                if buffer.log:
+                    extras["overlong_reward"] = penalties
+                    extras["overlong"] = [float(p < 0) for p in penalties]
         batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_extras = extras
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
-        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
+        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
+                if not any(isinstance(x, str) for x in v)}
 
     def _split(self, batch: StepBatch) -> list[list[int]]:
         """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
@@ -397,7 +422,10 @@ class PPODriver:
         c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
         args, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
                                    int(c.ppo_epochs or 1), 100)
-        return self._merge(self.critic_group.run_each("update_critic", args), "update_critic")
+        results = self.critic_group.run_each("update_critic", args)
+        metrics = self._merge(results, "update_critic")
+        metrics["perf/mfu/critic"] = self._mfu(batch, results, int(c.ppo_epochs or 1))
+        return metrics
 
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
         a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
@@ -407,10 +435,19 @@ class PPODriver:
                                          skip=lambda mini: self._rows_to_update(mini, keep_entropy))
         results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
         metrics = self._merge(results, "update_actor")
+        metrics["perf/mfu/actor"] = self._mfu(batch, results, a.ppo_epochs)
         metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
         if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
             metrics["actor/entropy"] = self._update_entropy(batch, [r["entropy"] for r in results])
         return metrics
+
+    def _mfu(self, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
+        """verl's `perf/mfu/<role>`: the model FLOPs of `epochs` passes over every row of the
+        batch in each rank's update time, per rank, over its device's promised FLOP/s; the mean
+        over ranks."""
+        seqlens = batch.attention_mask.sum(-1).long().tolist()
+        return float(np.mean([mfu(r["flops_fields"], seqlens, r["seconds"], r["device_name"],
+                                  epochs=epochs, world_size=self.world) for r in results]))
 
     def _update_entropy(self, batch: StepBatch, per_rank: list[torch.Tensor]) -> float:
         mini = self._mini_batches(batch, len(batch), self.cfg.actor_rollout_ref.actor.shuffle, 0)[0]
@@ -420,39 +457,38 @@ class PPODriver:
     def sync_weights(self) -> None:
         """Give every rank's rollout engine the actor's current weights (nothing to do where
         the engine generates with the actor itself)."""
-        self.rank_metrics["timing_s/weight_sync"] = self._note(
-            "weight_sync_s", self.actor_group.run("sync_rollout_weights"))
+        self._note("update_weights_s", self.actor_group.run("sync_rollout_weights"))
 
     # ------------------------------------------------------------------------------ validation
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Generate with `val_kwargs` (greedy by default) and report, per data source, the mean
-        score and the mean of every number the reward function returned beside it (e.g. `acc`),
-        each with its standard error over the validation rows (`val-aux/.../sem@n`)."""
+        """Generate `val_kwargs.n` responses per validation prompt with `val_kwargs` (greedy by
+        default) and report verl's validation metrics (:func:`trainer.metrics.validation_metrics`:
+        the core number, `acc` or else the reward, under `val-core`, the rest under `val-aux`)."""
         assert self.val_set is not None
-        n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
-        by_source: dict[str, dict[str, list[float]]] = {}
+        sources: list[str] = []
+        uids: list[int] = []
+        columns: dict[str, list[Any]] = {"reward": []}
         samples: list[dict[str, Any]] = []
+        offset = 0
         for examples in batches(self.val_set, self.cfg.data.val_batch_size):
             batch = self.generate(examples, validate=True)
             self.compute_rewards(batch)
             scores = need(batch.sequence_scores, "scores").tolist()
-            columns = {"reward": scores, **batch.reward_extras}
-            for i, ex in enumerate(batch.examples):
-                into = by_source.setdefault(ex.data_source, {})
-                for name, values in columns.items():
-                    into.setdefault(name, []).append(values[i])
+            before = len(sources)
+            sources += [e.data_source for e in batch.examples]
+            uids += [offset + u for u in batch.uids]  # a prompt's n responses share its uid
+            offset += len(examples)
+            for name, values in {"reward": scores, **batch.reward_extras}.items():
+                columns.setdefault(name, [None] * before).extend(values)
+            for values in columns.values():  # a column this batch's rewards lacked: blanks
+                values.extend([None] * (len(sources) - len(values)))
             samples += self._generations(batch, scores, self.cfg.trainer.log_val_generations - len(samples))
         if samples:
             self._log_generations(samples)
-        out: dict[str, float] = {}
-        for src, columns in by_source.items():
-            for name, values in columns.items():
-                out[f"val-core/{src}/{name}/mean@{n}"] = float(np.mean(values))
-                sem = float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
-                out[f"val-aux/{src}/{name}/sem@{n}"] = sem
-        return out
+        complete = {k: v for k, v in columns.items() if all(x is not None for x in v)}
+        return validation_metrics(sources, uids, complete)
 
     def _generations(self, batch: StepBatch, scores: list[float], count: int) -> list[dict[str, Any]]:
         """The first `count` rows of a validation batch as text (`trainer.log_val_generations`):
@@ -516,7 +552,8 @@ class PPODriver:
         if self.cfg.trainer.critic_warmup <= self.global_step:
             with timer.phase("update_actor"):
                 metrics.update(self.update_actor(batch))
-            self.sync_weights()
+            with timer.phase("update_weights"):  # verl's name for the weight sync
+                self.sync_weights()
         return metrics
 
     def _step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
@@ -527,8 +564,11 @@ class PPODriver:
             advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
             values=batch.values, response_mask=batch.response_mask,
             prompt_mask=batch.attention_mask[:, :-batch.response_length],
-            max_response_length=self.cfg.data.max_response_length)
-        metrics.update(timing_metrics(timer.seconds))
+            max_response_length=self.cfg.data.max_response_length,
+            max_prompt_length=self.cfg.data.max_prompt_length)
+        response_tokens = float(batch.response_mask.sum())
+        metrics.update(timing_metrics(timer.seconds, response_tokens=response_tokens,
+                                      all_tokens=float(batch.attention_mask.sum())))
         metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], self.world))
         metrics.update(self.rank_metrics)
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,

@@ -30,9 +30,11 @@ __all__ = [
     "compute_log_probs",
     "compute_values",
     "convert_to_hf",
+    "eos_token_ids",
     "left_pad",
     "load_actor",
     "load_critic",
+    "load_model_config",
     "load_tokenizer",
     "log_probs_from_logits",
     "position_ids_from_mask",
@@ -123,6 +125,51 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreT
     return tok
 
 
+def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a model path (a directory or a GGUF file)."""
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _generation_eos(directory: str, gguf_file: str | None, trust_remote_code: bool) -> list[int]:
+    """The `eos_token_id` of the model's generation config (`generation_config.json`, else the
+    one transformers derives from the model config, as verl's `get_generation_config`)."""
+    from transformers import GenerationConfig
+
+    if gguf_file:  # a GGUF file names one EOS, the one its tokenizer has (reading it again: ~10 s)
+        return []
+    try:
+        ids: Any = GenerationConfig.from_pretrained(directory).eos_token_id
+    except OSError:  # no generation_config.json
+        try:
+            config = load_model_config(directory, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return []
+        ids = GenerationConfig.from_model_config(config).eos_token_id
+    if ids is None:
+        return []
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+def eos_token_ids(path: str | Path, tokenizer: Any, *, trust_remote_code: bool = False) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS and each id of the model's
+    `generation_config.eos_token_id` (Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`).
+    verl's rollout stops on the generation config's ids and vLLM adds the tokenizer's; the
+    stop tokens and the response mask (:func:`trainer.rollout.base.response_mask_from_eos`)
+    both use this list."""
+    directory, gguf_file = resolve_model_path(path)
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    ids += _generation_eos(directory, gguf_file, trust_remote_code)
+    if not ids:
+        raise ValueError(
+            f"the model at `{path}` has no EOS token: its tokenizer and generation config name none, "
+            "so no response could end. Fix: set `eos_token_id` in its `generation_config.json`")
+    return list(dict.fromkeys(ids))
+
+
 def _enable_checkpointing(model: PreTrainedModel) -> None:
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -181,11 +228,9 @@ def empty_actor(
     split (tensor parallel) before `materialize` gives it memory and the first weight sync its
     values: no rank ever holds the whole model for it."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    directory, gguf_file = resolve_model_path(path)
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+    config = load_model_config(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,

@@ -351,6 +351,54 @@ def test_each_section_module_has_its_defaults_beside_it() -> None:
     assert "rollout" not in yaml.safe_load((C.DEFAULTS_DIR / "actor.yaml").read_text())["actor_rollout_ref"]
 
 
+def test_lr_scheduler_type_and_its_deprecated_name() -> None:
+    optim = load_config([]).actor_rollout_ref.actor.optim
+    assert (optim.lr_scheduler_type, optim.num_cycles, optim.warmup_style) == ("constant", 0.5, None)
+    cfg = load_config(["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                       "actor_rollout_ref.actor.optim.num_cycles=1.5", "critic.optim.warmup_style=cosine"])
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    assert cfg.actor_rollout_ref.actor.optim.num_cycles == 1.5
+    assert cfg.critic.optim.lr_scheduler_type == "cosine"  # verl: `warmup_style`, when set, replaces it
+    with pytest.raises(ConfigError, match="one of constant, cosine"):
+        load_config(["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"])
+
+
+def test_reward_kwargs_are_mappings_set_whole_or_by_entry() -> None:
+    cfg = load_config(["+custom_reward_function.reward_kwargs.scale=2",
+                       "custom_reward_function.reward_kwargs.mode=strict"])
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 2, "mode": "strict"}
+    cfg = load_config(["custom_reward_function.reward_kwargs={scale: 0.5, tags: [a, b]}"])
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 0.5, "tags": ["a", "b"]}
+    cfg = load_config(["custom_reward_function.reward_kwargs.scale=2", "~custom_reward_function.reward_kwargs.scale"])
+    assert cfg.custom_reward_function.reward_kwargs == {}
+    with pytest.raises(ConfigError, match="a mapping is expected"):
+        load_config(["custom_reward_function.reward_kwargs=3"])
+    batch = load_config(["reward_model.reward_manager=batch", "+reward_model.reward_kwargs.bonus=0.5"])
+    assert batch.reward_model.reward_kwargs == {"bonus": 0.5}
+    assert C.config_from_dict(C.config_to_dict(batch)) == batch
+
+
+def test_verl_s_current_overlong_keys_set_the_dapo_buffer() -> None:
+    """verl's DAPO scripts: `+reward_model.reward_kwargs.overlong_buffer_cfg.*` and `max_resp_len`."""
+    cfg = load_config(["data.max_response_length=64", "reward_model.reward_manager=dapo",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                       "+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}"])
+    buffer = cfg.reward_model.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor, buffer.log) == (True, 16, 1.0, False)
+    assert cfg.reward_model.reward_kwargs == {"max_resp_len": 64}
+    with pytest.raises(ConfigError, match="overlong_buffer_cfg.size`; valid: `enable`, `len`"):
+        load_config(["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.size=3"])
+    with pytest.raises(ConfigError, match="`naive` reward manager does not take.*it takes none"):
+        load_config(["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"])
+    with pytest.raises(ConfigError, match="between 1 and the length the penalty counts to \\(8"):
+        load_config(["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.max_resp_len=8",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16"])
+
+
 # ------------------------------------------------- verl keys that change no number: accepted
 
 HF = "actor_rollout_ref.rollout.name=hf"

@@ -4,6 +4,7 @@ reproduces an uninterrupted one exactly."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -331,8 +332,8 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     fn.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
                   "def per_row(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    return toy_digits_score(solution_str)\n\n"
-                  "def rows(data_sources, solution_strs, ground_truths, extra_infos):\n"
-                  "    return [toy_digits_score(s) for s in solution_strs]\n")
+                  "def rows(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):\n"
+                  "    return [toy_digits_score(s) + bonus for s in solution_strs]\n")
 
     def run(name: str, *extra: str) -> list[dict]:
         cfg = load_config(toy_overrides(
@@ -353,6 +354,17 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     assert first["reward_extra/overlong_reward/mean"] < 0 < first["reward_extra/overlong/mean"]
     assert first["critic/score/mean"] == pytest.approx(
         naive[0]["critic/score/mean"] + first["reward_extra/overlong_reward/mean"], abs=1e-6)
+    # verl's current spelling of the buffer gives the same run
+    verl_keys = run("dapo_verl", "reward_model.reward_manager=dapo",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=True",
+                    "+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}")
+    assert [r["critic/score/mean"] for r in verl_keys] == [r["critic/score/mean"] for r in dapo]
+    # `batch` passes `reward_model.reward_kwargs` to the function: +0.5 on every score
+    bonus = run("bonus", "custom_reward_function.name=rows", "reward_model.reward_manager=batch",
+                "+reward_model.reward_kwargs.bonus=0.5")
+    assert bonus[0]["critic/score/mean"] == pytest.approx(naive[0]["critic/score/mean"] + 0.5)
 
 
 def test_newer_verl_keys_act_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
@@ -399,3 +411,49 @@ def test_val_only_validates_once_with_standard_errors_and_trains_nothing(
     with pytest.raises(Exception, match="needs a validation set"):
         load_config([o for o in toy_overrides(tiny_model_dir, toy_data, run, "trainer.val_only=true")
                      if not o.startswith("data.val_files")] + ["data.val_files=[]"])
+
+
+def test_step_metrics_follow_verl(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """A GAE run of 3 steps, cosine schedule with 1 warm-up step: `actor/lr` and `critic/lr` are
+    the rates each update used (verl logs them before the scheduler steps: 0 during the warm-up,
+    then 1e-3 and 1e-3 * (1 + cos(pi/2)) / 2), and verl's other step metrics are there."""
+    run = tmp_path / "run"
+    assert run_training(load_config(_small(tiny_model_dir, toy_data, run, "trainer.test_freq=0"))) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 1e-3, 5e-4])
+    assert [r["critic/lr"] for r in rows] == pytest.approx([1e-3] * 3)  # the critic's: constant, no warm-up
+    for r in rows:
+        assert math.isfinite(r["critic/vf_explained_var"]) and r["critic/vf_explained_var"] <= 1.0
+        assert math.isfinite(r["critic/vpred_mean"])
+        assert 0.0 <= r["prompt_length/clip_ratio"] <= 1.0
+        assert r["timing_per_token_ms/gen"] == pytest.approx(
+            r["timing_s/gen"] * 1000 / (r["response_length/mean"] * 8))  # 4 prompts x 2 responses
+        assert r["timing_s/update_weights"] >= 0.0 and "timing_s/weight_sync" not in r
+        assert r["perf/mfu/actor"] > 0.0 and r["perf/mfu/critic"] > 0.0  # CPU: verl's 448 GFLOP/s
+        assert r["perf/max_memory_allocated_gb"] == 0.0  # no such counter on the CPU
+
+
+def test_validation_with_several_samples_reports_verl_s_layout(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`val_kwargs.n=2` sampled responses per prompt and a reward returning `acc` and `pred`:
+    `val-core` holds `acc`'s mean, best and majority at 2; the reward and the spreads are
+    `val-aux`; the best of 2 is at least the mean, the worst at most."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    s = toy_digits_score(solution_str)\n"
+                      "    return {'score': s, 'acc': s >= 0.5, 'pred': solution_str[:3]}\n")
+    run = tmp_path / "val"
+    driver = PPODriver(load_config(toy_overrides(
+        tiny_model_dir, toy_data, run, "trainer.val_only=true", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", f"custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "data.val_batch_size=5")))
+    assert driver.fit() == 0
+    [row] = read_jsonl(run / "metrics.jsonl")
+    src = "val-core/toy_digits/acc"
+    assert {f"{src}/mean@2", f"{src}/best@2/mean", f"{src}/maj@2/mean"} <= set(row)
+    assert "val-aux/toy_digits/acc/worst@2/mean" in row
+    assert "val-aux/toy_digits/reward/mean@2" in row and "val-aux/toy_digits/acc/std@2" in row
+    assert not any(k.startswith("val-core/toy_digits/reward") for k in row)
+    assert row[f"{src}/best@2/mean"] >= row[f"{src}/mean@2"] >= row["val-aux/toy_digits/acc/worst@2/mean"]

@@ -335,7 +335,7 @@ def test_two_ray_ranks_train_lora_and_resume_on_one(tiny_model_dir: Path, toy_da
                             "trainer.total_training_steps=1")
     assert run_training(load_config(two)) == 0
     rows = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1] and rows[0]["timing_s/weight_sync"] > 0
+    assert [r["step"] for r in rows] == [1] and rows[0]["timing_s/update_weights"] > 0
     saved = ckpt.find_latest_checkpoint(run)
     assert ckpt.load_state(saved, "trainer_state")["world_size"] == 2
     model, info = AutoModelForCausalLM.from_pretrained(saved / ckpt.HF_DIR, output_loading_info=True)

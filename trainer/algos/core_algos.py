@@ -119,12 +119,12 @@ def masked_whiten(
 def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence's scalar score on its last valid response token (zeros elsewhere).
 
-    A row without any valid token gets no reward.
+    A row without any valid token gets its score at index -1, the last column, as verl's reward
+    managers write it (`reward_tensor[i, valid_response_length - 1]`).
     """
     token_level = torch.zeros_like(response_mask, dtype=scores.dtype)
     lengths = response_mask.sum(dim=-1).long()
-    rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-    token_level[rows, lengths[rows] - 1] = scores[rows]
+    token_level[torch.arange(len(lengths)), lengths - 1] = scores
     return token_level
 
 
@@ -858,48 +858,50 @@ def resolve_warmup_steps(
     return int(lr_warmup_steps_ratio * total_training_steps)
 
 
+LR_SCHEDULER_TYPES = ("constant", "cosine")
+
+
 def lr_lambda(
     step: int,
     num_warmup_steps: int,
     num_training_steps: int,
-    warmup_style: str = "constant",
+    lr_scheduler_type: str = "constant",
     min_lr_ratio: float = 0.0,
     num_cycles: float = 0.5,
 ) -> float:
-    """Multiplier of the base learning rate at optimiser step ``step`` (0-based), as in verl.
+    """Multiplier of the base learning rate at optimiser step ``step`` (0-based), as verl's
+    ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``.
 
-    ``constant``: linear from 0 to 1 over the warm-up, then 1. ``cosine``: linear from
-    ``min_lr_ratio`` to 1 over the warm-up, then a cosine down to ``min_lr_ratio``.
+    Both warm up linearly from 0 to 1 over ``num_warmup_steps``. ``constant`` then stays at 1;
+    ``cosine`` follows ``num_cycles`` waves of a cosine between 1 and ``min_lr_ratio`` over the
+    remaining steps (0.5: one half-wave down to ``min_lr_ratio``), never below ``min_lr_ratio``.
     """
-    if warmup_style == "constant":
-        if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
+    if lr_scheduler_type not in LR_SCHEDULER_TYPES:
+        raise ValueError(
+            f"Unknown `optim.lr_scheduler_type={lr_scheduler_type!r}`. Valid values: constant, cosine.")
+    if step < num_warmup_steps:
+        return float(step) / float(max(1, num_warmup_steps))
+    if lr_scheduler_type == "constant":
         return 1.0
-    if warmup_style == "cosine":
-        if step < num_warmup_steps:
-            return min_lr_ratio + (1.0 - min_lr_ratio) * step / float(max(1, num_warmup_steps))
-        progress = (step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
-        x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
-        return max(0.0, x * (1.0 - min_lr_ratio) * 0.5 + (1.0 + min_lr_ratio) * 0.5)
-    raise ValueError(
-        f"Unknown `optim.warmup_style={warmup_style!r}`. Valid values: constant, cosine."
-    )
+    progress = (step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+    return max(min_lr_ratio, x * (1.0 - min_lr_ratio) * 0.5 + (1.0 + min_lr_ratio) * 0.5)
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     num_warmup_steps: int,
     num_training_steps: int,
-    warmup_style: str = "constant",
+    lr_scheduler_type: str = "constant",
     min_lr_ratio: float = 0.0,
     num_cycles: float = 0.5,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` following :func:`lr_lambda`; step it once per optimiser step."""
-    lr_lambda(0, num_warmup_steps, num_training_steps, warmup_style, min_lr_ratio, num_cycles)
+    lr_lambda(0, num_warmup_steps, num_training_steps, lr_scheduler_type, min_lr_ratio, num_cycles)
 
     def factor(step: int) -> float:
         return lr_lambda(
-            step, num_warmup_steps, num_training_steps, warmup_style, min_lr_ratio, num_cycles
+            step, num_warmup_steps, num_training_steps, lr_scheduler_type, min_lr_ratio, num_cycles
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -169,12 +169,14 @@ class VLLMRolloutEngine:
             trust_remote_code=trust_remote_code, **parallel)
 
     @classmethod
-    def from_config(cls, cfg: Config, tokenizer: Any, seed: int = 0) -> VLLMRolloutEngine:
-        """An engine for the actor model of `cfg` (verl's `actor_rollout_ref.rollout` keys)."""
+    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0
+                    ) -> VLLMRolloutEngine:
+        """An engine for the actor model of `cfg` (verl's `actor_rollout_ref.rollout` keys),
+        stopping on every id of `eos_token_ids` (:func:`trainer.models.eos_token_ids`)."""
         r = cfg.actor_rollout_ref.rollout
         max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         return cls(cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
-                   eos_token_ids=[tokenizer.eos_token_id], max_model_len=max_len, seed=seed,
+                   eos_token_ids=eos_token_ids, max_model_len=max_len, seed=seed,
                    gpu_memory_utilization=r.gpu_memory_utilization,
                    tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,

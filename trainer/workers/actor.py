@@ -32,6 +32,7 @@ from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
+from trainer.metrics import flops_fields, memory_metrics
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -74,10 +75,11 @@ class ActorRolloutRefWorker(Worker):
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
         arr = self.cfg.actor_rollout_ref
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        eos = M.eos_token_ids(arr.model.path, self.tokenizer, trust_remote_code=arr.model.trust_remote_code)
         if arr.rollout.name == "vllm":
             tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
-            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer,
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, eos,
                                                  seed=self.cfg.trainer.seed + self.rank // tp), False
         assert self.ctx is not None
         tp = arr.rollout.tensor_model_parallel_size
@@ -243,10 +245,13 @@ class ActorRolloutRefWorker(Worker):
                 entropy = self._update_mini(share, keep_entropy, collected, totals)
         for key in ("actor/pg_loss", "actor/kl_loss"):  # verl reports both, kl_loss 0 without a KL loss
             collected[key].append(totals[key])
+        collected["actor/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        collected["actor/lr"].append(self.lr())
+        for key, value in memory_metrics(self.device).items():
+            collected[key].append(value)
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu()}
+                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu(),
+                "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     # ------------------------------------------------------------------ checkpoints
 

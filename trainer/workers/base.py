@@ -144,7 +144,8 @@ class Worker:
         warmup = core_algos.resolve_warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio,
                                                  self.total_steps)
         self.sched = core_algos.build_lr_scheduler(self.optim, warmup, self.total_steps,
-                                                   optim.warmup_style, optim.min_lr_ratio)
+                                                   optim.lr_scheduler_type, optim.min_lr_ratio,
+                                                   optim.num_cycles)
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -213,6 +214,12 @@ class Worker:
 
     def lr(self) -> float:
         return float(self.sched.get_last_lr()[0])
+
+    def device_name(self) -> str:
+        """This rank's device as verl's FLOPs table names it: the GPU's name, or `CPU`."""
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_name(self.device))
+        return "CPU"
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -12,6 +12,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.metrics import flops_fields
 from trainer.workers.base import Worker
 
 __all__ = ["CriticWorker"]
@@ -81,6 +82,7 @@ class CriticWorker(Worker):
             (loss * scale).backward()
             vf_loss += loss.item() * scale
             collected["critic/vf_clipfrac"].append(clipfrac.item())
+            collected["critic/vpred_mean"].append(core_algos.masked_mean(vpreds, mb.response_mask).item())
         collected["critic/grad_norm"].append(self._optimizer_step(c.grad_clip))
         return vf_loss
 
@@ -95,10 +97,10 @@ class CriticWorker(Worker):
                 tokens += float(share.batch.attention_mask.sum())
                 vf_loss += self._update_mini(share, collected)
         collected["critic/vf_loss"].append(vf_loss)
+        collected["critic/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        collected["critic/lr"].append(self.lr())
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens}
+                "tokens": tokens, "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     def save_checkpoint(self, tmp: str) -> float:
         return self.save(tmp, "critic")

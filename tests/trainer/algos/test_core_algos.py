@@ -53,7 +53,7 @@ def test_masked_var_single_element_fails_clearly() -> None:
 def test_scores_to_token_level() -> None:
     mask = T([[1.0, 1, 0], [1, 1, 1], [0, 0, 0]])
     out = ca.scores_to_token_level(T([1.0, 2.0, 3.0]), mask)
-    close(out, [[0.0, 1, 0], [0, 0, 2], [0, 0, 0]])
+    close(out, [[0.0, 1, 0], [0, 0, 2], [0, 0, 3]])  # an empty response: index -1, as verl writes it
 
 
 # --------------------------------------------------------------------------- advantages
@@ -488,12 +488,18 @@ def test_kl_controllers_and_state() -> None:
 
 
 def test_lr_warmup_schedules() -> None:
+    """verl's schedules, by hand: both warm up from 0; the cosine falls from 1 to
+    `min_lr_ratio` over the steps after the warm-up (`num_cycles=0.5`)."""
     assert [ca.lr_lambda(s, 4, 10) for s in range(6)] == [0, 0.25, 0.5, 0.75, 1, 1]
+    # warm-up 2 of 6 steps, floor 0.1: 0, 1/2, then 0.55 + 0.45 cos(pi (s - 2) / 4)
     cos = [ca.lr_lambda(s, 2, 6, "cosine", min_lr_ratio=0.1) for s in (0, 1, 2, 4, 6)]
-    assert cos == pytest.approx([0.1, 0.55, 1.0, 0.55, 0.1])
+    assert cos == pytest.approx([0.0, 0.5, 1.0, 0.55, 0.1])
+    # one whole wave (`num_cycles=1`) over 4 steps, floor 0.2: down to 0.2 and back up to 1
+    wave = [ca.lr_lambda(s, 0, 4, "cosine", min_lr_ratio=0.2, num_cycles=1.0) for s in range(5)]
+    assert wave == pytest.approx([1.0, 0.6, 0.2, 0.6, 1.0])
     assert ca.resolve_warmup_steps(-1, 0.25, 10) == 2
     assert ca.resolve_warmup_steps(3, 0.25, 10) == 3
-    with pytest.raises(ValueError, match="constant, cosine"):
+    with pytest.raises(ValueError, match="lr_scheduler_type='linear'.*constant, cosine"):
         ca.lr_lambda(0, 1, 1, "linear")
 
 
