@@ -56,7 +56,7 @@ from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
 
-__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "launcher_restart", "run_training", "use_ray"]
+__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
 #: `trainer.log_val_generations` samples, one JSON object per line, in `trainer.run_dir`.
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
@@ -73,6 +73,18 @@ def launcher_restart() -> int:
     recorded with each step so that plots can mark where a run resumed."""
     raw = os.environ.get("HPCRL_RESTART", "")
     return int(raw) if raw.strip().isdigit() else 0
+
+
+def fetch_models(cfg: Config) -> None:
+    """Resolve every model path now, in the driver: a hub id is found in the Hugging Face cache,
+    or downloaded into it where the hub is reachable, before the workers (offline) read it."""
+    paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
+             "data.tokenizer": cfg.data.tokenizer}
+    if cfg.derived.use_critic:
+        paths["critic.model.path"] = cfg.critic.model.path
+    for key, path in paths.items():
+        if path:
+            M.resolve_model_path(path, key)
 
 
 class Timer:
@@ -128,6 +140,7 @@ class PPODriver:
         self.ckpt_root = Path(t.default_local_dir or ".")
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         seed_everything(t.seed)
+        fetch_models(cfg)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
