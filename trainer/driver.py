@@ -54,7 +54,7 @@ from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerGroup
-from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
+from trainer.workers.ray_group import connect, make_placement_group, start_colocated
 
 __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
@@ -117,11 +117,12 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, t.n_gpus_per_node, 2 if cfg.derived.use_critic else 1)
-        actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
-                               world_size=world)
-        critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)
-                  if cfg.derived.use_critic else None)
+        slot = make_placement_group(t.nnodes, t.n_gpus_per_node,
+                                    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
+                                  **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
+        groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world)
+        actor, critic = groups["actor_rollout_ref"], groups.get("critic")
     clock.mark("workers_spawned")
     for group in (actor, critic):
         if group is not None:
