@@ -7,7 +7,8 @@ placing worker groups, calling them.
   GPUs): ``trainer.nnodes`` nodes, found with a ``STRICT_SPREAD`` reservation of whole nodes, each
   then holding one placement group of ``n_gpus_per_node`` one-GPU bundles pinned to it. Rank r
   lives in bundle ``r % n_gpus_per_node`` of node ``r // n_gpus_per_node``, so the consecutive
-  ranks of a tensor-parallel engine share a node.
+  ranks of a tensor-parallel engine share a node (on GPUs its size must divide
+  ``n_gpus_per_node``; a CPU cluster's gloo engine may span nodes).
 - :func:`start_colocated` starts one process per rank hosting every role (actor + reference +
   rollout, and the critic when there is one: verl's colocated worker), asking Ray for a whole
   GPU: no two processes share a GPU, as fractions would make them. Each role is seen as its own
@@ -107,8 +108,8 @@ _private_token: Path | None = None
 
 def make_placement_group(nnodes: int, per_node: int, tp: int = 1) -> WorkerSlot:
     """`nnodes` distinct nodes, each with one placement group of `per_node` one-GPU bundles
-    (one-CPU bundles when the cluster has no GPU). `tp` (the rollout's tensor-parallel size)
-    must divide `per_node`, so that no engine spans two nodes."""
+    (one-CPU bundles when the cluster has no GPU). On GPUs `tp` (the rollout's tensor-parallel
+    size) must divide `per_node`, so that no engine spans two nodes."""
     import ray
     from ray.util.placement_group import (
         placement_group,
@@ -116,12 +117,12 @@ def make_placement_group(nnodes: int, per_node: int, tp: int = 1) -> WorkerSlot:
         remove_placement_group,
     )
 
-    if per_node % tp:
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if use_gpu and per_node % tp:  # a CPU cluster's gloo engine may span nodes (the lab's seeds)
         raise ConfigError(
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` does not divide "
             f"`trainer.n_gpus_per_node={per_node}`: a tensor-parallel engine would span two nodes. "
             "Fix: make the tensor-parallel size a divisor of the GPUs per node")
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
     unit = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
     whole = {k: v * per_node for k, v in unit.items()}
     strategy = "STRICT_SPREAD" if nnodes > 1 else "PACK"
