@@ -103,3 +103,24 @@ def test_preflight_reads_the_jobs_cache(tiny_model_dir: Path, tmp_path: Path) ->
     assert path is None and len(problems) == 1
     assert f"`HF_HOME={tmp_path / 'empty'}`" in problems[0] and f"hf download {REPO_ID}" in problems[0]
     assert "compute nodes" in problems[0]
+
+
+def test_a_run_with_hub_ids_trains_and_checkpoints_offline(offline_cache: Path, tmp_path: Path) -> None:
+    from trainer.checkpoint import full_state as ckpt
+    from trainer.config import load_config
+    from trainer.driver import run_training
+    from trainer.metrics import read_jsonl
+    from trainer.rewards.toy import write_toy_digits
+
+    data, run = tmp_path / "toy", tmp_path / "run"
+    write_toy_digits(data, train_size=16, val_size=4, seed=0)
+    cfg = load_config([
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8", f"actor_rollout_ref.model.path={REPO_ID}",
+        f"critic.model.path={REPO_ID}", "algorithm.adv_estimator=gae", "trainer.val_before_train=false",
+        "trainer.device=cpu", f"trainer.default_local_dir={run}", "trainer.logger=jsonl",
+        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=1", "trainer.save_freq=1"])
+    assert run_training(cfg) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+    assert (ckpt.find_latest_checkpoint(run) / "huggingface" / "config.json").is_file()
