@@ -105,6 +105,7 @@ def test_preflight_reads_the_jobs_cache(tiny_model_dir: Path, tmp_path: Path) ->
     assert "compute nodes" in problems[0]
 
 
+@pytest.mark.slow
 def test_a_run_with_hub_ids_trains_and_checkpoints_offline(offline_cache: Path, tmp_path: Path) -> None:
     from trainer.checkpoint import full_state as ckpt
     from trainer.config import load_config
