@@ -68,7 +68,7 @@ def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The trainer's defaults (`trainer/config.yaml`), flattened to dotted keys."""
+    """The trainer's defaults (`trainer/config/*.yaml`), flattened to dotted keys."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -251,10 +251,11 @@ def check_space(ckpt_root: Path, model: Path, with_critic: bool,
 
 def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
                       read_columns: Callable[[Path], list[str] | None] = parquet_columns,
-                      free: Callable[[Path], int] = disk_free, nodes: int = 1) -> list[str]:
-    """Every check of a trainer job on `nodes` nodes whose payload overrides are
-    `payload_args`."""
-    overrides, problems = parse_overrides(payload_args, reading_env(nodes, run_dir))
+                      free: Callable[[Path], int] = disk_free, nodes: int = 1,
+                      profile: Mapping[str, Any] | None = None) -> list[str]:
+    """Every check of a trainer job on `nodes` nodes of the site `profile` (plain data) whose
+    payload overrides are `payload_args`."""
+    overrides, problems = parse_overrides(payload_args, reading_env(nodes, run_dir, profile))
     return problems or check_job_inputs(overrides, run_dir, read_columns, free)
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.layout import is_complete, step_of
-from trainer.config import ConfigError, override_values
+from trainer.config import GPUS_ENV, ConfigError, override_values
 from trainer.exit_codes import ABORTED_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import METRICS_FILE  # the trainer writes it; named once, there
 
@@ -454,11 +454,19 @@ def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
 # ----------------------------------------------------------------------------- trainer's files
 
 
-def reading_env(nodes: int, run_dir: Path) -> dict[str, str]:
+def reading_env(nodes: int, run_dir: Path, profile: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The variables the node agent gives the trainer that its overrides may name
-    (`${oc.env:HPCRL_NUM_NODES}`), as the launcher assumes them when it reads the overrides
-    before or after the job (the nodes asked for; the agent passes the nodes granted)."""
-    return {"HPCRL_NUM_NODES": str(nodes), "HPCRL_RUN_DIR": str(run_dir)}
+    (`${oc.env:HPCRL_NUM_NODES}`) or its defaults follow (`trainer.n_gpus_per_node`), as the
+    launcher assumes them when it reads the overrides before or after the job (the nodes asked
+    for; the agent passes the nodes granted). `profile`: the job's profile as plain data."""
+    return {"HPCRL_NUM_NODES": str(nodes), "HPCRL_RUN_DIR": str(run_dir), **gpus_env(profile or {})}
+
+
+def gpus_env(profile: Mapping[str, Any]) -> dict[str, str]:
+    """`HPCRL_GPUS_PER_NODE`: the GPUs per node the job asks Slurm for (the profile's
+    `slurm.gpus_per_node`, 0 = none), which `trainer.n_gpus_per_node` follows by default."""
+    slurm = profile.get("slurm") or {}
+    return {GPUS_ENV: str(int(slurm.get("gpus_per_node") or 0))}
 
 
 def payload_overrides(run_dir: Path) -> dict[str, Any]:
@@ -467,8 +475,9 @@ def payload_overrides(run_dir: Path) -> dict[str, Any]:
     try:
         job = read_job(run_dir)
         nodes = job.get("nodes") if isinstance(job.get("nodes"), int) else 1
+        profile = job.get("profile") if isinstance(job.get("profile"), dict) else {}
         return override_values([a for a in job.get("payload", []) if isinstance(a, str)],
-                               reading_env(nodes, run_dir))
+                               reading_env(nodes, run_dir, profile))
     except (RunFileError, ConfigError):
         return {}
 

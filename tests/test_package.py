@@ -55,6 +55,9 @@ def test_wheel_ships_packages_and_data_dirs(wheel):
     for init in [*REPO.glob("hpcrl/**/__init__.py"), *REPO.glob("trainer/**/__init__.py")]:
         rel = init.relative_to(REPO).as_posix()
         assert rel in names, f"{rel} is missing from the wheel: add its package to pyproject.toml"
+    for defaults in REPO.glob("trainer/config/*.yaml"):  # the trainer's defaults, one file a section
+        rel = defaults.relative_to(REPO).as_posix()
+        assert rel in names, f"{rel} is missing from the wheel: add it to pyproject.toml's package-data"
     for data in ("sbatch_templates", "site_profiles", "containers"):
         src = sorted(p.name for p in (REPO / data).iterdir() if p.is_file() and not p.name.startswith("."))
         shipped = sorted(n.split("/")[-1] for n in names if n.startswith(f"hpcrl/_data/{data}/"))

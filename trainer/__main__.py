@@ -24,7 +24,7 @@ _STARTUP_STOP = StopRequest() if __name__ == "__main__" else None
 if _STARTUP_STOP is not None:
     _STARTUP_STOP.install()
 
-from trainer.config import ConfigError, describe_keys, dump_config, load_config  # noqa: E402
+from trainer.config import ConfigError, compat_notes, describe_keys, dump_config, load_config  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.deadline import DeadlineError  # noqa: E402
 from trainer.driver import run_training  # noqa: E402
@@ -78,6 +78,8 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     except ConfigError as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    for line in compat_notes(args.overrides, cfg):
+        print(f"python -m trainer: note: {line}", file=sys.stderr)
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0

@@ -9,7 +9,7 @@ A row holds `data_source` (selects the reward function; another column with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -94,9 +94,12 @@ def write_generated(output_dir: str | Path, rows_of: Callable[[int, int, str], l
             for split, count in (("train", train_size), ("test", val_size))}
 
 
-def chat_prompt_ids(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template, ready to generate."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def chat_prompt_ids(tokenizer: ChatTokenizer, messages: list[dict[str, str]],
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, ready to generate;
+    `template_kwargs` go to `apply_chat_template` (verl's `data.apply_chat_template_kwargs`)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **dict(template_kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -143,6 +146,7 @@ class PromptDataset:
         reward_fn_key: str = "data_source",
         filter_overlong_prompts: bool = False,
         truncation: Truncation = "error",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.files = [str(f) for f in files]
         self.num_filtered = 0
@@ -150,7 +154,7 @@ class PromptDataset:
         for index, row in enumerate(read_rows(files, prompt_key, reward_fn_key)):
             where = f"row {index} of {', '.join(self.files)}"
             messages = _check_messages(row[prompt_key], where)
-            ids = chat_prompt_ids(tokenizer, messages)
+            ids = chat_prompt_ids(tokenizer, messages, chat_template_kwargs)
             if filter_overlong_prompts and len(ids) > max_prompt_length:
                 self.num_filtered += 1
                 continue

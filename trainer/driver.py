@@ -117,7 +117,7 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, t.n_gpus_per_node,
+        slot = make_placement_group(t.nnodes, world // t.nnodes,
                                     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
         roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
                                   **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
@@ -144,8 +144,8 @@ class PPODriver:
         fetch_models(cfg)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self.tokenizer = M.load_tokenizer(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
-                                          trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        tokenizer_path, tokenizer_trust = cfg.tokenizer_source
+        self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         self._build_data()
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -172,7 +172,8 @@ class PPODriver:
         common: dict[str, Any] = {"max_prompt_length": data.max_prompt_length, "prompt_key": data.prompt_key,
                                   "reward_fn_key": data.reward_fn_key,
                                   "filter_overlong_prompts": data.filter_overlong_prompts,
-                                  "truncation": data.truncation}
+                                  "truncation": data.truncation,
+                                  "chat_template_kwargs": data.apply_chat_template_kwargs}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
         t = self.cfg.trainer

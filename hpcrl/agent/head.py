@@ -27,7 +27,7 @@ from hpcrl.agent.watch import (
     stop_requested,
 )
 from hpcrl.netaddr import format_host
-from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
+from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED, gpus_env
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
 
@@ -83,6 +83,7 @@ class Head:
             "HPCRL_JOB_ID": node.ctx.job_id,
             "HPCRL_NUM_NODES": str(node.ctx.num_nodes),
             "HPCRL_JOIN_TIMEOUT_S": f"{node.job.join_timeout_s:.0f}",
+            **gpus_env(node.job.profile),
             **({rq.END_TIME_ENV: f"{end:.0f}"} if end else {}),
         }
 

@@ -88,7 +88,7 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
         return
     run_dir = Path(req.run_dir)
     overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]),
-                                             reading_env(req.spec.nodes, run_dir))
+                                             reading_env(req.spec.nodes, run_dir, req.spec.profile))
     pf.report(problems, fatal=True)
     pf.report(pf.check_job_inputs(overrides, run_dir, hub_env={**os.environ, **profile.env}),
               fatal=profile.scheduler == "local" and not dry_run)

@@ -169,3 +169,21 @@ def test_settings_the_trainer_refuses_at_its_start_are_refused_before_submission
     assert pf.parse_overrides(tp, {"HPCRL_NUM_NODES": "2"})[1] == []
     _, [problem] = pf.parse_overrides(tp, {"HPCRL_NUM_NODES": "3"})
     assert "must divide the 3 ranks" in problem
+
+
+def test_the_trainers_gpus_per_node_follow_the_sites_gpus(tmp_path: Path) -> None:
+    """verl's ROCm GRPO line sets no `trainer.n_gpus_per_node` (verl: 8): on a site that asks
+    Slurm for 8 GPUs per node it is checked with 8 ranks a node (a rollout engine of 2 fits), on
+    a CPU site with one, and refused there."""
+    from hpcrl.rundir import reading_env
+
+    assert reading_env(2, tmp_path, {"slurm": {"gpus_per_node": 8}})["HPCRL_GPUS_PER_NODE"] == "8"
+    assert reading_env(2, tmp_path)["HPCRL_GPUS_PER_NODE"] == "0"
+    grpo = ["algorithm.adv_estimator=grpo", "data.train_batch_size=1024",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.ref.fsdp_config.param_offload=True"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    ok = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--", *grpo], env)
+    assert ok.returncode == 0, ok.stderr
+    cpu = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "slurmlab", "--", *grpo], env)
+    assert cpu.returncode == 2 and "must divide the 1 ranks" in cpu.stderr, cpu.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import subprocess
@@ -105,13 +106,16 @@ def test_list_syntaxes() -> None:
 
 
 def test_defaults_file_matches_the_dataclasses_exactly() -> None:
+    mappings = {key for key, type_name, _ in C.describe_keys() if type_name.startswith("mapping")}
+
     def keys(tree: dict, prefix: str = "") -> set[str]:
         out = set()
         for k, v in tree.items():
-            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+            nested = isinstance(v, dict) and prefix + k not in mappings  # a free-form mapping is one key
+            out |= keys(v, f"{prefix}{k}.") if nested else {prefix + k}
         return out
 
-    yaml_keys = keys(yaml.safe_load(C.DEFAULTS_FILE.read_text()))
+    yaml_keys = keys(C.load_defaults())
     assert yaml_keys == {row[0] for row in C.describe_keys()}
 
 
@@ -217,6 +221,14 @@ def test_cli_print_config_validates_and_prints() -> None:
     bad = subprocess.run([sys.executable, "-m", "trainer", "--print-config", "data.nope=1"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "unknown key `data.nope`" in bad.stderr
+    noted = subprocess.run([sys.executable, "-m", "trainer", "--print-config",
+                            "actor_rollout_ref.model.use_shm=true", "data.train_batch_size=512", HF],
+                           capture_output=True, text=True, check=False)
+    assert noted.returncode == 0, noted.stderr
+    [note] = noted.stderr.splitlines()  # one line on stderr; stdout stays YAML
+    assert note.startswith("python -m trainer: note: `actor_rollout_ref.model.use_shm`")
+    assert "the numbers are the same" in note
+    assert yaml.safe_load(noted.stdout)["actor_rollout_ref"]["model"]["use_shm"] is True
 
 
 # ------------------------------------------------------------------ verl's override grammar
@@ -282,7 +294,7 @@ def test_every_accepted_key_acts_or_is_marked_compatibility_only() -> None:
     """No silent no-ops: every key the trainer accepts is read by the trainer's code (attribute
     access outside its declaration, or by name in the derivation) or is listed in `COMPAT` with the reason nothing is lost.
     A static check: a new key without code behind it fails here."""
-    trainer_dir = Path(C.__file__).parent
+    trainer_dir = Path(C.__file__).parents[1]
     source = "\n".join(p.read_text() for p in trainer_dir.rglob("*.py"))
     silent = [key for key, _, _ in C.describe_keys()
               if key not in C.COMPAT and not re.search(rf'\.{key.split(".")[-1]}\b|\["{key.split(".")[-1]}"\]', source)]
@@ -304,8 +316,166 @@ def test_settings_that_would_do_nothing_are_refused() -> None:
     assert load_config(["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"]).trainer.max_critic_ckpt_to_keep == 2
 
 
-def test_fused_kernel_keys_accept_off_and_refuse_on_naming_the_kernel() -> None:
-    load_config(["actor_rollout_ref.model.use_liger=False", "actor_rollout_ref.model.use_fused_kernels=false"])
-    for key, kernel in (("use_liger", "Liger fused kernels"), ("use_fused_kernels", "fused linear \\+ log-prob")):
-        with pytest.raises(ConfigError, match=kernel):
-            load_config([f"actor_rollout_ref.model.{key}=True"])
+def test_each_section_module_has_its_defaults_beside_it() -> None:
+    """`data.yaml` holds `data.*`, `rollout.yaml` `actor_rollout_ref.rollout.*`, ...: a key's
+    default sits beside its type and help line, and no default is set in two files."""
+    tops = {"data": ["data"], "actor": ["actor_rollout_ref"], "rollout": ["actor_rollout_ref"],
+            "critic": ["critic"], "reward": ["reward_model", "custom_reward_function"],
+            "algorithm": ["algorithm"], "trainer": ["trainer", "global_profiler"]}
+    for path in C.DEFAULTS_FILES:
+        tree = yaml.safe_load(path.read_text())
+        assert list(tree) == tops[path.stem], path
+        assert path.with_suffix(".py").is_file(), path
+    assert list(yaml.safe_load((C.DEFAULTS_DIR / "rollout.yaml").read_text())["actor_rollout_ref"]) == ["rollout"]
+    assert "rollout" not in yaml.safe_load((C.DEFAULTS_DIR / "actor.yaml").read_text())["actor_rollout_ref"]
+
+
+# ------------------------------------------------- verl keys that change no number: accepted
+
+HF = "actor_rollout_ref.rollout.name=hf"
+NO_OPS = [  # (override, the key --print-config marks, a word of what runs instead)
+    ("actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.use_fused_kernels", "full logits"),
+    ("actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+     "actor_rollout_ref.model.fused_kernel_options", "do not run"),
+    ("actor_rollout_ref.model.use_liger=True", "actor_rollout_ref.model.use_liger", "own layers"),
+    ("actor_rollout_ref.model.use_shm=True", "actor_rollout_ref.model.use_shm", "shared memory"),
+    ("data.use_shm=True", "data.use_shm", "shared memory"),
+    ("actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.load_format", "every sync"),
+    ("actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.rollout.layered_summon", "buckets"),
+    ("actor_rollout_ref.rollout.enable_prefix_caching=False",
+     "actor_rollout_ref.rollout.enable_prefix_caching", "always on"),
+    ("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.mode", "batched generate"),
+    ("actor_rollout_ref.actor.profiler.enable=True", "actor_rollout_ref.actor.profiler", "nothing is profiled"),
+    ("actor_rollout_ref.ref.profiler.tool_config.npu.contents=[npu,cpu]", "actor_rollout_ref.ref.profiler",
+     "nothing is profiled"),
+    ("actor_rollout_ref.rollout.profiler.ranks=[0,4]", "actor_rollout_ref.rollout.profiler", "nothing is profiled"),
+    ("critic.profiler.all_ranks=True", "critic.profiler", "nothing is profiled"),
+    ("global_profiler.tool=nsys", "global_profiler", "nothing is profiled"),
+    ("actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.use_torch_compile", "eagerly"),
+    ("actor_rollout_ref.ref.use_torch_compile=False", "actor_rollout_ref.ref.use_torch_compile", "eagerly"),
+    ("actor_rollout_ref.ref.strategy=fsdp2", "actor_rollout_ref.ref.strategy", "FSDP2"),
+    ("actor_rollout_ref.rollout.multi_turn.format=hermes", "actor_rollout_ref.rollout.multi_turn", "single-turn"),
+]
+
+
+@pytest.mark.parametrize(("item", "key", "instead"), NO_OPS, ids=[n[0].split("=")[0] for n in NO_OPS])
+def test_verl_keys_that_change_no_number_are_accepted_with_one_note(item: str, key: str, instead: str) -> None:
+    """verl keys whose setting changes no number load, print one note naming what runs instead,
+    and are marked in --print-config."""
+    items = [HF, item]  # the engine named: no note about a derived one
+    notes = C.compat_notes(items, load_config(items))
+    assert len(notes) == 1 and instead in notes[0] and "the numbers are the same" in notes[0], notes
+    assert notes[0].startswith(f"`{key}")
+    marked = [line for line in C.dump_config(load_config(items)).splitlines() if "# compatibility only:" in line]
+    assert any(line.strip().startswith(key.rsplit(".", 1)[-1] + ":") and instead in line for line in marked)
+
+
+def test_multi_turn_rollout_is_refused_in_either_spelling() -> None:
+    load_config(["actor_rollout_ref.rollout.multi_turn.enable=false"])
+    for item in ("actor_rollout_ref.rollout.multi_turn.enable=true",
+                 "actor_rollout_ref.rollout.multi_turn={enable: true, format: hermes}"):
+        with pytest.raises(ConfigError, match="not supported yet \\(multi-turn rollout\\)"):
+            load_config([item])
+
+
+def test_no_note_for_acting_keys_or_verl_defaults() -> None:
+    items = ["data.train_batch_size=512", "actor_rollout_ref.model.use_fused_kernels=false",
+             "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.actor.use_torch_compile=true", HF]
+    assert C.compat_notes(items, load_config(items)) == []
+
+
+def test_newer_verl_spellings_are_read_as_this_trainers_keys() -> None:
+    items = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=32",
+             "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096", HF]
+    cfg = load_config(items)
+    arr = cfg.actor_rollout_ref
+    assert (arr.model.lora_rank, arr.model.lora_alpha, arr.rollout.update_weights_bucket_megabytes) == (8, 32, 4096)
+    notes = C.compat_notes(items, cfg)
+    assert [n.split("`")[1] for n in notes] == [i.split("=")[0] for i in items[:-1]]
+    assert "read as it" in notes[0] and "`actor_rollout_ref.model.lora_rank`" in notes[0]
+    assert C.override_values(items)["actor_rollout_ref.model.lora_rank"] == 8
+    # the rest of Megatron's LoRA section and other checkpoint-engine options change numbers or
+    # select what is not here: refused, naming the feature
+    for item, feature in (("actor_rollout_ref.model.lora.dropout=0.1", "Megatron's LoRA options"),
+                          ("actor_rollout_ref.model.lora_adapter_path=/a", "saved adapter"),
+                          ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "checkpoint engine")):
+        with pytest.raises(ConfigError, match=feature):
+            load_config([item])
+
+
+def test_lora_with_reference_offload_is_accepted_with_a_note() -> None:
+    items = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.param_offload=true", HF]
+    [note] = C.compat_notes(items, load_config(items))
+    assert "adapters disabled" in note and "the numbers are the same" in note
+
+
+def test_free_form_mappings_take_any_sub_key() -> None:
+    """verl's profiler sections and `apply_chat_template_kwargs` are mappings: sub-keys are set,
+    replaced, deleted and printed as given."""
+    cfg = load_config(["data.apply_chat_template_kwargs.enable_thinking=false",
+                       "+data.apply_chat_template_kwargs.reasoning_effort=medium",
+                       "actor_rollout_ref.actor.profiler.tool_config.npu.level=level0",
+                       "global_profiler={tool: nsys, steps: [1, 2]}"])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "medium"}
+    assert cfg.actor_rollout_ref.actor.profiler == {"tool_config": {"npu": {"level": "level0"}}}
+    assert cfg.global_profiler == {"tool": "nsys", "steps": [1, 2]}
+    assert yaml.safe_load(C.dump_config(cfg))["global_profiler"] == {"tool": "nsys", "steps": [1, 2]}
+    cfg = load_config(["data.apply_chat_template_kwargs.enable_thinking=false",
+                       "~data.apply_chat_template_kwargs.enable_thinking"])
+    assert cfg.data.apply_chat_template_kwargs == {}
+    assert load_config().actor_rollout_ref.model.fused_kernel_options == {"impl_backend": "torch"}
+    with pytest.raises(ConfigError, match="a mapping is expected"):
+        load_config(["data.apply_chat_template_kwargs=3"])
+    with pytest.raises(ConfigError, match="holds a value, not a mapping"):
+        load_config(["global_profiler.tool=nsys", "global_profiler.tool.x=1"])
+
+
+# ------------------------------------------------------------------ verl's defaults, here
+
+ROCM_GRPO = ["algorithm.adv_estimator=grpo", "data.train_batch_size=1024",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.n=5",
+             "actor_rollout_ref.ref.fsdp_config.param_offload=True"]
+
+
+def test_gpus_per_node_follows_the_gpus_granted_under_hpcrl() -> None:
+    """verl defaults `trainer.n_gpus_per_node` to 8; here it is the GPUs per node hpcrl asked
+    Slurm for (`HPCRL_GPUS_PER_NODE`), so a verl line that sets none runs on what was granted."""
+    cfg = load_config(ROCM_GRPO, env={C.GPUS_ENV: "8"})
+    assert (cfg.trainer.n_gpus_per_node, cfg.derived.world_size) == (8, 8)
+    assert load_config(["trainer.nnodes=2"], env={C.GPUS_ENV: "4"}).derived.world_size == 8
+    assert load_config(["trainer.n_gpus_per_node=2"], env={C.GPUS_ENV: "8"}).trainer.n_gpus_per_node == 2
+    assert load_config([], env={C.GPUS_ENV: "0"}).trainer.n_gpus_per_node == 1  # CPU nodes: one worker
+    with pytest.raises(ConfigError, match="`HPCRL_GPUS_PER_NODE=eight` is not a whole number"):
+        load_config([], env={C.GPUS_ENV: "eight"})
+
+
+def test_gpus_per_node_standalone_counts_the_visible_gpus_without_initialising_cuda() -> None:
+    import torch
+
+    cfg = load_config([], env={})
+    assert cfg.trainer.n_gpus_per_node == max(torch.cuda.device_count(), 1)
+    assert not torch.cuda.is_initialized()
+    run = subprocess.run([sys.executable, "-m", "trainer", "--print-config"], capture_output=True,
+                         text=True, check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert yaml.safe_load(run.stdout)["trainer"]["n_gpus_per_node"] == 1, run.stderr  # no GPU seen: 1
+
+
+def test_rollout_engine_is_vllm_where_installed_else_hf_with_a_note(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    items = ["data.train_batch_size=512"]
+    if importlib.util.find_spec("vllm") is None:
+        cfg = load_config(items)
+        assert cfg.actor_rollout_ref.rollout.name == "hf"
+        [note] = C.compat_notes(items, cfg)
+        assert "vLLM (verl's default engine) is not installed" in note and "`hf`" in note
+    (tmp_path / "vllm").mkdir()  # an installed vLLM, as the lookup sees it (nothing imports it)
+    (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('not imported by the config')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(items)
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+    assert C.compat_notes(items, cfg) == []
+    assert load_config(["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout.name == "hf"

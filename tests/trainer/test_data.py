@@ -60,6 +60,24 @@ def test_reads_verl_rows_and_applies_the_chat_template(tokenizer) -> None:
     assert chat_prompt_ids(tokenizer, ex.prompt) == expected
 
 
+def test_chat_template_kwargs_reach_the_template(tokenizer) -> None:
+    """`data.apply_chat_template_kwargs` goes to `apply_chat_template`, as verl passes it: here a
+    template variable drops the user turn's end marker; the filter counts the rendered length."""
+    template = TEMPLATE.replace("' </s> '", "(' ' if short else ' </s> ')").replace(
+        "{% for", "{% set short = short | default(false) %}{% for", 1)
+    tokenizer = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<pad>",
+                                    unk_token="<unk>", eos_token="</s>")
+    tokenizer.chat_template = template
+    plain = PromptDataset([SAMPLE], tokenizer, max_prompt_length=512)
+    short = PromptDataset([SAMPLE], tokenizer, max_prompt_length=512, chat_template_kwargs={"short": True})
+    end = tokenizer.convert_tokens_to_ids("</s>")
+    assert all(end in e.prompt_ids for e in plain) and not any(end in e.prompt_ids for e in short)
+    assert [len(e.prompt_ids) for e in short] == [len(e.prompt_ids) - 1 for e in plain]
+    limit = len(plain[0].prompt_ids) - 1  # the first prompt fits only without the marker
+    assert PromptDataset([SAMPLE], tokenizer, max_prompt_length=limit, filter_overlong_prompts=True,
+                         chat_template_kwargs={"short": True})[0].index == plain[0].index
+
+
 def test_overlong_prompts_filtered_or_truncated_or_rejected(tokenizer) -> None:
     lengths = [len(e.prompt_ids) for e in PromptDataset([SAMPLE], tokenizer, max_prompt_length=512)]
     limit = sorted(lengths)[8]

@@ -68,7 +68,6 @@ def test_lora_keys_act_and_wrong_values_are_refused(tiny_model_dir: Path) -> Non
             ([*LORA, "actor_rollout_ref.model.lora_alpha=0"], "`actor_rollout_ref.model.lora_alpha=0` must be positive"),
             ([*LORA, "actor_rollout_ref.model.target_modules=[all-linear,q_proj]"], "give it alone"),
             ([*LORA, "actor_rollout_ref.model.target_modules=[]"], "target_modules` is empty"),
-            ([*LORA, "actor_rollout_ref.ref.fsdp_config.param_offload=true"], "adapters disabled"),
             (["critic.model.lora_rank=8"], "LoRA for the critic.*`actor_rollout_ref.model.lora_rank`"),
             (["critic.model.target_modules=all-linear"], "LoRA for the critic")):
         with pytest.raises(ConfigError, match=message):

@@ -50,7 +50,8 @@ class ActorRolloutRefWorker(Worker):
     def build(self) -> None:
         arr = self.cfg.actor_rollout_ref
         trust = arr.model.trust_remote_code
-        self.tokenizer = M.load_tokenizer(self.cfg.data.tokenizer or arr.model.path, trust_remote_code=trust)
+        tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source
+        self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         model: Any = M.load_actor(
             arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing,
             trust_remote_code=trust)

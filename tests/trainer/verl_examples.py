@@ -1,0 +1,112 @@
+"""verl's own example scripts against this trainer's config: which load unchanged.
+
+    python -m tests.trainer.verl_examples extract --verl-git-dir DIR   # refresh the fixture
+    python -m tests.trainer.verl_examples check                        # accepted / refused table
+
+`extract` reads every `examples/ppo_trainer/*.sh` and `examples/grpo_trainer/*.sh` of a verl
+checkout (a bare git directory is enough: the scripts are read from its HEAD), runs each under
+bash with `python3`/`python` stubbed and an empty `PATH` (no other command runs, so the shell
+variables, quoting and `$HOME` expand as they would for a user, and nothing else happens), and
+keeps the arguments after `verl.trainer.main_ppo`: the overrides, and the `--config-name` of a
+Megatron script. They go to `tests/data/verl_examples.json` with the verl commit, so the tests
+need no verl checkout. `check` runs each through `load_config` (what `python -m trainer
+--print-config` does) and prints whether it is accepted, or the first refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FIXTURE = Path(__file__).parents[1] / "data" / "verl_examples.json"
+FOLDERS = ("examples/ppo_trainer", "examples/grpo_trainer")
+ENTRY = "verl.trainer.main_ppo"
+HOME = "/home/user"
+
+_STUB = r"""
+command_not_found_handle() { return 0; }
+source() { return 0; }
+tee() { while IFS= read -r _; do :; done; return 0; }
+_verl_entry() {
+    local a seen=
+    for a in "$@"; do
+        if [ -n "$seen" ]; then printf '%s\0' "$a" >> "$VERL_ARGS_OUT"; fi
+        if [ "$a" = "ENTRY" ]; then seen=1; fi
+    done
+    return 0
+}
+python3() { _verl_entry "$@"; }
+python() { _verl_entry "$@"; }
+""".replace("ENTRY", ENTRY)
+
+
+def _git(git_dir: Path, *args: str) -> str:
+    return subprocess.run(["git", f"--git-dir={git_dir}", *args], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def script_args(text: str) -> list[str]:
+    """The arguments one example script passes after `verl.trainer.main_ppo`, as bash expands
+    them (no command but the stubbed python runs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "args")
+        out.touch()
+        script = Path(tmp, "script.sh")
+        script.write_text(_STUB + "\n" + text)
+        env = {"HOME": HOME, "PATH": str(Path(tmp, "empty")), "VERL_ARGS_OUT": str(out)}
+        subprocess.run(["/bin/bash", str(script)], cwd=tmp, env=env, capture_output=True,
+                       timeout=30, check=False)
+        raw = out.read_bytes().decode()
+    return [a for a in raw.split("\0") if a.strip()]
+
+
+def extract(git_dir: Path) -> dict[str, Any]:
+    commit = _git(git_dir, "rev-parse", "HEAD").strip()
+    examples: dict[str, list[str]] = {}
+    for folder in FOLDERS:
+        for name in sorted(_git(git_dir, "ls-tree", "--name-only", "HEAD", f"{folder}/").split()):
+            if name.endswith(".sh"):
+                examples[name] = script_args(_git(git_dir, "show", f"HEAD:{name}"))
+    return {"verl_commit": commit, "examples": examples}
+
+
+def outcome(args: list[str]) -> str:
+    """`accepted`, or `refused: <the trainer's message>`."""
+    from trainer.config import ConfigError, load_config
+
+    flags = [a for a in args if a.startswith("--")]
+    if any("megatron" in f for f in flags):
+        return f"refused: `{' '.join(flags)}` selects verl's Megatron-LM config (Megatron-LM training)"
+    try:
+        load_config([a for a in args if not a.startswith("--")], env={})
+    except ConfigError as err:
+        return f"refused: {err}"
+    return "accepted"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("extract", help="read verl's example scripts into the fixture")
+    ex.add_argument("--verl-git-dir", type=Path, required=True)
+    sub.add_parser("check", help="load each example's overrides; print accepted / refused")
+    args = parser.parse_args(argv)
+    if args.cmd == "extract":
+        data = extract(args.verl_git_dir)
+        FIXTURE.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"{len(data['examples'])} examples of verl {data['verl_commit'][:12]} -> {FIXTURE}")
+        return 0
+    data = json.loads(FIXTURE.read_text())
+    for name, overrides in data["examples"].items():
+        print(f"{os.path.basename(name)}: {outcome(overrides)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""`actor_rollout_ref.*` but the rollout: the model, the actor's training and the reference
+policy (verl's `actor`, `ref` and `model` sections). Defaults: `trainer/config/actor.yaml`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainer.config.base import (
+    DERIVED_HINT,
+    PADDING,
+    PREFETCH,
+    PROFILER,
+    STRATEGY,
+    TORCH_COMPILE,
+    FsdpConfig,
+    LossAggMode,
+    OptimConfig,
+    h,
+    require,
+)
+from trainer.config.rollout import RolloutConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = h("HF model directory (or hub id) of the actor and reference")
+    enable_gradient_checkpointing: bool = h("recompute activations in backward to save memory")
+    use_remove_padding: bool = h("verl's padding-free packing (compatibility only, see COMPAT)")
+    trust_remote_code: bool = h("allow model code shipped with the checkpoint")
+    lora_rank: int = h(
+        "LoRA rank (peft); 0 = full fine-tuning. Above 0 only the low-rank adapters train (and "
+        "hold optimizer state); the reference policy is the same model with its adapters "
+        "disabled (no second model copy), and the rollout engine and the HF export get the "
+        "merged weights W + alpha/rank * B A under the base model's names")
+    lora_alpha: int = h("LoRA scaling: the adapters' update is multiplied by `lora_alpha` / `lora_rank`")
+    target_modules: list[str] = h(
+        "modules that get LoRA adapters: `all-linear` (every linear layer but the output head) "
+        "or module names, e.g. `[q_proj,v_proj]`")
+    use_shm: bool = h("verl: load the model through shared memory (compatibility only, see COMPAT)")
+    use_liger: bool = h("Liger's Triton kernels (compatibility only, see COMPAT)")
+    use_fused_kernels: bool = h("verl's fused linear + log-prob kernel (compatibility only, see COMPAT)")
+    fused_kernel_options: dict[str, Any] = h("options of verl's fused kernels (compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
+class RefFsdpConfig:
+    param_offload: bool = h("offload the reference model's parameters to CPU (FSDP workers)")
+    forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = h("policy loss registered under this name (`trainer.algos.registry`); vanilla = PPO clip")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    strategy: Literal["fsdp", "fsdp2"] = h("parallel strategy of the actor workers")
+    ppo_mini_batch_size: int = h("prompts per optimizer step (times `rollout.n` samples)")
+    ppo_micro_batch_size_per_gpu: int | None = h("samples per forward/backward; null = whole mini-batch")
+    use_dynamic_bsz: bool = h("form micro-batches by token count instead of sample count")
+    ppo_max_token_len_per_gpu: int = h("token budget of one micro-batch with `use_dynamic_bsz`")
+    grad_clip: float = h("clip the gradient norm to this value")
+    clip_ratio: float = h("PPO clip epsilon, used for low and high when those are null")
+    clip_ratio_low: float | None = h("lower clip epsilon; null = `clip_ratio`")
+    clip_ratio_high: float | None = h("upper clip epsilon; null = `clip_ratio`")
+    clip_ratio_c: float = h("dual-clip constant for negative advantages (> 1)")
+    policy_loss: PolicyLossConfig = h("policy loss")
+    loss_agg_mode: LossAggMode = h("how token losses are aggregated")
+    entropy_coeff: float = h("entropy bonus coefficient")
+    use_kl_loss: bool = h("add KL(actor || reference) to the actor loss")
+    kl_loss_coef: float = h("coefficient of the KL loss")
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = h("KL estimator of the KL loss")
+    ppo_epochs: int = h("passes over each batch of rollouts")
+    shuffle: bool = h("shuffle samples between mini-batches")
+    optim: OptimConfig = h("actor optimizer")
+    fsdp_config: FsdpConfig = h("actor FSDP options")
+    use_torch_compile: bool = h("verl: torch.compile the entropy and log-prob helpers (compatibility only)")
+    entropy_from_logits_with_chunking: bool = h("verl: the entropy in chunks (compatibility only, see COMPAT)")
+    profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int | None = h("samples per reference forward; null = all")
+    log_prob_use_dynamic_bsz: bool | None = h("token-count micro-batches; null = actor's `use_dynamic_bsz`")
+    log_prob_max_token_len_per_gpu: int | None = h("token budget; null = actor's `ppo_max_token_len_per_gpu`")
+    fsdp_config: RefFsdpConfig = h("reference FSDP options")
+    strategy: Literal["fsdp", "fsdp2"] = h("parallel strategy of the reference workers (compatibility only)")
+    use_torch_compile: bool = h("verl: torch.compile the log-prob helpers (compatibility only)")
+    entropy_from_logits_with_chunking: bool = h("verl: the entropy in chunks (compatibility only, see COMPAT)")
+    profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    nccl_timeout: int = h("seconds a collective of the worker groups may wait before the group "
+                          "fails (torch.distributed's timeout; NCCL/RCCL on GPUs, gloo on CPUs)")
+    hybrid_engine: bool = h("actor and rollout share weights; must be true (a separate rollout "
+                            "deployment is not supported)")
+    model: ModelConfig = h("actor/reference model")
+    actor: ActorConfig = h("actor training")
+    ref: RefConfig = h("reference model")
+    rollout: RolloutConfig = h("generation")
+
+
+CHUNKED_ENTROPY = ("verl computes the entropy over chunks of the sequence to save memory; it is "
+                   "computed over the whole logits here, the same values")
+
+#: verl's model, actor and reference keys this trainer does not implement.
+NOT_SUPPORTED: dict[str, str] = {
+    "actor_rollout_ref.model.external_lib": "",
+    "actor_rollout_ref.model.override_config": "",
+    "actor_rollout_ref.model.lora": ("Megatron's LoRA options; FSDP LoRA is "
+                                     "`actor_rollout_ref.model.lora_rank`, `lora_alpha` and `target_modules` "
+                                     "(`model.lora.rank` and `model.lora.alpha` are read as the first two)"),
+    "actor_rollout_ref.model.lora_adapter_path": "starting LoRA from a saved adapter",
+    "actor_rollout_ref.model.custom_chat_template": "",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": (
+        "deprecated in verl; use `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"
+    ),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "sequence parallelism",
+    "actor_rollout_ref.actor.checkpoint": "checkpoint contents are fixed",
+    "actor_rollout_ref.actor.fsdp_config.wrap_policy": "",
+    "actor_rollout_ref.actor.fsdp_config.offload_policy": "",
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": "",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size": "",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": ("parameter dtypes other than fp32: the actor's "
+                                                        "weights are fp32 here, verl's default"),
+    "actor_rollout_ref.actor.optim.total_training_steps": DERIVED_HINT.format(
+        "trainer.total_training_steps"
+    ),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": (
+        "deprecated in verl; use `actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu`"
+    ),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "sequence parallelism",
+    "actor_rollout_ref.ref.fsdp_config.wrap_policy": "",
+}
+
+#: Keys accepted that change nothing here, and why nothing is lost.
+COMPAT: dict[str, str] = {
+    "actor_rollout_ref.model.use_remove_padding": PADDING,
+    "actor_rollout_ref.actor.strategy": STRATEGY,
+    "actor_rollout_ref.ref.strategy": STRATEGY,
+    "actor_rollout_ref.model.use_shm": ("the model is read from its path; verl's copy to shared memory "
+                                        "only speeds the load, the weights are the same"),
+    "actor_rollout_ref.model.use_fused_kernels": (
+        "verl's fused linear + log-prob kernel only saves memory; the log-probs here come from the "
+        "model's full logits"),
+    "actor_rollout_ref.model.use_liger": ("Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear "
+                                          "cross-entropy) compute the same layers with less memory; the "
+                                          "model's own layers run here"),
+    "actor_rollout_ref.model.fused_kernel_options": "options of verl's fused kernels, which do not run here",
+    "actor_rollout_ref.actor.use_torch_compile": TORCH_COMPILE,
+    "actor_rollout_ref.ref.use_torch_compile": TORCH_COMPILE,
+    "actor_rollout_ref.actor.profiler": PROFILER,
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch": PREFETCH,
+    "actor_rollout_ref.ref.fsdp_config.forward_prefetch": PREFETCH,
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,
+    "actor_rollout_ref.ref.profiler": PROFILER,
+}
+
+#: Newer verl spellings read as this trainer's key.
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
+}
+
+#: verl keys accepted only with their verl default value (which is what this trainer does).
+ACCEPTED_ONLY_AS: dict[str, Any] = {
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
+}
+
+#: Values naming a feature this trainer does not have.
+UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
+    "actor_rollout_ref.actor.strategy": {"megatron": "Megatron-LM training"},
+    "actor_rollout_ref.ref.strategy": {"megatron": "Megatron-LM training"},
+}
+
+
+def validate_lora(arr: ActorRolloutRefConfig) -> None:
+    """LoRA's rules (`model.lora_rank` > 0): a positive alpha, target modules."""
+    model = arr.model
+    require(model.lora_rank >= 0, f"`actor_rollout_ref.model.lora_rank={model.lora_rank}` must be 0 "
+            "(full fine-tuning) or a positive LoRA rank")
+    if model.lora_rank == 0:
+        return
+    require(model.lora_alpha > 0, f"`actor_rollout_ref.model.lora_alpha={model.lora_alpha}` must be "
+            "positive with LoRA (`lora_rank` > 0): the adapters' update is scaled by "
+            "`lora_alpha` / `lora_rank` (verl's default is 16)")
+    targets = model.target_modules
+    require(bool(targets) and all(t.strip() for t in targets),
+            "`actor_rollout_ref.model.target_modules` is empty with LoRA (`lora_rank` > 0); set "
+            "`all-linear` or module names such as `[q_proj,v_proj]`")
+    require("all-linear" not in targets or len(targets) == 1,
+            f"`actor_rollout_ref.model.target_modules={targets}`: `all-linear` already selects "
+            "every linear layer; give it alone or list module names without it")

@@ -1,0 +1,59 @@
+"""What every config section shares: the error type, the help-line field, the optimizer and
+FSDP sections the actor and the critic both have, and the loss aggregation modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+RUN_DIR_ENV = "HPCRL_RUN_DIR"
+"""Set by hpcrl's node agent: the job's run directory (shared by every restart)."""
+GPUS_ENV = "HPCRL_GPUS_PER_NODE"
+"""Set by hpcrl: the GPUs per node the job asked Slurm for (the profile's `slurm.gpus_per_node`;
+0 = none), the default of `trainer.n_gpus_per_node`."""
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message says what and how to fix it."""
+
+
+def h(text: str) -> Any:
+    """A dataclass field whose help line is `text` (`--list-keys` prints it)."""
+    return field(metadata={"help": text})
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+PADDING = ("verl's padding-free packing is a speed-up only; the padded computation here gives "
+           "the same losses")
+DERIVED_HINT = "is derived here; set `{}` instead"
+PROFILER = "verl's profilers (nsys, torch, NPU) only record timings; nothing is profiled here"
+TORCH_COMPILE = ("verl compiles its entropy and log-prob helpers with torch.compile for speed; they run "
+                 "eagerly here: the same formulas")
+PREFETCH = ("FSDP1's all-gather prefetch only overlaps communication; FSDP2 here gathers each layer "
+            "before its forward, the same weights")
+STRATEGY = "`fsdp` and `fsdp2` both shard with FSDP2 here"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = h("peak learning rate of AdamW")
+    lr_warmup_steps: int = h("linear warm-up steps; -1 uses `lr_warmup_steps_ratio`")
+    lr_warmup_steps_ratio: float = h("warm-up steps as a share of the total training steps")
+    min_lr_ratio: float = h("cosine schedule floor as a share of `lr`")
+    warmup_style: Literal["constant", "cosine"] = h("schedule after warm-up")
+    weight_decay: float = h("AdamW weight decay")
+    betas: list[float] = h("AdamW betas")
+    clip_grad: float | None = h("newer verl name of the section's `grad_clip`; when set it replaces it")
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    param_offload: bool = h("offload parameters to CPU between uses (FSDP workers)")
+    optimizer_offload: bool = h("offload optimizer state to CPU between uses (FSDP workers)")
+    forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")

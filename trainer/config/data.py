@@ -1,0 +1,58 @@
+"""`data.*`: the training and validation prompts (verl's `data` section). Defaults:
+`trainer/config/data.yaml`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainer.config.base import h
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tokenizer: str | None = h("tokenizer path; null uses the actor model's tokenizer")
+    train_files: list[str] = h("training parquet file(s) in verl's format")
+    val_files: list[str] = h("validation parquet file(s) in verl's format")
+    prompt_key: str = h("column holding the prompt as a chat list")
+    reward_fn_key: str = h("column that selects the reward function (e.g. `data_source`)")
+    max_prompt_length: int = h("longest prompt in tokens after the chat template")
+    max_response_length: int = h("longest generated response in tokens")
+    train_batch_size: int = h("prompts per training step")
+    val_batch_size: int | None = h("prompts per validation batch; null = whole set at once")
+    shuffle: bool = h("shuffle the training prompts every epoch")
+    seed: int = h("seed of the training-data shuffle")
+    filter_overlong_prompts: bool = h("drop prompts longer than `max_prompt_length`")
+    return_raw_chat: bool = h("keep the prompt's chat messages (compatibility only, see COMPAT)")
+    truncation: Literal["error", "left", "right", "middle"] = h(
+        "what to do with a prompt longer than `max_prompt_length` that was not filtered"
+    )
+    trust_remote_code: bool = h(
+        "allow code shipped with the tokenizer (verl loads the trainer's tokenizer with it); the "
+        "tokenizer loads with remote code when this or `actor_rollout_ref.model.trust_remote_code` is set")
+    use_shm: bool = h("verl: copy the data files to shared memory first (compatibility only, see COMPAT)")
+    apply_chat_template_kwargs: dict[str, Any] = h(
+        "extra keyword arguments of the tokenizer's `apply_chat_template` when the prompts are "
+        "rendered, as verl passes them (e.g. `data.apply_chat_template_kwargs.enable_thinking=false`); "
+        "they change the prompt text")
+
+
+#: verl's `data.*` keys this trainer does not implement (the reason, when there is more to say).
+NOT_SUPPORTED: dict[str, str] = {
+    "data.return_raw_input_ids": "",
+    "data.return_full_prompt": "",
+    "data.image_key": "multimodal data",
+    "data.video_key": "multimodal data",
+    "data.custom_cls": "custom dataset classes",
+    "data.dataloader_num_workers": "",
+    "data.filter_overlong_prompts_workers": "",
+    "data.sampler": "custom samplers",
+    "data.datagen": "",
+}
+
+#: `data.*` keys accepted that change nothing here, and why nothing is lost.
+COMPAT: dict[str, str] = {
+    "data.return_raw_chat": ("every prompt's chat messages are kept with its batch anyway "
+                             "(`Example.prompt`)"),
+    "data.use_shm": "the data files are read from their path; verl's copy to shared memory only speeds the read",
+}
