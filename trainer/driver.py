@@ -69,9 +69,9 @@ from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerGroup
-from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
+from trainer.workers.ray_group import connect, make_placement_group, start_colocated
 
-__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "launcher_restart", "run_training", "use_ray"]
+__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
 #: `trainer.log_val_generations` samples, one JSON object per line, in `trainer.run_dir`.
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
@@ -88,6 +88,18 @@ def launcher_restart() -> int:
     recorded with each step so that plots can mark where a run resumed."""
     raw = os.environ.get("HPCRL_RESTART", "")
     return int(raw) if raw.strip().isdigit() else 0
+
+
+def fetch_models(cfg: Config) -> None:
+    """Resolve every model path now, in the driver: a hub id is found in the Hugging Face cache,
+    or downloaded into it where the hub is reachable, before the workers (offline) read it."""
+    paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
+             "data.tokenizer": cfg.data.tokenizer}
+    if cfg.derived.use_critic:
+        paths["critic.model.path"] = cfg.critic.model.path
+    for key, path in paths.items():
+        if path:
+            M.resolve_model_path(path, key)
 
 
 class Timer:
@@ -120,11 +132,12 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, world // t.nnodes, 2 if cfg.derived.use_critic else 1)
-        actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
-                               world_size=world)
-        critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)
-                  if cfg.derived.use_critic else None)
+        slot = make_placement_group(t.nnodes, world // t.nnodes,
+                                    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
+                                  **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
+        groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world)
+        actor, critic = groups["actor_rollout_ref"], groups.get("critic")
     clock.mark("workers_spawned")
     for group in (actor, critic):
         if group is not None:
@@ -144,6 +157,7 @@ class PPODriver:
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
+        fetch_models(cfg)
         rm = cfg.reward_model
         batch_manager = rm.reward_manager == "batch"
         self.reward_fn = load_reward_fn(

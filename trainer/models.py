@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainer import hub
 from trainer.algos.core_algos import entropy_from_logits
 
 if TYPE_CHECKING:
@@ -90,9 +91,13 @@ def smollm2_path() -> Path:
     return path
 
 
-def resolve_model_path(path: str | Path) -> tuple[str, str | None]:
+def resolve_model_path(path: str | Path, key: str = "actor_rollout_ref.model.path") -> tuple[str, str | None]:
     """``(directory, gguf_file)`` for ``from_pretrained``; ``gguf_file`` is None unless ``path``
-    names a ``.gguf`` file."""
+    names a ``.gguf`` file. A hub id (``Qwen/Qwen2-7B-Instruct``) gives its snapshot in the
+    Hugging Face cache (:mod:`trainer.hub`), downloaded first where the hub is reachable
+    (``HF_HUB_OFFLINE`` not set; the Ray workers set it: the driver downloads before they start)."""
+    if hub.is_hub_id(path):
+        return str(_hub_snapshot(str(path), key)), None
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
@@ -103,10 +108,29 @@ def resolve_model_path(path: str | Path) -> tuple[str, str | None]:
         return str(p.parent), p.name
     if not p.is_dir():
         raise FileNotFoundError(
-            f"Model path `{p}` is not a directory (models cannot be downloaded here). Fix: "
-            "pass a directory written by `save_pretrained` or a `.gguf` file."
+            f"Model path `{p}` is not a directory. Fix: pass a directory written by "
+            "`save_pretrained`, a `.gguf` file, or a Hugging Face hub id (`org/name`)."
         )
     return str(p), None
+
+
+def _hub_snapshot(repo_id: str, key: str) -> Path:
+    cached = hub.resolve_hub_model(repo_id)
+    if cached is not None:
+        return cached
+    if hub.is_offline():
+        raise hub.HubModelError(hub.missing_message(key, repo_id, why=" and `HF_HUB_OFFLINE=1` forbids downloading"))
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, cache_dir=str(hub.hub_cache()))
+    except Exception as err:  # no network, unknown repository, gated model: say what to do
+        raise hub.HubModelError(hub.missing_message(
+            key, repo_id, why=f", and downloading it failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})")) from err
+    found = hub.resolve_hub_model(repo_id)
+    if found is None:
+        raise hub.HubModelError(hub.missing_message(key, repo_id, why=" after the download (no `config.json`)"))
+    return found
 
 
 # --------------------------------------------------------------------------- loading

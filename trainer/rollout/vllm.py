@@ -113,8 +113,13 @@ def external_launcher_args(tp: int) -> dict[str, Any]:
             remove_cpu_shm()  # an engine killed without closing (a Ray actor) leaves its segments
         dist.barrier()
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-    os.environ.setdefault("LOCAL_RANK", "0")  # a worker sees its own device(s) only
-    args: dict[str, Any] = {"distributed_executor_backend": "external_launcher"}
+    # vLLM takes `cuda:<LOCAL_RANK>`: the device this rank already uses (the one Ray assigned
+    # it), never a `LOCAL_RANK` inherited from the environment
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
+    # vLLM's custom all-reduce needs CUDA IPC between the processes of one engine, which see one
+    # GPU each here; NCCL carries the all-reduce instead (verl turns it off in this mode too)
+    args: dict[str, Any] = {"distributed_executor_backend": "external_launcher",
+                            "disable_custom_all_reduce": True}
     if world // tp > 1:
         args["data_parallel_size"] = world // tp
     return args

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpcrl.devices import WorkerDevice, worker_device
 from hpcrl.runtimes import running_in
 from trainer import models as M
 from trainer import parallel as P
@@ -29,7 +31,7 @@ from trainer.checkpoint import sharded
 from trainer.checkpoint.hf_export import write_hf_export
 from trainer.config import Config, ConfigError
 
-__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device"]
+__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device", "take_ray_device"]
 
 #: Environment every worker process sets before heavy imports (vLLM's engine stays in-process).
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -54,6 +56,28 @@ def container_runtime() -> str:
     return running_in()
 
 
+def take_ray_device(environ: dict[str, str] | None = None) -> WorkerDevice | None:
+    """In a Ray actor holding a GPU: the device Ray assigned it (`get_accelerator_ids()`), with
+    the visible-device variables made to agree and `LOCAL_RANK` set to its index
+    (:func:`hpcrl.devices.worker_device`), in `environ` (`os.environ`). Must run before anything
+    starts CUDA/HIP in the process. A Ray actor without a GPU gets `LOCAL_RANK=0`; outside a Ray
+    actor (the driver, a rank in the driver's process) nothing changes and None is returned."""
+    env = os.environ if environ is None else environ
+    ray = sys.modules.get("ray")  # a Ray actor has Ray imported; the driver need not
+    if ray is None or not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return None
+    ids = context.get_accelerator_ids().get("GPU", [])
+    if not ids:
+        env["LOCAL_RANK"] = "0"
+        return None
+    device = worker_device(env, ids, "amd" if torch.version.hip else "nvidia")
+    env.update(device.env)
+    return device
+
+
 def resolve_device(name: str) -> torch.device:
     """`trainer.device` of a single rank: `auto` is the GPU when torch sees one."""
     if name == "auto":
@@ -71,6 +95,7 @@ class Worker:
     def __init__(self, cfg: Config, rank: int, world_size: int, total_steps: int) -> None:
         for key, value in WORKER_ENV.items():
             os.environ.setdefault(key, value)
+        self.gpu = take_ray_device()  # first: before anything starts CUDA in this process
         self.cfg, self.rank, self.world_size, self.total_steps = cfg, rank, world_size, total_steps
         self.ctx: P.DistContext | None = None
         self.model: Any = None
@@ -80,9 +105,12 @@ class Worker:
     # ------------------------------------------------------------------ identity and group
 
     def node_info(self) -> dict[str, Any]:
+        gpu = None if self.gpu is None else {
+            "ray_id": self.gpu.ray_id, "index": self.gpu.index,
+            **{k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "LOCAL_RANK")}}
         return {"role": self.role, "rank": self.rank, "hostname": socket.gethostname(),
                 "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available(),
-                "container": container_runtime()}
+                "container": container_runtime(), "gpu": gpu}
 
     def free_port(self) -> int:
         return P.free_port(node_ip())
@@ -97,7 +125,8 @@ class Worker:
         else:
             assert master_addr is not None and master_port is not None, "several ranks need a rendezvous"
             self.ctx = P.init_process_group(self.rank, self.world_size, master_addr, master_port,
-                                            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
+                                            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout,
+                                            device_index=0 if self.gpu is None else self.gpu.index)
         seed_everything(self.cfg.trainer.seed)
         self.build()
         return {"backend": self.ctx.backend, "fsdp": self.ctx.fsdp, "threads": torch.get_num_threads()}
