@@ -2,8 +2,8 @@
 substitutions in `LAB` below (the model and data paths, and sizes scaled to two 2-CPU lab nodes
 with a tiny model), through `hpcrl submit` on 2 nodes, to its checkpoint. The flagship, the AMD
 Slurm script's line (verl's multinode guide: PPO with a critic, vLLM rollout with
-`tensor_model_parallel_size=2`), forms one vLLM engine across the two nodes (TP=2 over gloo);
-the ROCm GRPO line's TP=2 splits the default HF engine's decoder over them.
+`tensor_model_parallel_size=2`), forms one vLLM engine across the two nodes (TP=2 over gloo),
+and so does the ROCm GRPO line, which names no engine and gets verl's default, vLLM.
 
 It runs in the vLLM virtualenv (`make test`'s second stage): the lab's jobs use the Python that
 runs this test, and vLLM lives in `.venv-vllm`."""
@@ -69,7 +69,10 @@ def submit_seed(lab, tmp_path: Path, seed: str) -> tuple[object, Path, Path]:
     from trainer.tiny import save_tiny
 
     shared, sites = tmp_path / "shared", tmp_path / "sites"
-    model, data, out = save_tiny(shared / "model", seed=0), shared / "data", shared / "ppo"
+    # positions for verl's default lengths (512 + 512), which the lines that set none keep: vLLM
+    # refuses a context longer than the model's
+    model = save_tiny(shared / "model", seed=0, max_position_embeddings=1024)
+    data, out = shared / "data", shared / "ppo"
     write_toy_digits(data, train_size=8, val_size=4, seed=0)
     sites.mkdir()
     (sites / "lab-seed.yaml").write_text(
@@ -82,8 +85,8 @@ def submit_seed(lab, tmp_path: Path, seed: str) -> tuple[object, Path, Path]:
     return proc, run_dir, out
 
 
-#: The lines whose rollout is one engine across the two nodes (TP=2): vLLM's for the AMD Slurm
-#: line, the HF engine's (the default `rollout.name`) for the ROCm GRPO line.
+#: The lines whose rollout is one vLLM engine across the two nodes (TP=2): the AMD Slurm line
+#: names vLLM, the ROCm GRPO line gets it as verl's default `rollout.name`.
 TP2 = ("amd-slurm", "rocm-grpo")
 
 
