@@ -46,7 +46,14 @@ from trainer.config import Config, ConfigError, config_to_dict, dump_config
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
-from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
+from trainer.metrics import (
+    METRICS_FILE,
+    MetricsLogger,
+    data_metrics,
+    last_step,
+    throughput_metrics,
+    timing_metrics,
+)
 from trainer.parallel import balanced_split, split_rows
 from trainer.rewards import load_reward_fn, overlong_penalty, score_batch, score_responses
 from trainer.rollout.base import RolloutBatch, SamplingParams
@@ -602,9 +609,19 @@ class PPODriver:
 
     def _open_metrics(self, resumed: bool) -> MetricsLogger:
         t = self.cfg.trainer
+        if resumed:
+            self._say_redone(last_step(self.run_dir / METRICS_FILE))
         return MetricsLogger(self.run_dir, t.logger, keep_through=self.global_step if resumed else -1,
                              project=t.project_name, experiment=t.experiment_name,
                              config=config_to_dict(self.cfg))
+
+    def _say_redone(self, logged: int) -> None:
+        """How many steps the earlier run logged after the checkpoint resumed from (they are
+        done again): 0 when it saved at its stop."""
+        redo = max(0, logged - self.global_step)
+        span = f" (steps {self.global_step + 1}-{logged})" if redo else ""
+        print(f"trainer: {redo} step(s) redone{span}: the last run logged step {logged}, "
+              f"its newest checkpoint is step {self.global_step}", flush=True)
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0

@@ -45,7 +45,8 @@ class Head:
         deadline = Deadline.learn(node.ctx, node.env, node.job, node.log)
         cluster = self.launcher.head()
         ray = cluster.ray
-        stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log)
+        stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log,
+                           local=node.ctx.local)
         requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, node.log, stop, deadline)
         watch = GcsWatch(node, cluster.gcs_lines)
 

@@ -202,22 +202,35 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
 # ------------------------------------------------------------------ 2. scontrol requeue
 
 
-def test_scontrol_requeue_from_outside_resumes_from_newest_checkpoint(lab, sites, assets, tmp_path):
-    """Through submitit: `scontrol requeue` mid-run sends SIGTERM; the trainer finishes its step
-    and checkpoints; Slurm requeues (the agent does not add a second requeue); the rerun resumes
-    from the newest complete checkpoint."""
-    write_site(sites, "rq-ext", tmp_path / "runs", slow_s=0.5)
+def redone(run_dir: Path, restart: int) -> int | None:
+    """Steps the run `restart` says it redoes (the trainer's line after resuming)."""
+    found = [int(m.group(1)) for ln in payload_log(run_dir, restart)
+             if (m := re.match(r"^trainer: (\d+) step\(s\) redone", ln))]
+    return found[0] if found else None
+
+
+def test_scontrol_requeue_from_outside_saves_at_the_stop_on_two_nodes(lab, sites, assets,
+                                                                      tmp_path):
+    """Through submitit, 2 nodes: `scontrol requeue` mid-run sends SIGTERM to every process of
+    the job (batch shell, agents, trainer, raylets, Ray's workers); Ray's processes outlive it, the
+    trainer finishes its step and checkpoints within `KillWait`; Slurm requeues (the agent does
+    not add a second requeue); the rerun resumes from that checkpoint: no step redone."""
+    write_site(sites, "rq-ext", tmp_path / "runs", nodes=2, slow_s=0.25)
     run_dir = tmp_path / "runs" / "ext"
-    job = submit(lab, sites, "rq-ext", run_dir, overrides(assets, steps=10, save_freq=3),
-                 via="submitit")
-    wait_for_step(lab, job, run_dir, 0, 4)
+    args = [*overrides(assets, steps=16, save_freq=5), "trainer.nnodes=2",
+            "trainer.n_gpus_per_node=1"]  # a rank on each node, in Ray's worker processes
+    job = submit(lab, sites, "rq-ext", run_dir, args, via="submitit")
+    wait_for_step(lab, job, run_dir, 0, 8)
     lab.run("scontrol", "requeue", str(job))
     rec = finished(lab, job, run_dir)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, logs(run_dir))
-    newest = max(saved(run_dir, 0))
-    assert newest >= 4 and resumed_from(run_dir, 1) == newest
+    last = max(steps_run(run_dir, 0))
+    assert saved(run_dir, 0)[-1] == last and resumed_from(run_dir, 1) == last, logs(run_dir)
+    assert redone(run_dir, 1) == 0, logs(run_dir)
+    head_log = (run_dir / "0" / "logs").glob("agent-0-*.log")
+    assert any("Ray's processes block SIGTERM" in p.read_text() for p in head_log), logs(run_dir)
     assert "Slurm ended the job" in summary(run_dir, 0), logs(run_dir)
-    check_metrics(run_dir, 10)
+    check_metrics(run_dir, 16)
 
 
 # ------------------------------------------------------------------ 3. preemption

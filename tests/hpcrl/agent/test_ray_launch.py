@@ -43,3 +43,32 @@ def test_gives_up_naming_the_file(tmp_path: Path) -> None:
     assert result.returncode == 3
     assert str(go) in result.stderr and "did not come up" in result.stderr
     assert "ray, version" not in result.stdout
+
+
+def test_at_once_and_deaf_to_sigterm(tmp_path: Path) -> None:
+    """GO_FILE `-` runs Ray's CLI at once; SIGTERM is blocked (Slurm's SIGTERM to every process
+    of the job must not end Ray while the trainer saves), and every process Ray starts inherits
+    the mask; SIGKILL ends it."""
+    import os
+    import signal
+
+    import ray
+
+    assert ray.__version__ in launch("-", "5", "--", "--version").stdout
+    go = tmp_path / "never"
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), str(go), "60", "--", "--version"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the mask is set (before Ray's import)
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            blocked = int(next(ln for ln in status.splitlines() if ln.startswith("SigBlk:")).split()[1], 16)
+            if blocked & (1 << (signal.SIGTERM - 1)):
+                break
+            time.sleep(0.05)
+        assert blocked & (1 << (signal.SIGTERM - 1)), status
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None  # still waiting for the go file
+    finally:
+        proc.kill()
+    assert proc.wait(timeout=10) == -signal.SIGKILL
