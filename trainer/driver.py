@@ -619,7 +619,8 @@ class PPODriver:
         """How many steps the earlier run logged after the checkpoint resumed from (they are
         done again): 0 when it saved at its stop."""
         redo = max(0, logged - self.global_step)
-        span = f" (steps {self.global_step + 1}-{logged})" if redo else ""
+        span = ("" if not redo else f" (step {logged})" if redo == 1
+                else f" (steps {self.global_step + 1}-{logged})")
         print(f"trainer: {redo} step(s) redone{span}: the last run logged step {logged}, "
               f"its newest checkpoint is step {self.global_step}", flush=True)
 
