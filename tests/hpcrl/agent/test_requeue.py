@@ -366,3 +366,17 @@ def test_the_sigterm_note_says_the_grace_and_what_a_kill_would_redo(tmp_path: Pa
     fresh.mkdir()
     note = sigterm_note(fresh, None)
     assert "Slurm's KillWait" in note and "no checkpoint yet: the start, and redoes 1 step(s)" in note
+
+
+def test_a_cancel_request_counts_only_for_the_job_it_names(tmp_path: Path) -> None:
+    """`RUN/cancel.json` written by `hpcrl cancel` for job 77: job 77's head acts on it, the
+    next job of the run directory (`--resume`: another id) does not; a damaged file is none."""
+    from hpcrl.agent.stop import cancel_request
+
+    paths = RunPaths(tmp_path, 0)
+    assert cancel_request(paths, "77") is None
+    paths.cancel.write_text(json.dumps({"job_id": "77", "by": "ann@login1"}))
+    assert cancel_request(paths, "77") == "`hpcrl cancel` by ann@login1"
+    assert cancel_request(paths, "78") is None
+    paths.cancel.write_text("{not json")
+    assert cancel_request(paths, "77") is None
