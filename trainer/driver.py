@@ -609,8 +609,9 @@ class PPODriver:
 
     def _open_metrics(self, resumed: bool) -> MetricsLogger:
         t = self.cfg.trainer
-        if resumed:
-            self._say_redone(last_step(self.run_dir / METRICS_FILE))
+        logged = last_step(self.run_dir / METRICS_FILE)
+        if resumed or logged:  # a run killed before its first checkpoint starts over
+            self._say_redone(logged)
         return MetricsLogger(self.run_dir, t.logger, keep_through=self.global_step if resumed else -1,
                              project=t.project_name, experiment=t.experiment_name,
                              config=config_to_dict(self.cfg))

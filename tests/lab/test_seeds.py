@@ -105,8 +105,12 @@ TP2 = ("amd-slurm", "rocm-grpo")
 
 
 @pytest.mark.parametrize("seed", list(SEED_LINES))
-def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab, tmp_path: Path, seed: str) -> None:
+def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab_manager, tmp_path: Path, seed: str
+                                                         ) -> None:
     require_vllm()
+    # the requeued line's vLLM step on 2 CPUs outlasts the lab's usual KillWait (10 s): a grace
+    # that covers the step and the save, as a site's with GPU-fast steps would
+    lab = lab_manager.get(extra={"KillWait": "120"}) if seed == REQUEUED else lab_manager.get()
     tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
     assert (tp2 in lab_line(seed, tmp_path, tmp_path, tmp_path)) == (seed in TP2)
     proc, run_dir, out = submit_seed(lab, tmp_path, seed)

@@ -192,6 +192,7 @@ class RayWorkerGroup(WorkerGroup):
         ]
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(world_size)]
         self.nodes = self.run("node_info")
+        self.run("ignore_sigterm")  # Slurm's SIGTERM to every process must not end a rank
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         """`method(*per_rank[r])` on rank r."""
