@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,12 @@ class RunPaths:
     @property
     def stop(self) -> Path:
         return self.root / "stop.json"
+
+    @property
+    def cancel(self) -> Path:
+        """`hpcrl cancel`'s request to the job named in it: checkpoint, then end (`RUN/`, not
+        the restart's directory: the command does not know which restart runs)."""
+        return self.run_dir / "cancel.json"
 
     @property
     def summary(self) -> Path:
@@ -401,6 +408,8 @@ class RestartInfo:
     head_pid: int | None = field(metadata={"help": "process id of the head's agent"})
     head_host: str | None = field(metadata={"help": "host of the head's agent"})
     started: float | None = field(metadata={"help": "time the head's agent started"})
+    head_start: str | None = field(default=None, metadata={
+        "help": "the head agent's process start (`process_start`): tells it from a reused pid"})
     requeue: str | None = field(default=None, metadata={
         "help": "the head's requeue decision (or what the requeue did), when it made one"})
     requeue_action: str | None = field(default=None, metadata={
@@ -443,6 +452,7 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
         exit_code=exit_code if isinstance(exit_code, int) else None,
         head_pid=head.get("pid") if isinstance(head.get("pid"), int) else None,
         head_host=head.get("host") if isinstance(head.get("host"), str) else None,
+        head_start=head.get("start") if isinstance(head.get("start"), str) else None,
         started=head.get("time") if isinstance(head.get("time"), int | float) else None,
         requeue=requeue,
         requeue_action=action if isinstance(action, str) else None,
@@ -453,6 +463,31 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
 def read_restart(run_dir: Path, index: int) -> RestartInfo:
     """Everything the state file says about run `index` of the job."""
     return restart_from_state(index, read_state(run_dir, index))
+
+
+def process_start(pid: int) -> str | None:
+    """`BOOT_ID:START_TICKS` of process `pid` on this machine (None: no such process): the same
+    pid on another boot, or reused by a later process, gives another value."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return f"{boot}:{fields[19]}"  # field 22 of stat: start time after boot, in clock ticks
+
+
+def same_process(pid: int, host: str | None, start: str | None) -> str | None:
+    """Why `pid` (recorded on `host`, started at `start`) is not that process here; None when
+    it is."""
+    here = socket.gethostname()
+    if host is not None and host != here:
+        return f"it ran on `{host}`, this is `{here}`"
+    now = process_start(pid)
+    if now is None:
+        return f"process {pid} is gone"
+    if start is not None and now != start:
+        return f"process {pid} is another process now (the pid was reused)"
+    return None
 
 
 def pid_alive(pid: int) -> bool:
@@ -725,8 +760,6 @@ def run_report(run_dir: Path, alive: bool | None = None, job_id: str | None = No
     running (None: judge by the head agent's process when it runs on this machine); `job_id`:
     the job submitted last, whose state it is once it has a run (an earlier job's end is not
     its state)."""
-    import socket
-
     restarts = [read_restart(run_dir, r) for r in restart_indices(run_dir)]
     if not restarts:
         state = "not started"

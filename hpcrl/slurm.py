@@ -86,6 +86,24 @@ def query_slurm(argv: Sequence[str], patience_s: float | None = None) -> str:
         wait *= 2
 
 
+KILL_WAIT_RE = re.compile(r"^KillWait\s*=\s*(\d+)", re.M)
+
+
+def parse_kill_wait(text: str) -> int | None:
+    """`KillWait` in seconds from `scontrol show config` (None when it is not there)."""
+    found = KILL_WAIT_RE.search(text)
+    return int(found.group(1)) if found else None
+
+
+def kill_wait_s() -> int | None:
+    """Seconds between Slurm's SIGTERM to every process of an ending job and its SIGKILL
+    (`KillWait`); None when Slurm cannot be asked."""
+    try:
+        return parse_kill_wait(run_slurm(["scontrol", "show", "config"], shielded=True))
+    except (SlurmError, OSError):
+        return None
+
+
 def check_job_id(job: str) -> str:
     """`job` if it looks like a Slurm job id (`123`, `123_4`), else a clear error."""
     if not JOB_ID_RE.match(job):

@@ -48,8 +48,10 @@ from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import (
+    METRICS_FILE,
     MetricsLogger,
     data_metrics,
+    last_step,
     mfu,
     throughput_metrics,
     timing_metrics,
@@ -690,9 +692,21 @@ class PPODriver:
 
     def _open_metrics(self, resumed: bool) -> MetricsLogger:
         t = self.cfg.trainer
+        logged = last_step(self.run_dir / METRICS_FILE)
+        if resumed or logged:  # a run killed before its first checkpoint starts over
+            self._say_redone(logged)
         return MetricsLogger(self.run_dir, t.logger, keep_through=self.global_step if resumed else -1,
                              project=t.project_name, experiment=t.experiment_name,
                              config=config_to_dict(self.cfg))
+
+    def _say_redone(self, logged: int) -> None:
+        """How many steps the earlier run logged after the checkpoint resumed from (they are
+        done again): 0 when it saved at its stop."""
+        redo = max(0, logged - self.global_step)
+        span = ("" if not redo else f" (step {logged})" if redo == 1
+                else f" (steps {self.global_step + 1}-{logged})")
+        print(f"trainer: {redo} step(s) redone{span}: the last run logged step {logged}, "
+              f"its newest checkpoint is step {self.global_step}", flush=True)
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and self.global_step % freq == 0

@@ -52,6 +52,21 @@ def truncate_jsonl(path: Path, keep_through: int) -> int:
     return len(kept)
 
 
+def last_step(path: str | Path) -> int:
+    """The highest `step` logged in `path` (0: none, or no file); a line cut short is skipped."""
+    best = 0
+    try:
+        with Path(path).open() as fh:
+            for line in fh:
+                try:
+                    best = max(best, int(json.loads(line).get("step", 0)))
+                except (ValueError, TypeError, AttributeError):
+                    continue
+    except FileNotFoundError:
+        pass
+    return best
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open() as fh:
         return [json.loads(line) for line in fh if line.strip()]

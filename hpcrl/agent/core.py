@@ -41,7 +41,7 @@ from hpcrl.agent.stop import SignalInbox
 from hpcrl.agent.teardown import Teardown
 from hpcrl.agent.watch import early_stop_reason, watch_worker
 from hpcrl.netaddr import NodeAddress, local_addresses
-from hpcrl.rundir import AGENT_STARTED, RunPaths
+from hpcrl.rundir import AGENT_STARTED, RunPaths, process_start
 from hpcrl.slurm_env import JobContext, job_context
 
 __all__ = ["Agent", "AgentError", "ContainerWrap", "Outcome", "container_wrap"]
@@ -84,7 +84,8 @@ class Agent:
         inbox.install()
         try:
             state_writer(self.run_dir, self.ctx).append(
-                AGENT_STARTED, pid=os.getpid(), nodes=self.ctx.num_nodes, job_id=self.ctx.job_id)
+                AGENT_STARTED, pid=os.getpid(), start=process_start(os.getpid()),
+                nodes=self.ctx.num_nodes, job_id=self.ctx.job_id)
             nonce = self.env.get(rdv.CANARY_ENV)
             if nonce:
                 rdv.verify_canary(self.run_dir, nonce, self.ctx.hostname)

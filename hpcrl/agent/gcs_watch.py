@@ -1,6 +1,7 @@
 """Stream the Ray GCS's node table as JSON lines, one line whenever it changes.
 
 Run next to Ray (inside the job's container), as a file: `python3 gcs_watch.py ADDRESS`.
+SIGTERM is blocked: the agent ends it (and its death kills it) with SIGKILL.
 It imports nothing from hpcrl, so the container needs only Ray. It asks the GCS directly
 (`GcsClient.get_all_node_info`, well under a millisecond a call) without registering a driver,
 and reads the auth token from `RAY_AUTH_MODE`/`RAY_AUTH_TOKEN_PATH` like every Ray process.
@@ -12,6 +13,7 @@ address and port, or `{"error": "..."}` while the GCS cannot be asked.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from typing import Any
@@ -32,6 +34,9 @@ def main(argv: list[str]) -> int:
     if len(argv) < 1:
         print("usage: gcs_watch.py GCS_ADDRESS [INTERVAL_S]", file=sys.stderr)
         return 2
+    # like Ray's processes (ray_launch.py), the watcher outlives Slurm's SIGTERM to every process
+    # of the step: the head goes on watching the cluster while the trainer saves
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     address = argv[0]
     interval = float(argv[1]) if len(argv) > 1 else 0.1
     from ray._raylet import GcsClient  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from hpcrl.agent.watch import (
 )
 from hpcrl.netaddr import format_host
 from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED, gpus_env
+from hpcrl.slurm import SlurmError, run_slurm
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
 
@@ -45,7 +46,8 @@ class Head:
         deadline = Deadline.learn(node.ctx, node.env, node.job, node.log)
         cluster = self.launcher.head()
         ray = cluster.ray
-        stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log)
+        stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log,
+                           local=node.ctx.local, job_id=node.ctx.job_id)
         requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, node.log, stop, deadline)
         watch = GcsWatch(node, cluster.gcs_lines)
 
@@ -63,7 +65,8 @@ class Head:
             warned,
             lambda: ray_exited(node, ray)
             or signalled_before_payload(node, self.inbox)
-            or stop_requested(node.paths),
+            or stop_requested(node.paths)
+            or self._cancelled_before_payload(stop),
             head_only=node.job.payload_start == "head-alive",
         )
         if failed:
@@ -110,6 +113,7 @@ class Head:
         started, ignored, noted = time.monotonic(), False, False
         while True:
             stop.take_signals(payload)
+            stop.check_cancel()
             if stop.reason is None:
                 why = stop.warning(payload_started=True)
                 if why:
@@ -153,6 +157,26 @@ class Head:
                                 ", ".join(h for _, h in cut))
         return requeuer.after_node_loss(hosts, failed.cause)
 
+    def _cancelled_before_payload(self, stop: StopControl) -> Outcome | None:
+        why = stop.check_cancel()
+        if why is None:
+            return None
+        return Outcome(f"{why} before the payload started", 0, self.node.ctx.hostname,
+                       then=self._scancel)
+
+    def _scancel(self) -> str:
+        """After the teardown, `scancel` this job: Slurm records it cancelled and never
+        requeues it (what `hpcrl cancel` asked)."""
+        ctx = self.node.ctx
+        self.node.paths.cancel.unlink(missing_ok=True)  # acted on
+        if ctx.local:
+            return "cancelled (`hpcrl cancel`)"
+        try:
+            run_slurm(["scancel", ctx.job_id], shielded=True)
+        except (SlurmError, OSError) as exc:
+            return f"could not `scancel {ctx.job_id}`: {exc}"
+        return f"cancelled job {ctx.job_id} with `scancel` (`hpcrl cancel`)"
+
     def _note_stop(self, stop: StopControl) -> bool:
         """Record the stop request in the state file once there is one; True when recorded."""
         if stop.reason is None:
@@ -173,6 +197,11 @@ class Head:
         if status not in (0, REQUEUE_EXIT_CODE) and stop.reason is None:
             return self._after_failure(Outcome(cause, status, self.node.ctx.hostname), requeuer,
                                        watch)
+        if stop.cancelled and status in (0, REQUEUE_EXIT_CODE):
+            done = "checkpointed" if status == REQUEUE_EXIT_CODE else "finished"
+            cause += "" if stop.reason == stop.cancelled else f" ({stop.cancelled})"
+            return Outcome(f"{cause}: {done}; the job ends, not requeued",
+                           status, self.node.ctx.hostname, then=self._scancel)
         if status != REQUEUE_EXIT_CODE:
             return Outcome(cause, status, self.node.ctx.hostname)
         return requeuer.after_request(f"{cause}: checkpointed, asks to be requeued", status)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,7 +205,7 @@ class Launcher:
         argv = [node.python, str(node.paths.helper(WATCHER)), gcs, "0.1"]
         log = node.paths.node_log("gcs-watch", ctx.node_rank, ctx.hostname)
         node.start("watch", "gcs-watch", argv, env, str(node.tmp), log,
-                   str(node.tmp), on_line=lines.put)
+                   str(node.tmp), on_line=lines.put, death_signal=signal.SIGKILL)
         return HeadCluster(addr, gcs, env, ray, lines)
 
     def worker(self, keep_waiting: Callable[[], str | None]) -> Child:
@@ -311,13 +312,13 @@ class Launcher:
         self._remove_stale_temp_dirs()
         argv = ray_start_argv(job, head, address, node.tmp, ports, gcs, alloc)
         node.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
-        # the launcher refuses a Ray without token auth; a worker's Ray CLI loads now and runs
-        # once the head node is alive (ray_launch.py)
+        # SIGTERM blocked in every Ray process, and a Ray without token auth refused (see
+        # ray_launch.py); a worker's Ray CLI loads now and runs once the head node is alive
         go, timeout = ("-", "0") if head else (str(node.paths.head_alive), f"{job.join_timeout_s:.0f}")
         argv = [node.python, str(node.paths.helper(LAUNCHER)), go, timeout, "--", *argv]
         log = node.paths.node_log("ray-start", node.ctx.node_rank, node.ctx.hostname)
         ray = node.start("ray", "ray", argv, env, str(node.tmp), log,
-                         str(node.tmp))
+                         str(node.tmp), death_signal=signal.SIGKILL)
         self.heartbeat.info["ray_pid"] = ray.pid
         return ray
 

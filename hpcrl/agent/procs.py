@@ -20,10 +20,11 @@ from typing import IO
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent dies."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -40,7 +41,10 @@ class Child:
         cwd: str | None = None,
         echo: IO[str] | None = None,
         on_line: Callable[[str], None] | None = None,
+        death_signal: int = signal.SIGTERM,
     ) -> None:
+        """`death_signal`: what the child gets when the agent dies (SIGKILL for a child that
+        blocks SIGTERM)."""
         self.name = name
         self.log_path = log
         self._log = open(log, "a", buffering=1)  # noqa: SIM115 (closed in wait/stop)
@@ -53,7 +57,7 @@ class Child:
             stdout=subprocess.PIPE if piped else self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=lambda: die_with_parent(death_signal),
             text=True,
             errors="replace",
         )
@@ -99,14 +103,15 @@ class Child:
         self._killpg(signal.SIGKILL)
         kill_all(session_members(self.pid))
 
-    def stop(self, grace_s: float, term_group: bool = True) -> int | None:
-        """SIGTERM (the group, or the child alone), wait up to `grace_s`, then SIGKILL every
+    def stop(self, grace_s: float, term_group: bool = True, sig: int = signal.SIGTERM
+             ) -> int | None:
+        """`sig` (the group, or the child alone), wait up to `grace_s`, then SIGKILL every
         process of its session; returns the child's exit code (None if it was not reaped)."""
         if self.proc.poll() is None:
             if term_group:
-                self._killpg(signal.SIGTERM)
+                self._killpg(sig)
             else:
-                self.send(signal.SIGTERM)
+                self.send(sig)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and (self.proc.poll() is None or self.tree_alive()):
             time.sleep(0.05)

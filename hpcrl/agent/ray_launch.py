@@ -1,9 +1,17 @@
-"""Run Ray's CLI once a file appears: `python3 ray_launch.py GO_FILE TIMEOUT_S -- ARGS...`
-(GO_FILE `-`: at once, the head node).
+"""Run Ray's CLI, immune to SIGTERM, once a file appears: `python3 ray_launch.py GO_FILE
+TIMEOUT_S -- ARGS...` (GO_FILE `-`: at once, the head node).
 
 First it refuses a Ray older than `MIN_RAY` (exit 4, naming the version found): before 2.52
 Ray ignores `RAY_AUTH_MODE=token`, and the job's cluster would take orders from any user who can
 reach its ports.
+
+SIGTERM is blocked first thing, and every process Ray starts inherits the blocked mask (the GCS,
+the raylet, the dashboard and every worker process: Ray's own spawning keeps it, as it keeps the
+SIGINT it blocks itself). Slurm signals every process of the job step when the job is cancelled,
+requeued or preempted (`scancel`, `scontrol requeue`, `GraceTime`): without this, the raylet
+drains and every worker process exits (Ray's worker ends on SIGTERM by design) while the trainer
+still saves. The agent stops Ray with SIGINT (`ray start --block` then stops its processes) and
+SIGKILL, which no mask holds back.
 
 A worker node's `ray start` asks the GCS for the head node and, while the head's Ray is still
 starting, asks again only every 2 s. This launcher imports Ray's CLI at once (the slow part, done
@@ -17,7 +25,9 @@ Exits 3 when GO_FILE does not appear within TIMEOUT_S.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +35,8 @@ POLL_S = 0.05
 MIN_RAY = (2, 52)
 """The oldest Ray with token authentication (`RAY_AUTH_MODE=token`); pyproject requires it too."""
 TOO_OLD_EXIT = 4
+AT_ONCE = "-"
+PR_SET_PDEATHSIG = 1
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -49,10 +61,21 @@ def too_old(version: str) -> str | None:
             "image (`containers/`, `hpcrl image build`)")
 
 
+def _die_with_parent() -> None:
+    """SIGKILL when the parent (the agent, or the container runtime's process) dies: the parent
+    death's SIGTERM is blocked here. Ray kills its own processes when this one dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[2] != "--":
-        print("usage: ray_launch.py GO_FILE TIMEOUT_S -- RAY_ARGS...", file=sys.stderr)
+        print("usage: ray_launch.py GO_FILE|- TIMEOUT_S -- RAY_ARGS...", file=sys.stderr)
         return 2
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _die_with_parent()
     go_file, timeout_s, ray_args = argv[0], float(argv[1]), argv[3:]
     import ray
 
@@ -63,7 +86,7 @@ def main(argv: list[str]) -> int:
     from ray.scripts.scripts import main as ray_main
 
     deadline = time.monotonic() + timeout_s
-    while go_file != "-" and not os.path.exists(go_file):
+    while go_file != AT_ONCE and not os.path.exists(go_file):
         if time.monotonic() > deadline:
             print(
                 f"ray_launch: `{go_file}` did not appear within {timeout_s:.0f} s: the head "

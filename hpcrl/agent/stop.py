@@ -6,6 +6,7 @@ Signal handlers only note the signal in a :class:`SignalInbox`; the agent's loop
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -17,13 +18,15 @@ from typing import Any
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
-from hpcrl.rundir import RunPaths
+from hpcrl.rundir import RunPaths, find_metrics, latest_checkpoint, read_metrics
 from hpcrl.runtimes import get as runtime
-from hpcrl.slurm import SlurmError
+from hpcrl.slurm import SlurmError, kill_wait_s
 from hpcrl.slurm_env import JobContext
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+CANCEL_LOOK_S = 1.0
+"""How often the head looks for `hpcrl cancel`'s request (one file look on the shared file system)."""
 PAYLOAD_ARM_S = 30.0
 """A payload that does not handle the stop signal after this long gets it anyway."""
 
@@ -56,6 +59,33 @@ class SignalInbox:
     def stopping(self) -> int | None:
         """The first pending signal that asks the job to end (SIGTERM, SIGINT), if any."""
         return next((s for s in STOPPING_SIGNALS if s in self.noted), None)
+
+
+def cancel_request(paths: RunPaths, job_id: str) -> str | None:
+    """What `hpcrl cancel` asked of job `job_id`, if it did (a request naming another job, an
+    earlier one of this run directory, is not this job's)."""
+    try:
+        request = json.loads(paths.cancel.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(request, dict) or str(request.get("job_id")) != job_id:
+        return None
+    return f"`hpcrl cancel` by {request.get('by', 'someone')}"
+
+
+def sigterm_note(run_dir: Path, kill_wait: int | None) -> str:
+    """What a SIGTERM to the job means for the run: the payload saves after its current step if
+    that ends before Slurm's SIGKILL; otherwise the steps after the newest checkpoint are
+    redone (at most `save_freq`)."""
+    newest = latest_checkpoint(run_dir)
+    logged = max((r["step"] for r in read_metrics(find_metrics(run_dir))), default=0)
+    kill = f"KillWait ({kill_wait} s)" if kill_wait is not None else "Slurm's KillWait"
+    where = (f"the newest checkpoint, step {newest[0]}" if newest else "no checkpoint yet: the start")
+    redo = logged + 1 - (newest[0] if newest else 0)
+    return (f"SIGTERM: the job is ending (cancel, requeue or preemption); Slurm kills every "
+            f"process left {kill} later. Ray's processes block SIGTERM: the payload saves after its current step "
+            f"(step {logged + 1}) if that ends in time, and nothing is redone; if not, the next run "
+            f"resumes from {where}, and redoes {redo} step(s) (at most `trainer.save_freq`)")
 
 
 @dataclass
@@ -98,7 +128,25 @@ class StopControl:
     """Why the payload was asked to stop (warning, clock, SIGTERM); None while it was not."""
     terminated_by: str | None = None
     """`SIGTERM` once Slurm (or anyone) asked the job to end; the agent then never requeues."""
+    local: bool = False
+    """Not a Slurm job (`scheduler: local`): no `KillWait` to ask for."""
+    job_id: str = ""
+    cancelled: str | None = None
+    """Why `hpcrl cancel` ended the job (it asked for a checkpoint first); None while it did not."""
     _pending: int | None = None
+    _cancel_looked: float = 0.0
+
+    def check_cancel(self) -> str | None:
+        """`hpcrl cancel`'s request for this job (`RUN/cancel.json`, looked at every
+        `CANCEL_LOOK_S`): the payload is asked to checkpoint and stop, and the job then ends
+        without a requeue. Returns why, once there is a request."""
+        now = time.monotonic()
+        if self.cancelled is None and now - self._cancel_looked >= CANCEL_LOOK_S:
+            self._cancel_looked = now
+            self.cancelled = cancel_request(self.paths, self.job_id)
+            if self.cancelled is not None:
+                self.ask(self.cancelled)
+        return self.cancelled
 
     def warning(self, payload_started: bool) -> str | None:
         """Why the time limit is near: the batch script noted Slurm's warning, or the agent's
@@ -133,6 +181,9 @@ class StopControl:
         for sig in self.inbox.take():
             name = signal.Signals(sig).name
             if sig == signal.SIGTERM:
+                if self.terminated_by is None:
+                    self.log.info("%s", sigterm_note(self.paths.run_dir,
+                                                     None if self.local else kill_wait_s()))
                 self.terminated_by = self.terminated_by or name
                 self.reason = self.reason or name
             elif name == f"SIG{self.job.warning_signal}":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from hpcrl.rundir import RUN_ENDED, TEARDOWN_DONE, RunPaths
 from hpcrl.runtimes import get as runtime
 from hpcrl.slurm_env import JobContext
 
-RAY_STOP_S = 10.0
 DEFAULT_GRACE_S = 10.0
 """How long the payload gets after SIGTERM when the job file (and its `grace_s`) is unknown."""
 
@@ -103,10 +103,10 @@ class Teardown:
             payload.stop(grace)
         elif payload is not None:
             payload.close()
-        for role in ("watch", "ray"):
+        for role in ("watch", "ray"):  # both block SIGTERM (ray_launch.py, gcs_watch.py)
             child = self.children.get(role)
             if child is not None:
-                child.stop(RAY_STOP_S if role == "ray" else 1.0, term_group=role != "ray")
+                child.stop(0.0, sig=signal.SIGKILL)
         for role in ("payload", "watch", "ray"):
             if role in self.children and self.job is not None:
                 self._remove_container(self.job, role)

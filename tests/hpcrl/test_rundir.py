@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -32,14 +33,16 @@ def write_metrics(path: Path, records: list[dict]) -> None:
 
 
 def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payload: bool = True,
-                 exit_code: int | None = 0, pid: int | None = None, job: str = "local-1") -> None:
+                 exit_code: int | None = 0, pid: int | None = None, job: str = "local-1",
+                 host: str = HOST, start: str | None = None) -> None:
     """`RUN/<index>/` and the state lines of that run as the head's agent leaves them (written
     with the agent's own writer); the agent's log is for people and read by no command."""
     paths = rundir.RunPaths(run, index)
     paths.nodes.mkdir(parents=True)
     paths.logs.mkdir()
-    head = rundir.StateWriter(run, index, 0, HOST)
-    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id=job)
+    head = rundir.StateWriter(run, index, 0, host)
+    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id=job,
+                **({"start": start} if start else {}))
     for n in range(joined + 1):
         head.append(rundir.NODES_JOINED, joined=n, total=total)
     log = [f"2026-01-01 00:00:00,000 hpcrl-agent[{HOST} rank 0] {n}/{total} nodes joined"
@@ -402,7 +405,8 @@ def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
 
     agent = subprocess.Popen(["sleep", "60"])  # stands in for the head's agent process
     try:
-        make_restart(run, 0, exit_code=None, pid=agent.pid)
+        make_restart(run, 0, exit_code=None, pid=agent.pid, host=socket.gethostname(),
+                     start=rundir.process_start(agent.pid))
         (run / "submission.json").write_text(json.dumps({"job_id": "local-1", "logs": {}}))
         env = {"PATH": "/usr/bin:/bin", "HOME": str(run)}
         proc = run_hpcrl(["cancel", str(run)], env)
@@ -413,6 +417,31 @@ def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
         assert again.returncode == 2 and "is not running" in again.stderr
     finally:
         agent.kill()
+
+
+@pytest.mark.parametrize("case", ["other host", "reused pid"])
+def test_cancel_never_signals_a_pid_that_is_not_the_agent(run: Path, case: str) -> None:
+    """The recorded pid is signalled only on the agent's host and while it names the process
+    that started then: a pid from another machine, or one reused by a later process, is not."""
+    import subprocess
+
+    stranger = subprocess.Popen(["sleep", "60"])  # alive, with the recorded pid
+    try:
+        start = rundir.process_start(stranger.pid)
+        if case == "other host":
+            make_restart(run, 0, exit_code=None, pid=stranger.pid, host="elsewhere", start=start)
+        else:
+            make_restart(run, 0, exit_code=None, pid=stranger.pid, host=socket.gethostname(),
+                         start="another-boot:1")
+        (run / "submission.json").write_text(json.dumps({"job_id": "local-1", "logs": {}}))
+        proc = run_hpcrl(["cancel", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        said = "it ran on `elsewhere`" if case == "other host" else "the pid was reused"
+        assert said in proc.stderr and "not signalling it" in proc.stderr, proc.stderr
+        time.sleep(0.3)
+        assert stranger.poll() is None  # untouched
+    finally:
+        stranger.kill()
 
 
 def test_resume_refused_while_the_run_is_alive(run: Path) -> None:

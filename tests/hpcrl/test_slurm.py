@@ -89,3 +89,11 @@ def test_a_shielded_command_outlives_the_sigterm_of_its_own_job(tmp_path: Path,
     assert run_slurm(["scontrol", "update"], shielded=True) == "updated\n"
     with pytest.raises(SlurmError, match="status -15"):
         run_slurm(["scontrol", "update"])
+
+
+def test_kill_wait_is_read_from_scontrol_show_config() -> None:
+    from hpcrl.slurm import parse_kill_wait
+
+    text = "JobRequeue              = 1\nKillOnBadExit           = 0\nKillWait                = 30 sec\n"
+    assert parse_kill_wait(text) == 30
+    assert parse_kill_wait("KillOnBadExit = 0\n") is None

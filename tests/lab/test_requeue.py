@@ -260,6 +260,86 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     assert f"  run 3: job {second} restart 0: " in status.stdout, status.stdout
     assert "last checkpointed step: 20" in status.stdout
     assert not (run_dir / "lease.json").exists()  # the last head gave it back
+def redone(run_dir: Path, restart: int) -> int | None:
+    """Steps the run `restart` says it redoes (the trainer's line after resuming)."""
+    found = [int(m.group(1)) for ln in payload_log(run_dir, restart)
+             if (m := re.match(r"^trainer: (\d+) step\(s\) redone", ln))]
+    return found[0] if found else None
+
+
+def wait_for_resume(lab, job: int, run_dir: Path, restart: int, timeout: float = 300
+                    ) -> tuple[int | None, int]:
+    """Until run `restart` said how many steps it redoes: (the step it resumed from, that many)."""
+    deadline = time.monotonic() + timeout
+    while (count := redone(run_dir, restart)) is None:
+        assert time.monotonic() < deadline and lab.state(job) not in FINISHED, logs(run_dir)
+        time.sleep(0.2)
+    return resumed_from(run_dir, restart), count
+
+
+def test_scontrol_requeue_from_outside_saves_at_the_stop_on_two_nodes(lab, sites, assets,
+                                                                      tmp_path):
+    """Through submitit, 2 nodes: `scontrol requeue` mid-run sends SIGTERM to every process of
+    the job (batch shell, agents, trainer, raylets, Ray's workers); Ray's processes outlive it, the
+    trainer finishes its step and checkpoints within `KillWait`; Slurm requeues (the agent does
+    not add a second requeue); the rerun resumes from that checkpoint: no step redone."""
+    write_site(sites, "rq-ext", tmp_path / "runs", nodes=2, slow_s=0.25)
+    run_dir = tmp_path / "runs" / "ext"
+    args = [*overrides(assets, steps=16, save_freq=5), "trainer.nnodes=2",
+            "trainer.n_gpus_per_node=1"]  # a rank on each node, in Ray's worker processes
+    job = submit(lab, sites, "rq-ext", run_dir, args, via="submitit")
+    wait_for_step(lab, job, run_dir, 0, 8)
+    lab.run("scontrol", "requeue", str(job))
+    rec = finished(lab, job, run_dir)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, logs(run_dir))
+    last = max(steps_run(run_dir, 0))
+    assert saved(run_dir, 0)[-1] == last and resumed_from(run_dir, 1) == last, logs(run_dir)
+    assert redone(run_dir, 1) == 0, logs(run_dir)
+    head_log = (run_dir / "0" / "logs").glob("agent-0-*.log")
+    assert any("Ray's processes block SIGTERM" in p.read_text() for p in head_log), logs(run_dir)
+    assert "Slurm ended the job" in summary(run_dir, 0), logs(run_dir)
+    check_metrics(run_dir, 16)
+
+
+def test_three_nodes_requeue_in_grace_then_past_it_then_hpcrl_cancel(lab, sites, assets, tmp_path):
+    """3 nodes, one job, three stops: run 0 (fast steps) is requeued and saves at the stop (0
+    steps redone); run 1's steps outlast `KillWait` (10 s here), so the requeue's SIGKILL comes
+    before the save: run 2 redoes the steps since the newest checkpoint (at most `save_freq`),
+    as the head's note at the SIGTERM and the trainer's line after resuming say; run 2 ends with
+    `hpcrl cancel`, which checkpoints first, then cancels the job."""
+    save_freq = 4
+    write_site(sites, "rq-three", tmp_path / "runs", nodes=3, slow_s=1.25, slow_runs="1,2")
+    run_dir = tmp_path / "runs" / "three"
+    args = [a.replace("=4", "=6") if "batch_size" in a else a  # 12 rows a step: 15 s when slow
+            for a in overrides(assets, steps=15, save_freq=save_freq)]
+    job = submit(lab, sites, "rq-three", run_dir, [*args, "trainer.nnodes=3",
+                                                     "trainer.n_gpus_per_node=1"])
+    wait_for_step(lab, job, run_dir, 0, 3)
+    lab.run("scontrol", "requeue", str(job))
+    resumed = wait_for_resume(lab, job, run_dir, 1)
+    first = max(steps_run(run_dir, 0))
+    assert saved(run_dir, 0)[-1] == first and resumed == (first, 0), logs(run_dir)
+    wait_for_step(lab, job, run_dir, 1, first + 1)  # a slow step just ended: the next one
+    lab.run("scontrol", "requeue", str(job))        # outlasts KillWait
+    resumed = wait_for_resume(lab, job, run_dir, 2)
+    newest = max(saved(run_dir, 0) + saved(run_dir, 1))
+    last = max(steps_run(run_dir, 1))
+    assert resumed == (newest, last - newest), logs(run_dir)
+    assert 1 <= last - newest <= save_freq, logs(run_dir)
+    note = next((run_dir / "1" / "logs").glob("agent-0-*.log")).read_text()
+    assert "Slurm kills every process left KillWait (10 s) later" in note, note[-3000:]
+    assert f"resumes from the newest checkpoint, step {newest}, and redoes" in note
+    wait_for_step(lab, job, run_dir, 2, newest + 1)
+    env = {**lab.env, "HPCRL_SITE_PATH": str(sites)}
+    cancel = run_hpcrl(["cancel", str(run_dir)], env)
+    assert cancel.returncode == 0 and "to checkpoint and stop" in cancel.stdout, cancel.stderr
+    rec = finished(lab, job, run_dir)
+    assert rec["JobState"] == "CANCELLED" and rec["Restarts"] == "2", (rec, logs(run_dir))
+    stopped = max(steps_run(run_dir, 2))
+    assert stopped < 15 and saved(run_dir, 2)[-1] == stopped, logs(run_dir)
+    assert "`hpcrl cancel` by" in summary(run_dir, 2), logs(run_dir)
+    assert "cancelled job" in summary(run_dir, 2) and not (run_dir / "cancel.json").exists()
+    check_metrics(run_dir, stopped)
 
 
 # ------------------------------------------------------------------ 3. preemption

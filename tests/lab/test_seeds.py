@@ -10,12 +10,16 @@ runs this test, and vLLM lives in `.venv-vllm`."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from hpcrl.rundir import read_metrics
 from tests.conftest import run_hpcrl
+from tests.lab import FINISHED
 from tests.lab.test_agent import finished, run_logs
+from tests.lab.test_requeue import redone, saved
 from tests.trainer.rollout.vllm_support import require_vllm
 from tests.trainer.test_config import seed_command_lines
 from trainer.checkpoint import full_state as ckpt
@@ -85,22 +89,44 @@ def submit_seed(lab, tmp_path: Path, seed: str) -> tuple[object, Path, Path]:
     return proc, run_dir, out
 
 
+REQUEUED = "amd-slurm"
+"""The line whose job is requeued from outside after its first step (`scontrol requeue`: SIGTERM
+to every process of the job, vLLM's engine processes in Ray's workers included)."""
+
+
+def requeue_after_step_one(lab, job: int, run_dir: Path, out: Path) -> None:
+    deadline = time.monotonic() + 600
+    while not any(r["step"] >= 1 for r in read_metrics(out / "metrics.jsonl")):
+        assert time.monotonic() < deadline and lab.state(job) not in FINISHED, run_logs(run_dir)
+        time.sleep(0.2)
+    lab.run("scontrol", "requeue", str(job))
+
+
 #: The lines whose rollout is one vLLM engine across the two nodes (TP=2): the AMD Slurm line
 #: names vLLM, the ROCm GRPO line gets it as verl's default `rollout.name`.
 TP2 = ("amd-slurm", "rocm-grpo")
 
 
 @pytest.mark.parametrize("seed", list(SEED_LINES))
-def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab, tmp_path: Path, seed: str) -> None:
+def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab_manager, tmp_path: Path, seed: str
+                                                         ) -> None:
     require_vllm()
+    # the requeued line's vLLM step on 2 CPUs outlasts the lab's usual KillWait (10 s): a grace
+    # that covers the step and the save, as a site's with GPU-fast steps would
+    lab = lab_manager.get(extra={"KillWait": "120"}) if seed == REQUEUED else lab_manager.get()
     tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
     assert (tp2 in lab_line(seed, tmp_path, tmp_path, tmp_path)) == (seed in TP2)
     proc, run_dir, out = submit_seed(lab, tmp_path, seed)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = int(proc.stdout.split("job id: ")[1].split()[0])
+    if seed == REQUEUED:
+        requeue_after_step_one(lab, job, run_dir, out)
     rec = finished(lab, job, run_dir, timeout=900)
     payload = "\n".join(p.read_text(errors="replace") for p in run_dir.rglob("payload.log"))
     assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir), payload[-4000:])
+    if seed == REQUEUED:  # saved at the SIGTERM (the line saves nowhere else): nothing redone
+        assert rec["Restarts"] == "1", rec
+        assert saved(run_dir, 0) and redone(run_dir, 1) == 0, payload[-4000:]
     rows = read_jsonl(out / "metrics.jsonl")
     before = [r for r in rows if r["step"] == 0]  # validation before training (verl's default)
     assert bool(before) == (seed in ("rocm-ppo", "rocm-grpo")), rows  # the lines keeping it

@@ -168,3 +168,21 @@ def test_killed_worker_ends_the_run_naming_node_and_rank(tiny_model_dir, toy, tm
     assert proc.returncode == 1, (proc.returncode, out[-2000:], err[-3000:])
     expected = f"worker group `actor_rollout_ref` rank 1 on node `{socket.gethostname()}` ({victim['ip']}, pid {victim['pid']}) died"
     assert expected in err, err[-3000:]
+
+
+def test_sigterm_after_connecting_to_ray_is_a_stop_request(tmp_path) -> None:
+    """`ray.init` installs its own SIGTERM handlers (a Python one that exits, the core worker's
+    that aborts); `connect` puts the trainer's back: Slurm's SIGTERM to every process of a
+    cancelled or requeued job asks the driver to checkpoint and stop, it does not kill it."""
+    code = ("import os, signal, time\n"
+            "from trainer.stop import StopRequest\n"
+            "from trainer.workers.ray_group import connect\n"
+            "stop = StopRequest(); stop.install()\n"
+            "connect(1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(1)\n"
+            "print('stop requested:', stop.requested(), stop.reason(), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "HPCRL_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stop requested: True signal SIGTERM" in proc.stdout, proc.stdout + proc.stderr[-2000:]

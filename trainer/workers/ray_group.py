@@ -25,8 +25,11 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,15 +69,31 @@ def connect(world_size: int) -> str:
             "`RAY_ADDRESS=auto` may attach to another job's Ray cluster; set it to the head's "
             "`host:port` (`hpcrl submit` does), or unset it to start a private local cluster")
     if address:
-        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+        with _sigterm_kept():
+            ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         return address
     # Workers of the local cluster import this checkout's `trainer` package.
     root = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     private_token_auth()
-    ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
-             log_to_driver=True, logging_level=logging.WARNING)
+    with _sigterm_kept():
+        ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
+                 log_to_driver=True, logging_level=logging.WARNING)
     return "local"
+
+
+@contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """`ray.init` replaces the process's SIGTERM handler (with one that exits at once; its core
+    worker's crash handler aborts with status 134): put back the one installed before
+    (`trainer.stop`: a SIGTERM asks for a checkpoint and a stop). Slurm sends SIGTERM to every
+    process of the job when it is cancelled, requeued or preempted."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, before)
 
 
 def private_token_auth() -> None:
@@ -224,6 +243,7 @@ class RayWorkerGroup(WorkerGroup):
         self.name, self.world_size, self.actors = name, len(actors), actors
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
         self.nodes = self.run("node_info")
+        self.run("ignore_sigterm")  # Slurm's SIGTERM to every process must not end a rank
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         """`method(*per_rank[r])` on rank r."""

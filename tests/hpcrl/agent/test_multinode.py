@@ -64,7 +64,7 @@ def test_two_agent_job_survives_join_and_ends_fast_when_a_worker_dies(tmp_path: 
     if v6:
         address = json.loads((run / "0" / "rendezvous.json").read_text())["gcs_address"]
         assert address.startswith("[") and f"cluster at address: {address}" in payload_log
-    time.sleep(1)  # the worker's Ray drains on its parent-death signal
+    time.sleep(1)  # the worker's Ray dies of its parent-death signal (SIGKILL: it blocks SIGTERM)
     # the killed agent could not remove its temp dir; its next run on that node does
     assert leftovers(run, ranks=(0,)) == []
     assert len(list((run / "0" / "nodes").glob("*.json"))) == 2

@@ -80,3 +80,30 @@ def test_the_agent_reports_the_refusal(tmp_path: Path) -> None:
     assert _launcher_refusal(log) == "ray_launch: the container has Ray 2.45.0; hpcrl needs Ray >= 2.52 ..."
     log.write_text("Traceback: something else\n")
     assert _launcher_refusal(log) is None and _launcher_refusal(tmp_path / "none") is None
+def test_at_once_and_deaf_to_sigterm(tmp_path: Path) -> None:
+    """GO_FILE `-` runs Ray's CLI at once; SIGTERM is blocked (Slurm's SIGTERM to every process
+    of the job must not end Ray while the trainer saves), and every process Ray starts inherits
+    the mask; SIGKILL ends it."""
+    import os
+    import signal
+
+    import ray
+
+    assert ray.__version__ in launch("-", "5", "--", "--version").stdout
+    go = tmp_path / "never"
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), str(go), "60", "--", "--version"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the mask is set (before Ray's import)
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            blocked = int(next(ln for ln in status.splitlines() if ln.startswith("SigBlk:")).split()[1], 16)
+            if blocked & (1 << (signal.SIGTERM - 1)):
+                break
+            time.sleep(0.05)
+        assert blocked & (1 << (signal.SIGTERM - 1)), status
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None  # still waiting for the go file
+    finally:
+        proc.kill()
+    assert proc.wait(timeout=10) == -signal.SIGKILL

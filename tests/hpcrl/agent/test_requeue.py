@@ -346,3 +346,37 @@ def test_a_requeue_without_a_spare_node_shrinks_the_job_as_far_as_min_nodes_allo
     out = requeuer.after_node_loss(["node2"], "x")
     assert "not requeueing job 77: SIGTERM arrived meanwhile" in out.cause
     assert calls[-1] == ("exclude", "77", "node5,node2", ()) and len(calls) == 5
+
+
+def test_the_sigterm_note_says_the_grace_and_what_a_kill_would_redo(tmp_path: Path) -> None:
+    """At SIGTERM the head says how long Slurm leaves (`KillWait`) and, should the save not
+    make it, where the next run resumes and how many steps it redoes."""
+    from hpcrl.agent.stop import sigterm_note
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "global_step_5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 5, "files": {}}))
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 9)))
+    note = sigterm_note(run, 30)
+    assert "Slurm kills every process left KillWait (30 s) later" in note
+    assert "after its current step (step 9)" in note
+    assert "resumes from the newest checkpoint, step 5, and redoes 4 step(s)" in note
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    note = sigterm_note(fresh, None)
+    assert "Slurm's KillWait" in note and "no checkpoint yet: the start, and redoes 1 step(s)" in note
+
+
+def test_a_cancel_request_counts_only_for_the_job_it_names(tmp_path: Path) -> None:
+    """`RUN/cancel.json` written by `hpcrl cancel` for job 77: job 77's head acts on it, the
+    next job of the run directory (`--resume`: another id) does not; a damaged file is none."""
+    from hpcrl.agent.stop import cancel_request
+
+    paths = RunPaths(tmp_path, 0)
+    assert cancel_request(paths, "77") is None
+    paths.cancel.write_text(json.dumps({"job_id": "77", "by": "ann@login1"}))
+    assert cancel_request(paths, "77") == "`hpcrl cancel` by ann@login1"
+    assert cancel_request(paths, "78") is None
+    paths.cancel.write_text("{not json")
+    assert cancel_request(paths, "77") is None

@@ -322,10 +322,14 @@ def test_status_logs_cancel_by_job_id(tmp_path: Path, slurm: dict[str, str]) -> 
     assert one.stdout == "worker line\n"
     by_dir = run_hpcrl(["logs", str(run_dir), "--node", "0"], slurm)
     assert by_dir.stdout == "head line\n"
-    cancel = run_hpcrl(["cancel", "4"], env)
-    assert cancel.returncode == 0 and "cancelled job 4" in cancel.stdout
-    assert calls(slurm, "scancel")[-1]["argv"] == ["4"]
+    cancel = run_hpcrl(["cancel", "4"], env)  # running: a checkpoint first, through its agent
+    assert cancel.returncode == 0 and "asked job 4 to checkpoint and stop" in cancel.stdout
+    assert json.loads((run_dir / "cancel.json").read_text())["job_id"] == "4"
+    assert calls(slurm, "scancel") == []
     assert ["show", "job", "4"] in [c["argv"] for c in calls(slurm, "scontrol")]
+    now = run_hpcrl(["cancel", "--now", "4"], env)
+    assert now.returncode == 0 and "cancelled job 4" in now.stdout
+    assert calls(slurm, "scancel")[-1]["argv"] == ["4"]
 
 
 def test_unknown_job_and_bad_job_id(tmp_path: Path, slurm: dict[str, str]) -> None:
