@@ -15,7 +15,7 @@ import pytest
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import JobFileError, parse_job
 from hpcrl.agent.node import BEAT_S, AgentError, Heartbeat, Node
-from hpcrl.agent.watch import GcsWatch
+from hpcrl.agent.watch import GcsWatch, dead_nodes
 from hpcrl.jobspec import JobSpec, JobSpecError
 from hpcrl.rundir import RunPaths
 from hpcrl.slurm_env import job_context
@@ -126,3 +126,25 @@ def test_a_node_whose_clock_is_behind_lives_and_a_silent_one_is_dead_after_the_t
             assert lost is not None and lost.cause == "agent on `n3` (rank 2) stopped its heartbeat"
         assert 1 not in watch.peers.stale(10)  # type: ignore[union-attr]
         now[0] += BEAT_S
+
+
+def test_after_a_failure_a_node_that_beats_on_lives_and_a_silent_one_is_dead(
+        tmp_path: Path) -> None:
+    """`dead_nodes` waits until each other node's file changed after the failure (alive) or
+    stayed the same for `heartbeat_timeout_s` of the head's clock (dead)."""
+    now, count = [500.0], [1]
+    watch, paths = head(tmp_path, heartbeat_timeout_s=10)
+    writers = {r: rdv.NodeFileWriter(paths.node_file(r)) for r in (1, 2)}
+    for r in (1, 2):
+        writers[r].write(rdv.node_record(r, 1, {"host": f"n{r + 1}", "state": "running"}))
+
+    def clock() -> float:  # each look of the head: half a second on, and rank 1 beat again
+        now[0] += 0.5
+        count[0] += 1
+        writers[1].write(rdv.node_record(1, count[0], {"host": "n2", "state": "running"}))
+        return now[0]
+
+    heartbeat = Heartbeat(paths, job_context(ENV))
+    heartbeat._peers = rdv.Peers(paths, expected=3, clock=clock)
+    assert dead_nodes(watch.node, heartbeat) == [(2, "n3")]
+    assert 10 < now[0] - 500.0 < 15  # dead once silent for the timeout, not before
