@@ -100,8 +100,7 @@ class Counter:
             def wrapper(path: Any, *a: Any, **k: Any) -> Any:
                 if op == "open" and extra and isinstance(path, int):  # `os.fdopen`: a file
                     if path in count.fds:  # object over an open descriptor, closed with it
-                        count.counts()["close"] += 1
-                        count.fds.discard(path)
+                        count.counts()["close"] += 1  # (not by `os.close`)
                     return real(path, *a, **k)
                 if count.mine(path):  # a failed look-up costs the server as much
                     c = count.counts()
