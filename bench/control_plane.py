@@ -3,8 +3,8 @@ Ray on this machine, against a real run directory on local disk.
 
 Each simulated node runs the agent's own code: its `Heartbeat` (writer threads call `beat` every
 tick, as the agents' loops do), the head's `GcsWatch.lost_nodes` and `stop_requested` every tick
-with its own beat, and one worker's loop (`read_stop`, `lost_head`, its beat) as the sample of
-what every worker does. Every file operation on the run directory is counted where Python hands
+with its own beat, and one worker running `watch_worker` (the stop file, `lost_head`, its beat)
+as the sample of what every worker does. Every file operation on the run directory is counted where Python hands
 it to the kernel (the `os` functions and `io.open` the agent calls), by thread. Printed per N:
 
 - metadata operations per second on the run directory (open, close, create, rename, link,

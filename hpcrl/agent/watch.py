@@ -248,15 +248,12 @@ def lost_head(node: Node, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome |
 
 
 def watch_worker(node: Node, ray: Child, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome:
-    """A worker keeps Ray up until the head ends the job (stop file, looked at once per beat),
-    its own Ray or the head's heartbeat stops (then the lowest-ranked live worker requeues the job), or, after SIGTERM,
+    """A worker keeps Ray up until the head ends the job (stop file), its own Ray or the head's
+    heartbeat stops (then the lowest-ranked live worker requeues the job), or, after SIGTERM,
     the head does not end the job within ten grace times."""
     term_at: float | None = None
-    looked = -BEAT_S
     while True:
-        stop = None
-        if time.monotonic() - looked >= BEAT_S:  # a look-up on the metadata server per node
-            stop, looked = rdv.read_stop(node.paths), time.monotonic()
+        stop = rdv.read_stop(node.paths)
         if stop:
             by = stop.get("by")
             mine = stop.get("rank") == node.ctx.node_rank
