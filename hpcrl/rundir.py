@@ -36,11 +36,13 @@ The state of a job (`hpcrl status`, `--follow`, `cancel`, a local run's progress
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -329,21 +331,108 @@ TEARDOWN_DONE = "teardown_done"
 """Every node, last: its processes are stopped (`exit_code` of the node's part)."""
 
 
+# ----------------------------------------------------------------------------- writing, with faults
+
+TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.EIO, errno.EAGAIN,
+                              errno.EINTR, errno.ETIMEDOUT, errno.ENOLCK})
+"""Errors a parallel file system gives for a while and then no more (a full or over-quota
+target being cleaned, a failing-over server, a stale handle): a write is tried again."""
+DEFAULT_PATIENCE_S = 15.0
+"""How long a write is retried when nobody said: the profile's default `heartbeat_timeout_s`
+(past it the other nodes count this one as dead anyway)."""
+
+
+def fs_write(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Hand all of `data` to the file system: the one place the run directory's writers (the
+    state file, the rendezvous files, the heartbeats) write bytes, at `offset` or appended."""
+    view = memoryview(data)
+    while view:
+        if offset is None:
+            n = os.write(fd, view)
+        else:
+            n = os.pwrite(fd, view, offset)
+            offset += n
+        view = view[n:]
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"hpcrl: {message}", file=sys.stderr)
+
+
+@dataclass
+class Retrying:
+    """One writer's retries of a file write that failed with a transient error
+    (:data:`TRANSIENT_ERRNOS`): again after 0.05, 0.1, 0.2 ... 2 s, for up to `patience_s`
+    since the first failure, said once when it starts failing and once when it works again;
+    past the patience, or at any other error, the error is raised."""
+
+    patience_s: float = DEFAULT_PATIENCE_S
+    warn: Callable[[str], None] = _warn_stderr
+    clock: Callable[[], float] = time.monotonic
+    failing_since: float | None = None
+    next_try: float = 0.0
+    delay: float = 0.0
+
+    def due(self) -> bool:
+        """Whether the backoff since the last failure is over."""
+        return self.clock() >= self.next_try
+
+    def attempt(self, write: Callable[[], None], what: str) -> bool:
+        """Run `write` once: True when it worked, False after a transient error within the
+        patience (try again once :meth:`due`)."""
+        try:
+            write()
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS:
+                raise
+            self._failed(exc, what)
+            return False
+        if self.failing_since is not None:
+            self.warn(f"writing {what} works again after "
+                      f"{self.clock() - self.failing_since:.1f} s")
+            self.failing_since = None
+        return True
+
+    def _failed(self, exc: OSError, what: str) -> None:
+        now, name = self.clock(), errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        if self.failing_since is None:
+            self.failing_since, self.delay = now, 0.05
+            self.warn(f"writing {what} failed ({name}: {exc.strerror}); trying again for up "
+                      f"to {self.patience_s:g} s")
+        elif now - self.failing_since > self.patience_s:
+            raise OSError(exc.errno, f"{exc.strerror} (writing {what} failed for "
+                          f"{now - self.failing_since:.1f} s, longer than the "
+                          f"{self.patience_s:g} s the file system is given: "
+                          "`heartbeat_timeout_s`)") from exc
+        else:
+            self.delay = min(2 * self.delay, 2.0)
+        self.next_try = now + self.delay
+
+    def run(self, write: Callable[[], None], what: str,
+            sleep: Callable[[float], None] = time.sleep) -> None:
+        """Run `write` until it works, waiting between tries (raises as :meth:`attempt`)."""
+        while not self.attempt(write, what):
+            sleep(max(0.0, self.next_try - self.clock()))
+
+
 @dataclass(frozen=True)
 class StateWriter:
-    """One node's voice in the state file: every line it appends names its run and node."""
+    """One node's voice in the state file: every line it appends names its run and node. A
+    transient file-system error is retried (`retry`) rather than ending the job."""
 
     run_dir: Path
     restart: int
     rank: int
     host: str
+    retry: Retrying = field(default_factory=Retrying, compare=False)
 
     def append(self, event: str, **fields: Any) -> None:
         """Append one line `{"time", "event", "restart", "rank", "host", **fields}`."""
         record = {key: _short(value) for key, value in fields.items()}
         record.update(time=round(time.time(), 3), event=event, restart=self.restart,
                       rank=self.rank, host=self.host)
-        append_line(RunDir(self.run_dir).state, record)
+        path = RunDir(self.run_dir).state
+        self.retry.run(lambda: append_line(path, record), f"`{path}`")
 
 
 def _short(value: Any) -> Any:
@@ -366,7 +455,7 @@ def append_line(path: Path, record: dict[str, Any]) -> None:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer was killed mid-line (or
             data = b"\n" + data  # is mid-copy): end that line first; readers skip empty lines
-        os.write(fd, data)
+        fs_write(fd, data)
     finally:
         os.close(fd)
 

@@ -41,7 +41,7 @@ from hpcrl.agent.stop import SignalInbox
 from hpcrl.agent.teardown import Teardown
 from hpcrl.agent.watch import early_stop_reason, watch_worker
 from hpcrl.netaddr import NodeAddress, local_addresses
-from hpcrl.rundir import AGENT_STARTED, RunPaths, process_start
+from hpcrl.rundir import AGENT_STARTED, Retrying, RunPaths, process_start
 from hpcrl.slurm_env import JobContext, job_context
 
 __all__ = ["Agent", "AgentError", "ContainerWrap", "Outcome", "container_wrap"]
@@ -76,7 +76,8 @@ class Agent:
         except (OSError, rdv.RendezvousError) as exc:
             print(f"hpcrl-agent[{self.ctx.hostname}]: {exc}", file=sys.stderr)
             return 1
-        inbox, heartbeat = SignalInbox(), Heartbeat(self.paths, self.ctx)
+        inbox = SignalInbox()
+        heartbeat = Heartbeat(self.paths, self.ctx, retry=Retrying(warn=log.warning))
         children: dict[str, Child] = {}
         job: AgentJob | None = None
         tmp: Path | None = None
@@ -95,6 +96,7 @@ class Agent:
                      os.getcwd(), bool(sys.flags.safe_path), tmp)
             node = Node(self.run_dir, self.env, self.ctx, self.paths, job, log, self.wrap, children,
                         tmp)
+            heartbeat.retry.patience_s = job.heartbeat_timeout_s
             outcome = self._run_node(node, heartbeat, inbox)
         except Exception as exc:  # every failure ends the job with a message naming the node
             outcome = Outcome(f"{type(exc).__name__}: {exc}", 1, self.ctx.hostname)

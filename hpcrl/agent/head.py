@@ -49,7 +49,7 @@ class Head:
         stop = StopControl(node.job, node.paths, self.inbox, deadline, node.log,
                            local=node.ctx.local, job_id=node.ctx.job_id)
         requeuer = Requeuer(node.ctx, node.job, node.run_dir, self.inbox, node.log, stop, deadline)
-        watch = GcsWatch(node, cluster.gcs_lines)
+        watch = GcsWatch(node, cluster.gcs_lines, self.heartbeat.peers)
 
         def warned() -> Outcome | None:
             """The time limit is near before the payload started: do not start it."""
@@ -143,7 +143,7 @@ class Head:
         retried)."""
         self.node.log.error("%s; checking whether nodes died with it (their heartbeats)",
                             failed.cause)  # first: Slurm may end this agent meanwhile
-        dead = dead_nodes(self.node, time.time(), self.heartbeat)
+        dead = dead_nodes(self.node, self.heartbeat)
         cut = [(r, h) for r, h in watch.cut_off() if r not in {r for r, _ in dead}]
         if not dead and not cut:
             return failed

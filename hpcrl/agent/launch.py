@@ -173,21 +173,19 @@ class Launcher:
         gcs = format_hostport(addr.address, ports.gcs)
         self._describe(addr, ports)
         self._copy_helpers()
-        rdv.publish(
-            node.paths,
-            {
-                "job_id": ctx.job_id,
-                "restart": ctx.restart,
-                "run": ctx.run,
-                "head": ctx.hostname,
-                "address": addr.address,
-                "gcs_address": gcs,
-                "family": addr.family,
-                "ports": ports.to_dict(),
-                "token_path": str(token),
-                "nodes": list(ctx.nodes),
-            },
-        )
+        info = {
+            "job_id": ctx.job_id,
+            "restart": ctx.restart,
+            "run": ctx.run,
+            "head": ctx.hostname,
+            "address": addr.address,
+            "gcs_address": gcs,
+            "family": addr.family,
+            "ports": ports.to_dict(),
+            "token_path": str(token),
+            "nodes": list(ctx.nodes),
+        }
+        node.retry.run(lambda: rdv.publish(node.paths, info), f"`{node.paths.rendezvous}`")
         node.log.info(
             "head address %s (%s), GCS %s, port block %d-%d, token in run directory",
             addr.address,

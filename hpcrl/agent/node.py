@@ -24,7 +24,7 @@ from hpcrl.agent.procs import Child
 from hpcrl.containers import container_command
 from hpcrl.devices import DEVICE_VARS
 from hpcrl.profiles import container_from_dict, profile_from_dict
-from hpcrl.rundir import RunPaths, StateWriter
+from hpcrl.rundir import Retrying, RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext
 
 ContainerWrap = Callable[
@@ -36,6 +36,8 @@ in the job's container, variables to add to that command's own environment)."""
 
 TICK_S = 0.1
 """How often every loop of the agent looks again."""
+BEAT_S = 2.0
+"""How often a node rewrites its heartbeat file, and how often the others read it."""
 
 
 class AgentError(RuntimeError):
@@ -134,9 +136,11 @@ def container_name(ctx: JobContext, role: str) -> str:
     return f"hr-{ctx.job_id}-{ctx.restart}-{ctx.node_rank}-{role}"
 
 
-def state_writer(run_dir: Path, ctx: JobContext) -> StateWriter:
-    """This node's voice in the job's state file (what `hpcrl status` and `--follow` read)."""
-    return StateWriter(run_dir, ctx.run, ctx.node_rank, ctx.hostname)
+def state_writer(run_dir: Path, ctx: JobContext, retry: Retrying | None = None) -> StateWriter:
+    """This node's voice in the job's state file (what `hpcrl status` and `--follow` read);
+    `retry`: how a transient file-system error is retried (default: `heartbeat_timeout_s`'s
+    default, said on stderr)."""
+    return StateWriter(run_dir, ctx.run, ctx.node_rank, ctx.hostname, retry or Retrying())
 
 
 def open_log(paths: RunPaths, ctx: JobContext) -> logging.Logger:
@@ -166,25 +170,52 @@ def close_log(log: logging.Logger) -> None:
 @dataclass
 class Heartbeat:
     """This node's file in the run directory: its state, what the others need to know of it
-    (address, ports, Ray's pid), refreshed every 2 s while it lives."""
+    (address, ports, Ray's pid), rewritten in place every `BEAT_S` while it lives with one more
+    `beat`; and its view of the other nodes' files (`peers`).
+
+    A transient file-system error (`rundir.TRANSIENT_ERRNOS`) does not end the job: a beat is
+    tried again at the next looks, a state change until it is written, both for up to
+    `retry.patience_s` (the job's `heartbeat_timeout_s`: past it the others count this node as
+    dead anyway)."""
 
     paths: RunPaths
     ctx: JobContext
     info: dict[str, Any] = field(default_factory=dict)
-    last: float = 0.0
+    last: float = -BEAT_S
+    retry: Retrying = field(default_factory=Retrying)
+    count: int = 0
+    _file: rdv.NodeFileWriter | None = None
+    _peers: rdv.Peers | None = None
+
+    @property
+    def peers(self) -> rdv.Peers:
+        """The node files as this node reads them, and which nodes went silent."""
+        if self._peers is None:
+            self._peers = rdv.Peers(self.paths, expected=self.ctx.num_nodes)
+        return self._peers
+
+    def _put(self, state: str, extra: dict[str, Any], sync: bool) -> None:
+        if self._file is None:
+            nfs = rdv.fs_type(self.paths.run_dir).startswith("nfs")
+            self._file = rdv.NodeFileWriter(self.paths.node_file(self.ctx.node_rank), nfs)
+        record = rdv.node_record(self.ctx.node_rank, self.count + 1,
+                                 {"host": self.ctx.hostname, "state": state, **self.info, **extra})
+        self._file.write(record, sync)
+        self.count += 1
+        self.last = time.monotonic()
+
+    @property
+    def _what(self) -> str:
+        return f"the heartbeat `{self.paths.node_file(self.ctx.node_rank)}`"
 
     def write(self, state: str, **extra: Any) -> None:
-        rdv.write_node(
-            self.paths,
-            self.ctx.node_rank,
-            {"host": self.ctx.hostname, "state": state, **self.info, **extra},
-        )
+        """Write a new state now (retried until written, within the patience)."""
+        self.retry.run(lambda: self._put(state, extra, True), self._what)
 
     def beat(self, state: str) -> None:
-        """Refresh the file every 2 s: the heartbeat the other nodes watch."""
-        if time.monotonic() - self.last > 2:
-            self.write(state)
-            self.last = time.monotonic()
+        """Rewrite the file every `BEAT_S`: the heartbeat the other nodes watch."""
+        if time.monotonic() - self.last >= BEAT_S and self.retry.due():
+            self.retry.attempt(lambda: self._put(state, {}, False), self._what)
 
 
 @dataclass
@@ -204,8 +235,14 @@ class Node:
     """This run's private temp dir on this node (`make_node_tmp`)."""
 
     @property
+    def retry(self) -> Retrying:
+        """How this node retries a write the file system refused for a while: for up to the
+        job's `heartbeat_timeout_s`, said in its log."""
+        return Retrying(self.job.heartbeat_timeout_s, self.log.warning)
+
+    @property
     def state(self) -> StateWriter:
-        return state_writer(self.run_dir, self.ctx)
+        return state_writer(self.run_dir, self.ctx, self.retry)
 
     @property
     def python(self) -> str:

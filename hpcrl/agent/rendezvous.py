@@ -6,20 +6,29 @@ file per node (arrival, state, heartbeat, final summary), the stop request (firs
 and the batch script's `warning`.
 
 Every file is written to a temporary name, flushed to disk and renamed, so a reader sees either
-nothing or a complete file.
+nothing or a complete file; except the node files, which their agent rewrites in place every
+`BEAT_S` (a create and a rename per beat would cost the file system's metadata server two
+operations per node every beat) and which the others read through descriptors they keep open,
+taking a torn read for no news.
+
+A node is alive while the content of its file changes (its agent's `beat` counter), timed on the
+reader's own monotonic clock (:class:`Peers`): the nodes' wall clocks are never compared.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl import rundir
 from hpcrl.rundir import AGENT_STARTED, RunDir, RunPaths, read_state
 
 RENDEZVOUS_VERSION = 2  # 2: workers start Ray once `head-alive` appears
@@ -36,10 +45,11 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o600) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            rundir.fs_write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -209,24 +219,173 @@ def wait_for_publication(
 # --- node files: arrival, heartbeat, state, summary ------------------------------------------
 
 
-def write_node(paths: RunPaths, rank: int, state: Mapping[str, Any]) -> None:
-    data = {"rank": rank, "time": time.time(), "pid": os.getpid(), **state}
-    atomic_write_json(paths.node_file(rank), data, mode=0o600)
+def node_record(rank: int, beat: int, state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a node file holds: `rank`, `beat` (one more at every write: what tells the readers
+    that the node lives), `time` (the writer's wall clock, for people), `pid`, and `state`."""
+    return {"rank": rank, "beat": beat, "time": time.time(), "pid": os.getpid(), **state}
+
+
+@dataclass
+class NodeFileWriter:
+    """A node's own file, opened once and rewritten in place: a beat costs a write of the open
+    file, no create, rename or directory sync. A shorter record is padded with blanks (JSON
+    ignores them) rather than truncating the file, a metadata operation."""
+
+    path: Path
+    flush_always: bool = False
+    """Flush every write, `sync` or not: NFS (its clients may hold a write back for 30 s)."""
+    fd: int | None = None
+    size: int = 0
+
+    def write(self, data: Mapping[str, Any], sync: bool = False) -> None:
+        """Rewrite the file with `data`; `sync`: flush it to the file system's servers too
+        (a state change; on Lustre and GPFS, coherent across clients, the readers see a beat
+        without, and a flush costs the metadata server an operation)."""
+        raw = (json.dumps(data, sort_keys=True) + "\n").encode()
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            self.size = os.fstat(self.fd).st_size
+        try:
+            rundir.fs_write(self.fd, raw.ljust(self.size), 0)
+            if sync or self.flush_always:
+                os.fsync(self.fd)
+        except OSError:
+            self.close()  # opened again at the next try (a stale handle stays stale)
+            raise
+        self.size = max(self.size, len(raw))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def fs_type(path: Path, mounts: Path = Path("/proc/self/mounts")) -> str:
+    """The type of the file system holding `path` (`lustre`, `gpfs`, `nfs4`...; '' unknown)."""
+    try:
+        lines = mounts.read_text().splitlines()
+    except OSError:
+        return ""
+    target, best, kind = os.path.realpath(path), "", ""
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+def write_node(paths: RunPaths, rank: int, state: Mapping[str, Any], beat: int = 0) -> None:
+    """Write node `rank`'s file once (its agent keeps a :class:`NodeFileWriter` open)."""
+    writer = NodeFileWriter(paths.node_file(rank))
+    try:
+        writer.write(node_record(rank, beat, state), sync=True)
+    finally:
+        writer.close()
+
+
+def _parse_node(raw: bytes) -> dict[str, Any] | None:
+    """A node file's object; None while it is empty or torn (read mid-rewrite)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass
+class Peers:
+    """The node files as one node reads them, through descriptors it keeps open (a read costs
+    no open, lookup or close), and whether each node lives: its file's content changed within
+    the last `max_age_s` of this reader's monotonic clock (`clock`). A node first seen counts
+    as changed then; a torn or empty read is no news."""
+
+    paths: RunPaths
+    expected: int | None = None
+    """How many nodes the job has: once every file is open, the directory is no longer listed."""
+    clock: Callable[[], float] = time.monotonic
+    data: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _fds: dict[int, int] = field(default_factory=dict)
+    _seen: dict[int, float] = field(default_factory=dict)
+    """rank -> reader time of the last change (or of the first sight)."""
+    _moved: dict[int, float] = field(default_factory=dict)
+    """rank -> reader time of the last change seen (first sights excluded)."""
+    _read_at: dict[tuple[int, ...] | None, float] = field(default_factory=dict)
+
+    def read(self, ranks: Iterable[int] | None = None, max_age_s: float = 0.0
+             ) -> dict[int, dict[str, Any]]:
+        """The files of `ranks` (default: every file present), read again unless read within
+        `max_age_s`; files that do not exist yet are left out."""
+        wanted = None if ranks is None else sorted(ranks)
+        key, now = None if wanted is None else tuple(wanted), self.clock()
+        if (now - self._read_at.get(key, -math.inf) >= max_age_s
+                or any(r not in self.data for r in wanted or ())):
+            self._open(wanted)
+            for rank in wanted if wanted is not None else sorted(self._fds):
+                self._read_one(rank, now)
+            self._read_at[key] = now
+        return {r: d for r, d in self.data.items() if wanted is None or r in wanted}
+
+    def _open(self, wanted: list[int] | None) -> None:
+        if wanted is None and len(self._fds) != self.expected:
+            try:
+                names = os.listdir(self.paths.nodes)
+            except FileNotFoundError:
+                return
+            wanted = [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+        for rank in wanted or ():
+            if rank not in self._fds:
+                try:
+                    self._fds[rank] = os.open(self.paths.node_file(rank), os.O_RDONLY)
+                except FileNotFoundError:
+                    pass
+
+    def _read_one(self, rank: int, now: float) -> None:
+        fd = self._fds.get(rank)
+        if fd is None:
+            return
+        try:
+            raw = os.pread(fd, 1 << 20, 0)
+        except OSError:  # a stale handle: open the file again next time
+            os.close(self._fds.pop(rank))
+            return
+        data = _parse_node(raw)
+        if data is None or data == self.data.get(rank):
+            return
+        if rank in self.data:
+            self._moved[rank] = now
+        self.data[rank], self._seen[rank] = data, now
+
+    def silent_s(self, rank: int) -> float:
+        """Seconds of this reader's clock since node `rank`'s file last changed."""
+        return self.clock() - self._seen.get(rank, self.clock())
+
+    def stale(self, max_age_s: float, ranks: Iterable[int] | None = None) -> list[int]:
+        """Ranks (of those read) whose file did not change for `max_age_s` and that did not
+        finish (state `exited`)."""
+        return [r for r in sorted(self.data) if (ranks is None or r in ranks)
+                and self.data[r].get("state") != "exited" and self.silent_s(r) > max_age_s]
+
+    def changed_after(self, rank: int, since: float) -> bool:
+        """Whether node `rank`'s file changed after `since` (this reader's clock)."""
+        return self._moved.get(rank, -math.inf) > since
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def read_nodes(paths: RunPaths) -> dict[int, dict[str, Any]]:
-    """Every node file present, by rank; half-written files never show (atomic rename)."""
-    out: dict[int, dict[str, Any]] = {}
+    """Every node file present, by rank, read once."""
+    peers = Peers(paths)
     try:
-        entries = list(paths.nodes.iterdir())
-    except FileNotFoundError:
-        return out
-    for entry in entries:
-        if entry.suffix == ".json" and entry.stem.isdigit():
-            data = read_json(entry)
-            if data is not None:
-                out[int(entry.stem)] = data
-    return out
+        return peers.read()
+    finally:
+        peers.close()
 
 
 def missing_nodes(
@@ -243,18 +402,6 @@ def missing_nodes(
             state = arrived[rank].get("state", "?")
             out.append(f"{host} (rank {rank}: agent is `{state}`, not yet in the Ray cluster)")
     return out
-
-
-def stale_nodes(
-    arrived: Mapping[int, Mapping[str, Any]], max_age_s: float, now: float | None = None
-) -> list[int]:
-    """Ranks whose heartbeat is older than `max_age_s` and that did not finish."""
-    now = time.time() if now is None else now
-    return [
-        rank
-        for rank, data in arrived.items()
-        if data.get("state") not in ("exited",) and now - float(data.get("time", 0)) > max_age_s
-    ]
 
 
 # --- stop requests ---------------------------------------------------------------------------

@@ -147,8 +147,8 @@ class Teardown:
         """One line per node; waits up to 5 s for the final report of nodes still beating."""
         deadline = time.monotonic() + 5.0
         while True:
-            nodes = rdv.read_nodes(self.paths)
-            silent = set(rdv.stale_nodes(nodes, 4.0))
+            nodes = self.heartbeat.peers.read()
+            silent = set(self.heartbeat.peers.stale(4.0))
             pending = [
                 r
                 for r in range(self.ctx.num_nodes)

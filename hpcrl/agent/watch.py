@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpcrl.agent import rendezvous as rdv
-from hpcrl.agent.node import TICK_S, AgentError, Heartbeat, Node, Outcome
+from hpcrl.agent.node import BEAT_S, TICK_S, AgentError, Heartbeat, Node, Outcome
 from hpcrl.agent.procs import Child
 from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import SignalInbox
@@ -84,6 +84,8 @@ class GcsWatch:
 
     node: Node
     lines: queue.Queue[str]
+    peers: rdv.Peers | None = None
+    """The node files as the head reads them (the head's `Heartbeat.peers`)."""
     alive: set[str] = field(default_factory=set)
     seen: set[int] = field(default_factory=set)
     """Ranks ever listed alive: only these can be lost (the others have not joined yet)."""
@@ -95,6 +97,13 @@ class GcsWatch:
 
     def __post_init__(self) -> None:
         self._deadline = time.monotonic() + self.node.job.join_timeout_s
+        if self.peers is None:
+            self.peers = rdv.Peers(self.node.paths, expected=self.node.ctx.num_nodes)
+
+    def files(self, max_age_s: float = 0.0) -> dict[int, dict[str, Any]]:
+        """Every node file present (read again unless read within `max_age_s`)."""
+        assert self.peers is not None
+        return self.peers.read(max_age_s=max_age_s)
 
     def refresh(self) -> None:
         """Take the watcher's new lines; keep the newest set of alive nodes."""
@@ -112,13 +121,15 @@ class GcsWatch:
 
     def joined(self) -> tuple[set[int], dict[int, dict[str, Any]]]:
         """The ranks whose Ray node is alive, and every node file."""
-        arrived = rdv.read_nodes(self.node.paths)
+        arrived = self.files()
         joined = {r for r, d in arrived.items() if _key(d) in self.alive}
         return joined, arrived
 
     def lost_nodes(self) -> Outcome | None:
-        """A node's Ray left the GCS after it had joined, or its agent stopped its heartbeat."""
-        arrived = rdv.read_nodes(self.node.paths)
+        """A node's Ray left the GCS after it had joined, or its agent stopped its heartbeat
+        (its file did not change for `heartbeat_timeout_s`; read once per beat)."""
+        assert self.peers is not None
+        arrived = self.files(max_age_s=BEAT_S)
         for rank, d in sorted(arrived.items()):
             if rank in self.seen and _key(d) not in self.alive:
                 return Outcome(
@@ -126,7 +137,7 @@ class GcsWatch:
                     1,
                     str(d.get("host")),
                 )
-        for rank in rdv.stale_nodes(arrived, self.node.job.heartbeat_timeout_s):
+        for rank in self.peers.stale(self.node.job.heartbeat_timeout_s):
             if rank != self.node.ctx.node_rank:
                 host = arrived[rank].get("host")
                 return Outcome(
@@ -139,7 +150,7 @@ class GcsWatch:
         heartbeats say: with its network cut from the head's, a node's agent may go on beating
         through the shared file system while Ray (and every collective) lost it."""
         self.refresh()
-        arrived = rdv.read_nodes(self.node.paths)
+        arrived = self.files(max_age_s=BEAT_S)
         return [(r, str(d.get("host"))) for r, d in sorted(arrived.items())
                 if r in self.seen and r != self.node.ctx.node_rank and _key(d) not in self.alive]
 
@@ -160,7 +171,9 @@ class GcsWatch:
         joined, arrived = self.joined()
         self.seen |= joined
         if 0 in joined and not node.paths.head_alive.exists():
-            rdv.atomic_write_text(node.paths.head_alive, f"{time.time()}\n", 0o600)
+            node.retry.run(lambda: rdv.atomic_write_text(node.paths.head_alive,
+                                                         f"{time.time()}\n", 0o600),
+                           f"`{node.paths.head_alive}`")
             node.log.info("head node alive in the GCS; workers start Ray now")
         if len(joined) != self._shown:
             self._shown = len(joined)
@@ -211,17 +224,18 @@ def _key(node_file: dict[str, Any]) -> str:
     return f"{node_file.get('address')}:{node_file.get('node_manager_port')}"
 
 
-def dead_nodes(node: Node, since: float, heartbeat: Heartbeat) -> list[tuple[int, str]]:
-    """After a failure seen at `since` (Unix time): the other nodes whose agent died with it.
-    Waits until each has either beaten after `since` (alive: within 2 s) or stayed silent for
+def dead_nodes(node: Node, heartbeat: Heartbeat) -> list[tuple[int, str]]:
+    """After a failure seen now: the other nodes whose agent died with it. Waits until each
+    has either beaten since (its file changed: alive, within `BEAT_S`) or stayed silent for
     `heartbeat_timeout_s` (dead), so that a failure of the payload alone ends the job as before
     and a node's death (slurmd, agent, Ray and trainer gone) is told apart from it."""
-    limit, me = node.job.heartbeat_timeout_s, node.ctx.node_rank
+    limit, me, peers = node.job.heartbeat_timeout_s, node.ctx.node_rank, heartbeat.peers
+    since = peers.clock()
     while True:
-        others = {r: d for r, d in rdv.read_nodes(node.paths).items() if r != me}
-        dead = set(rdv.stale_nodes(others, limit))
+        others = {r: d for r, d in peers.read().items() if r != me}
+        dead = set(peers.stale(limit, others))
         undecided = [r for r, d in others.items() if r not in dead
-                     and d.get("state") != "exited" and float(d.get("time", 0)) <= since]
+                     and d.get("state") != "exited" and not peers.changed_after(r, since)]
         if not undecided:
             return [(r, str(others[r].get("host"))) for r in sorted(dead)]
         heartbeat.beat("running")
@@ -231,12 +245,12 @@ def dead_nodes(node: Node, since: float, heartbeat: Heartbeat) -> list[tuple[int
 def lost_head(node: Node, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome | None:
     """The head's agent stopped beating: the head node died. The lowest-ranked worker still
     alive requeues the job excluding the dead nodes (the head would have); the others end."""
-    head = rdv.read_nodes(node.paths).get(0)
-    if not head or not rdv.stale_nodes({0: head}, node.job.heartbeat_timeout_s):
+    head = heartbeat.peers.read([0], max_age_s=BEAT_S).get(0)
+    if not head or not heartbeat.peers.stale(node.job.heartbeat_timeout_s, [0]):
         return None
     host = str(head.get("host") or node.ctx.nodes[0])
     cause = f"the head `{host}` stopped its heartbeat"
-    dead = dead_nodes(node, time.time(), heartbeat)
+    dead = dead_nodes(node, heartbeat)
     alive = [r for r in range(1, node.ctx.num_nodes) if r not in {r for r, _ in dead}]
     if alive and min(alive) != node.ctx.node_rank:
         return Outcome(f"{cause}; rank {min(alive)} requeues the job", 1, host)

@@ -150,13 +150,24 @@ def test_missing_nodes_are_named(tmp_path: Path) -> None:
     ]
 
 
-def test_stale_heartbeats(tmp_path: Path) -> None:
-    nodes = {
-        0: {"time": 100.0, "state": "running"},
-        1: {"time": 70.0, "state": "running"},
-        2: {"time": 10.0, "state": "exited"},
-    }
-    assert rdv.stale_nodes(nodes, 20, now=105.0) == [1]
+def test_node_files_are_rewritten_in_place_and_a_torn_read_is_no_news(tmp_path: Path) -> None:
+    p = paths(tmp_path)
+    clock = [100.0]
+    peers = rdv.Peers(p, clock=lambda: clock[0])
+    writer = rdv.NodeFileWriter(p.node_file(1))
+    writer.write(rdv.node_record(1, 1, {"host": "node2", "state": "running", "x": "y" * 50}))
+    inode = p.node_file(1).stat().st_ino
+    assert peers.read()[1]["beat"] == 1
+    writer.write(rdv.node_record(1, 2, {"host": "node2", "state": "running"}))  # shorter
+    assert p.node_file(1).stat().st_ino == inode  # no create, no rename
+    clock[0] = 105.0
+    assert peers.read()[1]["beat"] == 2 and peers.changed_after(1, 101.0)
+    p.node_file(1).write_bytes(b'{"rank": 1, "be')  # what a read mid-rewrite may see
+    clock[0] = 130.0
+    assert peers.read()[1]["beat"] == 2  # the last complete content, not news
+    assert peers.stale(20) == [1] and peers.silent_s(1) == 25.0
+    writer.close()
+    peers.close()
 
 
 def test_canary(tmp_path: Path) -> None:
@@ -196,3 +207,11 @@ def test_a_worker_never_joins_another_jobs_publication(tmp_path: Path) -> None:
     assert rdv.wait_for_publication(p, "node1", 1.0, job_id="7")["job_id"] == "7"
     with pytest.raises(rdv.RendezvousError, match="published by job 7, not by this job 8"):
         rdv.wait_for_publication(p, "node1", 1.0, job_id="8")
+def test_fs_type_is_that_of_the_deepest_mount_holding_the_path(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("rootfs / ext4 rw 0 0\nmds@o2ib:/fs /scratch lustre rw 0 0\n"
+                      "srv:/home /scratch/nfs\\040dir nfs4 rw 0 0\n")
+    assert rdv.fs_type(Path("/scratch/nfs dir/run"), mounts) == "nfs4"
+    assert rdv.fs_type(Path("/scratch/run"), mounts) == "lustre"
+    assert rdv.fs_type(Path("/scratchy"), mounts) == "ext4"
+    assert rdv.fs_type(Path("/x"), tmp_path / "none") == ""
