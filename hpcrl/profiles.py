@@ -92,6 +92,10 @@ class SlurmConfig:
         "spare node free asks for fewer nodes (not below this) and the trainer resumes on "
         "them (hpcrl sets `trainer.nnodes` from the nodes granted); null: always `nodes`", None)
     gpus_per_node: int = _f("GPUs per node (`--gpus-per-node`); 0: none requested", 0)
+    gpu_memory_gib: float = _f("memory of one GPU in GiB: the device the memory plan of "
+                               "`hpcrl submit` checks each phase against (with `gpus_per_node` > 0)", 80.0)
+    memory_plan: bool = _f("refuse before queueing a configuration the memory plan says cannot fit; "
+                           "false: print the refusal as a warning and submit (as `--force` does)", True)
     cpus_per_task: int | None = _f("CPUs for the one task per node (`--cpus-per-task`)", None)
     mem: str | None = _f("memory per node (`--mem`, e.g. `200G`, `0` for all)", None)
     time: str = _f("time limit (`--time`, `MM`, `HH:MM:SS` or `D-HH:MM:SS`)", "01:00:00")
