@@ -34,6 +34,7 @@ from trainer.exit_codes import (  # noqa: E402
     USAGE_EXIT_CODE,
     WORKER_FAILURE_EXIT_CODE,
 )
+from trainer.memplan import PlanError, plan_config  # noqa: E402
 from trainer.metrics import MetricsError  # noqa: E402
 from trainer.rewards import RewardError  # noqa: E402
 from trainer.workers.group import WorkerFailure  # noqa: E402
@@ -67,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_memory(cfg: object, device_gib: float) -> int:
     """`--plan-memory`: print the plan; refuse (status 2) a configuration that cannot fit."""
-    from trainer.memplan import PlanError, plan_config
-
     try:
         plan = plan_config(cfg, device_gib)
     except PlanError as err:

@@ -3,9 +3,9 @@ weights): the peak of each phase (rollout, actor update, critic update, weight s
 refusal naming the phase, its largest term and the fix when one cannot fit.
 
 - Actor and critic update: :mod:`trainer.memtrace` (torch's FSDP2 memory tracker under
-  `FakeTensorMode`) on the planned micro-batch, in its own process. A model deeper than two
-  layers is traced with 1 and 2 layers and each term extrapolated linearly in the layers
-  (every decoder layer is the same); `layers="full"` traces the whole model.
+  `FakeTensorMode`) on the planned micro-batch, in its own process. A model deeper than three
+  layers is traced with 2 and 3 layers and the per-layer terms extrapolated linearly (every
+  decoder layer is the same); `layers="full"` traces the whole model.
 - Rollout: vLLM's accounting. vLLM takes `gpu_memory_utilization` x the device's TOTAL memory
   for its weights, activations and KV cache, and refuses to start when less than that is free:
   on top of what the trainer holds when vLLM wakes (sharded parameters, optimizer moments, the
@@ -131,6 +131,7 @@ class Settings:
     max_num_seqs: int
     max_num_batched_tokens: int
     bucket_bytes: int
+    entropy_grad: bool = False  # the entropy bonus is in the loss (`entropy_coeff` != 0)
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
     rollout_dtype: str = "fp32"
@@ -169,7 +170,7 @@ def settings_from_config(cfg: Any, device_gib: float) -> Settings:
         gpu_memory_utilization=r.gpu_memory_utilization, free_cache_engine=r.free_cache_engine,
         max_model_len=r.max_model_len or seq, max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=r.max_num_batched_tokens,
-        bucket_bytes=r.update_weights_bucket_megabytes * 2**20)
+        bucket_bytes=r.update_weights_bucket_megabytes * 2**20, entropy_grad=a.entropy_coeff != 0)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -235,6 +236,7 @@ class Plan:
 def _trace_spec(shape: ModelShape, s: Settings, side: TrainSide, critic: bool, layers: int) -> dict[str, Any]:
     return {"config": shape.with_layers(layers), "world": s.world, "rows": side.rows, "seq_len": side.seq_len,
             "response_len": s.response_len, "critic": critic, "grad_ckpt": side.grad_ckpt,
+            "entropy_grad": s.entropy_grad,
             "param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
 
 
@@ -249,18 +251,27 @@ def run_traces(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
     return [{k: int(v) for k, v in peak.items()} for peak in json.loads(done.stdout)]
 
 
+LAYERED = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "ACT")
+"""Tracker terms that grow with the decoder layers (shards, moments, saved activations); the
+others (a gathered unit, collective buffers, temporaries) are one unit's at a time."""
+
+
 def trace_layers(shape: ModelShape, layers: str = "auto") -> tuple[int, ...]:
-    """The depths traced: all layers (`layers="full"`, or a model of at most 2), else 1 and 2."""
-    return (shape.layers,) if layers == "full" or shape.layers <= 2 else (1, 2)
+    """The depths traced: all layers (`layers="full"`, or a model of at most 3), else 2 and 3
+    (a single layer's peak falls at another moment of the step than a deep model's)."""
+    return (shape.layers,) if layers == "full" or shape.layers <= 3 else (2, 3)
 
 
 def extrapolate(shape: ModelShape, depths: tuple[int, ...], peaks: list[dict[str, int]]) -> dict[str, int]:
-    """Each term at the model's depth, linear in the layers through the traced depths (every
-    decoder layer is the same)."""
+    """The terms at the model's depth: the layered ones linear through the two traced depths,
+    the others as the deeper trace has them; `Total` their sum."""
     if len(depths) == 1:
         return peaks[0]
-    one, two, n = peaks[0], peaks[1], shape.layers
-    return {k: max(0, one[k] + (n - 1) * (two[k] - one[k])) for k in one}
+    (d1, d2), (one, two), n = depths, peaks, shape.layers
+    out = {k: two[k] + (n - d2) * (two[k] - one[k]) // (d2 - d1) if k in LAYERED else two[k]
+           for k in two if k != "Total"}
+    out = {k: max(0, v) for k, v in out.items()}
+    return {**out, "Total": sum(out.values())}
 
 
 def traced_peaks(shape: ModelShape, s: Settings, sides: list[tuple[TrainSide, bool]],
@@ -272,6 +283,19 @@ def traced_peaks(shape: ModelShape, s: Settings, sides: list[tuple[TrainSide, bo
     peaks = run_traces(specs)
     k = len(depths)
     return [extrapolate(shape, depths, peaks[i * k:(i + 1) * k]) for i in range(len(sides))]
+
+
+def update_estimate(config: dict[str, Any], world: int, rows: int, seq_len: int, response_len: int, *,
+                    grad_ckpt: bool = False, layers: str = "full") -> dict[str, int]:
+    """The actor update's traced peak per category on one of `world` ranks for a micro-batch of
+    `rows` x `seq_len` tokens (fp32, no offload): what `bench/memory.py` calibrates."""
+    shape = ModelShape(config)
+    side = TrainSide(rows, seq_len, False, False, grad_ckpt)
+    s = Settings(world=world, device_bytes=0, response_len=response_len, actor=side, critic=None,
+                 ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
+                 free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
+                 bucket_bytes=0)
+    return traced_peaks(shape, s, [(side, False)], layers)[0]
 
 
 TRAIN_TERMS = {"SHARDED_PARAM": "parameter shards", "UNSHARDED_PARAM": "gathered parameters",
@@ -331,7 +355,8 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
     notes.append(f"one fp32 copy of the actor micro-batch's full-vocabulary logits: {logits / GIB:.1f} GiB "
                  "(the log-prob path keeps several: logits, the temperature-divided copy, log_softmax)")
     if shape.layers > 2 and layers != "full":
-        notes.append(f"training phases traced with 1 and 2 layers, extrapolated to {shape.layers}")
+        notes.append(f"training phases traced with 2 and 3 layers, extrapolated to {shape.layers} (shards, "
+                     "moments and saved activations per layer; one unit's gathered and temporary terms)")
     phases = []
     if vllm:
         activations = (s.max_num_batched_tokens * (4 * shape._get("hidden_size") + 3 * shape._get(

@@ -17,19 +17,20 @@ import json
 import sys
 from typing import Any
 
+from trainer import models as M
+from trainer import parallel as P
+
 CATEGORIES = ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER", "SHARDED_GRAD", "UNSHARDED_GRAD", "ACT",
               "TEMP", "ALL_GATHER", "REDUCE_SCATTER", "OPT", "INP")
 
 
-def _build(config: dict[str, Any], critic: bool, dtype: Any, grad_ckpt: bool) -> Any:
+def _build(config: dict[str, Any], critic: bool, dtype: Any, grad_ckpt: bool, device: str = "meta") -> Any:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from trainer import models as M
-
     cfg = AutoConfig.for_model(**config)
     auto = AutoModel if critic else AutoModelForCausalLM
-    with torch.device("meta"):
+    with torch.device(device):
         model = auto.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
         if critic:
             model = M.CriticModel(model)
@@ -38,10 +39,57 @@ def _build(config: dict[str, Any], critic: bool, dtype: Any, grad_ckpt: bool) ->
     return model
 
 
+def _steps(tracker: Any, model: Any, optim: Any, spec: dict[str, Any]) -> Any:
+    """Two update steps of the trainer's own forward (the second with the AdamW moments) under
+    `tracker`; its peak snapshot."""
+    import torch
+
+    rows, seq, resp = int(spec["rows"]), int(spec["seq_len"]), int(spec["response_len"])
+    ids = torch.randint(0, 100, (rows, seq))
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    if hasattr(tracker, "track_inputs"):
+        tracker.track_inputs((ids, mask))
+    with tracker:
+        for _ in range(2):
+            if spec["critic"]:
+                out = M.compute_values(model, ids, mask, resp)
+            else:
+                out, _ = M.compute_log_probs(model, ids, mask, resp, calculate_entropy=True,
+                                             entropy_grad=bool(spec.get("entropy_grad")))
+            out.float().mean().backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()
+    return tracker.get_tracker_snapshot("peak")
+
+
+UNSHARDED_NAMES = {"PARAM": "SHARDED_PARAM", "GRAD": "SHARDED_GRAD"}
+
+
+def _trace_unsharded(spec: dict[str, Any]) -> dict[str, int]:
+    """One rank, no FSDP: torch's `MemTracker`, its categories named as FSDP's (the whole
+    parameters and gradients are this rank's "shards")."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        # fake tensors from the start: `to_empty` cannot swap a plain meta parameter for a fake one
+        model = _build(spec["config"], bool(spec["critic"]), torch.float32, bool(spec["grad_ckpt"]), "cpu")
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        tracker = MemTracker()
+        tracker.track_external(model, optim)
+        snap = _steps(tracker, model, optim, spec)
+    per_device = next(iter(snap.values()))
+    out = {UNSHARDED_NAMES.get(str(k).rsplit(".", 1)[-1], str(k).rsplit(".", 1)[-1]): int(v)
+           for k, v in per_device.items()}
+    return {**{c: 0 for c in CATEGORIES}, **out}
+
+
 def trace(spec: dict[str, Any]) -> dict[str, int]:
     """Peak bytes per tracker category (and `Total`) on one rank for `spec`: `config` (a model
     config dict with `model_type`), `world`, `rows`, `seq_len`, `response_len`, `critic`,
-    `grad_ckpt`, `param_dtype`, `reduce_dtype`."""
+    `grad_ckpt`, `entropy_grad`, `param_dtype`, `reduce_dtype`."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -50,10 +98,9 @@ def trace(spec: dict[str, Any]) -> dict[str, int]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer import models as M
-    from trainer import parallel as P
-
     world = int(spec["world"])
+    if world == 1:  # the trainer does not shard a single rank (`DistContext.fsdp`)
+        return _trace_unsharded(spec)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode
@@ -68,21 +115,7 @@ def trace(spec: dict[str, Any]) -> dict[str, int]:
             model.to_empty(device="cpu")
             optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
             tracker = FSDPMemTracker(model, optim)
-            rows, seq, resp = int(spec["rows"]), int(spec["seq_len"]), int(spec["response_len"])
-            ids = torch.randint(0, 100, (rows, seq))
-            mask = torch.ones(rows, seq, dtype=torch.long)
-            tracker.track_inputs((ids, mask))
-            with tracker:
-                for _ in range(2):
-                    if spec["critic"]:
-                        out = M.compute_values(model, ids, mask, resp)
-                    else:
-                        out, _ = M.compute_log_probs(model, ids, mask, resp, calculate_entropy=True)
-                    out.float().mean().backward()
-                    optim.step()
-                    optim.zero_grad(set_to_none=True)
-                    tracker.reset_mod_stats()
-            snap = tracker.get_tracker_snapshot("peak")
+            snap = _steps(tracker, model, optim, spec)
     finally:
         dist.destroy_process_group()
     per_device = next(iter(snap.values()))
