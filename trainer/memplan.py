@@ -400,4 +400,8 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
     """The plan of a loaded trainer configuration (its actor model's `config.json`)."""
     s = replace(settings_from_config(cfg, device_gib), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
-    return plan(read_model(path), s, name=Path(path).name or path, layers=layers)
+    made = plan(read_model(path), s, name=Path(path).name or path, layers=layers)
+    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
+        made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
+                                    "gradients and AdamW moments of every weight, an over-estimate"))
+    return made
