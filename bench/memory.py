@@ -10,6 +10,8 @@ each build the tree's own ``ActorRolloutRefWorker`` and run, in order:
 
 - ``build``: load the model, shard it (or not, as that tree does), AdamW, the rollout engine;
 - ``step``: one actor update (2 rows of 64 tokens per rank, one optimizer step);
+- ``step again``: a second update, the steady state (the Adam moments exist from the start, the
+  parameters are resident);
 - ``save``: the checkpoint (sharded DCP state + the ``huggingface/`` export);
 - ``load``: loading that checkpoint back;
 - ``sync``: the weight sync to the rollout engine (the first one also brings the engine's own
@@ -26,7 +28,12 @@ start (what the phase added, transiently or not). RSS counts everything the proc
 Python, torch, the tokenizer, the rollout engine's own weights. Every rank sets
 ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors go back to the system at once (glibc's
 dynamic threshold would otherwise keep them in the heap and carry them into the next phase's
-start), and ``OMP_NUM_THREADS=1``. The table shows the largest figure over the ranks. With ``--rollout-tp``, every W runs once per
+start), and ``OMP_NUM_THREADS=1``. The table shows the largest figure over the ranks. Beside the second step, ``est. +MiB`` is the memory plan's estimate of what a steady-state step
+adds (:func:`trainer.memplan.update_estimate`: torch's FSDP2 memory tracker under
+``FakeTensorMode`` on this model's config, W fake ranks, the same 2 x 64-token micro-batch; its
+peak less the parameter shards and Adam moments the rank holds before the step) and
+``est./meas.`` its ratio to the measured ``+added``.
+With ``--rollout-tp``, every W runs once per
 rollout tensor-parallel size k dividing it (``actor_rollout_ref.rollout.tensor_model_parallel_size``;
 the HF engine's copy split over k ranks), and ``rollout/rank`` is the bytes of that copy one rank
 holds.
@@ -46,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("build", "step", "save", "load", "sync", "sync again")
+PHASES = ("build", "step", "step again", "save", "load", "sync", "sync again")
 MODEL_SHAPE = {"hidden_size": 768, "num_hidden_layers": 16, "intermediate_size": 2560,
                "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
                "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -146,6 +153,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int =
     worker = ActorRolloutRefWorker(cfg, rank, world, total_steps=10)
     phase("build", lambda: worker.init_dist("127.0.0.1" if world > 1 else None, port if world > 1 else None))
     phase("step", lambda: worker.update_actor([[_share(2, 64, rank)]]))
+    phase("step again", lambda: worker.update_actor([[_share(2, 64, rank + 100)]]))
     figures["state_bytes"] = _local_bytes(worker)
     root = Path(out) / "ckpt"
     tmp = root / ".tmp-bench"
@@ -213,7 +221,15 @@ def measure(tree: Path, world: int, model: Path, work: Path, tp: int = 1) -> lis
     return ranks
 
 
-def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1) -> str:
+def step_estimate(world: int) -> int:
+    """The memory plan's bytes added by the step on one of `world` ranks (see the docstring)."""
+    from trainer.memplan import update_estimate
+
+    peak = update_estimate({"model_type": "llama", **MODEL_SHAPE}, world, 2, 64, 32)
+    return peak["Total"] - sum(peak.get(k, 0) for k in ("SHARDED_PARAM", "OPT", "BUFFER"))
+
+
+def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1, estimate: int | None = None) -> str:
     def mib(value: float) -> str:
         return f"{value / MIB:,.0f}"
 
@@ -223,12 +239,15 @@ def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1) -> str
         peak = max(r[name]["peak"] for r in ranks)
         added = max(r[name]["peak"] - r[name]["start"] for r in ranks)
         cells.append(f"{mib(peak)} (+{mib(added)})")
+        if name == "step again" and estimate is not None:
+            cells += [f"+{mib(estimate)}", f"{estimate / added:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| tree | W | rollout TP | state/rank MiB | rollout/rank MiB | "
-          + " | ".join(f"{p} peak (+added) MiB" for p in PHASES) + " |\n"
-          "|---|---|---|---|---|" + "---|" * len(PHASES))
+_COLUMNS = [f"{p} peak (+added) MiB" for p in PHASES]
+_COLUMNS[3:3] = ["est. +MiB", "est./meas."]
+HEADER = ("| tree | W | rollout TP | state/rank MiB | rollout/rank MiB | " + " | ".join(_COLUMNS) + " |\n"
+          "|---|---|---|---|---|" + "---|" * len(_COLUMNS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         model = write_model(work / "model")
         trees = [("this tree", REPO)] + ([("baseline", args.baseline_tree.resolve())] if args.baseline_tree else [])
         lines = [HEADER]
+        estimates: dict[int, int] = {}
         for label, tree in trees:
             for world in args.ranks:
                 for tp in [k for k in args.rollout_tp if world % k == 0]:
                     ranks = measure(tree, world, model, work / "runs", tp)
-                    lines.append(row(label, world, ranks, tp))
+                    estimates.setdefault(world, step_estimate(world))
+                    lines.append(row(label, world, ranks, tp, estimates[world]))
                     print(lines[-1], flush=True)
         params = ranks[0]["params"]
         print(f"\nmodel: {params / 1e6:.0f}M parameters as the worker counts them (float32), "

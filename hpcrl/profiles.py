@@ -104,6 +104,11 @@ class SlurmConfig:
         bounds=(1, MAX_NODES), rule="a Slurm node count")
     gpus_per_node: int = _f("GPUs per node (`--gpus-per-node`); 0: none requested", 0,
                             bounds=(0, MAX_DEVICES), rule="GPUs of one node")
+    gpu_memory_gib: float = _f("memory of one GPU in GiB: the device the memory plan of "
+                               "`hpcrl submit` checks each phase against (with `gpus_per_node` > 0)", 80.0,
+                               bounds=(1, 65536), rule="GiB of one GPU")
+    memory_plan: bool = _f("refuse before queueing a configuration the memory plan says cannot fit; "
+                           "false: print the refusal as a warning and submit (as `--force` does)", True)
     cpus_per_task: int | None = _f("CPUs for the one task per node (`--cpus-per-task`)", None,
                                    bounds=(1, MAX_CPUS), rule="CPUs of one node")
     mem: str | None = _f("memory per node (`--mem`, e.g. `200G`, `0` for all)", None)

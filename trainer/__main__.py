@@ -35,6 +35,7 @@ from trainer.exit_codes import (  # noqa: E402
     USAGE_EXIT_CODE,
     WORKER_FAILURE_EXIT_CODE,
 )
+from trainer.memplan import PlanError, plan_config  # noqa: E402
 from trainer.metrics import MetricsError  # noqa: E402
 from trainer.rewards import RewardError  # noqa: E402
 from trainer.workers.group import WorkerFailure  # noqa: E402
@@ -55,8 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--list-keys", action="store_true", help="list every key with its type and help and exit",
     )
+    parser.add_argument(
+        "--plan-memory", action="store_true",
+        help="estimate the per-device peak of each phase from the model's config.json (no weights) "
+        "and exit: 0 when it fits, 2 with the phase, its largest term and the fix when not",
+    )
+    parser.add_argument("--device-memory", type=float, default=80.0, metavar="GIB",
+                        help="with --plan-memory: memory of one device in GiB (default 80)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return parser
+
+
+def plan_memory(cfg: object, device_gib: float) -> int:
+    """`--plan-memory`: print the plan; refuse (status 2) a configuration that cannot fit."""
+    try:
+        plan = plan_config(cfg, device_gib)
+    except PlanError as err:
+        print(f"python -m trainer: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    print(plan.table())
+    refusal = plan.refusal()
+    if refusal is not None:
+        print(f"python -m trainer: error: {refusal}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +107,8 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    if args.plan_memory:
+        return plan_memory(cfg, args.device_memory)
     try:
         return run_training(cfg, stop)
     except (ConfigError, DataError, RewardError, MetricsError, DeadlineError,

@@ -11,6 +11,7 @@ from typing import Any
 from hpcrl import preflight as pf
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.jobspec import prepare_run_dir
+from hpcrl.memcheck import check_memory
 from hpcrl.progress import NO_ANSWER, Progress, follow
 from hpcrl.rundir import reading_env, restart_indices, run_report
 from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
@@ -33,6 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--follow", action="store_true",
                         help="Slurm sites: stay and print progress (queued, nodes joined, one "
                         "line per step) until the job ends; Ctrl-C stops following, not the job")
+    parser.add_argument("--force", action="store_true",
+                        help="submit even when the memory plan says a phase cannot fit a GPU "
+                        "(`slurm.gpu_memory_gib`); the plan's refusal is printed as a warning")
     add_job_arguments(parser)
 
 
@@ -102,8 +106,12 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
     if args.whole_command or (args.resume and not args.update_spec):
         return
     run_dir = Path(req.run_dir)
-    overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]),
-                                             reading_env(req.spec.nodes, run_dir, req.spec.profile))
+    job_env = reading_env(req.spec.nodes, run_dir, req.spec.profile)
+    overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]), job_env)
     pf.report(problems, fatal=True)
+    text = check_memory(list(req.spec.payload[3:]), overrides, profile.slurm, job_env,
+                        getattr(args, "force", False))
+    if text:
+        print(text, file=sys.stderr)
     pf.report(pf.check_job_inputs(overrides, run_dir, hub_env={**os.environ, **profile.env}),
               fatal=profile.scheduler == "local" and not dry_run)

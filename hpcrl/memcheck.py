@@ -1,0 +1,46 @@
+"""The memory plan before the queue wait: `hpcrl submit` (dry run included) runs the trainer's
+`python -m trainer --plan-memory` on the job's overrides in a subprocess (torch stays out of
+hpcrl's process) against the profile's `slurm.gpu_memory_gib`, and refuses a configuration
+that cannot fit unless `--force` or `slurm.memory_plan: false` lets it through."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpcrl.preflight import PreflightError
+
+MODEL_KEY = "actor_rollout_ref.model.path"
+
+
+def plan_command(overrides: Sequence[str], device_gib: float) -> list[str]:
+    return [sys.executable, "-m", "trainer", "--plan-memory", "--device-memory", str(device_gib), *overrides]
+
+
+def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any, job_env: Mapping[str, str],
+                 force: bool) -> str | None:
+    """Run the plan for a GPU job; raise `PreflightError` with the plan's refusal, or return
+    the text to print (the plan's table, or why there is none, or the refusal let through)."""
+    if int(slurm.gpus_per_node or 0) <= 0:
+        return None  # a CPU job: no device memory to plan
+    model = values.get(MODEL_KEY)
+    if not isinstance(model, str) or not (Path(model).expanduser() / "config.json").is_file():
+        return (f"hpcrl: note: no memory plan: `{MODEL_KEY}={model}` has no `config.json` on this host "
+                "(the plan reads only that file; copy it here to have the job checked before it queues)")
+    env = {**os.environ, **job_env}
+    done = subprocess.run(plan_command(overrides, slurm.gpu_memory_gib), env=env, capture_output=True,
+                          text=True, check=False)
+    if done.returncode == 0:
+        return done.stdout.rstrip("\n")
+    error = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+    reason = error[0].removeprefix("python -m trainer: error: ")
+    if force or not slurm.memory_plan:
+        why = "`--force`" if force else "`slurm.memory_plan: false`"
+        return f"{done.stdout.rstrip()}\nhpcrl: warning: submitted despite the memory plan ({why}): {reason}"
+    raise PreflightError(f"the memory plan refuses this job before it queues "
+                         f"({slurm.gpu_memory_gib:g} GiB per GPU, `slurm.gpu_memory_gib`): {reason}. "
+                         "To submit anyway: `hpcrl submit --force`")

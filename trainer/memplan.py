@@ -1,0 +1,407 @@
+"""A per-device memory plan of a configuration, from the model's `config.json` alone (no
+weights): the peak of each phase (rollout, actor update, critic update, weight sync) and a
+refusal naming the phase, its largest term and the fix when one cannot fit.
+
+- Actor and critic update: :mod:`trainer.memtrace` (torch's FSDP2 memory tracker under
+  `FakeTensorMode`) on the planned micro-batch, in its own process. A model deeper than three
+  layers is traced with 2 and 3 layers and the per-layer terms extrapolated linearly (every
+  decoder layer is the same); `layers="full"` traces the whole model.
+- Rollout: vLLM's accounting. vLLM takes `gpu_memory_utilization` x the device's TOTAL memory
+  for its weights, activations and KV cache, and refuses to start when less than that is free:
+  on top of what the trainer holds when vLLM wakes (sharded parameters, optimizer moments, the
+  reference and critic shards, unless offloaded). Its KV cache must hold one
+  `max_model_len` sequence.
+- Weight sync: the trainer's resident state, vLLM's weights, and one bucket of
+  `update_weights_bucket_megabytes` gathered parameters (or the largest parameter, if larger).
+
+Precision: the trainer computes in fp32 today; `param_dtype`/`reduce_dtype` are inputs of
+:func:`plan` (FSDP2's `MixedPrecisionPolicy`) for when bf16 is wired.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CUDA_CONTEXT = 1 * GIB
+"""Per-process CUDA/ROCm context and allocator slack, counted once for the trainer."""
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (unreadable `config.json`, unknown architecture)."""
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    config: dict[str, Any]  # the config.json as read
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    def _get(self, key: str) -> int:
+        return int(self.config[key])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self._get("hidden_size") // self._get("num_attention_heads"))
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self._get("num_attention_heads"))
+
+    def params(self) -> int:
+        """Parameters of the causal LM (attention with biases as Qwen2 has; an estimate within
+        a fraction of a percent for Llama/Qwen-style decoders)."""
+        h, i, v = self._get("hidden_size"), self._get("intermediate_size"), self._get("vocab_size")
+        q, kv = self._get("num_attention_heads") * self.head_dim, self.kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.config.get("model_type") == "qwen2" else 0
+        layer = h * q + 2 * h * kv + q * h + bias + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.config.get("tie_word_embeddings") else 2)
+        return self.layers * layer + embed + h
+
+    def largest_param(self) -> int:
+        return self._get("vocab_size") * self._get("hidden_size")
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def with_layers(self, n: int) -> dict[str, Any]:
+        cfg = {k: v for k, v in self.config.items()
+               if k not in ("layer_types", "architectures", "transformers_version", "torch_dtype", "dtype")}
+        cfg["num_hidden_layers"] = n
+        cfg["use_cache"] = False
+        return cfg
+
+
+def read_model(path: str) -> ModelShape:
+    """The model's `config.json` (a directory holding one, or the file itself)."""
+    p = Path(path).expanduser()
+    file = p / "config.json" if p.is_dir() else p
+    if file.name != "config.json" or not file.is_file():
+        raise PlanError(f"no `config.json` at `{path}`: the memory plan reads the model's config. Fix: "
+                        "point `actor_rollout_ref.model.path` at a local model directory (only its "
+                        "`config.json` is read), or skip the plan (`--force`)")
+    config = json.loads(file.read_text())
+    missing = [k for k in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
+                           "num_attention_heads", "vocab_size") if k not in config]
+    if missing:
+        raise PlanError(f"`{file}` lacks {', '.join(f'`{k}`' for k in missing)}: the memory plan "
+                        "knows decoder-only transformers (Llama, Qwen, Mistral style)")
+    return ModelShape(config)
+
+
+# ----------------------------------------------------------------------------- the settings
+
+
+@dataclass(frozen=True)
+class TrainSide:
+    """One model's training micro-batch and sharding (actor or critic)."""
+
+    rows: int
+    seq_len: int
+    param_offload: bool
+    optimizer_offload: bool
+    grad_ckpt: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    world: int
+    device_bytes: int
+    response_len: int
+    actor: TrainSide
+    critic: TrainSide | None
+    ref_resident: bool  # a reference model's shards stay on the device
+    rollout_name: str
+    tp: int
+    gpu_memory_utilization: float
+    free_cache_engine: bool
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    bucket_bytes: int
+    entropy_grad: bool = False  # the entropy bonus is in the loss (`entropy_coeff` != 0)
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    rollout_dtype: str = "fp32"
+
+
+def _rows(dynamic: bool, max_tokens: int, micro: int | None, seq: int, mini_rows: int) -> int:
+    """Rows of the largest micro-batch: the token budget over the padded length with
+    `use_dynamic_bsz` (verl's budget of prompt + response tokens), else the micro-batch size
+    (null = the whole mini-batch share of this rank)."""
+    if dynamic:
+        return max(1, max_tokens // seq)
+    return max(1, micro or mini_rows)
+
+
+def settings_from_config(cfg: Any, device_gib: float) -> Settings:
+    """The plan's inputs as the trainer resolves them from its configuration."""
+    arr, d, c = cfg.actor_rollout_ref, cfg.data, cfg.critic
+    a, r = arr.actor, arr.rollout
+    world = cfg.derived.world_size
+    seq = d.max_prompt_length + d.max_response_length
+    mini_rows = max(1, a.ppo_mini_batch_size * r.n // world)
+    actor = TrainSide(_rows(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, seq,
+                            mini_rows), seq, a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload,
+                      arr.model.enable_gradient_checkpointing)
+    critic = None
+    if cfg.derived.use_critic:
+        dyn = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+        critic = TrainSide(_rows(dyn, c.ppo_max_token_len_per_gpu, c.ppo_micro_batch_size_per_gpu, seq, mini_rows),
+                           seq, c.model.fsdp_config.param_offload, c.model.fsdp_config.optimizer_offload,
+                           c.model.enable_gradient_checkpointing)
+    return Settings(
+        world=world, device_bytes=int(device_gib * GIB), response_len=d.max_response_length, actor=actor,
+        critic=critic, ref_resident=cfg.derived.use_reference and arr.model.lora_rank == 0
+        and not arr.ref.fsdp_config.param_offload,
+        rollout_name=str(r.name or "vllm"), tp=r.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization, free_cache_engine=r.free_cache_engine,
+        max_model_len=r.max_model_len or seq, max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        bucket_bytes=r.update_weights_bucket_megabytes * 2**20, entropy_grad=a.entropy_coeff != 0)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    terms: tuple[tuple[str, int], ...]
+    fix: str
+    limit: int = 0  # bytes this phase may use (the device's, unless a share of it)
+    note: str = ""
+
+    @property
+    def peak(self) -> int:
+        return sum(b for _, b in self.terms)
+
+    @property
+    def largest(self) -> tuple[str, int]:
+        return max(self.terms, key=lambda t: t[1])
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.limit
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    params: int
+    device_bytes: int
+    phases: tuple[Phase, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(p.fits for p in self.phases)
+
+    def table(self) -> str:
+        lines = [f"memory plan: {self.model}, {self.params / 1e9:.2f}B parameters, "
+                 f"{self.device_bytes / GIB:.0f} GiB per device",
+                 f"{'phase':<16} {'peak GiB':>9} {'limit GiB':>9}  largest term"]
+        for p in self.phases:
+            name, size = p.largest
+            mark = "" if p.fits else "  DOES NOT FIT"
+            lines.append(f"{p.name:<16} {p.peak / GIB:>9.1f} {p.limit / GIB:>9.1f}  {name} "
+                         f"{size / GIB:.1f} GiB{mark}")
+            lines.append("    " + ", ".join(f"{n} {b / GIB:.2f}" for n, b in p.terms if b))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def refusal(self) -> str | None:
+        """The refusal of the first phase that cannot fit, or None."""
+        for p in self.phases:
+            if not p.fits:
+                name, size = p.largest
+                return (f"the {p.name} phase needs {p.peak / GIB:.1f} GiB per device but "
+                        f"{p.limit / GIB:.1f} GiB are available{p.note}; its largest term is "
+                        f"{name} ({size / GIB:.1f} GiB). Fix: {p.fix}")
+        return None
+
+
+def _trace_spec(shape: ModelShape, s: Settings, side: TrainSide, critic: bool, layers: int) -> dict[str, Any]:
+    return {"config": shape.with_layers(layers), "world": s.world, "rows": side.rows, "seq_len": side.seq_len,
+            "response_len": s.response_len, "critic": critic, "grad_ckpt": side.grad_ckpt,
+            "entropy_grad": s.entropy_grad,
+            "param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
+
+
+def run_traces(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """:func:`trainer.memtrace.trace` of each spec, in one fresh process (the fake process
+    group is process-wide; torch and transformers are imported once)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "trainer.memtrace"], input=json.dumps(specs), env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise PlanError(f"the FSDP2 memory trace failed: {done.stderr.strip().splitlines()[-1:]}")
+    return [{k: int(v) for k, v in peak.items()} for peak in json.loads(done.stdout)]
+
+
+LAYERED = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "ACT")
+"""Tracker terms that grow with the decoder layers (shards, moments, saved activations); the
+others (a gathered unit, collective buffers, temporaries) are one unit's at a time."""
+
+
+def trace_layers(shape: ModelShape, layers: str = "auto") -> tuple[int, ...]:
+    """The depths traced: all layers (`layers="full"`, or a model of at most 3), else 2 and 3
+    (a single layer's peak falls at another moment of the step than a deep model's)."""
+    return (shape.layers,) if layers == "full" or shape.layers <= 3 else (2, 3)
+
+
+def extrapolate(shape: ModelShape, depths: tuple[int, ...], peaks: list[dict[str, int]]) -> dict[str, int]:
+    """The terms at the model's depth: the layered ones linear through the two traced depths,
+    the others as the deeper trace has them; `Total` their sum."""
+    if len(depths) == 1:
+        return peaks[0]
+    (d1, d2), (one, two), n = depths, peaks, shape.layers
+    out = {k: two[k] + (n - d2) * (two[k] - one[k]) // (d2 - d1) if k in LAYERED else two[k]
+           for k in two if k != "Total"}
+    out = {k: max(0, v) for k, v in out.items()}
+    return {**out, "Total": sum(out.values())}
+
+
+def traced_peaks(shape: ModelShape, s: Settings, sides: list[tuple[TrainSide, bool]],
+                 layers: str = "auto") -> list[dict[str, int]]:
+    """Peak bytes per tracker category of one update step of each (side, is_critic), for the
+    whole model."""
+    depths = trace_layers(shape, layers)
+    specs = [_trace_spec(shape, s, side, critic, d) for side, critic in sides for d in depths]
+    peaks = run_traces(specs)
+    k = len(depths)
+    return [extrapolate(shape, depths, peaks[i * k:(i + 1) * k]) for i in range(len(sides))]
+
+
+def update_estimate(config: dict[str, Any], world: int, rows: int, seq_len: int, response_len: int, *,
+                    grad_ckpt: bool = False, layers: str = "full") -> dict[str, int]:
+    """The actor update's traced peak per category on one of `world` ranks for a micro-batch of
+    `rows` x `seq_len` tokens (fp32, no offload): what `bench/memory.py` calibrates."""
+    shape = ModelShape(config)
+    side = TrainSide(rows, seq_len, False, False, grad_ckpt)
+    s = Settings(world=world, device_bytes=0, response_len=response_len, actor=side, critic=None,
+                 ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
+                 free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
+                 bucket_bytes=0)
+    return traced_peaks(shape, s, [(side, False)], layers)[0]
+
+
+TRAIN_TERMS = {"SHARDED_PARAM": "parameter shards", "UNSHARDED_PARAM": "gathered parameters",
+               "SHARDED_GRAD": "gradient shards", "UNSHARDED_GRAD": "unsharded gradients",
+               "OPT": "AdamW moments", "ACT": "activations",
+               "TEMP": "temporaries (backward, optimizer step)", "ALL_GATHER": "all-gather buffers",
+               "REDUCE_SCATTER": "reduce-scatter buffers", "BUFFER": "buffers", "INP": "inputs"}
+
+
+def _update_phase(name: str, peak: dict[str, int], side: TrainSide, others: list[tuple[str, int]],
+                  s: Settings, section: str, model_section: str) -> Phase:
+    terms = {label: peak.get(k, 0) for k, label in TRAIN_TERMS.items()}
+    if side.param_offload:  # shards, their gradients and the step live in host memory
+        for k in ("SHARDED_PARAM", "SHARDED_GRAD", "OPT"):
+            terms[TRAIN_TERMS[k]] = 0
+    elif side.optimizer_offload:  # the moments come back for the step only: the larger of the two
+        step = peak.get("SHARDED_PARAM", 0) + peak.get("SHARDED_GRAD", 0) + peak.get("OPT", 0)
+        rest = sum(terms.values()) - peak.get("OPT", 0)
+        terms[TRAIN_TERMS["OPT"]] = max(0, step - rest)
+    shrink = (f"fewer micro-batch tokens (`{section}.ppo_max_token_len_per_gpu` with `use_dynamic_bsz`, "
+              f"or `{section}.ppo_micro_batch_size_per_gpu`) or gradient checkpointing "
+              f"(`{model_section}.enable_gradient_checkpointing=true`)")
+    fsdp = model_section if section == "critic" else section
+    spread = (f"offload (`{fsdp}.fsdp_config.param_offload=true` or `optimizer_offload=true`) or more "
+              "GPUs (`trainer.n_gpus_per_node`, `trainer.nnodes`)")
+    state = {TRAIN_TERMS[k] for k in ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "UNSHARDED_PARAM")}
+    largest = max(terms, key=lambda k: terms[k])
+    fix = f"{spread}; or {shrink}" if largest in state else f"{shrink}; or {spread}"
+    return Phase(name, (*terms.items(), *others, ("CUDA context", CUDA_CONTEXT)), fix, s.device_bytes)
+
+
+def _resident(shape: ModelShape, s: Settings, side: TrainSide | None) -> int:
+    """A trained model's shards that stay on the device between its updates (fp32 master
+    parameters and two AdamW moments), 0 when offloaded."""
+    if side is None or side.param_offload:
+        return 0
+    per = shape.params() * 4 // s.world
+    return per + (0 if side.optimizer_offload else 2 * per)
+
+
+def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "auto") -> Plan:
+    """The per-device plan of every phase for `shape` under `s`."""
+    params = shape.params()
+    wbytes = DTYPE_BYTES[s.rollout_dtype]
+    vllm = s.rollout_name == "vllm"
+    share = int(s.gpu_memory_utilization * s.device_bytes) if vllm else 0
+    engine_weights = params * wbytes // s.tp
+    actor_res = _resident(shape, s, s.actor)
+    critic_res = _resident(shape, s, s.critic)
+    ref_res = params * 4 // s.world if s.ref_resident else 0
+    trainer_held = [("actor shards + AdamW moments", actor_res), ("critic shards + AdamW moments", critic_res),
+                    ("reference shards", ref_res), ("CUDA context", CUDA_CONTEXT)]
+    engine_idle = 0 if s.free_cache_engine else share  # asleep: weights and KV cache freed
+    notes = [f"trained in {s.param_dtype} (reduce {s.reduce_dtype}); rollout weights {s.rollout_dtype}",
+             f"actor micro-batch {s.actor.rows} x {s.actor.seq_len} tokens on {s.world} ranks"]
+    logits = s.actor.rows * (s.response_len + 1) * shape._get("vocab_size") * 4
+    notes.append(f"one fp32 copy of the actor micro-batch's full-vocabulary logits: {logits / GIB:.1f} GiB "
+                 "(the log-prob path keeps several: logits, the temperature-divided copy, log_softmax)")
+    if shape.layers > 2 and layers != "full":
+        notes.append(f"training phases traced with 2 and 3 layers, extrapolated to {shape.layers} (shards, "
+                     "moments and saved activations per layer; one unit's gathered and temporary terms)")
+    phases = []
+    if vllm:
+        activations = (s.max_num_batched_tokens * (4 * shape._get("hidden_size") + 3 * shape._get(
+            "intermediate_size")) // s.tp * wbytes + s.max_num_seqs * shape._get("vocab_size") * 4 * 2)
+        kv_needed = shape.kv_bytes_per_token(wbytes) * s.max_model_len // s.tp
+        kv_room = share - engine_weights - activations
+        phases.append(Phase("rollout", (*trainer_held, ("vLLM share (gpu_memory_utilization x total)", share)),
+                            "a lower `actor_rollout_ref.rollout.gpu_memory_utilization`, or offload "
+                            "(`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
+                            "`optimizer_offload=true`, `actor_rollout_ref.ref.fsdp_config.param_offload=true`)",
+                            s.device_bytes))
+        phases.append(Phase("vLLM KV cache", (("vLLM weights", engine_weights), ("vLLM activations", activations),
+                                              ("KV cache of one max_model_len sequence", kv_needed)),
+                            "a higher `actor_rollout_ref.rollout.tensor_model_parallel_size` or a higher "
+                            "`gpu_memory_utilization`", share,
+                            f" (`gpu_memory_utilization`={s.gpu_memory_utilization} x total)"))
+        notes.append(f"vLLM KV cache: {max(0, kv_room) / GIB:.1f} GiB per device, "
+                     f"{max(0, kv_room) // max(1, kv_needed // s.max_model_len):,} tokens")
+    sides = [(s.actor, False)] + ([(s.critic, True)] if s.critic is not None else [])
+    actor_peak, *critic_peaks = traced_peaks(shape, s, sides, layers)
+    phases.append(_update_phase("actor update", actor_peak, s.actor,
+                                [("critic shards + AdamW moments", critic_res), ("reference shards", ref_res),
+                                 ("idle vLLM", engine_idle)], s, "actor_rollout_ref.actor",
+                                "actor_rollout_ref.model"))
+    if s.critic is not None:
+        phases.append(_update_phase("critic update", critic_peaks[0], s.critic,
+                                    [("actor shards + AdamW moments", actor_res), ("reference shards", ref_res),
+                                     ("idle vLLM", engine_idle)], s, "critic", "critic.model"))
+    bucket = max(s.bucket_bytes, shape.largest_param() * 4)
+    sync_engine = engine_weights if vllm else engine_weights  # the HF engine holds its own copy too
+    phases.append(Phase("weight sync", (*trainer_held, ("rollout engine weights", sync_engine),
+                                        ("gathered bucket", bucket)),
+                        "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
+                        "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
+                        s.device_bytes))
+    return Plan(name, params, s.device_bytes, tuple(phases), tuple(notes))
+
+
+def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtype: str = "fp32",
+                reduce_dtype: str = "fp32") -> Plan:
+    """The plan of a loaded trainer configuration (its actor model's `config.json`)."""
+    s = replace(settings_from_config(cfg, device_gib), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    path = cfg.actor_rollout_ref.model.path
+    made = plan(read_model(path), s, name=Path(path).name or path, layers=layers)
+    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
+        made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
+                                    "gradients and AdamW moments of every weight, an over-estimate"))
+    return made
