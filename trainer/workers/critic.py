@@ -30,6 +30,7 @@ class CriticWorker(Worker):
                                  c.model.fsdp_config, "critic.model.fsdp_config")
         self.model.train()
         self._optimizer(c.optim)
+        self.phases.home(self.model, self.optim)
 
     @property
     def fsdp_config(self) -> Any:
@@ -38,6 +39,11 @@ class CriticWorker(Worker):
     @torch.no_grad()
     def compute_values(self, batch: StepBatch) -> dict[str, Any]:
         start = time.perf_counter()
+        with self.phases.on_device("values", self.model):
+            values = self._values(batch)
+        return {"values": values, "seconds": time.perf_counter() - start}
+
+    def _values(self, batch: StepBatch) -> torch.Tensor:
         c = self.cfg.critic
         batch = batch.to(self.device)
         values = torch.zeros_like(batch.response_mask)
@@ -48,7 +54,7 @@ class CriticWorker(Worker):
             values[part] = M.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length)
         self.model.train()
         P.reshard(self.model)
-        return {"values": (values * batch.response_mask).cpu(), "seconds": time.perf_counter() - start}
+        return (values * batch.response_mask).cpu()
 
     def _update_mini(self, share: MiniBatchShare, collected: dict[str, list[float]]) -> None:
         c = self.cfg.critic
@@ -72,10 +78,11 @@ class CriticWorker(Worker):
         start, tokens = time.perf_counter(), 0.0
         collected: dict[str, list[float]] = defaultdict(list)
         self.model.train()
-        for minis in epochs:
-            for share in minis:
-                tokens += float(share.batch.attention_mask.sum())
-                self._update_mini(share, collected)
+        with self.phases.on_device("update_critic", self.model, self.optim):  # in and out once per step
+            for minis in epochs:
+                for share in minis:
+                    tokens += float(share.batch.attention_mask.sum())
+                    self._update_mini(share, collected)
         self.sched.step()
         collected["critic/lr"].append(self.lr())
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
