@@ -99,6 +99,8 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
         cfg = load_config(_overrides(model, world, variant))
         actor = ActorRolloutRefWorker(cfg, rank, world, total_steps=3)
         actor.init_dist("127.0.0.1", port)
+        if variant == "micro":  # built empty and sharded, each rank reading only its shards
+            results["built"] = {k: v.clone() for k, v in actor.state_for_test().items()}  # one rank: live
         metrics = actor.update_actor([mine])["metrics"]
         results[f"actor-{variant}"] = actor.state_for_test()
         results[f"moves-{variant}"] = {f"{m.phase} {m.what} {m.to}": torch.tensor(i)
@@ -152,6 +154,10 @@ def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: 
     one = _finish(started[0], 1, tmp_path / "one")
     two = _finish(started[1], 2, tmp_path / "two")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for result in (one, two):  # what the ranks read of the checkpoint is the whole model
+        assert set(result["built"]) == set(start)
+        for key, value in start.items():
+            torch.testing.assert_close(result["built"][key], value, rtol=0, atol=0, msg=key)
     for name, weights in one.items():
         if name.startswith("actor"):
             moved = max((weights[k] - start[k]).abs().max().item() for k in start)

@@ -52,19 +52,22 @@ class ActorRolloutRefWorker(Worker):
         trust = arr.model.trust_remote_code
         tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
-        model: Any = M.load_actor(
-            arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-            trust_remote_code=trust)
         self.lora = arr.model.lora_rank > 0
+        section = "actor_rollout_ref.actor.fsdp_config"
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
-            model = apply_lora(model, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
-        self.model = self._place(model, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
+            model: Any = apply_lora(M.load_actor(arr.model.path, trust_remote_code=trust,
+                                                 gradient_checkpointing=arr.model.enable_gradient_checkpointing),
+                                    arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
+            self.model = self._place(model, arr.actor.fsdp_config, section)
+        else:
+            self.model = self._load_placed(arr.model.path, arr.actor.fsdp_config, section, trust_remote_code=trust,
+                                           gradient_checkpointing=arr.model.enable_gradient_checkpointing)
         self.model.train()
         self.ref: Any = None
         if self.cfg.derived.use_reference and not self.lora:  # LoRA: the actor, adapters disabled
-            self.ref = self._place(M.load_actor(arr.model.path, trust_remote_code=trust)
-                                   .eval().requires_grad_(False), arr.ref.fsdp_config,
-                                   "actor_rollout_ref.ref.fsdp_config")
+            self.ref = self._load_placed(arr.model.path, arr.ref.fsdp_config, "actor_rollout_ref.ref.fsdp_config",
+                                         frozen=True, trust_remote_code=trust)
+        self.phases.memory.empty_cache()  # the build's transient blocks, before the rollout engine sizes itself
         self._optimizer(arr.actor.optim)
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
         self.rollout, self.shares_weights = self._build_rollout()

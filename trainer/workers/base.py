@@ -127,6 +127,26 @@ class Worker:
         self.phases.register(placed, offload_params=bool(fsdp_config.param_offload))
         return placed
 
+    def _load_placed(self, path: str, fsdp_config: Any, section: str, *, frozen: bool = False,
+                     gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> Any:
+        """The actor's (or, `frozen`, the reference's) model placed by :meth:`_place`. From HF
+        safetensors it is built empty, placed and sharded, and then each rank reads only its own
+        shards from the files (:func:`trainer.models.load_local_shards`): no rank reads the whole
+        model into host memory (verl's FSDP workers read it whole on every rank). A GGUF file is
+        read whole (its tensors are quantised blocks, not sliceable)."""
+        if not M.safetensors_files(path):
+            model = M.load_actor(path, gradient_checkpointing=gradient_checkpointing,
+                                 trust_remote_code=trust_remote_code)
+        else:
+            model = M.materialize(M.empty_placed_actor(path, gradient_checkpointing=gradient_checkpointing,
+                                                       trust_remote_code=trust_remote_code), self.device)
+        if frozen:
+            model = model.eval().requires_grad_(False)
+        placed = self._place(model, fsdp_config, section)
+        if M.safetensors_files(path):
+            M.load_local_shards(placed, path)
+        return placed
+
     def _optimizer(self, optim: Any) -> None:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         self.optim = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas),
