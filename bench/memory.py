@@ -181,8 +181,9 @@ def _child(world: int, port: int, model: str, out: str, tp: int, build_only: boo
 # ----------------------------------------------------------------------------- the driver
 
 
-def write_model(directory: Path) -> Path:
-    """The random ~150M-parameter Llama-shaped model and the tiny word-level tokenizer."""
+def write_model(directory: Path, dtype: str = "float32") -> Path:
+    """The random ~150M-parameter Llama-shaped model (saved in `dtype`) and the tiny word-level
+    tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -192,7 +193,7 @@ def write_model(directory: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(**MODEL_SHAPE, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
 
@@ -227,10 +228,12 @@ def build_row(label: str, world: int, ranks: list[dict[str, Any]]) -> str:
     """The build's host memory: the largest rank's peak, and the node's (all W ranks on one
     node: the sum of their peaks, an upper bound of the node's peak)."""
     peaks = [r["build"]["peak"] for r in ranks]
-    return f"| {label} | {world} | {mib(max(peaks))} | {mib(sum(peaks))} |"
+    added = [r["build"]["peak"] - r["build"]["start"] for r in ranks]
+    return f"| {label} | {world} | {mib(max(peaks))} | {mib(sum(peaks))} | {mib(sum(added))} |"
 
 
-BUILD_HEADER = "| tree | W | build peak/rank MiB | build peak/node MiB (sum of ranks) |\n|---|---|---|---|"
+BUILD_HEADER = ("| tree | W | build peak/rank MiB | build peak/node MiB (sum of ranks) | added by the build/node MiB |\n"
+                "|---|---|---|---|---|")
 
 
 def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1) -> str:
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hpcrl-mem-", dir=args.work))
     try:
-        model = write_model(work / "model")
+        # the build alone: a bfloat16 checkpoint, as hub models ship, which the fp32 actor converts
+        model = write_model(work / "model", "bfloat16" if args.build_only else "float32")
         trees = [("this tree", REPO)] + ([("baseline", args.baseline_tree.resolve())] if args.baseline_tree else [])
         lines = [BUILD_HEADER if args.build_only else HEADER]
         for label, tree in trees:

@@ -240,23 +240,23 @@ def load_local_shards(model: nn.Module, path: str | Path) -> None:
     safetensors files at `path`, each rank reading only the part it holds (safetensors' lazy
     slicing of the memory-mapped file): no rank ever holds a whole tensor it does not keep, so
     host memory at build does not grow with the ranks on a node. Tied parameters are read once."""
-    from contextlib import ExitStack
-
     from safetensors import safe_open
 
-    with ExitStack() as stack:
-        files = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in safetensors_files(path)]
-        where = {key: f for f in files for key in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        missing = [name for name, _ in model.named_parameters() if name not in where]
-        if missing:
-            raise ValueError(
-                f"the safetensors files of `{path}` hold no tensor named {', '.join(f'`{m}`' for m in missing[:5])}"
-                f"{' ...' if len(missing) > 5 else ''}; the model's parameter names must match the "
-                "checkpoint's (a model saved by `save_pretrained`)")
-        for name, param in model.named_parameters():
-            local, region = _local_region(param)
-            if local.numel():
-                local.copy_(where[name].get_slice(name)[region].to(local.dtype))
+    where: dict[str, Path] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    missing = [name for name, _ in model.named_parameters() if name not in where]
+    if missing:
+        raise ValueError(
+            f"the safetensors files of `{path}` hold no tensor named {', '.join(f'`{m}`' for m in missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; the model's parameter names must match the "
+            "checkpoint's (a model saved by `save_pretrained`)")
+    for name, param in model.named_parameters():
+        local, region = _local_region(param)
+        if local.numel():  # the file mapped for one tensor at a time: its pages leave the RSS after
+            with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+                local.copy_(f.get_slice(name)[region].to(local.dtype))
 
 
 class CriticModel(nn.Module):
