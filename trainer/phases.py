@@ -47,6 +47,10 @@ class DeviceMemory:
     too). On the CPU every call is a no-op and every figure is 0. The one seam tests replace."""
 
     def __init__(self, device: torch.device) -> None:
+        # GPU-only by design, as verl's `get_torch_device()` (torch.cuda, or torch.npu on Ascend,
+        # which hpcrl does not target): ROCm builds of torch expose the same `torch.cuda` API, and
+        # the CPU has no caching allocator to empty nor device memory to read. Not run here
+        # without a GPU; `bench/gpu_check.py` is the check for the day one is lent.
         self.device = device
         self.accelerator = device.type == "cuda"
 
