@@ -226,7 +226,9 @@ def empty_placed_actor(path: str | Path, *, gradient_checkpointing: bool = False
 def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """The tensor this rank holds of `param` and where it sits in the whole one: an FSDP2
     DTensor's local shard and its global offset, or a plain tensor, whole."""
-    if hasattr(param, "to_local"):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

@@ -134,6 +134,7 @@ class Worker:
         shards from the files (:func:`trainer.models.load_local_shards`): no rank reads the whole
         model into host memory (verl's FSDP workers read it whole on every rank). A GGUF file is
         read whole (its tensors are quantised blocks, not sliceable)."""
+        model: Any
         if not M.safetensors_files(path):
             model = M.load_actor(path, gradient_checkpointing=gradient_checkpointing,
                                  trust_remote_code=trust_remote_code)
