@@ -148,7 +148,7 @@ class Phases:
         moved_optim = optim is not None and self.offload_optimizer and move_optimizer(optim, HOST) > 0
         if moved_optim:
             self.moves.append(Move(phase, "optimizer", "host"))
-        if offload or moved_optim:
+        if offload or moved_optim:  # synchronizes first: the non-blocking copies have landed
             self.memory.empty_cache()
 
     def _load(self, model: torch.nn.Module, optim: torch.optim.Optimizer | None, phase: str) -> None:
