@@ -1,6 +1,7 @@
 """Peak memory per rank of the actor worker on W = 1, 2, 4 CPU ranks (gloo), phase by phase.
 
     python -m bench.memory [--ranks 1 2 4] [--rollout-tp 1 2] [--baseline-tree /tmp/mem-base]
+    python -m bench.memory --build-only --baseline-tree /tmp/mem-base   # host memory at build, per node
 
 A random Llama-shaped model (hidden 768, 16 layers, MLP 2560, GQA 12/4 heads, vocab 32000, tied
 embeddings: about 150M parameters, 0.6 GB in float32) is written once; then, for every tree
@@ -130,7 +131,7 @@ def _rollout_bytes(worker: Any) -> int:
     return sum(t.numel() * t.element_size() for t in params)
 
 
-def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int = 1) -> None:
+def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int = 1, build_only: bool = False) -> None:
     import torch
 
     from trainer.checkpoint import full_state as ckpt
@@ -152,6 +153,10 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int =
                        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"])
     worker = ActorRolloutRefWorker(cfg, rank, world, total_steps=10)
     phase("build", lambda: worker.init_dist("127.0.0.1" if world > 1 else None, port if world > 1 else None))
+    if build_only:
+        figures["torch"] = torch.__version__
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
+        return
     phase("step", lambda: worker.update_actor([[_share(2, 64, rank)]]))
     phase("step again", lambda: worker.update_actor([[_share(2, 64, rank + 100)]]))
     figures["state_bytes"] = _local_bytes(worker)
@@ -174,18 +179,19 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int =
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
 
 
-def _child(world: int, port: int, model: str, out: str, tp: int) -> None:
+def _child(world: int, port: int, model: str, out: str, tp: int, build_only: bool) -> None:
     """Run W ranks of this tree (the one on PYTHONPATH) and wait for them."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(world, port, model, out, tp), nprocs=world)
+    mp.spawn(_rank_main, args=(world, port, model, out, tp, build_only), nprocs=world)
 
 
 # ----------------------------------------------------------------------------- the driver
 
 
-def write_model(directory: Path) -> Path:
-    """The random ~150M-parameter Llama-shaped model and the tiny word-level tokenizer."""
+def write_model(directory: Path, dtype: str = "float32") -> Path:
+    """The random ~150M-parameter Llama-shaped model (saved in `dtype`) and the tiny word-level
+    tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -195,7 +201,7 @@ def write_model(directory: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(**MODEL_SHAPE, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
 
@@ -208,13 +214,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(tree: Path, world: int, model: Path, work: Path, tp: int = 1) -> list[dict[str, Any]]:
+def measure(tree: Path, world: int, model: Path, work: Path, tp: int = 1, build_only: bool = False
+            ) -> list[dict[str, Any]]:
     out = work / f"{tree.name}-{world}-tp{tp}"
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(world), str(_free_port()), str(model),
-           str(out), str(tp)]
+           str(out), str(tp), "build" if build_only else "all"]
     subprocess.run(cmd, env=env, cwd=tree, check=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     shutil.rmtree(out / "ckpt", ignore_errors=True)
@@ -229,10 +236,23 @@ def step_estimate(world: int) -> int:
     return peak["Total"] - sum(peak.get(k, 0) for k in ("SHARDED_PARAM", "OPT", "BUFFER"))
 
 
-def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1, estimate: int | None = None) -> str:
-    def mib(value: float) -> str:
-        return f"{value / MIB:,.0f}"
+def mib(value: float) -> str:
+    return f"{value / MIB:,.0f}"
 
+
+def build_row(label: str, world: int, ranks: list[dict[str, Any]]) -> str:
+    """The build's host memory: the largest rank's peak, and the node's (all W ranks on one
+    node: the sum of their peaks, an upper bound of the node's peak)."""
+    peaks = [r["build"]["peak"] for r in ranks]
+    added = [r["build"]["peak"] - r["build"]["start"] for r in ranks]
+    return f"| {label} | {world} | {mib(max(peaks))} | {mib(sum(peaks))} | {mib(sum(added))} |"
+
+
+BUILD_HEADER = ("| tree | W | build peak/rank MiB | build peak/node MiB (sum of ranks) | added by the build/node MiB |\n"
+                "|---|---|---|---|---|")
+
+
+def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1, estimate: int | None = None) -> str:
     cells = [label, str(world), str(tp), mib(max(r["state_bytes"] for r in ranks)),
              mib(max(r.get("rollout_bytes", 0) for r in ranks))]
     for name in PHASES:
@@ -258,23 +278,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout of hpcrl to measure the same way (e.g. the tree before a change)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--build-only", action="store_true",
+                        help="measure the build alone: host memory per rank and per node (all W ranks on one node)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hpcrl-mem-", dir=args.work))
     try:
-        model = write_model(work / "model")
+        # the build alone: a bfloat16 checkpoint, as hub models ship, which the fp32 actor converts
+        model = write_model(work / "model", "bfloat16" if args.build_only else "float32")
         trees = [("this tree", REPO)] + ([("baseline", args.baseline_tree.resolve())] if args.baseline_tree else [])
-        lines = [HEADER]
+        lines = [BUILD_HEADER if args.build_only else HEADER]
         estimates: dict[int, int] = {}
         for label, tree in trees:
             for world in args.ranks:
-                for tp in [k for k in args.rollout_tp if world % k == 0]:
-                    ranks = measure(tree, world, model, work / "runs", tp)
-                    estimates.setdefault(world, step_estimate(world))
-                    lines.append(row(label, world, ranks, tp, estimates[world]))
+                for tp in [1] if args.build_only else [k for k in args.rollout_tp if world % k == 0]:
+                    ranks = measure(tree, world, model, work / "runs", tp, args.build_only)
+                    if args.build_only:
+                        lines.append(build_row(label, world, ranks))
+                    else:
+                        estimates.setdefault(world, step_estimate(world))
+                        lines.append(row(label, world, ranks, tp, estimates[world]))
                     print(lines[-1], flush=True)
-        params = ranks[0]["params"]
-        print(f"\nmodel: {params / 1e6:.0f}M parameters as the worker counts them (float32), "
-              f"torch {ranks[0]['torch']}\n")
+        if not args.build_only:
+            print(f"\nmodel: {ranks[0]['params'] / 1e6:.0f}M parameters as the worker counts them (float32)")
+        print(f"torch {ranks[0]['torch']}\n")
         print("\n".join(lines))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -284,6 +310,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
-               int(sys.argv[6]) if len(sys.argv) > 6 else 1)
+               int(sys.argv[6]) if len(sys.argv) > 6 else 1, len(sys.argv) > 7 and sys.argv[7] == "build")
     else:
         sys.exit(main())

@@ -606,7 +606,18 @@ class PPODriver:
             metrics = self._collect(batch, timer)
             metrics.update(self._update(batch, timer))
         metrics.update(self._step_metrics(batch, timer))
+        metrics.update(self.memory_metrics())
         return metrics
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The peak device memory of the step and of each phase (:mod:`trainer.phases`), the
+        largest over the ranks of every worker group (verl's `perf/max_memory_*_gb`)."""
+        merged: dict[str, float] = {}
+        for group in self._groups():
+            for per_rank in group.run("memory_metrics"):
+                for key, value in per_rank.items():
+                    merged[key] = max(merged.get(key, 0.0), value)
+        return merged
 
     # ------------------------------------------------------------------------------ checkpoints
 

@@ -173,16 +173,17 @@ def all_reduce_gradients(model: torch.nn.Module, world_size: int) -> None:
         offset += n
 
 
-def apply_fsdp2(model: torch.nn.Module, cpu_offload: bool = False) -> torch.nn.Module:
-    """Shard `model` with FSDP2: each decoder layer is its own unit, then the root. With
-    `cpu_offload` the shards (parameters, gradients, optimizer step) stay in host memory."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+def apply_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` with FSDP2: each decoder layer is its own unit, then the root. The shards
+    stay on the compute device; `param_offload` moves them to the host between phases
+    (:mod:`trainer.phases`), not FSDP2's `CPUOffloadPolicy`, whose CPU DTensors would reach
+    collectives outside FSDP's forward/backward on an NCCL-only group."""
+    from torch.distributed.fsdp import fully_shard
 
-    policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, offload_policy=policy)
-    fully_shard(model, offload_policy=policy)
+        fully_shard(layer)
+    fully_shard(model)
     return model
 
 

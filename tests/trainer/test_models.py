@@ -135,3 +135,27 @@ def test_smollm2_gguf_loads_and_answers(smollm2_dir: Path) -> None:
     with torch.no_grad():
         out_ids = model.generate(**enc, max_new_tokens=12, do_sample=False)
     assert "5" in tok.decode(out_ids[0, enc["input_ids"].shape[1] :])
+
+
+def test_a_rank_reads_its_own_shards_and_a_missing_tensor_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`load_local_shards` on one rank reads the whole model as `from_pretrained` does; a file
+    lacking one of the model's tensors is refused, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    M = models
+    model = M.materialize(M.empty_placed_actor(tiny_model_dir), torch.device("cpu"))
+    M.load_local_shards(model, tiny_model_dir)
+    for key, value in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    [file] = M.safetensors_files(broken)
+    tensors = load_file(file)
+    del tensors["model.norm.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"hold no tensor named `model.norm.weight`"):
+        M.load_local_shards(model, broken)

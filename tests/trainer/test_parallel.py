@@ -72,6 +72,11 @@ VARIANTS = {
     # critic sums micro-batch means, which depend on the split: not compared)
     "dynamic": ["actor_rollout_ref.actor.use_dynamic_bsz=true", "trainer.use_legacy_worker_impl=disable",
                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=30"],
+    # the micro variant with offload: parameters and Adam state moved per phase (trainer.phases)
+    "offload": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                "critic.model.fsdp_config.param_offload=true", "critic.model.fsdp_config.optimizer_offload=true"],
 }
 
 
@@ -98,8 +103,12 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
         cfg = load_config(_overrides(model, world, variant))
         actor = ActorRolloutRefWorker(cfg, rank, world, total_steps=3)
         actor.init_dist("127.0.0.1", port)
+        if variant == "micro":  # built empty and sharded, each rank reading only its shards
+            results["built"] = {k: v.clone() for k, v in actor.state_for_test().items()}  # one rank: live
         metrics = actor.update_actor([mine])["metrics"]
         results[f"actor-{variant}"] = actor.state_for_test()
+        results[f"moves-{variant}"] = {f"{m.phase} {m.what} {m.to}": torch.tensor(i)
+                                       for i, m in enumerate(actor.phases.moves)}
         critic = CriticWorker(cfg, rank, world, total_steps=3)
         critic.init_dist("127.0.0.1", port)
         metrics.update(critic.update_critic([mine])["metrics"])
@@ -128,6 +137,8 @@ def _finish(ctx: mp.ProcessContext, world: int, out: Path) -> dict[str, dict[str
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     merged = ranks[0]
     for name in merged:  # metrics: the mean over ranks is the whole batch's value
+        if name.startswith("moves"):
+            assert all(r[name] == merged[name] for r in ranks), name
         if name.startswith("metrics"):
             merged[name] = {k: sum(r[name][k] for r in ranks) / world for k in merged[name]}
     return merged
@@ -233,6 +244,10 @@ def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: 
     one = _finish(started[0], 1, tmp_path / "one")
     two = _finish(started[1], 2, tmp_path / "two")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for result in (one, two):  # what the ranks read of the checkpoint is the whole model
+        assert set(result["built"]) == set(start)
+        for key, value in start.items():
+            torch.testing.assert_close(result["built"][key], value, rtol=0, atol=0, msg=key)
     for name, weights in one.items():
         if name == "critic-dynamic":
             continue
@@ -247,6 +262,16 @@ def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: 
                 continue  # per-micro-batch statistics (clip fractions) depend on the split
             torch.testing.assert_close(two[name][key], value, **tol, msg=f"{name} {key}")
     assert COMPARED <= set(one["metrics-dynamic"])
+    for result in (one, two):  # offload moves the state between phases and changes no number
+        for key, value in result["actor-micro"].items():
+            torch.testing.assert_close(result["actor-offload"][key], value, rtol=0, atol=0, msg=key)
+        # the parameters go home after the build, come in for the update with the Adam state
+        # (created there), and everything goes home once after the two optimizer steps; then
+        # once more around the gathering of the test's state
+        assert list(result["moves-offload"]) == [
+            "build params host", "update_actor params device", "update_actor params host",
+            "update_actor optimizer host", "checkpoint params device", "checkpoint params host"]
+        assert result["moves-micro"] == {}
 
 
 def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:

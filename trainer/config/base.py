@@ -58,6 +58,6 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class FsdpConfig:
-    param_offload: bool = h("offload parameters to CPU between uses (FSDP workers)")
-    optimizer_offload: bool = h("offload optimizer state to CPU between uses (FSDP workers)")
+    param_offload: bool = h("parameters in host memory between phases, on the device for log-probs, update, sync")
+    optimizer_offload: bool = h("optimizer state in host memory except during the update (once per step)")
     forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")

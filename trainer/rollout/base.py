@@ -152,8 +152,10 @@ class RolloutEngine(Protocol):
         """Release memory between rollouts (may be a no-op)."""
         ...
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` before the next :meth:`generate`."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep` before the next :meth:`generate`: all of it, or only the parts
+        named in `tags` (`weights`, `kv_cache`: vLLM's sleep-mode tags; the weight sync wakes
+        the weights first and the KV cache once the sync's memory is freed)."""
         ...
 
 

@@ -3,7 +3,7 @@ the one tests use; it samples with the training model itself unless given a copy
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,8 +159,9 @@ class HFRolloutEngine:
             self.model.to("cpu")  # type: ignore[arg-type]
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
-        if self.offload and self._device.type != "cpu":
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Move the model back (tag `weights`); it has no KV cache to keep between rollouts."""
+        if self.offload and self._device.type != "cpu" and (tags is None or "weights" in tags):
             self.model.to(self._device)  # type: ignore[arg-type]
 
     def _generation_config(self, params: SamplingParams) -> object:

@@ -30,7 +30,7 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,10 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["VLLMRolloutEngine", "engine_env", "vllm_available"]
+__all__ = ["SLEEP_TAGS", "VLLMRolloutEngine", "engine_env", "vllm_available"]
+
+#: What vLLM's sleep mode frees, in the order the weight sync wakes them.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 def engine_env() -> dict[str, str]:
@@ -145,7 +148,7 @@ class VLLMRolloutEngine:
                  enforce_eager: bool = True, max_num_seqs: int = 1024,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  disable_log_stats: bool = True, free_cache_engine: bool = True,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, load_format: str = "auto") -> None:
         for key, value in engine_env().items():
             os.environ.setdefault(key, value)
         try:
@@ -163,7 +166,7 @@ class VLLMRolloutEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.gpu = torch.cuda.is_available()
         self.free_cache = free_cache_engine
-        self.asleep = False
+        self.sleeping: set[str] = set()
         self.llm = LLM(
             model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
             dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -171,7 +174,7 @@ class VLLMRolloutEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
             enable_prefix_caching=True, enable_sleep_mode=self.gpu and free_cache_engine,
-            trust_remote_code=trust_remote_code, **parallel)
+            trust_remote_code=trust_remote_code, load_format=load_format, **parallel)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0
@@ -187,7 +190,8 @@ class VLLMRolloutEngine:
                    max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                    enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
                    free_cache_engine=r.free_cache_engine,
-                   trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+                   trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+                   load_format="dummy")  # random weights: the trainer syncs before every first rollout
 
     # ------------------------------------------------------------------ RolloutEngine
 
@@ -220,14 +224,16 @@ class VLLMRolloutEngine:
     def sleep(self) -> None:
         """Release the KV cache (and offload the weights) between rollouts when
         `rollout.free_cache_engine` asks for it; vLLM sleeps only on GPUs."""
-        if self.gpu and self.free_cache and not self.asleep:
+        if self.gpu and self.free_cache and not self.sleeping:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.sleeping = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what sleeps of `tags` (all by default): vLLM's ``wake_up(tags=...)``."""
+        wanted = [t for t in (tags or SLEEP_TAGS) if t in self.sleeping]
+        if wanted:
+            self.llm.wake_up(tags=wanted)
+            self.sleeping -= set(wanted)
 
     def _sampling(self, params: SamplingParams, seed: int | None) -> Any:
         from vllm import SamplingParams as VSamplingParams

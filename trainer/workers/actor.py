@@ -50,23 +50,29 @@ class ActorRolloutRefWorker(Worker):
         trust = arr.model.trust_remote_code
         tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
-        model: Any = M.load_actor(
-            arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-            trust_remote_code=trust)
         self.lora = arr.model.lora_rank > 0
+        section = "actor_rollout_ref.actor.fsdp_config"
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
-            model = apply_lora(model, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
-        self.model = self._place(model, arr.actor.fsdp_config, "actor_rollout_ref.actor.fsdp_config")
+            model: Any = apply_lora(M.load_actor(arr.model.path, trust_remote_code=trust,
+                                                 gradient_checkpointing=arr.model.enable_gradient_checkpointing),
+                                    arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
+            self.model = self._place(model, arr.actor.fsdp_config, section)
+        else:
+            self.model = self._load_placed(arr.model.path, arr.actor.fsdp_config, section, trust_remote_code=trust,
+                                           gradient_checkpointing=arr.model.enable_gradient_checkpointing)
         self.model.train()
         self.ref: Any = None
         if self.cfg.derived.use_reference and not self.lora:  # LoRA: the actor, adapters disabled
-            self.ref = self._place(M.load_actor(arr.model.path, trust_remote_code=trust)
-                                   .eval().requires_grad_(False), arr.ref.fsdp_config,
-                                   "actor_rollout_ref.ref.fsdp_config")
+            self.ref = self._load_placed(arr.model.path, arr.ref.fsdp_config, "actor_rollout_ref.ref.fsdp_config",
+                                         frozen=True, trust_remote_code=trust)
+        self.phases.memory.empty_cache()  # the build's transient blocks, before the rollout engine sizes itself
         self._optimizer(arr.actor.optim)
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
         self.loss_params = self._loss_params()
         self.rollout, self.shares_weights = self._build_rollout()
+        for model in (self.model, self.ref):  # offloaded ones go to the host until their phase
+            if model is not None:
+                self.phases.home(model, self.optim if model is self.model else None)
 
     @property
     def fsdp_config(self) -> Any:
@@ -97,29 +103,44 @@ class ActorRolloutRefWorker(Worker):
     def sync_rollout_weights(self) -> float:
         """Stream the actor's current weights into the rollout engine, one bucket of
         `update_weights_bucket_megabytes` at a time (a collective under FSDP: each parameter is
-        gathered whole on every rank, then loaded and freed); the engine wakes for it and stays
-        awake until the next rollout. Returns seconds."""
+        gathered whole on every rank, then loaded and freed), in verl's memory order
+        (``rollout_mode`` of its `fsdp_workers.py`): empty the cache the update left, wake the
+        engine's weights, stream, empty the cache again, and only then wake the KV cache, which
+        vLLM sizes from the memory left free. The engine stays awake until the next rollout.
+        Returns seconds."""
         start = time.perf_counter()
         if not self.shares_weights:
-            self.rollout.wake_up()
-            bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
-            self.rollout.sync_weights(P.weight_buckets(self.model, bucket_bytes))
+            memory = self.phases.memory
+            with self.phases.track("weight_sync"):
+                memory.empty_cache()
+                self.rollout.wake_up(tags=["weights"])
+                bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
+                with self.phases.on_device("weight_sync", self.model):
+                    self.phases.require_resident(self.model, "the weight sync (`full_tensor()`)")
+                    self.rollout.sync_weights(P.weight_buckets(self.model, bucket_bytes))
+                memory.empty_cache()
+                self.rollout.wake_up(tags=["kv_cache"])
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
-        last sync."""
+        last sync; the engine sleeps after it and the cache is emptied (verl's ``trainer_mode``)."""
         if prompt_ids.shape[0] == 0 and not self.rollout.collective:
-            self.rollout.sleep()  # awake since the weight sync
+            self._sleep_rollout()  # awake since the weight sync
             return None, {"gen": 0.0, "gen_tokens": 0.0}
         start = time.perf_counter()
         torch.manual_seed(seed)
-        self.rollout.wake_up()
-        try:
-            out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
-        finally:
-            self.rollout.sleep()
+        with self.phases.track("rollout"):
+            self.rollout.wake_up()
+            try:
+                if self.shares_weights:  # HF generate on the actor itself
+                    with self.phases.on_device("rollout", self.model):
+                        out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+                else:
+                    out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+            finally:
+                self._sleep_rollout()
         if out.response_ids.shape[0] == 0:  # a rank of a collective engine with no prompts
             return None, {"gen": time.perf_counter() - start, "gen_tokens": 0.0}
         out = RolloutBatch(*(t.cpu() for t in (out.prompt_ids, out.prompt_mask, out.response_ids,
@@ -127,11 +148,21 @@ class ActorRolloutRefWorker(Worker):
                            entropy=None if out.entropy is None else out.entropy.cpu())
         return out, {"gen": time.perf_counter() - start, "gen_tokens": float(out.response_mask.sum())}
 
+    def _sleep_rollout(self) -> None:
+        self.rollout.sleep()
+        self.phases.memory.empty_cache()
+
     # ------------------------------------------------------------------ log-probs
 
     @torch.no_grad()
-    def _log_probs(self, model: Any, batch: StepBatch, section: Any, entropy: bool) -> dict[str, Any]:
+    def _log_probs(self, model: Any, batch: StepBatch, section: Any, entropy: bool, phase: str
+                   ) -> dict[str, Any]:
         start = time.perf_counter()
+        with self.phases.on_device(phase, model):
+            out = self._log_probs_on_device(model, batch, section, entropy)
+        return {**out, "seconds": time.perf_counter() - start}
+
+    def _log_probs_on_device(self, model: Any, batch: StepBatch, section: Any, entropy: bool) -> dict[str, Any]:
         batch = batch.to(self.device)
         rows = self._micro(batch, section.log_prob_micro_batch_size_per_gpu,
                            bool(section.log_prob_use_dynamic_bsz), int(section.log_prob_max_token_len_per_gpu or 0))
@@ -149,11 +180,10 @@ class ActorRolloutRefWorker(Worker):
                 ent[part] = e
         model.train(was_training)
         P.reshard(model)
-        return {"log_probs": lp.cpu(), "entropy": None if ent is None else ent.cpu(),
-                "seconds": time.perf_counter() - start}
+        return {"log_probs": lp.cpu(), "entropy": None if ent is None else ent.cpu()}
 
     def compute_log_probs(self, batch: StepBatch) -> dict[str, Any]:
-        return self._log_probs(self.model, batch, self.cfg.actor_rollout_ref.rollout, True)
+        return self._log_probs(self.model, batch, self.cfg.actor_rollout_ref.rollout, True, "old_log_prob")
 
     def compute_ref_log_probs(self, batch: StepBatch) -> dict[str, Any]:
         """The reference policy's log-probs: the reference model's, or with LoRA the actor's
@@ -161,8 +191,8 @@ class ActorRolloutRefWorker(Worker):
         section = self.cfg.actor_rollout_ref.ref
         if self.lora:
             with self.model.disable_adapter():
-                return self._log_probs(self.model, batch, section, False)
-        return self._log_probs(self.ref, batch, section, False)
+                return self._log_probs(self.model, batch, section, False, "ref")
+        return self._log_probs(self.ref, batch, section, False, "ref")
 
     # ------------------------------------------------------------------ update
 
@@ -239,10 +269,11 @@ class ActorRolloutRefWorker(Worker):
         totals: dict[str, float] = defaultdict(float)
         entropy: torch.Tensor | None = None
         self.model.train()
-        for minis in epochs:
-            for share in minis:
-                tokens += float(share.batch.attention_mask.sum())
-                entropy = self._update_mini(share, keep_entropy, collected, totals)
+        with self.phases.on_device("update_actor", self.model, self.optim):  # in and out once per step
+            for minis in epochs:
+                for share in minis:
+                    tokens += float(share.batch.attention_mask.sum())
+                    entropy = self._update_mini(share, keep_entropy, collected, totals)
         for key in ("actor/pg_loss", "actor/kl_loss"):  # verl reports both, kl_loss 0 without a KL loss
             collected[key].append(totals[key])
         collected["actor/lr"].append(self.lr())  # the rate this update used (verl: before the step)

@@ -32,6 +32,7 @@ from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
 from trainer.checkpoint.hf_export import write_hf_export
 from trainer.config import Config, ConfigError
+from trainer.phases import Phases
 
 __all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device", "take_ray_device"]
 
@@ -103,6 +104,7 @@ class Worker:
         self.model: Any = None
         self.optim: Any = None
         self.sched: Any = None
+        self.phases: Phases = Phases(torch.device("cpu"), offload_optimizer=False)
 
     # ------------------------------------------------------------------ identity and group
 
@@ -141,6 +143,7 @@ class Worker:
                                             timeout_s=self.cfg.actor_rollout_ref.nccl_timeout,
                                             device_index=0 if self.gpu is None else self.gpu.index)
         seed_everything(self.cfg.trainer.seed)
+        self.phases = Phases(self.device, offload_optimizer=bool(self.fsdp_config.optimizer_offload))
         self.build()
         return {"backend": self.ctx.backend, "fsdp": self.ctx.fsdp, "threads": torch.get_num_threads()}
 
@@ -158,26 +161,34 @@ class Worker:
         return self.ctx.device
 
     def _place(self, model: torch.nn.Module, fsdp_config: Any, section: str) -> Any:
-        """`model` on this rank's device, sharded with FSDP2 in a group. `param_offload` keeps
-        the parameters (and under FSDP2 their gradients and the optimizer step) in host memory,
-        copied to the GPU unit by unit for each forward and backward. On the CPU they are in
-        host memory already."""
+        """`model` on this rank's device, sharded with FSDP2 in a group. With `param_offload`
+        its parameters then live in host memory between phases (:mod:`trainer.phases`): call
+        :meth:`Phases.home` once the model is built."""
         assert self.ctx is not None
-        offload = bool(fsdp_config.param_offload) and self.device.type != "cpu"
-        if offload and not self.ctx.fsdp:
-            raise ConfigError(
-                f"`{section}.param_offload=true` on a single GPU rank: offloading "
-                "works through FSDP2, which needs a group of two or more ranks. Fix: set it to "
-                "false, or train on more GPUs")
-        if self.ctx.fsdp:
-            return P.apply_fsdp2(model.to("cpu" if offload else self.device), cpu_offload=offload)
-        return model.to(self.device)
+        placed = P.apply_fsdp2(model.to(self.device)) if self.ctx.fsdp else model.to(self.device)
+        self.phases.register(placed, offload_params=bool(fsdp_config.param_offload))
+        return placed
 
-    def _optimizer_to(self, device: torch.device) -> None:
-        for state in self.optim.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device, non_blocking=True)
+    def _load_placed(self, path: str, fsdp_config: Any, section: str, *, frozen: bool = False,
+                     gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> Any:
+        """The actor's (or, `frozen`, the reference's) model placed by :meth:`_place`. From HF
+        safetensors it is built empty, placed and sharded, and then each rank reads only its own
+        shards from the files (:func:`trainer.models.load_local_shards`): no rank reads the whole
+        model into host memory (verl's FSDP workers read it whole on every rank). A GGUF file is
+        read whole (its tensors are quantised blocks, not sliceable)."""
+        model: Any
+        if not M.safetensors_files(path):
+            model = M.load_actor(path, gradient_checkpointing=gradient_checkpointing,
+                                 trust_remote_code=trust_remote_code)
+        else:
+            model = M.materialize(M.empty_placed_actor(path, gradient_checkpointing=gradient_checkpointing,
+                                                       trust_remote_code=trust_remote_code), self.device)
+        if frozen:
+            model = model.eval().requires_grad_(False)
+        placed = self._place(model, fsdp_config, section)
+        if M.safetensors_files(path):
+            M.load_local_shards(placed, path)
+        return placed
 
     def _optimizer(self, optim: Any) -> None:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
@@ -236,23 +247,24 @@ class Worker:
                 p.grad = torch.zeros_like(p)
 
     def _optimizer_step(self, grad_clip: float) -> float:
+        """Clip and step (inside the update's phase: parameters, gradients and, with
+        `optimizer_offload`, the moments are on the compute device, so the norm's all-reduce runs
+        on device tensors)."""
         assert self.ctx is not None
+        self.phases.require_resident(self.model, "the optimizer step (`clip_grad_norm_`)")
         if not self.ctx.fsdp:
             P.all_reduce_gradients(self.model, self.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
-        # under FSDP2's CPU offload (`param_offload`) the step already runs in host memory
-        f = self.fsdp_config
-        offload = f.optimizer_offload and not f.param_offload and self.device.type != "cpu"
         if torch.isfinite(grad_norm):
-            if offload:  # the moments live in host memory between steps
-                self._optimizer_to(self.device)
             self.optim.step()
-            if offload:
-                self._optimizer_to(torch.device("cpu"))
         self.optim.zero_grad(set_to_none=True)
         return float(grad_norm)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The peak device memory of each phase since the last call (:meth:`Phases.metrics`)."""
+        return self.phases.metrics()
 
     def lr(self) -> float:
         return float(self.sched.get_last_lr()[0])
@@ -271,25 +283,28 @@ class Worker:
         for the actor (`hf_tokenizer_path` given), every rank takes part in the streamed HF export
         (`huggingface/`, :mod:`~trainer.checkpoint.hf_export`). Returns seconds."""
         start = time.perf_counter()
-        sharded.save_group_state(Path(tmp) / prefix, self.model, self.optim)
-        if self.rank == 0:
-            ckpt.write_states(tmp, {f"{prefix}_sched": self.sched.state_dict()})
-        if hf_tokenizer_path is not None:
-            tokenizer = M.load_tokenizer(hf_tokenizer_path) if self.rank == 0 else None
-            write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
+        with self.phases.on_device("checkpoint", self.model, self.optim):  # DCP and the export gather
+            sharded.save_group_state(Path(tmp) / prefix, self.model, self.optim)
+            if self.rank == 0:
+                ckpt.write_states(tmp, {f"{prefix}_sched": self.sched.state_dict()})
+            if hf_tokenizer_path is not None:
+                tokenizer = M.load_tokenizer(hf_tokenizer_path) if self.rank == 0 else None
+                write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
         return time.perf_counter() - start
 
     def load(self, path: str, prefix: str) -> float:
         """Load `<prefix>/` (the shards that overlap this rank's) and `<prefix>_sched.pt` of a
         checkpoint written with any world size. Returns seconds."""
         start = time.perf_counter()
-        sharded.load_group_state(path, prefix, self.model, self.optim)
+        with self.phases.on_device("checkpoint", self.model, self.optim):
+            sharded.load_group_state(path, prefix, self.model, self.optim)
         self.sched.load_state_dict(ckpt.load_state(path, f"{prefix}_sched"))
         return time.perf_counter() - start
 
     def state_for_test(self) -> dict[str, torch.Tensor]:
         """The full model weights on every rank, on the CPU (a collective under FSDP)."""
-        return {k: v.cpu() for k, v in P.full_model_state(self.model, every_rank=True).items()}
+        with self.phases.on_device("checkpoint", self.model):
+            return {k: v.cpu() for k, v in P.full_model_state(self.model, every_rank=True).items()}
 
     def ping(self) -> int:
         return self.rank

@@ -31,6 +31,7 @@ class CriticWorker(Worker):
                                  c.model.fsdp_config, "critic.model.fsdp_config")
         self.model.train()
         self._optimizer(c.optim)
+        self.phases.home(self.model, self.optim)
 
     @property
     def fsdp_config(self) -> Any:
@@ -39,6 +40,11 @@ class CriticWorker(Worker):
     @torch.no_grad()
     def compute_values(self, batch: StepBatch) -> dict[str, Any]:
         start = time.perf_counter()
+        with self.phases.on_device("values", self.model):
+            values = self._values(batch)
+        return {"values": values, "seconds": time.perf_counter() - start}
+
+    def _values(self, batch: StepBatch) -> torch.Tensor:
         c = self.cfg.critic
         batch = batch.to(self.device)
         values = torch.zeros_like(batch.response_mask)
@@ -49,7 +55,7 @@ class CriticWorker(Worker):
             values[part] = M.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length)
         self.model.train()
         P.reshard(self.model)
-        return {"values": (values * batch.response_mask).cpu(), "seconds": time.perf_counter() - start}
+        return (values * batch.response_mask).cpu()
 
     def _value_loss_scale(self, share: MiniBatchShare, micro_rows: int) -> tuple[dict[str, Any], float]:
         """Normalisers and factor of one micro-batch's value loss. verl's default worker
@@ -92,10 +98,11 @@ class CriticWorker(Worker):
         start, tokens, vf_loss = time.perf_counter(), 0.0, 0.0
         collected: dict[str, list[float]] = defaultdict(list)
         self.model.train()
-        for minis in epochs:
-            for share in minis:
-                tokens += float(share.batch.attention_mask.sum())
-                vf_loss += self._update_mini(share, collected)
+        with self.phases.on_device("update_critic", self.model, self.optim):  # in and out once per step
+            for minis in epochs:
+                for share in minis:
+                    tokens += float(share.batch.attention_mask.sum())
+                    vf_loss += self._update_mini(share, collected)
         collected["critic/vf_loss"].append(vf_loss)
         collected["critic/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
