@@ -313,18 +313,6 @@ def mfu(config: Any, seqlens: Iterable[int], seconds: float, device_name: str, *
     return train_flops(config, seqlens) / seconds * epochs / device_flops(device_name) / world_size
 
 
-def memory_metrics(device: Any) -> dict[str, float]:
-    """verl's `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb`: the accelerator's
-    peak since the process started. On the CPU torch keeps no such counters (verl would fail
-    there), so both are 0."""
-    import torch
-
-    if getattr(device, "type", device) != "cuda":
-        return {"perf/max_memory_allocated_gb": 0.0, "perf/max_memory_reserved_gb": 0.0}
-    return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
-
-
 # ------------------------------------------------------------------------- validation
 
 #: Bootstrap draws and seed of the `best@N`, `worst@N` and `maj@N` estimates (verl's).

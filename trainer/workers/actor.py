@@ -32,7 +32,7 @@ from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
-from trainer.metrics import flops_fields, memory_metrics
+from trainer.metrics import flops_fields
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -278,8 +278,6 @@ class ActorRolloutRefWorker(Worker):
             collected[key].append(totals[key])
         collected["actor/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        for key, value in memory_metrics(self.device).items():
-            collected[key].append(value)
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
                 "tokens": tokens, "entropy": None if entropy is None else entropy.cpu(),
                 "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
