@@ -171,16 +171,46 @@ def all_reduce_gradients(model: torch.nn.Module, world_size: int) -> None:
         offset += n
 
 
-def apply_fsdp2(model: torch.nn.Module, cpu_offload: bool = False) -> torch.nn.Module:
+def apply_fsdp2(model: torch.nn.Module, cpu_offload: bool = False,
+                param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Shard `model` with FSDP2: each decoder layer is its own unit, then the root. With
-    `cpu_offload` the shards (parameters, gradients, optimizer step) stay in host memory."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    `cpu_offload` the shards (parameters, gradients, optimizer step) stay in host memory.
+    `param_dtype` / `reduce_dtype` (FSDP2's `MixedPrecisionPolicy`): the dtype parameters are
+    gathered and computed in, and the dtype gradients are reduced in; the shards (the master
+    weights the optimizer updates) keep the model's dtype."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, offload_policy=policy)
-    fully_shard(model, offload_policy=policy)
+        fully_shard(layer, offload_policy=policy, mp_policy=mp)
+    fully_shard(model, offload_policy=policy, mp_policy=mp)
+    return model
+
+
+def apply_autocast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """One rank's mixed precision (no FSDP2 to cast the parameters): every forward of `model`
+    runs under `torch.autocast(dtype)`, so matmuls compute in `dtype` while the parameters and
+    their gradients (the master weights) keep the model's dtype."""
+    contexts: list[torch.autocast] = []
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        device_type = next(module.parameters()).device.type
+        contexts.append(torch.autocast(device_type, dtype=dtype))
+        contexts[-1].__enter__()
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
     return model
 
 

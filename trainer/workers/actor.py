@@ -53,8 +53,8 @@ class ActorRolloutRefWorker(Worker):
         tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         model: Any = M.load_actor(
-            arr.model.path, gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-            trust_remote_code=trust)
+            arr.model.path, dtype=arr.actor.fsdp_config.model_dtype,
+            gradient_checkpointing=arr.model.enable_gradient_checkpointing, trust_remote_code=trust)
         self.lora = arr.model.lora_rank > 0
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
             model = apply_lora(model, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
@@ -62,7 +62,8 @@ class ActorRolloutRefWorker(Worker):
         self.model.train()
         self.ref: Any = None
         if self.cfg.derived.use_reference and not self.lora:  # LoRA: the actor, adapters disabled
-            self.ref = self._place(M.load_actor(arr.model.path, trust_remote_code=trust)
+            self.ref = self._place(M.load_actor(arr.model.path, dtype=arr.ref.fsdp_config.model_dtype,
+                                                trust_remote_code=trust)
                                    .eval().requires_grad_(False), arr.ref.fsdp_config,
                                    "actor_rollout_ref.ref.fsdp_config")
         self._optimizer(arr.actor.optim)
@@ -72,6 +73,10 @@ class ActorRolloutRefWorker(Worker):
     @property
     def fsdp_config(self) -> Any:
         return self.cfg.actor_rollout_ref.actor.fsdp_config
+
+    @property
+    def remove_padding(self) -> bool:
+        return bool(self.cfg.actor_rollout_ref.model.use_remove_padding)
 
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
@@ -89,6 +94,7 @@ class ActorRolloutRefWorker(Worker):
         # copy for generation, whole or split over the `tp` ranks of this rank's group (which
         # get the same prompts and seed), and sync it from the gathered weights.
         copy = rollout_copy(arr.model.path, tp, self.ctx.world_size, self.device,
+                            dtype=M.compute_dtype(arr.rollout.dtype, self.device),
                             trust_remote_code=arr.model.trust_remote_code)
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 
@@ -143,7 +149,8 @@ class ActorRolloutRefWorker(Worker):
         for part in rows:
             mb = batch.select(part)
             out, e = M.compute_log_probs(model, mb.input_ids, mb.attention_mask, batch.response_length,
-                                         temperature=temperature, calculate_entropy=entropy)
+                                         temperature=temperature, calculate_entropy=entropy,
+                                         remove_padding=self.remove_padding)
             lp[part] = out
             if ent is not None and e is not None:
                 ent[part] = e
@@ -175,7 +182,8 @@ class ActorRolloutRefWorker(Worker):
         log_prob, entropy = M.compute_log_probs(
             self.model, mb.input_ids, mb.attention_mask, mb.response_length,
             temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-            calculate_entropy=a.entropy_coeff != 0 or keep_entropy, entropy_grad=a.entropy_coeff != 0)
+            calculate_entropy=a.entropy_coeff != 0 or keep_entropy, entropy_grad=a.entropy_coeff != 0,
+            remove_padding=self.remove_padding)
         if keep_entropy:
             mb.entropy = need(entropy, "entropy").detach()
         old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs

@@ -119,7 +119,9 @@ class Worker:
         """`model` on this rank's device, sharded with FSDP2 in a group. `param_offload` keeps
         the parameters (and under FSDP2 their gradients and the optimizer step) in host memory,
         copied to the GPU unit by unit for each forward and backward. On the CPU they are in
-        host memory already."""
+        host memory already. Mixed precision (`mixed_precision.param_dtype` below the model's
+        `model_dtype`): FSDP2's policy in a group, `torch.autocast` on one rank; either way the
+        model's own parameters stay the master weights."""
         assert self.ctx is not None
         offload = bool(fsdp_config.param_offload) and self.device.type != "cpu"
         if offload and not self.ctx.fsdp:
@@ -127,9 +129,15 @@ class Worker:
                 f"`{section}.param_offload=true` on a single GPU rank: offloading "
                 "works through FSDP2, which needs a group of two or more ranks. Fix: set it to "
                 "false, or train on more GPUs")
+        mp = fsdp_config.mixed_precision
+        param_dtype = M.compute_dtype(mp.param_dtype, self.device)
+        mixed = param_dtype != M.resolve_dtype(fsdp_config.model_dtype)
         if self.ctx.fsdp:
-            return P.apply_fsdp2(model.to("cpu" if offload else self.device), cpu_offload=offload)
-        return model.to(self.device)
+            return P.apply_fsdp2(model.to("cpu" if offload else self.device), cpu_offload=offload,
+                                 param_dtype=param_dtype if mixed else None,
+                                 reduce_dtype=M.resolve_dtype(mp.reduce_dtype))
+        model = model.to(self.device)
+        return P.apply_autocast(model, param_dtype) if mixed and param_dtype.itemsize < 4 else model
 
     def _optimizer_to(self, device: torch.device) -> None:
         for state in self.optim.state.values():
