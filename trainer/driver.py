@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 
 from trainer import models as M
 from trainer import startup
-from trainer.algos import core_algos
+from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
@@ -46,17 +47,31 @@ from trainer.config import Config, ConfigError, config_to_dict, dump_config
 from trainer.data import Example, PromptDataset, PromptLoader, batches
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
-from trainer.metrics import MetricsLogger, data_metrics, throughput_metrics, timing_metrics
+from trainer.metrics import (
+    MetricsLogger,
+    data_metrics,
+    mfu,
+    throughput_metrics,
+    timing_metrics,
+    validation_metrics,
+)
 from trainer.parallel import balanced_split, split_rows
-from trainer.rewards import load_reward_fn, overlong_penalty, score_batch, score_responses
+from trainer.rewards import (
+    BATCH_ARGS,
+    PER_RESPONSE_ARGS,
+    load_reward_fn,
+    overlong_penalty,
+    score_batch,
+    score_responses,
+)
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerGroup
-from trainer.workers.ray_group import RayWorkerGroup, connect, make_placement_group
+from trainer.workers.ray_group import connect, make_placement_group, start_colocated
 
-__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "launcher_restart", "run_training", "use_ray"]
+__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
 #: `trainer.log_val_generations` samples, one JSON object per line, in `trainer.run_dir`.
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
@@ -73,6 +88,18 @@ def launcher_restart() -> int:
     recorded with each step so that plots can mark where a run resumed."""
     raw = os.environ.get("HPCRL_RESTART", "")
     return int(raw) if raw.strip().isdigit() else 0
+
+
+def fetch_models(cfg: Config) -> None:
+    """Resolve every model path now, in the driver: a hub id is found in the Hugging Face cache,
+    or downloaded into it where the hub is reachable, before the workers (offline) read it."""
+    paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
+             "data.tokenizer": cfg.data.tokenizer}
+    if cfg.derived.use_critic:
+        paths["critic.model.path"] = cfg.critic.model.path
+    for key, path in paths.items():
+        if path:
+            M.resolve_model_path(path, key)
 
 
 class Timer:
@@ -105,11 +132,12 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, world // t.nnodes, 2 if cfg.derived.use_critic else 1)
-        actor = RayWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps, slot=slot,
-                               world_size=world)
-        critic = (RayWorkerGroup("critic", CriticWorker, cfg, total_steps, slot=slot, world_size=world)
-                  if cfg.derived.use_critic else None)
+        slot = make_placement_group(t.nnodes, world // t.nnodes,
+                                    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
+                                  **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
+        groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world)
+        actor, critic = groups["actor_rollout_ref"], groups.get("critic")
     clock.mark("workers_spawned")
     for group in (actor, critic):
         if group is not None:
@@ -129,7 +157,13 @@ class PPODriver:
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
-        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        fetch_models(cfg)
+        rm = cfg.reward_model
+        batch_manager = rm.reward_manager == "batch"
+        self.reward_fn = load_reward_fn(
+            cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+            cfg.custom_reward_function.reward_kwargs,
+            keywords=[*BATCH_ARGS, *rm.reward_kwargs] if batch_manager else PER_RESPONSE_ARGS)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         tokenizer_path, tokenizer_trust = cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
@@ -192,13 +226,17 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ phases
 
-    def generate(self, examples: list[Example], validate: bool = False) -> StepBatch:
-        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part."""
+    def generate(self, examples: list[Example], validate: bool = False, greedy: bool = False) -> StepBatch:
+        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part;
+        `greedy`: one greedy response per prompt (ReMax's baseline)."""
         ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
         tp = self.rollout_tp  # the ranks of one engine get the same prompts and seed
         parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
-        salt = 2000 if validate else 1000
-        args = [(ids[p], mask[p], self._sampling(validate),
+        salt = 2000 if validate else 3000 if greedy else 1000
+        sampling = self._sampling(validate)
+        if greedy:
+            sampling = replace(sampling, n=1, do_sample=False)
+        args = [(ids[p], mask[p], sampling,
                  step_seed(self.cfg.trainer.seed, self.global_step, salt + rank // tp)) for rank, p in enumerate(parts)]
         results = self.actor_group.run_each("generate", args)
         outs: list[RolloutBatch] = []
@@ -206,7 +244,7 @@ class PPODriver:
             if out is not None and rank % tp == 0:  # one answer per engine
                 out.prompt_index = out.prompt_index + part[0]
                 outs.append(out)
-        if not validate:
+        if not validate and not greedy:
             self._note("gen_rows", [len(p) for p in parts])
             self._note("gen_tokens", [info["gen_tokens"] for _, info in results])
             self._note("gen_s", [info["gen"] for _, info in results])
@@ -225,22 +263,28 @@ class PPODriver:
         texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
                  for row, n in zip(batch.responses, lengths, strict=True)]
         rm = self.cfg.reward_model
-        score = score_batch if rm.reward_manager == "batch" else score_responses
-        scores, extras = score(
-            self.reward_fn, [e.data_source for e in batch.examples], texts,
-            [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
-        buffer = rm.overlong_buffer
-        if rm.reward_manager == "dapo" and buffer.enable:
-            penalties = overlong_penalty(lengths, self.cfg.data.max_response_length, buffer.len,
-                                         buffer.penalty_factor)
-            scores = [s + p for s, p in zip(scores, penalties, strict=True)]
-            if buffer.log:
-                extras["overlong_reward"] = penalties
-                extras["overlong"] = [float(p < 0) for p in penalties]
+        args = (self.reward_fn, [e.data_source for e in batch.examples], texts,
+                [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
+        if rm.reward_manager == "batch":
+            scores, extras = score_batch(*args, rm.reward_kwargs)
+        else:
+            scores, extras = score_responses(*args)
+        if rm.reward_manager == "dapo":
+            if not extras:  # verl's dapo reports a plain score as the accuracy
+                extras["acc"] = list(scores)
+            buffer = rm.overlong_buffer
+            if buffer.enable:
+                max_len = rm.reward_kwargs.get("max_resp_len", self.cfg.data.max_response_length)
+                penalties = overlong_penalty(lengths, max_len, buffer.len, buffer.penalty_factor)
+                scores = [s + p for s, p in zip(scores, penalties, strict=True)]
+                if buffer.log:
+                    extras["overlong_reward"] = penalties
+                    extras["overlong"] = [float(p < 0) for p in penalties]
         batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_extras = extras
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
-        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()}
+        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
+                if not any(isinstance(x, str) for x in v)}
 
     def _split(self, batch: StepBatch) -> list[list[int]]:
         """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
@@ -260,6 +304,15 @@ class PPODriver:
             if part:
                 out[part] = res[key]
         return out, results
+
+    def compute_reward_baselines(self, examples: list[Example], batch: StepBatch) -> None:
+        """ReMax's baseline (verl ray_trainer `gen_max`): each prompt's greedy response, generated
+        with the weights that sampled `batch` and scored like it; its score is the baseline of
+        every row of that prompt."""
+        greedy = self.generate(examples, greedy=True)
+        self.compute_rewards(greedy)
+        score_of = dict(zip(greedy.uids, need(greedy.sequence_scores, "scores").tolist(), strict=True))
+        batch.reward_baselines = torch.tensor([score_of[uid] for uid in batch.uids], dtype=torch.float32)
 
     def reuses_update_log_probs(self, batch: StepBatch) -> bool:
         """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
@@ -310,7 +363,7 @@ class PPODriver:
         batch.advantages, batch.returns = core_algos.compute_advantage(
             algo.adv_estimator, batch.token_rewards, batch.response_mask, values=batch.values,
             index=batch.uids, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
         return metrics
 
     # ------------------------------------------------------------------------------ updates
@@ -326,12 +379,15 @@ class PPODriver:
         """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
 
         With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
-        group whose samples scored alike) adds exactly zero to the policy gradient, and the loss
-        normalisers (from the whole mini-batch) still count it. Every row is kept when the update
+        group whose samples scored alike) adds exactly zero to the policy gradient, and under
+        `trainer.use_legacy_worker_impl=disable` the loss normalisers (from the whole mini-batch)
+        still count it. verl's default worker divides by each micro-batch's own counts, which a
+        skipped row would change: there every row is kept. Every row is kept too when the update
         must supply the entropy metric (`keep_entropy`).
         """
         a = self.cfg.actor_rollout_ref.actor
-        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss:
+        micro_means = self.cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
+        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means:
             return list(range(len(mini)))
         advantages = need(mini.advantages, "advantages") * mini.response_mask
         return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
@@ -380,7 +436,10 @@ class PPODriver:
         c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
         args, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
                                    int(c.ppo_epochs or 1), 100)
-        return self._merge(self.critic_group.run_each("update_critic", args), "update_critic")
+        results = self.critic_group.run_each("update_critic", args)
+        metrics = self._merge(results, "update_critic")
+        metrics["perf/mfu/critic"] = self._mfu(batch, results, int(c.ppo_epochs or 1))
+        return metrics
 
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
         a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
@@ -390,10 +449,19 @@ class PPODriver:
                                          skip=lambda mini: self._rows_to_update(mini, keep_entropy))
         results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
         metrics = self._merge(results, "update_actor")
+        metrics["perf/mfu/actor"] = self._mfu(batch, results, a.ppo_epochs)
         metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
         if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
             metrics["actor/entropy"] = self._update_entropy(batch, [r["entropy"] for r in results])
         return metrics
+
+    def _mfu(self, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
+        """verl's `perf/mfu/<role>`: the model FLOPs of `epochs` passes over every row of the
+        batch in each rank's update time, per rank, over its device's promised FLOP/s; the mean
+        over ranks."""
+        seqlens = batch.attention_mask.sum(-1).long().tolist()
+        return float(np.mean([mfu(r["flops_fields"], seqlens, r["seconds"], r["device_name"],
+                                  epochs=epochs, world_size=self.world) for r in results]))
 
     def _update_entropy(self, batch: StepBatch, per_rank: list[torch.Tensor]) -> float:
         mini = self._mini_batches(batch, len(batch), self.cfg.actor_rollout_ref.actor.shuffle, 0)[0]
@@ -403,39 +471,38 @@ class PPODriver:
     def sync_weights(self) -> None:
         """Give every rank's rollout engine the actor's current weights (nothing to do where
         the engine generates with the actor itself)."""
-        self.rank_metrics["timing_s/weight_sync"] = self._note(
-            "weight_sync_s", self.actor_group.run("sync_rollout_weights"))
+        self._note("update_weights_s", self.actor_group.run("sync_rollout_weights"))
 
     # ------------------------------------------------------------------------------ validation
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Generate with `val_kwargs` (greedy by default) and report, per data source, the mean
-        score and the mean of every number the reward function returned beside it (e.g. `acc`),
-        each with its standard error over the validation rows (`val-aux/.../sem@n`)."""
+        """Generate `val_kwargs.n` responses per validation prompt with `val_kwargs` (greedy by
+        default) and report verl's validation metrics (:func:`trainer.metrics.validation_metrics`:
+        the core number, `acc` or else the reward, under `val-core`, the rest under `val-aux`)."""
         assert self.val_set is not None
-        n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
-        by_source: dict[str, dict[str, list[float]]] = {}
+        sources: list[str] = []
+        uids: list[int] = []
+        columns: dict[str, list[Any]] = {"reward": []}
         samples: list[dict[str, Any]] = []
+        offset = 0
         for examples in batches(self.val_set, self.cfg.data.val_batch_size):
             batch = self.generate(examples, validate=True)
             self.compute_rewards(batch)
             scores = need(batch.sequence_scores, "scores").tolist()
-            columns = {"reward": scores, **batch.reward_extras}
-            for i, ex in enumerate(batch.examples):
-                into = by_source.setdefault(ex.data_source, {})
-                for name, values in columns.items():
-                    into.setdefault(name, []).append(values[i])
+            before = len(sources)
+            sources += [e.data_source for e in batch.examples]
+            uids += [offset + u for u in batch.uids]  # a prompt's n responses share its uid
+            offset += len(examples)
+            for name, values in {"reward": scores, **batch.reward_extras}.items():
+                columns.setdefault(name, [None] * before).extend(values)
+            for values in columns.values():  # a column this batch's rewards lacked: blanks
+                values.extend([None] * (len(sources) - len(values)))
             samples += self._generations(batch, scores, self.cfg.trainer.log_val_generations - len(samples))
         if samples:
             self._log_generations(samples)
-        out: dict[str, float] = {}
-        for src, columns in by_source.items():
-            for name, values in columns.items():
-                out[f"val-core/{src}/{name}/mean@{n}"] = float(np.mean(values))
-                sem = float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
-                out[f"val-aux/{src}/{name}/sem@{n}"] = sem
-        return out
+        complete = {k: v for k, v in columns.items() if all(x is not None for x in v)}
+        return validation_metrics(sources, uids, complete)
 
     def _generations(self, batch: StepBatch, scores: list[float], count: int) -> list[dict[str, Any]]:
         """The first `count` rows of a validation batch as text (`trainer.log_val_generations`):
@@ -499,7 +566,8 @@ class PPODriver:
         if self.cfg.trainer.critic_warmup <= self.global_step:
             with timer.phase("update_actor"):
                 metrics.update(self.update_actor(batch))
-            self.sync_weights()
+            with timer.phase("update_weights"):  # verl's name for the weight sync
+                self.sync_weights()
         return metrics
 
     def _step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
@@ -510,8 +578,11 @@ class PPODriver:
             advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
             values=batch.values, response_mask=batch.response_mask,
             prompt_mask=batch.attention_mask[:, :-batch.response_length],
-            max_response_length=self.cfg.data.max_response_length)
-        metrics.update(timing_metrics(timer.seconds))
+            max_response_length=self.cfg.data.max_response_length,
+            max_prompt_length=self.cfg.data.max_prompt_length)
+        response_tokens = float(batch.response_mask.sum())
+        metrics.update(timing_metrics(timer.seconds, response_tokens=response_tokens,
+                                      all_tokens=float(batch.attention_mask.sum())))
         metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], self.world))
         metrics.update(self.rank_metrics)
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
@@ -526,6 +597,9 @@ class PPODriver:
         with timer.phase("step"):
             with timer.phase("gen"):
                 batch = self.generate(examples)
+            if registry.adv_estimator(self.cfg.algorithm.adv_estimator).greedy_baseline:
+                with timer.phase("gen_max"):
+                    self.compute_reward_baselines(examples, batch)
             self.clock.mark("first_rollout")
             metrics = self._collect(batch, timer)
             metrics.update(self._update(batch, timer))

@@ -16,6 +16,7 @@ import secrets
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -171,29 +172,58 @@ def data_metrics(
     response_mask: torch.Tensor,
     prompt_mask: torch.Tensor,
     max_response_length: int,
+    max_prompt_length: int,
     values: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """verl's `compute_data_metrics`: score, reward, advantage, return, value and length stats."""
+    """verl's `compute_data_metrics`: score, reward, advantage, return, value and length stats.
+
+    Scores and rewards are over the rows with a response (verl leaves out aborted, empty ones);
+    a prompt counts as clipped at `data.max_prompt_length` tokens, a response at
+    `data.max_response_length`."""
     mask = response_mask.bool()
     response_length = response_mask.sum(-1).float()
     prompt_length = prompt_mask.sum(-1).float()
+    answered = response_length > 0
+    if not answered.any():
+        raise ValueError("every response of the batch is empty; no step can learn from it")
     out = {
-        **_stats("critic/score", sequence_score),
-        **_stats("critic/rewards", sequence_reward),
+        **_stats("critic/score", sequence_score[answered]),
+        **_stats("critic/rewards", sequence_reward[answered]),
         **_stats("critic/advantages", advantages[mask]),
         **_stats("critic/returns", returns[mask]),
         **_stats("response_length", response_length),
         "response_length/clip_ratio": (response_length >= max_response_length).float().mean().item(),
+        **_stats("response_length_non_aborted", response_length[answered]),
+        "response_length_non_aborted/clip_ratio":
+            (response_length[answered] >= max_response_length).float().mean().item(),
+        "response/aborted_ratio": (~answered).float().mean().item(),
         **_stats("prompt_length", prompt_length),
+        "prompt_length/clip_ratio": (prompt_length >= max_prompt_length).float().mean().item(),
     }
     if values is not None:
         out.update(_stats("critic/values", values[mask]))
+        # 1 - Var(returns - values) / Var(returns), unbiased variances over the response tokens
+        diff_var = (returns[mask] - values[mask]).float().var()
+        out["critic/vf_explained_var"] = (1.0 - diff_var / (returns[mask].float().var() + 1e-5)).item()
     return out
 
 
-def timing_metrics(timings: Mapping[str, float]) -> dict[str, float]:
-    """`timing_s/<phase>` for every timed phase."""
-    return {f"timing_s/{name}": seconds for name, seconds in timings.items()}
+#: Phases timed per token over the response tokens (`gen`) or over all tokens (verl's list).
+PER_TOKEN_PHASES = {"gen": "response", "ref": "all", "values": "all", "adv": "all",
+                    "update_critic": "all", "update_actor": "all"}
+
+
+def timing_metrics(timings: Mapping[str, float], *, response_tokens: float | None = None,
+                   all_tokens: float | None = None) -> dict[str, float]:
+    """`timing_s/<phase>` for every timed phase and, given the step's token counts,
+    `timing_per_token_ms/<phase>` for verl's phases (`PER_TOKEN_PHASES`)."""
+    out = {f"timing_s/{name}": seconds for name, seconds in timings.items()}
+    counts = {"response": response_tokens, "all": all_tokens}
+    for name, over in PER_TOKEN_PHASES.items():
+        tokens = counts[over]
+        if name in timings and tokens:
+            out[f"timing_per_token_ms/{name}"] = timings[name] * 1000 / tokens
+    return out
 
 
 def throughput_metrics(total_tokens: int, step_seconds: float, n_workers: int) -> dict[str, float]:
@@ -203,3 +233,173 @@ def throughput_metrics(total_tokens: int, step_seconds: float, n_workers: int) -
         "perf/time_per_step": step_seconds,
         "perf/throughput": total_tokens / max(step_seconds, 1e-9) / max(n_workers, 1),
     }
+
+
+# ------------------------------------------------------------------------- model FLOPs utilisation
+
+#: Promised dense bf16 FLOP/s by device name (verl's `flops_counter` table); the first key, in
+#: reverse alphabetical order, contained in the device's name wins, as in verl.
+DEVICE_FLOPS = {
+    "CPU": 448e9, "GB200": 2.5e15, "B200": 2.25e15, "MI300X": 1336e12, "H100": 989e12,
+    "H800": 989e12, "H200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362.05e12,
+    "L40": 181.05e12, "A40": 149.7e12, "L20": 119.5e12, "H20": 148e12, "910B": 354e12,
+    "Ascend910": 354e12, "RTX 3070 Ti": 21.75e12,
+}
+
+#: Model types whose FLOPs verl counts with the dense decoder formula (Llama/Qwen2 layout);
+#: other types report an MFU of 0, as verl does for a model it cannot count.
+DENSE_MODEL_TYPES = ("qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3", "minicpmv", "minicpmo",
+                     "mistral", "seed_oss", "glm4v", "mimo")
+
+
+def device_flops(device_name: str) -> float:
+    """Promised FLOP/s of a device named `device_name` ("CPU" for the host); infinite for an
+    unknown device (its MFU is then 0, as in verl)."""
+    for key in sorted(DEVICE_FLOPS, reverse=True):
+        if key in device_name:
+            return DEVICE_FLOPS[key]
+    return float("inf")
+
+
+FLOPS_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "num_hidden_layers", "vocab_size")
+
+
+def flops_fields(config: Any) -> dict[str, Any]:
+    """What :func:`train_flops` reads of a model config, as a plain dict (sent by each worker)."""
+    return {name: getattr(config, name, None) for name in FLOPS_FIELDS}
+
+
+def train_flops(config: Any, seqlens: Iterable[int]) -> float:
+    """FLOPs of one forward and backward pass over sequences of `seqlens` tokens, verl's count
+    for dense decoders: 6 x (the linear layers' and embeddings' parameters) per token, plus
+    6 x seqlen^2 x head_dim x heads per layer for attention. 0 for other model types."""
+    if isinstance(config, Mapping):
+        config = SimpleNamespace(**config)
+    if getattr(config, "model_type", None) not in DENSE_MODEL_TYPES:
+        return 0.0
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    mlp = hidden * config.intermediate_size * 3
+    attn_linear = hidden * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)
+    dense = (mlp + attn_linear) * config.num_hidden_layers + config.vocab_size * hidden * 2
+    lengths = list(seqlens)
+    attention = 6 * sum(n * n for n in lengths) * head_dim * heads * config.num_hidden_layers
+    return float(6 * dense * sum(lengths) + attention)
+
+
+def mfu(config: Any, seqlens: Iterable[int], seconds: float, device_name: str, *, epochs: int = 1,
+        world_size: int = 1) -> float:
+    """verl's `perf/mfu/actor|critic`: the FLOP/s of `epochs` passes over the whole batch
+    (`seqlens`: every row's token count) in `seconds`, per rank, over the device's promise."""
+    if seconds <= 0:
+        return 0.0
+    return train_flops(config, seqlens) / seconds * epochs / device_flops(device_name) / world_size
+
+
+def memory_metrics(device: Any) -> dict[str, float]:
+    """verl's `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb`: the accelerator's
+    peak since the process started. On the CPU torch keeps no such counters (verl would fail
+    there), so both are 0."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return {"perf/max_memory_allocated_gb": 0.0, "perf/max_memory_reserved_gb": 0.0}
+    return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
+# ------------------------------------------------------------------------- validation
+
+#: Bootstrap draws and seed of the `best@N`, `worst@N` and `maj@N` estimates (verl's).
+N_BOOTSTRAP, BOOTSTRAP_SEED = 1000, 42
+
+
+def _subset_sizes(n: int) -> list[int]:
+    """2, 4, 8, ... below `n`, then `n` (none for a single response)."""
+    if n <= 1:
+        return []
+    sizes, k = [], 2
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return [*sizes, n]
+
+
+def _draws(n: int, k: int, seed: int) -> Any:
+    """`N_BOOTSTRAP` samples of `k` indices out of `n`, with replacement: verl's draws
+    (`np.random.seed(seed)` then `np.random.choice`), from a generator of their own."""
+    import numpy as np
+
+    return np.random.RandomState(seed).choice(n, size=(N_BOOTSTRAP, k), replace=True)
+
+
+def _majority_value(values: list[float], preds: list[Any]) -> float:
+    """The value of the first response whose `pred` is the most frequent (ties: the `pred`
+    seen first)."""
+    counts: dict[Any, int] = {}
+    first: dict[Any, float] = {}
+    for value, pred in zip(values, preds, strict=True):
+        counts[pred] = counts.get(pred, 0) + 1
+        first.setdefault(pred, value)
+    return first[max(counts, key=lambda p: counts[p])]
+
+
+def _prompt_metrics(values: list[float], preds: list[Any] | None, seed: int) -> dict[str, float]:
+    """One prompt's `mean@n`, and for n > 1 `std@n` and the bootstrap `best@k`, `worst@k`
+    (and `maj@k` given `preds`) means and standard deviations."""
+    import numpy as np
+
+    n = len(values)
+    out = {f"mean@{n}": float(np.mean(values))}
+    if n == 1:
+        return out
+    out[f"std@{n}"] = float(np.std(values))
+    array = np.asarray(values, dtype=np.float64)
+    for k in _subset_sizes(n):
+        idx = _draws(n, k, seed)
+        for name, reduced in (("best", array[idx].max(axis=1)), ("worst", array[idx].min(axis=1))):
+            out[f"{name}@{k}/mean"], out[f"{name}@{k}/std"] = float(np.mean(reduced)), float(np.std(reduced))
+        if preds is not None:
+            maj = np.array([_majority_value([values[i] for i in row], [preds[i] for i in row]) for row in idx])
+            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = float(np.mean(maj)), float(np.std(maj))
+    return out
+
+
+def validation_metrics(data_sources: list[str], uids: list[Any], columns: Mapping[str, list[Any]],
+                       seed: int = BOOTSTRAP_SEED) -> dict[str, float]:
+    """verl's validation metrics (`process_validation_metrics` and the `val-core`/`val-aux`
+    split): for every data source and numeric column (`reward`, and what the reward function
+    returned beside its score), each prompt's (`uids`) `mean@n`, `std@n`, `best@k`, `worst@k`
+    and, where the reward function returns a `pred`, `maj@k`, averaged over the prompts.
+    `val-core` holds the core column (`acc` where present, else `reward`) at the largest `n`
+    (`mean`, `best` and `maj`); everything else is `val-aux`. Added here: `val-aux/.../sem@n`,
+    the standard error of each column's `mean@n` over all its rows."""
+    import numpy as np
+
+    groups: dict[str, dict[Any, list[int]]] = {}
+    for row, (source, uid) in enumerate(zip(data_sources, uids, strict=True)):
+        groups.setdefault(source, {}).setdefault(uid, []).append(row)
+    out: dict[str, float] = {}
+    for source, prompts in groups.items():
+        per_column: dict[str, dict[str, list[float]]] = {}
+        for rows in prompts.values():
+            preds = [columns["pred"][r] for r in rows] if "pred" in columns else None
+            for name, values in columns.items():
+                picked = [values[r] for r in rows]
+                if not picked or isinstance(picked[0], str):
+                    continue
+                for metric, value in _prompt_metrics([float(v) for v in picked], preds, seed).items():
+                    per_column.setdefault(name, {}).setdefault(metric, []).append(value)
+        core = "acc" if "acc" in per_column else "reward"
+        for name, metrics in per_column.items():
+            n_max = max(int(m.split("@")[-1].split("/")[0]) for m in metrics)
+            for metric, values in metrics.items():
+                is_core = (name == core and metric.startswith(("mean", "maj", "best"))
+                           and f"@{n_max}" in metric)
+                out[f"{'val-core' if is_core else 'val-aux'}/{source}/{name}/{metric}"] = float(np.mean(values))
+            every = [float(columns[name][r]) for p in prompts.values() for r in p]
+            sem = float(np.std(every, ddof=1) / np.sqrt(len(every))) if len(every) > 1 else 0.0
+            out[f"val-aux/{source}/{name}/sem@{n_max}"] = sem
+    return out

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainer import hub
 from trainer.algos.core_algos import entropy_from_logits
 
 if TYPE_CHECKING:
@@ -32,9 +33,11 @@ __all__ = [
     "compute_log_probs",
     "compute_values",
     "convert_to_hf",
+    "eos_token_ids",
     "left_pad",
     "load_actor",
     "load_critic",
+    "load_model_config",
     "load_tokenizer",
     "log_probs_from_logits",
     "position_ids_from_mask",
@@ -98,9 +101,13 @@ def smollm2_path() -> Path:
     return path
 
 
-def resolve_model_path(path: str | Path) -> tuple[str, str | None]:
+def resolve_model_path(path: str | Path, key: str = "actor_rollout_ref.model.path") -> tuple[str, str | None]:
     """``(directory, gguf_file)`` for ``from_pretrained``; ``gguf_file`` is None unless ``path``
-    names a ``.gguf`` file."""
+    names a ``.gguf`` file. A hub id (``Qwen/Qwen2-7B-Instruct``) gives its snapshot in the
+    Hugging Face cache (:mod:`trainer.hub`), downloaded first where the hub is reachable
+    (``HF_HUB_OFFLINE`` not set; the Ray workers set it: the driver downloads before they start)."""
+    if hub.is_hub_id(path):
+        return str(_hub_snapshot(str(path), key)), None
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
@@ -111,10 +118,29 @@ def resolve_model_path(path: str | Path) -> tuple[str, str | None]:
         return str(p.parent), p.name
     if not p.is_dir():
         raise FileNotFoundError(
-            f"Model path `{p}` is not a directory (models cannot be downloaded here). Fix: "
-            "pass a directory written by `save_pretrained` or a `.gguf` file."
+            f"Model path `{p}` is not a directory. Fix: pass a directory written by "
+            "`save_pretrained`, a `.gguf` file, or a Hugging Face hub id (`org/name`)."
         )
     return str(p), None
+
+
+def _hub_snapshot(repo_id: str, key: str) -> Path:
+    cached = hub.resolve_hub_model(repo_id)
+    if cached is not None:
+        return cached
+    if hub.is_offline():
+        raise hub.HubModelError(hub.missing_message(key, repo_id, why=" and `HF_HUB_OFFLINE=1` forbids downloading"))
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, cache_dir=str(hub.hub_cache()))
+    except Exception as err:  # no network, unknown repository, gated model: say what to do
+        raise hub.HubModelError(hub.missing_message(
+            key, repo_id, why=f", and downloading it failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})")) from err
+    found = hub.resolve_hub_model(repo_id)
+    if found is None:
+        raise hub.HubModelError(hub.missing_message(key, repo_id, why=" after the download (no `config.json`)"))
+    return found
 
 
 # --------------------------------------------------------------------------- loading
@@ -131,6 +157,51 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreT
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a model path (a directory or a GGUF file)."""
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model_path(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _generation_eos(directory: str, gguf_file: str | None, trust_remote_code: bool) -> list[int]:
+    """The `eos_token_id` of the model's generation config (`generation_config.json`, else the
+    one transformers derives from the model config, as verl's `get_generation_config`)."""
+    from transformers import GenerationConfig
+
+    if gguf_file:  # a GGUF file names one EOS, the one its tokenizer has (reading it again: ~10 s)
+        return []
+    try:
+        ids: Any = GenerationConfig.from_pretrained(directory).eos_token_id
+    except OSError:  # no generation_config.json
+        try:
+            config = load_model_config(directory, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return []
+        ids = GenerationConfig.from_model_config(config).eos_token_id
+    if ids is None:
+        return []
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+def eos_token_ids(path: str | Path, tokenizer: Any, *, trust_remote_code: bool = False) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS and each id of the model's
+    `generation_config.eos_token_id` (Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`).
+    verl's rollout stops on the generation config's ids and vLLM adds the tokenizer's; the
+    stop tokens and the response mask (:func:`trainer.rollout.base.response_mask_from_eos`)
+    both use this list."""
+    directory, gguf_file = resolve_model_path(path)
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    ids += _generation_eos(directory, gguf_file, trust_remote_code)
+    if not ids:
+        raise ValueError(
+            f"the model at `{path}` has no EOS token: its tokenizer and generation config name none, "
+            "so no response could end. Fix: set `eos_token_id` in its `generation_config.json`")
+    return list(dict.fromkeys(ids))
 
 
 def _enable_checkpointing(model: PreTrainedModel) -> None:
@@ -191,11 +262,9 @@ def empty_actor(
     split (tensor parallel) before `materialize` gives it memory and the first weight sync its
     values: no rank ever holds the whole model for it."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    directory, gguf_file = resolve_model_path(path)
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+    config = load_model_config(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -113,10 +112,13 @@ def free_port(host: str) -> int:
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
-                       backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
+                       backend: str | None = None, timeout_s: float = 600.0,
+                       device_index: int = 0) -> DistContext:
     """Join the group of `world_size` ranks whose rank 0 serves the store at `master_addr`.
 
-    `backend` None picks `nccl` when CUDA (or ROCm) is available, else `gloo`.
+    `backend` None picks `nccl` when CUDA (or ROCm) is available, else `gloo`; with `nccl` the
+    rank uses GPU `device_index` of this process (the one Ray assigned it,
+    :func:`trainer.workers.base.take_ray_device`; never an inherited `LOCAL_RANK`).
     """
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_initialized():  # a second worker in the same process joins the same group
@@ -127,7 +129,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
         return DistContext(rank=rank, world_size=world_size, backend=dist.get_backend(),
                            fsdp=world_size > 1)
     if chosen == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_index)
     dist.init_process_group(
         chosen, init_method=init_method_url(master_addr, master_port), rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))

@@ -311,11 +311,10 @@ class Launcher:
         self._remove_stale_temp_dirs()
         argv = ray_start_argv(job, head, address, node.tmp, ports, gcs, alloc)
         node.log.info("starting Ray %s: ray %s", "head" if head else "worker", " ".join(argv))
-        if head:
-            argv = [node.python, "-m", "ray.scripts.scripts", *argv]
-        else:  # Ray's CLI loads now and runs once the head node is alive (see ray_launch.py)
-            go, timeout = str(node.paths.head_alive), f"{job.join_timeout_s:.0f}"
-            argv = [node.python, str(node.paths.helper(LAUNCHER)), go, timeout, "--", *argv]
+        # the launcher refuses a Ray without token auth; a worker's Ray CLI loads now and runs
+        # once the head node is alive (ray_launch.py)
+        go, timeout = ("-", "0") if head else (str(node.paths.head_alive), f"{job.join_timeout_s:.0f}")
+        argv = [node.python, str(node.paths.helper(LAUNCHER)), go, timeout, "--", *argv]
         log = node.paths.node_log("ray-start", node.ctx.node_rank, node.ctx.hostname)
         ray = node.start("ray", "ray", argv, env, str(node.tmp), log,
                          str(node.tmp))

@@ -21,8 +21,8 @@ from hpcrl import runtimes
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
-from hpcrl.allocation import DEVICE_VARS
 from hpcrl.containers import container_command
+from hpcrl.devices import DEVICE_VARS
 from hpcrl.profiles import container_from_dict, profile_from_dict
 from hpcrl.rundir import RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext

@@ -28,11 +28,23 @@ def ray_exited(node: Node, ray: Child) -> Outcome | None:
     code = ray.poll()
     if code is None:
         return None
+    refused = _launcher_refusal(ray.log_path)
     return Outcome(
-        f"Ray on `{node.ctx.hostname}` exited with code {code}; see `{ray.log_path}`",
+        f"Ray on `{node.ctx.hostname}` exited with code {code}; "
+        + (f"{refused} (`{ray.log_path}`)" if refused else f"see `{ray.log_path}`"),
         1,
         node.ctx.hostname,
     )
+
+
+def _launcher_refusal(log: Any) -> str | None:
+    """The launcher's own refusal (`ray_launch: ...`, e.g. a Ray without token auth) in `log`."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = f.read()[-4000:].splitlines()
+    except (OSError, TypeError):
+        return None
+    return next((ln.strip() for ln in reversed(lines) if ln.startswith("ray_launch: ")), None)
 
 
 def stop_requested(paths: RunPaths) -> Outcome | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,5 +105,5 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
     overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]),
                                              reading_env(req.spec.nodes, run_dir, req.spec.profile))
     pf.report(problems, fatal=True)
-    pf.report(pf.check_job_inputs(overrides, run_dir),
+    pf.report(pf.check_job_inputs(overrides, run_dir, hub_env={**os.environ, **profile.env}),
               fatal=profile.scheduler == "local" and not dry_run)

@@ -120,7 +120,7 @@ def test_gpus_from_slurms_ids_are_exported(tmp_path: Path) -> None:
     env = {**SLURM, "SLURM_JOB_GPUS": "2,3,5,6", "SLURM_GPUS_ON_NODE": "4"}
     alloc = node_allocation(env, files=v2_tree(tmp_path))
     assert alloc.gpus == 4 and alloc.gpu_ids == ("2", "3", "5", "6")
-    assert alloc.device_env == {"CUDA_VISIBLE_DEVICES": "2,3,5,6"}
+    assert alloc.device_env == {"CUDA_VISIBLE_DEVICES": "2,3,5,6", "HIP_VISIBLE_DEVICES": "2,3,5,6"}
 
 
 def test_step_gpus_win_over_job_gpus_and_ranges_expand(tmp_path: Path) -> None:
@@ -134,26 +134,42 @@ def test_the_visible_list_slurm_set_gives_the_ids(tmp_path: Path) -> None:
     env = {**SLURM, "SLURM_JOB_GPUS": "4,5", "CUDA_VISIBLE_DEVICES": "0,1"}
     alloc = node_allocation(env, files=v2_tree(tmp_path))
     assert alloc.gpus == 2 and alloc.gpu_ids == ("0", "1")
-    assert alloc.device_env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert alloc.device_env == {"CUDA_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "0,1"}
 
 
 def test_a_whole_node_list_is_cut_to_the_granted_count(tmp_path: Path) -> None:
     env = {**SLURM, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_GPUS_ON_NODE": "4"}
     alloc = node_allocation(env, files=v2_tree(tmp_path))
     assert alloc.gpus == 4 and alloc.sources["gpus"] == "SLURM_GPUS_ON_NODE"
-    assert alloc.device_env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert alloc.device_env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "HIP_VISIBLE_DEVICES": "0,1,2,3"}
 
 
-def test_amd_nodes_keep_rocr_and_hip_each_in_its_own_numbering(tmp_path: Path) -> None:
+def test_amd_nodes_keep_rocr_and_cuda_equals_hip_in_its_numbering(tmp_path: Path) -> None:
     env = {**SLURM, "ROCR_VISIBLE_DEVICES": "4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3",
            "SLURM_GPUS_ON_NODE": "4"}
     alloc = node_allocation(env, files=v2_tree(tmp_path))
     assert alloc.gpus == 4
-    assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3"}
+    assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1,2,3",
+                                "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     env = {**SLURM, "ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "HIP_VISIBLE_DEVICES": "0,1"}
     assert node_allocation(env, files=v2_tree(tmp_path / "b")).gpus == 2
     alloc = node_allocation({**SLURM, "ROCR_VISIBLE_DEVICES": "4,6"}, files=v2_tree(tmp_path / "c"))
-    assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,6", "HIP_VISIBLE_DEVICES": "0,1"}
+    assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,6", "HIP_VISIBLE_DEVICES": "0,1",
+                                "CUDA_VISIBLE_DEVICES": "0,1"}
+    # Slurm's AMD gres sets CUDA_ in the physical numbering beside ROCR_: HIP's numbering wins
+    env = {**SLURM, "ROCR_VISIBLE_DEVICES": "4,6", "CUDA_VISIBLE_DEVICES": "4,6"}
+    alloc = node_allocation(env, files=v2_tree(tmp_path / "d"))
+    assert alloc.device_env == {"ROCR_VISIBLE_DEVICES": "4,6", "HIP_VISIBLE_DEVICES": "0,1",
+                                "CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_hip_and_cuda_naming_different_devices_are_refused(tmp_path: Path) -> None:
+    env = {**SLURM, "HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "2,3"}
+    with pytest.raises(AllocationError, match="name different devices.*set only one"):
+        node_allocation(env, files=v2_tree(tmp_path))
+    env = {**SLURM, "HIP_VISIBLE_DEVICES": "2,3"}
+    assert node_allocation(env, files=v2_tree(tmp_path / "b")).device_env == {
+        "HIP_VISIBLE_DEVICES": "2,3", "CUDA_VISIBLE_DEVICES": "2,3"}
 
 
 def test_a_slurm_job_without_gpus_gets_none_and_outside_slurm_ray_counts(tmp_path: Path) -> None:

@@ -109,7 +109,7 @@ def test_image_build_and_pull_commands(tmp_path: Path) -> None:
     apptainer = profile("h100-cluster", tmp_path).container
     build = build_command(apptainer, "/src/containers/hpcrl.def")
     assert build.argv == ("apptainer", "build", "--build-arg",
-                          "BASE_IMAGE=docker.io/vllm/vllm-openai:latest",
+                          "BASE_IMAGE=docker.io/vllm/vllm-openai:v0.32.0",
                           f"{tmp_path}/home/images/hpcrl-cuda.sif", "/src/containers/hpcrl.def")
     pull = pull_command(apptainer, "docker-archive:///tmp/img.tar")
     assert pull.argv == ("apptainer", "pull", f"{tmp_path}/home/images/hpcrl-cuda.sif",

@@ -9,6 +9,7 @@ import pytest
 
 from hpcrl.profiles import (
     ProfileError,
+    VersionEnvRule,
     available_profiles,
     env_for_ray_version,
     interpolate,
@@ -176,16 +177,18 @@ def test_unknown_profile_lists_known(tmp_path: Path) -> None:
     assert "mi300-cluster" in str(err.value) and "HPCRL_SITE_PATH" in str(err.value)
 
 
-def test_ray_version_rule_for_rocm(tmp_path: Path) -> None:
-    rules = load_profile("mi300-cluster", env_with(tmp_path)).profile.ray.version_env
-    hip = {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1"}
+def test_rocm_profile_lets_ray_set_each_workers_gpu(tmp_path: Path) -> None:
+    # no RAY_EXPERIMENTAL_NOSET_* and no fixed device lists: the node exports the GPUs Slurm
+    # granted, Ray gives each worker its own (hpcrl.devices)
+    profile = load_profile("mi300-cluster", env_with(tmp_path)).profile
+    assert profile.ray.version_env == ()
+    assert not {"CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"} & set(profile.env)
+    rules = (VersionEnvRule({"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1"}, min_version="2.45"),
+             VersionEnvRule({"RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1"}, below_version="2.45"))
     rocr = {"RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1"}
-    assert env_for_ray_version(rules, "2.44.1") == rocr
-    assert env_for_ray_version(rules, "2.10") == rocr
-    assert env_for_ray_version(rules, "2.45") == hip
-    assert env_for_ray_version(rules, "2.45.0") == hip
-    assert env_for_ray_version(rules, "2.60.0") == hip
-    assert env_for_ray_version(rules, "3.0.0.dev0") == hip
+    assert env_for_ray_version(rules, "2.44.1") == rocr and env_for_ray_version(rules, "2.10") == rocr
+    assert env_for_ray_version(rules, "2.45.0") == env_for_ray_version(rules, "3.0.0.dev0") == {
+        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1"}
 
 
 @pytest.mark.parametrize("text, minutes", [

@@ -306,6 +306,24 @@ def test_rng_state_round_trip(tmp_path: Path) -> None:
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
 
 
+def test_rng_state_of_a_process_without_cuda_never_starts_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Ray driver on a GPU node: torch sees GPUs, but the process never started CUDA; reading
+    # the CUDA generators (`get_rng_state_all`) would create a context on every GPU of the node
+    started: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: started.append("get") or [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda _: started.append("set"))
+    state = ck.capture_rng_state()
+    ck.restore_rng_state({**state, "cuda": [torch.zeros(8, dtype=torch.uint8)]})
+    assert "cuda" not in state and started == []
+    # a worker that uses its GPU keeps its generator across a resume
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    state = ck.capture_rng_state()
+    ck.restore_rng_state(state)
+    assert "cuda" in state and started == ["get", "set"]
+
+
 # --------------------------------------------------------------------------- sharded (DCP) states
 
 

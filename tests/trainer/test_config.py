@@ -184,6 +184,26 @@ def test_cross_key_rules() -> None:
         load_config(["trainer.resume_mode=resume_path"])
 
 
+def test_clip_ratios_kl_names_and_the_worker_switch() -> None:
+    """verl's clip-ratio rule: `clip_ratio` stands in only for a null `clip_ratio_low`/`high`; an
+    explicit 0 is kept. KL names: verl's seven and their `+` variants. The worker switch takes
+    verl's three values."""
+    actor = load_config(["actor_rollout_ref.actor.clip_ratio_low=0"]).actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.0, 0.2)
+    actor = load_config(["actor_rollout_ref.actor.clip_ratio_high=null",
+                         "actor_rollout_ref.actor.clip_ratio=0.28"]).actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
+    for name in ("k1", "k2", "k3", "k3+", "low_var_kl+", "kl+"):
+        cfg = load_config([f"actor_rollout_ref.actor.kl_loss_type={name}", f"algorithm.kl_penalty={name}"])
+        assert cfg.actor_rollout_ref.actor.kl_loss_type == cfg.algorithm.kl_penalty == name
+    with pytest.raises(ConfigError, match="`algorithm.kl_penalty=full` is not a KL estimator; valid values: kl, k1"):
+        load_config(["algorithm.kl_penalty=full"])
+    for impl in ("auto", "enable", "disable"):
+        assert load_config([f"trainer.use_legacy_worker_impl={impl}"]).trainer.use_legacy_worker_impl == impl
+    with pytest.raises(ConfigError, match="use_legacy_worker_impl"):
+        load_config(["trainer.use_legacy_worker_impl=yes"])
+
+
 def test_derived_values() -> None:
     cfg = load_config(["actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                        "actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.ppo_epochs=2",
@@ -191,7 +211,8 @@ def test_derived_values() -> None:
     arr = cfg.actor_rollout_ref
     assert cfg.critic.model.path == "/m" and cfg.critic.ppo_epochs == 2
     assert arr.ref.log_prob_use_dynamic_bsz is True and arr.rollout.log_prob_use_dynamic_bsz is True
-    assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == 0.3
+    # as in verl, `clip_ratio` alone changes nothing: `clip_ratio_low`/`high` default to 0.2
+    assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == 0.2
     assert cfg.trainer.default_local_dir == "checkpoints/p/e" == cfg.trainer.run_dir
     assert cfg.derived.use_critic and not cfg.derived.use_reference
     grpo = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
@@ -328,6 +349,54 @@ def test_each_section_module_has_its_defaults_beside_it() -> None:
         assert path.with_suffix(".py").is_file(), path
     assert list(yaml.safe_load((C.DEFAULTS_DIR / "rollout.yaml").read_text())["actor_rollout_ref"]) == ["rollout"]
     assert "rollout" not in yaml.safe_load((C.DEFAULTS_DIR / "actor.yaml").read_text())["actor_rollout_ref"]
+
+
+def test_lr_scheduler_type_and_its_deprecated_name() -> None:
+    optim = load_config([]).actor_rollout_ref.actor.optim
+    assert (optim.lr_scheduler_type, optim.num_cycles, optim.warmup_style) == ("constant", 0.5, None)
+    cfg = load_config(["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                       "actor_rollout_ref.actor.optim.num_cycles=1.5", "critic.optim.warmup_style=cosine"])
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    assert cfg.actor_rollout_ref.actor.optim.num_cycles == 1.5
+    assert cfg.critic.optim.lr_scheduler_type == "cosine"  # verl: `warmup_style`, when set, replaces it
+    with pytest.raises(ConfigError, match="one of constant, cosine"):
+        load_config(["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"])
+
+
+def test_reward_kwargs_are_mappings_set_whole_or_by_entry() -> None:
+    cfg = load_config(["+custom_reward_function.reward_kwargs.scale=2",
+                       "custom_reward_function.reward_kwargs.mode=strict"])
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 2, "mode": "strict"}
+    cfg = load_config(["custom_reward_function.reward_kwargs={scale: 0.5, tags: [a, b]}"])
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 0.5, "tags": ["a", "b"]}
+    cfg = load_config(["custom_reward_function.reward_kwargs.scale=2", "~custom_reward_function.reward_kwargs.scale"])
+    assert cfg.custom_reward_function.reward_kwargs == {}
+    with pytest.raises(ConfigError, match="a mapping is expected"):
+        load_config(["custom_reward_function.reward_kwargs=3"])
+    batch = load_config(["reward_model.reward_manager=batch", "+reward_model.reward_kwargs.bonus=0.5"])
+    assert batch.reward_model.reward_kwargs == {"bonus": 0.5}
+    assert C.config_from_dict(C.config_to_dict(batch)) == batch
+
+
+def test_verl_s_current_overlong_keys_set_the_dapo_buffer() -> None:
+    """verl's DAPO scripts: `+reward_model.reward_kwargs.overlong_buffer_cfg.*` and `max_resp_len`."""
+    cfg = load_config(["data.max_response_length=64", "reward_model.reward_manager=dapo",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                       "+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}"])
+    buffer = cfg.reward_model.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor, buffer.log) == (True, 16, 1.0, False)
+    assert cfg.reward_model.reward_kwargs == {"max_resp_len": 64}
+    with pytest.raises(ConfigError, match="overlong_buffer_cfg.size`; valid: `enable`, `len`"):
+        load_config(["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.size=3"])
+    with pytest.raises(ConfigError, match="`naive` reward manager does not take.*it takes none"):
+        load_config(["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"])
+    with pytest.raises(ConfigError, match="between 1 and the length the penalty counts to \\(8"):
+        load_config(["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.max_resp_len=8",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.len=16"])
 
 
 # ------------------------------------------------- verl keys that change no number: accepted

@@ -103,7 +103,7 @@ def test_two_ranks_train_and_a_checkpoint_resumes_on_one(tiny_model_dir, toy, re
         assert rows[0][f"dp/rank_{rank}/gen_tokens"] > 0 and rows[0][f"dp/rank_{rank}/update_actor_tokens"] > 0
         assert rows[0][f"dp/rank_{rank}/update_critic_tokens"] > 0
     assert {"timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
-            "timing_s/update_actor", "timing_s/update_critic", "timing_s/weight_sync"} <= set(rows[0])
+            "timing_s/update_actor", "timing_s/update_critic", "timing_s/update_weights"} <= set(rows[0])
     workers = json.loads((run / "workers.json").read_text())
     assert [w["rank"] for w in workers["actor_rollout_ref"]] == [0, 1]
     assert [w["rank"] for w in workers["critic"]] == [0, 1]

@@ -4,6 +4,7 @@ reproduces an uninterrupted one exactly."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -167,8 +168,10 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
 
 def test_micro_batch_split_does_not_change_the_update(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
-    """One step with micro-batches of 1, by tokens (packed: only real tokens computed, for the
-    actor, the reference and the critic), or none gives the same weights."""
+    """Under verl's model engine (`trainer.use_legacy_worker_impl=disable`, mini-batch
+    normalisers) one step with micro-batches of 1, by tokens (also packed: only real tokens
+    computed, for the actor, the reference and the critic), or none gives the same weights
+    (verl's default worker takes micro-batch means: tests/trainer/test_parallel.py)."""
     updated = []
     for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
                                ["actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -180,7 +183,8 @@ def test_micro_batch_split_does_not_change_the_update(
                                 "critic.model.use_remove_padding=true"])):
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
                 if "ppo_micro_batch_size_per_gpu=2" not in o]
-        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+        over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                 "trainer.use_legacy_worker_impl=disable"]
         t = PPODriver(load_config(over))
         assert t.fit() == 0
         updated.append(weights(t))
@@ -265,8 +269,9 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
 def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path, score: str) -> None:
     """GRPO groups whose samples scored alike have zero advantages: their rows skip the actor's
-    forward and backward passes (all of them with a constant score), and the weights equal those
-    of a run that passes every row."""
+    forward and backward passes (all of them with a constant score) under verl's model engine
+    (mini-batch normalisers), and the weights equal those of a run that passes every row. verl's
+    default worker divides by micro-batch counts, which a skipped row would change: none is skipped."""
     reward = tmp_path / "reward.py"
     reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       f"    return {score}\n")
@@ -275,7 +280,7 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / name)
                 if not o.startswith(("algorithm.", "actor_rollout_ref.actor.use_kl_loss"))]
         t = PPODriver(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
-                                    "trainer.test_freq=-1"]))
+                                    "trainer.test_freq=-1", "trainer.use_legacy_worker_impl=disable"]))
         if name == "every_row":
             t._rows_to_update = lambda mini, keep_entropy: list(range(len(mini)))  # type: ignore[method-assign]
         assert t.fit() == 0
@@ -292,6 +297,58 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         assert not torch.equal(tensor, start[name]), name  # the optimiser did step
 
 
+def test_default_worker_keeps_rows_of_zero_advantage() -> None:
+    """Under verl's default worker a row counts in its micro-batch's mean: none is skipped."""
+    from types import SimpleNamespace
+
+    from trainer.batch import StepBatch
+
+    mask = torch.ones(3, 2)
+    mini = StepBatch(examples=[], uids=[], input_ids=torch.zeros(3, 4, dtype=torch.long),
+                     attention_mask=torch.ones(3, 4, dtype=torch.long), response_mask=mask,
+                     advantages=torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+    for impl, kept in (("auto", [0, 1, 2]), ("enable", [0, 1, 2]), ("disable", [1])):
+        cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                           f"trainer.use_legacy_worker_impl={impl}"])
+        assert PPODriver._rows_to_update(SimpleNamespace(cfg=cfg), mini, False) == kept, impl  # type: ignore[arg-type]
+
+
+def test_remax_baseline_is_the_score_of_the_greedy_response(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`adv_estimator=remax`: each prompt's greedy response, decoded by HF `generate` on the
+    initial weights here, scored by the reward function, is the baseline of the prompt's rows;
+    a run trains with it and times the greedy rollout as verl (`timing_s/gen_max`)."""
+    from transformers import AutoTokenizer
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str))\n")
+    over = toy_overrides(tiny_model_dir, toy_data, tmp_path / "run", "algorithm.adv_estimator=remax",
+                         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=2",
+                         f"custom_reward_function.path={reward}", "trainer.test_freq=-1")
+    t = PPODriver(load_config(over))
+    examples = t.loader.next_batch()
+    batch = t.generate(examples)
+    t.compute_reward_baselines(examples, batch)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = load_actor(tiny_model_dir).eval()
+    expected = []
+    for e in examples:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([e.prompt_ids]), attention_mask=torch.ones(1, len(e.prompt_ids)),
+                                 do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id)
+        new = out[0, len(e.prompt_ids):].tolist()
+        if tok.eos_token_id in new:
+            new = new[:new.index(tok.eos_token_id) + 1]
+        expected.append(float(len(tok.decode(new, skip_special_tokens=True))))
+    assert batch.reward_baselines is not None
+    assert batch.reward_baselines.tolist() == [expected[uid] for uid in batch.uids]
+    assert PPODriver(load_config([*over, f"trainer.default_local_dir={tmp_path / 'fit'}"])).fit() == 0
+    rows = read_jsonl(tmp_path / "fit" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["timing_s/gen_max"] > 0 for r in rows)
+
+
 def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     """`batch` (one call with lists) scored in a thread while the workers compute gives the run
     that `naive` scored inline gives; `dapo`'s overlong penalty lands in the scores and metrics."""
@@ -299,8 +356,8 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     fn.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
                   "def per_row(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    return toy_digits_score(solution_str)\n\n"
-                  "def rows(data_sources, solution_strs, ground_truths, extra_infos):\n"
-                  "    return [toy_digits_score(s) for s in solution_strs]\n")
+                  "def rows(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):\n"
+                  "    return [toy_digits_score(s) + bonus for s in solution_strs]\n")
 
     def run(name: str, *extra: str) -> list[dict]:
         cfg = load_config(toy_overrides(
@@ -321,6 +378,17 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     assert first["reward_extra/overlong_reward/mean"] < 0 < first["reward_extra/overlong/mean"]
     assert first["critic/score/mean"] == pytest.approx(
         naive[0]["critic/score/mean"] + first["reward_extra/overlong_reward/mean"], abs=1e-6)
+    # verl's current spelling of the buffer gives the same run
+    verl_keys = run("dapo_verl", "reward_model.reward_manager=dapo",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=True",
+                    "+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}")
+    assert [r["critic/score/mean"] for r in verl_keys] == [r["critic/score/mean"] for r in dapo]
+    # `batch` passes `reward_model.reward_kwargs` to the function: +0.5 on every score
+    bonus = run("bonus", "custom_reward_function.name=rows", "reward_model.reward_manager=batch",
+                "+reward_model.reward_kwargs.bonus=0.5")
+    assert bonus[0]["critic/score/mean"] == pytest.approx(naive[0]["critic/score/mean"] + 0.5)
 
 
 def test_newer_verl_keys_act_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
@@ -367,3 +435,49 @@ def test_val_only_validates_once_with_standard_errors_and_trains_nothing(
     with pytest.raises(Exception, match="needs a validation set"):
         load_config([o for o in toy_overrides(tiny_model_dir, toy_data, run, "trainer.val_only=true")
                      if not o.startswith("data.val_files")] + ["data.val_files=[]"])
+
+
+def test_step_metrics_follow_verl(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """A GAE run of 3 steps, cosine schedule with 1 warm-up step: `actor/lr` and `critic/lr` are
+    the rates each update used (verl logs them before the scheduler steps: 0 during the warm-up,
+    then 1e-3 and 1e-3 * (1 + cos(pi/2)) / 2), and verl's other step metrics are there."""
+    run = tmp_path / "run"
+    assert run_training(load_config(_small(tiny_model_dir, toy_data, run, "trainer.test_freq=0"))) == 0
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 1e-3, 5e-4])
+    assert [r["critic/lr"] for r in rows] == pytest.approx([1e-3] * 3)  # the critic's: constant, no warm-up
+    for r in rows:
+        assert math.isfinite(r["critic/vf_explained_var"]) and r["critic/vf_explained_var"] <= 1.0
+        assert math.isfinite(r["critic/vpred_mean"])
+        assert 0.0 <= r["prompt_length/clip_ratio"] <= 1.0
+        assert r["timing_per_token_ms/gen"] == pytest.approx(
+            r["timing_s/gen"] * 1000 / (r["response_length/mean"] * 8))  # 4 prompts x 2 responses
+        assert r["timing_s/update_weights"] >= 0.0 and "timing_s/weight_sync" not in r
+        assert r["perf/mfu/actor"] > 0.0 and r["perf/mfu/critic"] > 0.0  # CPU: verl's 448 GFLOP/s
+        assert r["perf/max_memory_allocated_gb"] == 0.0  # no such counter on the CPU
+
+
+def test_validation_with_several_samples_reports_verl_s_layout(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`val_kwargs.n=2` sampled responses per prompt and a reward returning `acc` and `pred`:
+    `val-core` holds `acc`'s mean, best and majority at 2; the reward and the spreads are
+    `val-aux`; the best of 2 is at least the mean, the worst at most."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    s = toy_digits_score(solution_str)\n"
+                      "    return {'score': s, 'acc': s >= 0.5, 'pred': solution_str[:3]}\n")
+    run = tmp_path / "val"
+    driver = PPODriver(load_config(toy_overrides(
+        tiny_model_dir, toy_data, run, "trainer.val_only=true", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", f"custom_reward_function.path={reward}",
+        "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "data.val_batch_size=5")))
+    assert driver.fit() == 0
+    [row] = read_jsonl(run / "metrics.jsonl")
+    src = "val-core/toy_digits/acc"
+    assert {f"{src}/mean@2", f"{src}/best@2/mean", f"{src}/maj@2/mean"} <= set(row)
+    assert "val-aux/toy_digits/acc/worst@2/mean" in row
+    assert "val-aux/toy_digits/reward/mean@2" in row and "val-aux/toy_digits/acc/std@2" in row
+    assert not any(k.startswith("val-core/toy_digits/reward") for k in row)
+    assert row[f"{src}/best@2/mean"] >= row[f"{src}/mean@2"] >= row["val-aux/toy_digits/acc/worst@2/mean"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,9 +16,15 @@ from trainer.metrics import (
     MetricsError,
     MetricsLogger,
     data_metrics,
+    device_flops,
+    flops_fields,
+    memory_metrics,
+    mfu,
     read_jsonl,
     throughput_metrics,
     timing_metrics,
+    train_flops,
+    validation_metrics,
 )
 
 
@@ -83,21 +91,56 @@ def test_wandb_offline_without_network(tmp_path: Path, monkeypatch) -> None:
 def test_data_metrics_hand_computed() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     adv = torch.tensor([[1.0, 3.0, 100.0], [2.0, 2.0, 2.0]])
+    values = torch.tensor([[0.0, 3.0, -50.0], [2.0, 1.0, 2.0]])
     m = data_metrics(
         sequence_score=torch.tensor([0.0, 1.0]), sequence_reward=torch.tensor([0.5, 1.0]),
-        advantages=adv, returns=adv, values=adv, response_mask=mask,
-        prompt_mask=torch.tensor([[0, 1], [1, 1]]), max_response_length=3,
+        advantages=adv, returns=adv, values=values, response_mask=mask,
+        prompt_mask=torch.tensor([[0, 1], [1, 1]]), max_response_length=3, max_prompt_length=2,
     )
     assert m["critic/score/mean"] == 0.5 and m["critic/rewards/mean"] == 0.75
     assert m["critic/advantages/max"] == 3.0 and m["critic/advantages/mean"] == 2.0
     assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
-    assert m["prompt_length/min"] == 1.0 and m["critic/values/min"] == 1.0
+    assert m["prompt_length/min"] == 1.0 and m["critic/values/min"] == 0.0
+    assert m["prompt_length/clip_ratio"] == 0.5 and m["response/aborted_ratio"] == 0.0
+    # returns 1 3 2 2 2 (unbiased variance 0.5), returns - values 1 0 0 1 0 (variance 0.3)
+    assert m["critic/vf_explained_var"] == pytest.approx(1 - 0.3 / (0.5 + 1e-5))
+
+
+def test_an_empty_response_is_left_out_of_the_score_statistics() -> None:
+    m = data_metrics(
+        sequence_score=torch.tensor([0.0, 1.0]), sequence_reward=torch.tensor([0.0, 1.0]),
+        advantages=torch.ones(2, 2), returns=torch.ones(2, 2), response_mask=torch.tensor([[0, 0], [1, 0]]),
+        prompt_mask=torch.ones(2, 1), max_response_length=2, max_prompt_length=4)
+    assert m["critic/score/mean"] == 1.0 and m["response/aborted_ratio"] == 0.5
+    assert m["response_length/mean"] == 0.5 and m["response_length_non_aborted/mean"] == 1.0
+    assert "critic/vf_explained_var" not in m
 
 
 def test_timing_and_throughput_names() -> None:
     assert timing_metrics({"gen": 1.5}) == {"timing_s/gen": 1.5}
+    timed = timing_metrics({"gen": 1.0, "update_actor": 2.0, "reward": 0.5}, response_tokens=500, all_tokens=1000)
+    assert timed == {"timing_s/gen": 1.0, "timing_s/update_actor": 2.0, "timing_s/reward": 0.5,
+                     "timing_per_token_ms/gen": 2.0, "timing_per_token_ms/update_actor": 2.0}
     perf = throughput_metrics(total_tokens=1000, step_seconds=2.0, n_workers=2)
     assert perf["perf/throughput"] == 250.0 and perf["perf/time_per_step"] == 2.0
+
+
+def test_mfu_hand_computed() -> None:
+    """hidden 4, 2 heads of 2 (1 KV head), MLP 8, 2 layers, vocab 10: linear parameters per layer
+    4*8*3 + 4*(4+2+2+4) = 144, with the embeddings (144*2 + 10*4*2) = 368; rows of 3 and 5
+    tokens: 6*368*8 + 6*(9+25)*2*2*2 = 19296 FLOPs."""
+    config = SimpleNamespace(model_type="llama", hidden_size=4, num_attention_heads=2, num_key_value_heads=1,
+                             intermediate_size=8, num_hidden_layers=2, vocab_size=10)
+    assert train_flops(config, [3, 5]) == 19296
+    assert train_flops(flops_fields(config), [3, 5]) == 19296  # what a worker sends
+    got = mfu(config, [3, 5], seconds=2.0, device_name="NVIDIA H100 80GB HBM3", epochs=2, world_size=4)
+    assert got == pytest.approx(19296 / 2.0 * 2 / 989e12 / 4)
+    assert device_flops("NVIDIA H200") == 989e12 and device_flops("NVIDIA H20") == 148e12
+    assert device_flops("NVIDIA GB200") == 2.5e15 and device_flops("CPU") == 448e9
+    assert mfu(config, [3, 5], 2.0, "Tesla T4") == 0.0  # an unknown device: verl's infinite promise
+    assert mfu(SimpleNamespace(model_type="gpt2"), [3, 5], 2.0, "CPU") == 0.0  # a model verl cannot count
+    assert memory_metrics(torch.device("cpu")) == {"perf/max_memory_allocated_gb": 0.0,
+                                                  "perf/max_memory_reserved_gb": 0.0}
 
 
 def test_wandb_missing_warns_and_keeps_the_jsonl(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -109,3 +152,48 @@ def test_wandb_missing_warns_and_keeps_the_jsonl(tmp_path: Path, monkeypatch, ca
     logger.close()
     assert "`wandb` package is not installed" in capsys.readouterr().err
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]
+
+
+def _verl_draws(n: int, k: int) -> np.ndarray:
+    """verl's bootstrap draws, the way verl makes them (the global generator, seeded 42)."""
+    state = np.random.get_state()
+    try:
+        np.random.seed(42)
+        return np.random.choice(n, size=(1000, k), replace=True)
+    finally:
+        np.random.set_state(state)
+
+
+def test_validation_metrics_layout_and_bootstrap() -> None:
+    """Two prompts of source `s` with two responses each (accuracies 1, 0 and 0, 0), one of `t`
+    (1, 1): `acc` is the core number; `best`, `worst` and `maj` are bootstrap estimates over 1000
+    draws of 2 of a prompt's responses, re-derived here from verl's draws."""
+    m = validation_metrics(
+        ["s", "s", "s", "s", "t", "t"], [0, 0, 1, 1, 2, 2],
+        {"reward": [1.0, -1.0, -1.0, -1.0, 1.0, 1.0], "acc": [1.0, 0.0, 0.0, 0.0, 1.0, 1.0],
+         "pred": ["a", "b", "b", "b", "c", "c"]})
+    draws = _verl_draws(2, 2)
+    acc0 = np.array([1.0, 0.0])  # prompt 0; prompt 1 is all 0, so it adds 0 to every estimate
+    best0 = float(np.mean([acc0[row].max() for row in draws]))
+    worst0 = float(np.mean([acc0[row].min() for row in draws]))
+    maj0 = float(np.mean([acc0[row[0]] for row in draws]))  # a tie goes to the first drawn
+    assert m["val-core/s/acc/mean@2"] == 0.25 and m["val-aux/s/acc/std@2"] == 0.25
+    assert m["val-core/s/acc/best@2/mean"] == pytest.approx(best0 / 2)
+    assert m["val-aux/s/acc/worst@2/mean"] == pytest.approx(worst0 / 2)
+    assert m["val-core/s/acc/maj@2/mean"] == pytest.approx(maj0 / 2)
+    assert m["val-aux/s/reward/mean@2"] == -0.5  # not the core number: `acc` is there
+    assert m["val-aux/s/acc/sem@2"] == pytest.approx(0.5 / 2)  # rows 1 0 0 0: sd 0.5 over sqrt(4)
+    assert m["val-core/t/acc/best@2/mean"] == m["val-core/t/acc/maj@2/mean"] == 1.0
+    assert m["val-core/t/acc/best@2/std"] == 0.0  # verl files the `/std` of `best` and `maj` as core too
+    assert not any("/pred/" in k for k in m)
+    assert {k.split("/")[0] for k in m} == {"val-core", "val-aux"}
+    core = sorted(k for k in m if k.startswith("val-core/s/"))
+    assert core == ["val-core/s/acc/best@2/mean", "val-core/s/acc/best@2/std", "val-core/s/acc/maj@2/mean",
+                    "val-core/s/acc/maj@2/std", "val-core/s/acc/mean@2"]
+
+
+def test_validation_metrics_without_acc_report_the_reward_as_core() -> None:
+    m = validation_metrics(["s", "s", "s"], [0, 1, 2], {"reward": [1.0, 0.0, 0.5], "formatted": [1.0, 1.0, 0.0]})
+    assert m == pytest.approx({
+        "val-core/s/reward/mean@1": 0.5, "val-aux/s/reward/sem@1": 0.5 / np.sqrt(3),
+        "val-aux/s/formatted/mean@1": 2 / 3, "val-aux/s/formatted/sem@1": np.std([1, 1, 0], ddof=1) / np.sqrt(3)})

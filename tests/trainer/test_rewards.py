@@ -52,8 +52,14 @@ def test_gsm8k_flexible() -> None:
 def test_scorer_chosen_by_data_source() -> None:
     assert default_compute_score("openai/gsm8k", "#### 3", "3") == 1.0
     assert default_compute_score("toy_digits", "7 7 1 7 7", "7 7 7 7") == 0.75
+    assert default_compute_score("lighteval/MATH", "so \\boxed{2}", "2") == 1.0
+    assert default_compute_score("HuggingFaceH4/MATH-500", "\\boxed{3}", "2") == 0.0
+    assert default_compute_score("DigitalLearningGmbH/MATH-lighteval", "\\boxed{.5}", "\\frac12") == 1.0
+    assert default_compute_score("math_dapo", "Answer: 2", "2") == {"score": 1.0, "acc": True, "pred": "2"}
+    assert default_compute_score("math", "Answer: 2", "3")["score"] == -1.0
+    assert default_compute_score("aime2024", "Answer: 7", "7")["acc"] is True
     with pytest.raises(RewardError, match="custom_reward_function.path"):
-        default_compute_score("lighteval/MATH", "x", "y")
+        default_compute_score("my/dataset", "x", "y")
 
 
 def test_toy_digits_score_counts_first_four_units() -> None:
@@ -96,8 +102,11 @@ def test_custom_reward_function_errors(tmp_path: Path) -> None:
     file.write_text("def other(a, b, c, d=None):\n    return 1.0\n")
     with pytest.raises(RewardError, match="no function `compute_score`.*other"):
         load_reward_fn(str(file), "compute_score")
+    with pytest.raises(RewardError, match="cannot be called as verl calls a reward function.*`data_source=`"):
+        load_reward_fn(str(file), "other")  # positional names of its own: verl passes keywords
     bad = tmp_path / "bad.py"
-    bad.write_text("def compute_score(a, b, c, d=None):\n    return 'high'\n")
+    bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    return 'high'\n")
     with pytest.raises(RewardError, match="return a float"):
         score_responses(load_reward_fn(str(bad), "compute_score"), ["s"], ["x"], [None], [None])
 
@@ -131,3 +140,78 @@ def test_dapo_overlong_penalty_rises_linearly_over_the_buffer() -> None:
     # limit 10 tokens, buffer 4: no penalty up to 6 tokens, -0.25 per token after, -1 at 10
     assert R.overlong_penalty([3, 6, 7, 8, 10], 10, 4, 1.0) == [0.0, 0.0, -0.25, -0.5, -1.0]
     assert R.overlong_penalty([10], 10, 4, 0.5) == [-0.5]
+
+
+def test_reward_functions_are_called_by_keyword_with_the_reward_kwargs(tmp_path: Path) -> None:
+    """verl calls `compute_score(data_source=, solution_str=, ground_truth=, extra_info=)` and
+    adds `custom_reward_function.reward_kwargs`, which win over the call's own keywords."""
+    file = tmp_path / "kw.py"
+    file.write_text(
+        "def keyword_only(*, ground_truth, solution_str, extra_info, data_source, scale):\n"
+        "    return {'score': scale * (solution_str == ground_truth), 'pred': solution_str,\n"
+        "            'turns': extra_info['num_turns'] is None, 'seen': len(extra_info)}\n")
+    fn = load_reward_fn(str(file), "keyword_only", {"scale": 2.0})
+    scores, extras = score_responses(fn, ["s", "s"], ["4", "5"], ["4", "4"], [{"k": 1}, None])
+    assert scores == [2.0, 0.0]
+    assert extras == {"pred": ["4", "5"], "turns": [1.0, 1.0], "seen": [3.0, 2.0]}
+    with pytest.raises(RewardError, match="`scale=`"):
+        load_reward_fn(str(file), "keyword_only", {"scale": 1.0}, keywords=R.BATCH_ARGS)
+
+
+def test_batch_manager_passes_the_reward_model_s_reward_kwargs() -> None:
+    def batch_fn(data_sources, solution_strs, ground_truths, extra_infos, bonus):
+        return [bonus + len(s) for s in solution_strs]
+
+    scores, _ = R.score_batch(batch_fn, ["a", "b"], ["x", "yy"], [None] * 2, [None] * 2, {"bonus": 0.5})
+    assert scores == [1.5, 2.5]
+
+
+def test_math_boxed_answer_extraction() -> None:
+    m = R.math_reward
+    assert m.last_boxed_only_string("a \\boxed{x^{2}} b") == "\\boxed{x^{2}}"
+    assert m.last_boxed_only_string("\\boxed{1} then \\boxed{\\frac{2}{3}}.") == "\\boxed{\\frac{2}{3}}"
+    assert m.last_boxed_only_string("so \\boxed 5$ done") == "\\boxed 5"
+    assert m.last_boxed_only_string("\\boxed{5") is None and m.last_boxed_only_string("no box") is None
+    assert m.last_boxed_only_string("\\fbox{5}") == "\\fbox{5}"
+    assert m.remove_boxed("\\boxed{x^{2}}") == "x^{2}" and m.remove_boxed("\\boxed 5") == "5"
+    with pytest.raises(ValueError, match="not a box"):
+        m.remove_boxed("\\fbox{5}")
+
+
+@pytest.mark.parametrize(("answer", "truth"), [
+    ("\\frac{1}{2}", "\\frac12"), ("0.5", "\\frac{1}{2}"), ("3/4", "\\frac{3}{4}"),
+    ("\\dfrac{3}{4}", "\\frac34"), ("10^\\circ", "10"), ("x = 5", "5"), ("50\\%", "50"),
+    ("\\left( 1, 2 \\right)", "(1,2)"), ("\\sqrt2", "\\sqrt{2}"), ("5 \\text{ cm}", "5"),
+    (".5", "\\frac12"), ("\\$4", "4"),
+])
+def test_math_equivalent_answers_score_one(answer: str, truth: str) -> None:
+    assert R.math_reward.compute_score(f"so the answer is \\boxed{{{answer}}}.", truth) == 1.0
+
+
+def test_math_wrong_or_unreadable_answers_score_zero() -> None:
+    m = R.math_reward
+    assert m.compute_score("\\boxed{6}", "5") == 0.0
+    assert m.compute_score("\\boxed{1} and \\boxed{2}", "1") == 0.0  # the last box counts
+    assert m.compute_score("\\fbox{5}", "5") == 0.0  # found, but not a box to unwrap
+    assert m.compute_score("the answer is 5", "5") == 0.0
+    assert m.compute_score("\\boxed{12}", "1/2") == 0.0 and m.compute_score("\\boxed{1/2}", "1/2") == 1.0
+    # the normaliser fails on a bare `\\sqrt`: the strings are compared as written
+    assert m.is_equiv("\\sqrt", "\\sqrt") and not m.is_equiv("\\sqrt", "\\sqrt ")
+    assert m.is_equiv(None, None) and not m.is_equiv("1", None)
+
+
+@pytest.mark.parametrize(("response", "truth", "pred"), [
+    ("so Answer: 42", "42", "42"), ("Answer: $\\frac{1}{2}$", "\\frac12", "\\frac{1}{2}"),
+    ("answer: 1,000 dollars", "1000", "1000"), ("Answer: 3\nAnswer: 4\nthat is all", "4", "4"),
+    ("Answer: x = 12", "12", "12"), ("ANSWER : \\text{(B)}", "(B)", "(B)"),
+])
+def test_dapo_math_correct_answers(response: str, truth: str, pred: str) -> None:
+    assert R.math_dapo.compute_score(response, truth) == {"score": 1.0, "acc": True, "pred": pred}
+
+
+def test_dapo_math_wrong_or_missing_answers() -> None:
+    d = R.math_dapo
+    assert d.compute_score("Answer: 41", "42") == {"score": -1.0, "acc": False, "pred": "41"}
+    assert d.compute_score("no final line", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert d.compute_score("Answer: 42" + " " * 300, "42")["pred"] == "[INVALID]"  # the last 300 characters
+    assert d.normalize_final_answer("\\boxed{\\sqrt3}") == "\\sqrt{3}"

@@ -22,8 +22,8 @@ from trainer.config import compat_notes, dump_config, load_config
 ACCEPTED = "accepted"
 #: Each example: accepted, or a phrase of the refusal (the feature it needs).
 EXPECTED = {
-    # verl's worker switch selects the loss normalisers; until it is a key here, refused unknown
-    "examples/ppo_trainer/run_deepseek7b_llm.sh": "unknown key `trainer.use_legacy_worker_impl`",
+    # sets `trainer.use_legacy_worker_impl`: here as in verl it selects the loss normalisers
+    "examples/ppo_trainer/run_deepseek7b_llm.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_modelscope.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": "`algorithm.use_pf_ppo=True`",
     "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": "the reward model worker",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,23 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "build_lr_scheduler",
+    "PolicyLossParams",
     "compute_advantage",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_opo_outcome_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_reinforce_plus_plus_advantage",
+    "compute_reinforce_plus_plus_baseline_advantage",
+    "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_value_loss",
     "entropy_from_logits",
@@ -54,7 +67,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTIES = registry.KL_ESTIMATORS
 
 
 # --------------------------------------------------------------------------- masked statistics
@@ -106,12 +119,12 @@ def masked_whiten(
 def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence's scalar score on its last valid response token (zeros elsewhere).
 
-    A row without any valid token gets no reward.
+    A row without any valid token gets its score at index -1, the last column, as verl's reward
+    managers write it (`reward_tensor[i, valid_response_length - 1]`).
     """
     token_level = torch.zeros_like(response_mask, dtype=scores.dtype)
     lengths = response_mask.sum(dim=-1).long()
-    rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-    token_level[rows, lengths[rows] - 1] = scores[rows]
+    token_level[torch.arange(len(lengths)), lengths - 1] = scores
     return token_level
 
 
@@ -243,6 +256,121 @@ def compute_reinforce_plus_plus_advantage(
     return advantages, returns
 
 
+def _group_means(scores: torch.Tensor, index: Sequence[Hashable]) -> torch.Tensor:
+    """Each row's group mean (0 for a group of one, as verl)."""
+    means = torch.zeros_like(scores)
+    for rows in _group_indices(index).values():
+        if len(rows) > 1:
+            means[rows] = scores[rows].mean()
+    return means
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable] | None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with baseline (Hu 2025): the sequence score minus its group's mean (0 for a
+    group of one), broadcast over the response, then whitened over the whole batch's tokens.
+    Returns ``(advantages, advantages)``."""
+    if index is None:
+        raise ValueError("`adv_estimator=reinforce_plus_plus_baseline` needs the prompt uid of each row "
+                         "(`index`), received None. Fix: pass the uids that group the samples of a prompt.")
+    _check_index(index, token_level_rewards.shape[0])
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        centred = (scores - _group_means(scores, index)).unsqueeze(-1) * response_mask
+        advantages = masked_whiten(centred, response_mask) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("opo")
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): the score minus its group's length-weighted mean score
+    ``sum(len_i * r_i) / sum(len_i)`` (0 for a group of one). Returns ``(advantages, advantages)``."""
+    _check_index(index, token_level_rewards.shape[0])
+    scores = token_level_rewards.sum(dim=-1)
+    lengths = response_mask.sum(dim=-1)
+    baseline = torch.zeros_like(scores)
+    for rows in _group_indices(index).values():
+        if len(rows) > 1:
+            baseline[rows] = (lengths[rows] * scores[rows]).sum() / lengths[rows].sum()
+    advantages = (scores - baseline).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("gpg")
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    f_norm: float = 1.0,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025): ``alpha * (r - group mean) / f_norm`` with
+    ``alpha = rows / rows with a non-zero score`` over the whole batch (``f_norm`` 1, as verl).
+    Returns ``(advantages, advantages)``."""
+    _check_index(index, token_level_rewards.shape[0])
+    scores = token_level_rewards.sum(dim=-1)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores).item()), 1)
+    advantages = (alpha * (scores - _group_means(scores, index)) / f_norm).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("grpo_passk")
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (Chen et al. 2025): only the best response of each group gets an advantage,
+    ``best - second best`` (divided by the group's unbiased std + 1e-6 when
+    ``norm_adv_by_std_in_grpo``); ties go to the first best, as ``torch.topk``.
+    Returns ``(advantages, advantages)``."""
+    _check_index(index, token_level_rewards.shape[0])
+    scores = token_level_rewards.sum(dim=-1)
+    out = torch.zeros_like(scores)
+    for rows in _group_indices(index).values():
+        if len(rows) < 2:
+            raise ValueError(
+                f"`adv_estimator=grpo_passk` needs at least 2 samples per prompt, a group has "
+                f"{len(rows)}. Fix: set `actor_rollout_ref.rollout.n` >= 2.")
+        group = scores[rows]
+        top, where = torch.topk(group, 2)
+        gap = top[0] - top[1]
+        out[rows[int(where[0])]] = gap / (group.std() + epsilon) if norm_adv_by_std_in_grpo else gap
+    advantages = out.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("remax")
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor | None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): the reward-to-go minus the score of the prompt's greedy response
+    (``reward_baselines``, one per row). Returns ``(advantages, returns)``."""
+    if reward_baselines is None:
+        raise ValueError("`adv_estimator=remax` needs `reward_baselines` (the score of each prompt's greedy "
+                         "response), received None. Fix: let the driver run the greedy rollout.")
+    with torch.no_grad():
+        returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    return advantages, returns
+
+
 def compute_advantage(
     adv_estimator: str,
     token_level_rewards: torch.Tensor,
@@ -253,6 +381,7 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The estimator registered as verl's ``algorithm.adv_estimator`` name; returns
     ``(advantages, returns)``. Inputs an estimator declares it needs must not be None."""
@@ -272,6 +401,7 @@ def compute_advantage(
     return spec.fn(  # type: ignore[no-any-return]
         token_level_rewards=token_level_rewards, response_mask=response_mask, values=values,
         index=index, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        reward_baselines=reward_baselines,
     )
 
 
@@ -279,15 +409,13 @@ def compute_advantage(
 
 
 def loss_normalizers(response_mask: torch.Tensor) -> tuple[float, float]:
-    """``(num_tokens, num_seqs)`` of a batch: the global normalisers for :func:`agg_loss`.
-
-    Compute them once over a whole mini-batch (and sum over data-parallel ranks) and pass them
-    to every micro-batch's :func:`agg_loss`: the accumulated gradient then does not depend on
-    how the mini-batch was split. A sequence counts when it has at least one valid token.
-    """
-    num_tokens = float(response_mask.sum().item())
-    num_seqs = float((response_mask.sum(dim=-1) > 0).sum().item())
-    return num_tokens, num_seqs
+    """``(num_tokens, num_rows)`` of a mini-batch: the global normalisers of verl's model engine
+    (``trainer.use_legacy_worker_impl=disable``), which divides token-mean by the mini-batch's
+    response tokens over all ranks (``batch_num_tokens``) and the seq-mean modes by its rows
+    (``global_batch_size`` = ``ppo_mini_batch_size * rollout.n``, rows without tokens counted);
+    verl/workers/engine/fsdp/transformer_impl.py ``forward_backward_batch`` and
+    verl/trainer/ppo/ray_trainer.py ``_update_actor``."""
+    return float(response_mask.sum().item()), float(response_mask.shape[0])
 
 
 def agg_loss(
@@ -295,46 +423,78 @@ def agg_loss(
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
     *,
-    global_num_tokens: float | None = None,
-    global_num_seqs: float | None = None,
-    norm_length: float | None = None,
     dp_size: int = 1,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Aggregate a token-level loss matrix into a scalar.
+    """Aggregate a token-level loss matrix into a scalar, as verl's ``agg_loss``.
 
     Modes (verl's ``loss_agg_mode``):
-      - ``token-mean``: sum over valid tokens / ``global_num_tokens``;
-      - ``seq-mean-token-sum``: per-sequence token sums, summed / ``global_num_seqs``;
-      - ``seq-mean-token-mean``: per-sequence token means, summed / ``global_num_seqs``;
+      - ``token-mean``: sum over valid tokens / ``batch_num_tokens`` * ``dp_size``;
+      - ``seq-mean-token-sum``: per-sequence token sums, summed / ``global_batch_size`` * ``dp_size``;
+      - ``seq-mean-token-mean``: per-sequence token means, summed / ``global_batch_size`` * ``dp_size``;
       - ``seq-mean-token-sum-norm`` (Dr.GRPO): per-sequence token sums, summed /
-        (``global_num_seqs`` * ``norm_length``), ``norm_length`` a constant such as the maximum
-        response length (default: this batch's padded length).
+        ``loss_scale_factor`` alone (default: the padded response length ``loss_mask.shape[-1]``);
+        neither the number of sequences nor ``dp_size`` enters, as in verl.
 
-    The normalisers default to this batch's own counts (:func:`loss_normalizers`). Passing the
-    counts of the whole mini-batch makes the sum of the micro-batch losses equal the loss of
-    the whole mini-batch. With data parallelism pass counts summed over ranks and ``dp_size``:
-    the result is scaled by ``dp_size`` because gradients are averaged across ranks.
+    Without the global arguments the normalisers are this batch's own: its valid tokens, its
+    sequences with at least one valid token. That is verl's default worker, which scales each
+    micro-batch's result by its share of the mini-batch (``1 / gradient_accumulation``). The
+    model engine passes the whole mini-batch's counts and ``dp_size`` instead (gradients are
+    averaged over ranks, hence the factor).
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(
             f"Unknown `loss_agg_mode={loss_agg_mode!r}`. Valid values: {', '.join(LOSS_AGG_MODES)}."
         )
-    local_tokens, local_seqs = loss_normalizers(loss_mask)
     if loss_agg_mode == "token-mean":
-        denom = global_num_tokens if global_num_tokens is not None else local_tokens
-        return masked_sum(loss_mat, loss_mask) / max(denom, 1.0) * dp_size
-    seqs = global_num_seqs if global_num_seqs is not None else local_seqs
+        tokens = batch_num_tokens if batch_num_tokens is not None else float(loss_mask.sum().item())
+        return masked_sum(loss_mat, loss_mask) / max(tokens, 1.0) * dp_size
+    seq_tokens = loss_mask.sum(dim=-1)
     seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return seq_sums.sum() / max(seqs, 1.0) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = loss_scale_factor if loss_scale_factor is not None else float(loss_mask.shape[-1])
+        return seq_sums.sum() / scale
+    seqs = global_batch_size if global_batch_size is not None else float((seq_tokens > 0).sum().item())
     if loss_agg_mode == "seq-mean-token-mean":
-        seq_means = seq_sums / loss_mask.sum(dim=-1).clamp(min=1)
-        return seq_means.sum() / max(seqs, 1.0) * dp_size
-    length = norm_length if norm_length is not None else float(loss_mask.shape[-1])
-    return seq_sums.sum() / (max(seqs, 1.0) * length) * dp_size
+        seq_sums = seq_sums / (seq_tokens + 1e-8)
+    return seq_sums.sum() / max(seqs, 1.0) * dp_size
 
 
-# --------------------------------------------------------------------------- losses
+# --------------------------------------------------------------------------- policy losses
+#
+# Every policy loss takes ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+# params, **agg)`` and returns ``(pg_loss, metrics)``, as verl's registered losses do; ``agg`` are
+# the normalisers of :func:`agg_loss` (empty under verl's default worker).
+
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """The knobs of the policy losses (verl's ``actor_rollout_ref.actor`` keys, same defaults)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant of ``vanilla`` (> 1)."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature for other advantages."""
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    """``policy_loss.*`` of clip-cov and kl-cov (verl's yaml defaults)."""
+
+
+def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+
+
+def _item(value: torch.Tensor) -> float:
+    return float(value.detach().item())
 
 
 @register_policy_loss("vanilla")
@@ -343,43 +503,201 @@ def compute_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
-    **agg_kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with asymmetric clip range and dual clip (Ye et al. 2020).
 
     ``ratio = exp(log_prob - old_log_prob)`` is clipped to
     ``[1 - clip_ratio_low, 1 + clip_ratio_high]``; for negative advantages the loss is further
-    bounded by ``-advantages * clip_ratio_c``. ``agg_kwargs`` go to :func:`agg_loss`
-    (``global_num_tokens``, ``global_num_seqs``, ``norm_length``, ``dp_size``).
-
-    Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; the last three are detached.
+    bounded by ``-advantages * clip_ratio_c``.
     """
-    if clip_ratio_c <= 1.0:
+    if params.clip_ratio_c <= 1.0:
         raise ValueError(
-            f"`clip_ratio_c` must be greater than 1.0 for the dual clip, received {clip_ratio_c}. "
-            "Fix: use a value such as 3.0 (verl's default)."
+            f"`clip_ratio_c` must be greater than 1.0 for the dual clip, received "
+            f"{params.clip_ratio_c}. Fix: use a value such as 3.0 (verl's default)."
         )
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    negative_approx_kl = _log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
 
     pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses2 = -advantages * torch.clamp(
+        ratio, 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
 
-    pg_losses3 = -advantages * clip_ratio_c
+    pg_losses3 = -advantages * params.clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     pg_clipfrac_lower = masked_mean(
         torch.gt(clip_pg_losses1, pg_losses3).float() * (advantages < 0).float(), response_mask
     )
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
-    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl),
+                     "actor/pg_clipfrac_lower": _item(pg_clipfrac_lower)}
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): the sequence's geometric-mean ratio
+    ``s = exp(mean_t(log_prob - old))``, carried per token as ``sg[s] * p / sg[p]`` (log clamped
+    at 10), PPO-clipped, aggregated ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as
+    verl)."""
+    negative_approx_kl = log_prob - old_log_prob
+    lengths = response_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = (negative_approx_kl * response_mask).sum(dim=-1) / lengths
+    log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - params.clip_ratio_low, 1 + params.clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **agg)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl),
+                     "actor/pg_clipfrac_lower": 0.0}
+
+
+@register_policy_loss("sapo")
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al. 2025): a smooth gate ``sigmoid(tau * (r - 1)) * 4 / tau`` in place of the
+    clip, ``tau_pos`` for positive advantages and ``tau_neg`` otherwise; aggregated
+    ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as verl)."""
+    negative_approx_kl = _log_ratio(log_prob, old_log_prob)
+    ratio = torch.exp(negative_approx_kl)
+    taus = torch.where(advantages > 0, torch.full_like(ratio, params.tau_pos),
+                       torch.full_like(ratio, params.tau_neg))
+    gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
+    pg_loss = agg_loss(-gates * advantages, response_mask, "seq-mean-token-mean", **agg)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    return pg_loss, {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": _item(ppo_kl), "actor/pg_clipfrac_lower": 0.0}
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax 2025): ``-sg[clip(r, 1 - low, 1 + high)] * A * log_prob``; the gradient
+    flows through ``log_prob`` alone."""
+    negative_approx_kl = _log_ratio(log_prob, old_log_prob)
+    ratio = torch.exp(negative_approx_kl)
+    clipped = torch.clamp(ratio, 1 - params.clip_ratio_low, 1 + params.clip_ratio_high)
+    pg_losses = -clipped.detach() * advantages * log_prob
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    pg_clipfrac = masked_mean((ratio != clipped).float(), response_mask)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl),
+                     "actor/pg_clipfrac_lower": 0.0}
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG (Chu et al. 2025): plain policy gradient ``-log_prob * A``, no ratio, no metrics."""
+    return agg_loss(-log_prob * advantages, response_mask, loss_agg_mode, **agg), {}
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025): the PPO clip loss, with the gradient removed from up to
+    ``max(1, int(clip_cov_ratio * tokens))`` tokens drawn at random among those the clip left
+    alone whose centred covariance ``(A - mean A) * (log_prob - mean log_prob)`` lies strictly
+    between ``clip_cov_lb`` and ``clip_cov_ub``."""
+    if params.clip_cov_ratio <= 0:
+        raise ValueError(f"`policy_loss.clip_cov_ratio` must be > 0, received {params.clip_cov_ratio}. "
+                         "Fix: use a small fraction such as 0.0002 (verl's default).")
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - params.clip_ratio_low, 1 + params.clip_ratio_high)
+    valid = response_mask > 0
+    with torch.no_grad():
+        cov = (advantages - masked_mean(advantages, response_mask)) * (
+            log_prob - masked_mean(log_prob, response_mask))
+        candidates = (cov < params.clip_cov_ub) & (cov > params.clip_cov_lb) & valid & ~(pg_losses2 > pg_losses1)
+        picked = torch.nonzero(candidates)
+        clip_num = max(int(params.clip_cov_ratio * response_mask.sum().item()), 1)
+        picked = picked[torch.randperm(len(picked))[:clip_num]] if len(picked) else picked
+        corr = torch.ones_like(advantages)
+        corr[picked[:, 0], picked[:, 1]] = 0.0
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    pg_clipfrac = masked_mean((corr == 0).float(), response_mask)
+    return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl)}
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams = PolicyLossParams(),
+    **agg: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025): the unclipped ``-A * r``, plus ``ppo_kl_coef * |log r|`` on the
+    ``max(1, int(kl_cov_ratio * tokens))`` valid tokens of largest centred covariance
+    ``(A - mean A) * (log_prob - mean log_prob)`` (means over the valid tokens)."""
+    if params.kl_cov_ratio <= 0:
+        raise ValueError(f"`policy_loss.kl_cov_ratio` must be > 0, received {params.kl_cov_ratio}. "
+                         "Fix: use a small fraction such as 0.0002 (verl's default).")
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses = -advantages * ratio
+    valid = response_mask > 0
+    flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    if len(flat_valid):
+        with torch.no_grad():
+            adv, logp = advantages[valid].reshape(-1), log_prob.detach()[valid].reshape(-1)
+            cov = (adv - adv.mean()) * (logp - logp.mean())
+            top = torch.topk(cov, max(1, int(len(cov) * params.kl_cov_ratio))).indices
+        penalised = torch.zeros(pg_losses.numel(), dtype=torch.bool, device=pg_losses.device)
+        penalised[flat_valid[top]] = True
+        penalty = params.ppo_kl_coef * negative_approx_kl.abs()
+        pg_losses = pg_losses + torch.where(penalised.view_as(pg_losses), penalty, torch.zeros_like(penalty))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    return pg_loss, {"actor/ppo_kl": _item(masked_mean(negative_approx_kl.abs(), response_mask))}
 
 
 def compute_value_loss(
@@ -389,7 +707,7 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
-    **agg_kwargs: Any,
+    **agg: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: ``0.5 * max((v - R)^2, (clip(v, V - c, V + c) - R)^2)`` aggregated.
 
@@ -400,7 +718,7 @@ def compute_value_loss(
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpred_clipped - returns) ** 2
     vf_loss = 0.5 * agg_loss(
-        torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode, **agg_kwargs
+        torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode, **agg
     )
     vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
     return vf_loss, vf_clipfrac.detach()
@@ -415,27 +733,41 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- KL
 
 
+def _kl_forward(diff: torch.Tensor, name: str) -> torch.Tensor:
+    if name in ("kl", "k1"):
+        return diff
+    if name == "abs":
+        return diff.abs()
+    if name in ("mse", "k2"):
+        return 0.5 * diff.square()
+    kl = torch.clamp(-diff, min=-20.0, max=20.0)  # low_var_kl / k3
+    return torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0)
+
+
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
     """Per-token KL estimate between the policy and the reference (Schulman's k1/k2/k3).
 
     ``kl``/``k1``: ``logprob - ref``; ``abs``: its absolute value; ``mse``/``k2``: half its
     square; ``low_var_kl``/``k3``: ``exp(ref - logprob) - (ref - logprob) - 1``, with the log
     ratio clamped to [-20, 20] and the result to [-10, 10] as verl does.
+
+    A name ending in ``+`` (``k1+``, ``low_var_kl+``, ``k3+``, ...) is verl's straight-through
+    variant: the value of the named estimator, the gradient of ``k2`` (an unbiased KL gradient):
+    ``k2 - sg[k2] + sg[named]`` (verl ``kl_penalty``; its documentation, docs/algo/ppo.md). At
+    verl b178a3c the value half passes the name with its ``+`` to ``kl_penalty_forward``, which
+    knows no such name and raises NotImplementedError; here the value is the named estimator's.
     """
+    if kl_penalty not in KL_PENALTIES:
+        raise ValueError(
+            f"Unknown KL estimator `{kl_penalty!r}` (used by `algorithm.kl_penalty` and "
+            f"`actor_rollout_ref.actor.kl_loss_type`). Valid values: {', '.join(KL_PENALTIES)}."
+        )
     diff = logprob - ref_logprob
-    if kl_penalty in ("kl", "k1"):
-        return diff
-    if kl_penalty == "abs":
-        return diff.abs()
-    if kl_penalty in ("mse", "k2"):
-        return 0.5 * diff.square()
-    if kl_penalty in ("low_var_kl", "k3"):
-        kl = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
-        return torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0)
-    raise ValueError(
-        f"Unknown KL estimator `{kl_penalty!r}` (used by `algorithm.kl_penalty` and "
-        f"`actor_rollout_ref.actor.kl_loss_type`). Valid values: {', '.join(KL_PENALTIES)}."
-    )
+    forward = _kl_forward(diff, kl_penalty.rstrip("+"))
+    if not kl_penalty.endswith("+"):
+        return forward
+    backward = 0.5 * diff.square()
+    return backward - backward.detach() + forward.detach()
 
 
 def apply_kl_penalty(
@@ -526,48 +858,50 @@ def resolve_warmup_steps(
     return int(lr_warmup_steps_ratio * total_training_steps)
 
 
+LR_SCHEDULER_TYPES = ("constant", "cosine")
+
+
 def lr_lambda(
     step: int,
     num_warmup_steps: int,
     num_training_steps: int,
-    warmup_style: str = "constant",
+    lr_scheduler_type: str = "constant",
     min_lr_ratio: float = 0.0,
     num_cycles: float = 0.5,
 ) -> float:
-    """Multiplier of the base learning rate at optimiser step ``step`` (0-based), as in verl.
+    """Multiplier of the base learning rate at optimiser step ``step`` (0-based), as verl's
+    ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``.
 
-    ``constant``: linear from 0 to 1 over the warm-up, then 1. ``cosine``: linear from
-    ``min_lr_ratio`` to 1 over the warm-up, then a cosine down to ``min_lr_ratio``.
+    Both warm up linearly from 0 to 1 over ``num_warmup_steps``. ``constant`` then stays at 1;
+    ``cosine`` follows ``num_cycles`` waves of a cosine between 1 and ``min_lr_ratio`` over the
+    remaining steps (0.5: one half-wave down to ``min_lr_ratio``), never below ``min_lr_ratio``.
     """
-    if warmup_style == "constant":
-        if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
+    if lr_scheduler_type not in LR_SCHEDULER_TYPES:
+        raise ValueError(
+            f"Unknown `optim.lr_scheduler_type={lr_scheduler_type!r}`. Valid values: constant, cosine.")
+    if step < num_warmup_steps:
+        return float(step) / float(max(1, num_warmup_steps))
+    if lr_scheduler_type == "constant":
         return 1.0
-    if warmup_style == "cosine":
-        if step < num_warmup_steps:
-            return min_lr_ratio + (1.0 - min_lr_ratio) * step / float(max(1, num_warmup_steps))
-        progress = (step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
-        x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
-        return max(0.0, x * (1.0 - min_lr_ratio) * 0.5 + (1.0 + min_lr_ratio) * 0.5)
-    raise ValueError(
-        f"Unknown `optim.warmup_style={warmup_style!r}`. Valid values: constant, cosine."
-    )
+    progress = (step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+    return max(min_lr_ratio, x * (1.0 - min_lr_ratio) * 0.5 + (1.0 + min_lr_ratio) * 0.5)
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     num_warmup_steps: int,
     num_training_steps: int,
-    warmup_style: str = "constant",
+    lr_scheduler_type: str = "constant",
     min_lr_ratio: float = 0.0,
     num_cycles: float = 0.5,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` following :func:`lr_lambda`; step it once per optimiser step."""
-    lr_lambda(0, num_warmup_steps, num_training_steps, warmup_style, min_lr_ratio, num_cycles)
+    lr_lambda(0, num_warmup_steps, num_training_steps, lr_scheduler_type, min_lr_ratio, num_cycles)
 
     def factor(step: int) -> float:
         return lr_lambda(
-            step, num_warmup_steps, num_training_steps, warmup_style, min_lr_ratio, num_cycles
+            step, num_warmup_steps, num_training_steps, lr_scheduler_type, min_lr_ratio, num_cycles
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

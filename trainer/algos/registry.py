@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AdvEstimator",
     "adv_estimator",
@@ -46,9 +47,12 @@ class AdvEstimator:
     min_group_size: int = 1
     """Samples per prompt it compares (`actor_rollout_ref.rollout.n` at least this); above 1 it
     also needs the prompt uid of each row."""
+    greedy_baseline: bool = False
+    """It subtracts the score of each prompt's greedy response (`reward_baselines=`): the driver
+    runs one greedy rollout per prompt and scores it before the estimator (verl's ReMax)."""
     fn: Callable[..., Any] | None = None
     """`fn(token_level_rewards=, response_mask=, values=, index=, gamma=, lam=,
-    norm_adv_by_std_in_grpo=) -> (advantages, returns)`; it ignores the inputs it does not use.
+    norm_adv_by_std_in_grpo=, reward_baselines=) -> (advantages, returns)`; it ignores the inputs it does not use.
     None until :mod:`trainer.algos.core_algos` registers it."""
 
 
@@ -57,11 +61,22 @@ ADV_ESTIMATORS: dict[str, AdvEstimator] = {e.name: e for e in (
     AdvEstimator("grpo", min_group_size=2),
     AdvEstimator("rloo", min_group_size=2),
     AdvEstimator("reinforce_plus_plus"),
+    AdvEstimator("reinforce_plus_plus_baseline"),
+    AdvEstimator("remax", greedy_baseline=True),
+    AdvEstimator("opo", min_group_size=2),
+    AdvEstimator("gpg", min_group_size=2),
+    AdvEstimator("grpo_passk", min_group_size=2),
 )}
 """Every advantage estimator, in the order the configuration lists them."""
 
-POLICY_LOSSES: tuple[str, ...] = ("vanilla",)
-"""Every policy loss (`loss_mode`)."""
+POLICY_LOSSES: tuple[str, ...] = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov")
+"""Every policy loss (`loss_mode`): `fn(old_log_prob, log_prob, advantages, response_mask,
+loss_agg_mode, params, **normalisers) -> (pg_loss, metrics)`."""
+
+_KL_BASES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_ESTIMATORS: tuple[str, ...] = (*_KL_BASES, *(f"{name}+" for name in _KL_BASES))
+"""verl's KL estimator names (`algorithm.kl_penalty`, `actor.kl_loss_type`); a trailing `+` takes
+the gradient of `k2` (straight-through, `core_algos.kl_penalty`)."""
 
 _POLICY_LOSS_FNS: dict[str, Callable[..., Any]] = {}
 

@@ -447,9 +447,11 @@ def _auto_resume(root: Path, run: RunIdentity | None) -> Path | None:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """The state of every random generator a run uses (torch CPU/CUDA, Python, NumPy)."""
+    """The state of every random generator a run uses (torch CPU/CUDA, Python, NumPy). The CUDA
+    generators only where this process has started CUDA already: reading them would otherwise
+    start it, on every GPU it sees (the Ray driver on a GPU node sees them all)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
@@ -467,7 +469,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Restore generators captured by :func:`capture_rng_state`."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np

@@ -58,7 +58,13 @@ class RefFsdpConfig:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss_mode: str = h("policy loss registered under this name (`trainer.algos.registry`); vanilla = PPO clip")
+    loss_mode: str = h("policy loss registered under this name (`trainer.algos.registry`): vanilla (PPO "
+                       "clip), gspo, sapo, cispo, gpg, clip_cov, kl_cov")
+    clip_cov_ratio: float = h("clip_cov: fraction of the tokens whose gradient is dropped")
+    clip_cov_lb: float = h("clip_cov: a dropped token's covariance lies above this")
+    clip_cov_ub: float = h("clip_cov: a dropped token's covariance lies below this")
+    kl_cov_ratio: float = h("kl_cov: fraction of the tokens (largest covariance) given the |log ratio| penalty")
+    ppo_kl_coef: float = h("kl_cov: coefficient of the |log ratio| penalty")
 
 
 @dataclass(frozen=True)
@@ -69,16 +75,24 @@ class ActorConfig:
     use_dynamic_bsz: bool = h("form micro-batches by token count instead of sample count")
     ppo_max_token_len_per_gpu: int = h("token budget of one micro-batch with `use_dynamic_bsz`")
     grad_clip: float = h("clip the gradient norm to this value")
-    clip_ratio: float = h("PPO clip epsilon, used for low and high when those are null")
-    clip_ratio_low: float | None = h("lower clip epsilon; null = `clip_ratio`")
+    clip_ratio: float = h("PPO clip epsilon; acts only where `clip_ratio_low`/`clip_ratio_high` are null "
+                          "(as in verl, whose defaults for both are 0.2)")
+    clip_ratio_low: float | None = h("lower clip epsilon (0 is honoured: no clip below 1); null = `clip_ratio`")
     clip_ratio_high: float | None = h("upper clip epsilon; null = `clip_ratio`")
+    tau_pos: float = h("sapo: gate temperature for positive advantages")
+    tau_neg: float = h("sapo: gate temperature for the other advantages")
     clip_ratio_c: float = h("dual-clip constant for negative advantages (> 1)")
     policy_loss: PolicyLossConfig = h("policy loss")
     loss_agg_mode: LossAggMode = h("how token losses are aggregated")
+    loss_scale_factor: float | None = h(
+        "divisor of `seq-mean-token-sum-norm` (Dr.GRPO); null = the padded response length "
+        "(`data.max_response_length`). As in verl it acts under `trainer.use_legacy_worker_impl=disable` "
+        "only: verl's default worker always divides by the padded length")
     entropy_coeff: float = h("entropy bonus coefficient")
     use_kl_loss: bool = h("add KL(actor || reference) to the actor loss")
     kl_loss_coef: float = h("coefficient of the KL loss")
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = h("KL estimator of the KL loss")
+    kl_loss_type: str = h("KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3); a "
+                          "trailing `+` (`k3+`) keeps the value and takes k2's gradient")
     ppo_epochs: int = h("passes over each batch of rollouts")
     shuffle: bool = h("shuffle samples between mini-batches")
     optim: OptimConfig = h("actor optimizer")

@@ -23,10 +23,11 @@ class AlgorithmConfig:
     gamma: float = h("discount factor")
     lam: float = h("GAE lambda")
     adv_estimator: str = h("advantage estimator registered under this name (`trainer.algos.registry`): "
-                           "gae, grpo, rloo, reinforce_plus_plus")
+                           "gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, "
+                           "opo, gpg, grpo_passk")
     norm_adv_by_std_in_grpo: bool = h("grpo: divide by the group's standard deviation")
     use_kl_in_reward: bool = h("subtract a KL penalty from the token rewards")
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = h("KL estimator of the in-reward penalty")
+    kl_penalty: str = h("KL estimator of the in-reward penalty (the names of `actor.kl_loss_type`)")
     kl_ctrl: KLCtrlConfig = h("KL controller")
 
 

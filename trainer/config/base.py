@@ -46,7 +46,11 @@ class OptimConfig:
     lr_warmup_steps: int = h("linear warm-up steps; -1 uses `lr_warmup_steps_ratio`")
     lr_warmup_steps_ratio: float = h("warm-up steps as a share of the total training steps")
     min_lr_ratio: float = h("cosine schedule floor as a share of `lr`")
-    warmup_style: Literal["constant", "cosine"] = h("schedule after warm-up")
+    lr_scheduler_type: Literal["constant", "cosine"] = h(
+        "schedule after the linear warm-up from 0: `constant`, or `cosine` down to `min_lr_ratio`")
+    num_cycles: float = h("cosine waves over the steps after the warm-up (0.5: one fall to the floor)")
+    warmup_style: Literal["constant", "cosine"] | None = h(
+        "verl's deprecated name of `lr_scheduler_type`; when set it replaces it")
     weight_decay: float = h("AdamW weight decay")
     betas: list[float] = h("AdamW betas")
     clip_grad: float | None = h("newer verl name of the section's `grad_clip`; when set it replaces it")

@@ -16,7 +16,7 @@ from trainer.config.actor import validate_lora
 from trainer.config.algorithm import estimator
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.overrides import _apply, _lookup, _reading_env, apply_overrides, is_override
-from trainer.config.reward import REWARD_MODEL_WORKER
+from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
 from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name
 from trainer.config.schema import ALIASES, COMPAT, Config
 from trainer.config.trainer import default_gpus_per_node
@@ -97,11 +97,16 @@ def _derive(tree: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
         critic["model"]["path"] = arr["model"]["path"]
     if critic["model"]["tokenizer_path"] is None:
         critic["model"]["tokenizer_path"] = critic["model"]["path"]
+    derive_overlong(tree["reward_model"])
+    for section in (actor, critic):  # verl's deprecated name of `lr_scheduler_type`
+        if section["optim"]["warmup_style"] is not None:
+            section["optim"]["lr_scheduler_type"] = section["optim"]["warmup_style"]
     if arr["rollout"]["name"] is None:
         arr["rollout"]["name"] = default_rollout_name()
     if trainer["n_gpus_per_node"] is None:
         trainer["n_gpus_per_node"] = default_gpus_per_node(env or {})
     launched = (env or {}).get(RUN_DIR_ENV)
+
     if trainer["default_local_dir"] is None:
         trainer["default_local_dir"] = (
             os.path.join(launched, "checkpoints") if launched
@@ -175,6 +180,13 @@ def validate(cfg: Config) -> None:
         f"`actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode}` is not a "
         f"registered policy loss; valid values: {', '.join(registry.policy_loss_names())}",
     )
+    for key, name in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
+                      ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
+        require(name in registry.KL_ESTIMATORS,
+                f"`{key}={name}` is not a KL estimator; valid values: {', '.join(registry.KL_ESTIMATORS)}")
+    require(actor.loss_scale_factor is None or actor.loss_scale_factor > 0,
+            f"`actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor}` must be positive (the "
+            "divisor of seq-mean-token-sum-norm) or null for the padded response length")
     require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
     require(
         cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path is not None,
@@ -197,10 +209,12 @@ def validate(cfg: Config) -> None:
     require(not cfg.reward_model.enable, f"`reward_model.enable=true`: {REWARD_MODEL_WORKER}. Fix: "
              "remove the override, and score with `custom_reward_function.path=<file.py>`")
     buffer = cfg.reward_model.overlong_buffer
+    max_len = validate_reward_kwargs(cfg.reward_model, data.max_response_length)
     require(
-        not buffer.enable or 0 < buffer.len <= data.max_response_length,
-        f"`reward_model.overlong_buffer.len={buffer.len}` must be between 1 and "
-        f"`data.max_response_length`={data.max_response_length} when the buffer is enabled",
+        not buffer.enable or 0 < buffer.len <= max_len,
+        f"`reward_model.overlong_buffer.len={buffer.len}` must be between 1 and the length the "
+        f"penalty counts to ({max_len}: `reward_model.reward_kwargs.max_resp_len`, else "
+        "`data.max_response_length`) when the buffer is enabled",
     )
     require(
         not buffer.enable or cfg.reward_model.reward_manager == "dapo",

@@ -20,6 +20,10 @@ class TrainerConfig:
         "metric sinks; the JSONL file in `run_dir` is always written"
     )
     nnodes: int = h("nodes of the Ray cluster")
+    use_legacy_worker_impl: Literal["auto", "enable", "disable"] = h(
+        "verl's worker switch, here the loss normalisers: auto/enable = verl's default worker (each "
+        "micro-batch's mean times 1/gradient accumulation), disable = verl's model engine (the "
+        "actor divides by the whole mini-batch's tokens or rows; the critic sums micro-batch means)")
     log_val_generations: int = h(
         "at each validation, log this many samples (the same prompts every time: input, output, "
         "score) to `val_generations.jsonl` in `run_dir` and, with the console logger, print them")

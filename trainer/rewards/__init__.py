@@ -1,19 +1,22 @@
 """Rule-based rewards, chosen per row by `data_source`, or a user function from a file.
 
 A reward function has verl's signature
-`compute_score(data_source, solution_str, ground_truth, extra_info=None)` and returns a float
-or a dict with a `score` float (other numeric entries are reported as metrics).
+`compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)` and is called
+by keyword, as verl calls it, with `custom_reward_function.reward_kwargs` added to every call. It
+returns a number or a dict with a `score` number; the dict's other entries (numbers, or strings
+such as `pred`, the vote of the validation's `maj@N`) are reported beside it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainer.rewards import arith, gsm8k, toy
+from trainer.rewards import arith, gsm8k, math_dapo, math_reward, toy
 
 RewardFn = Callable[..., Any]
 
@@ -23,15 +26,24 @@ class RewardError(ValueError):
 
 
 GSM8K_SOURCES = ("openai/gsm8k",)
-KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, toy.TOY_DIGITS, arith.ARITH)
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+DAPO_MATH_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "aime*")
+KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_MATH_SOURCES, toy.TOY_DIGITS, arith.ARITH)
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
-) -> float | dict[str, float]:
-    """The built-in scorer for `data_source` (verl's `default_compute_score` for the ones here)."""
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None,
+    **_: Any,
+) -> float | dict[str, Any]:
+    """The built-in scorer for `data_source`, routed as verl's `default_compute_score` routes
+    the sources it shares with this trainer (`KNOWN_DATA_SOURCES`; `aime*`: any name starting
+    with `aime`)."""
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, str(ground_truth))
+    if data_source in MATH_SOURCES:
+        return math_reward.compute_score(solution_str, ground_truth)
+    if data_source in DAPO_MATH_SOURCES or data_source.startswith("aime"):
+        return math_dapo.compute_score(solution_str, ground_truth)
     if data_source == toy.TOY_DIGITS:
         return toy.toy_digits_score(solution_str)
     if data_source == arith.ARITH:
@@ -43,8 +55,37 @@ def default_compute_score(
     )
 
 
-def load_reward_fn(path: str | None, name: str) -> RewardFn:
-    """`default_compute_score` when `path` is None, else function `name` from the file `path`."""
+def _with_kwargs(fn: RewardFn, extra: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `fn` with `extra` merged into the keywords, `extra` winning (verl's wrapper)."""
+    return fn(*args, **{**kwargs, **extra})
+
+
+#: The keywords verl's `naive` and `dapo` managers call a reward function with, and `batch`'s.
+PER_RESPONSE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+BATCH_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+
+
+def _check_keywords(fn: RewardFn, file: Path, name: str, keywords: Sequence[str]) -> None:
+    """Refuse, before any rollout, a function that cannot take verl's keywords."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as err:
+        raise RewardError(
+            f"`{file}`: `{name}{signature}` cannot be called as verl calls a reward function, by "
+            f"keyword with {', '.join(f'`{k}=`' for k in keywords)} ({err}). Fix: give it those "
+            "parameter names (or `**kwargs`)") from None
+
+
+def load_reward_fn(path: str | None, name: str, reward_kwargs: Mapping[str, Any] | None = None,
+                   keywords: Sequence[str] = PER_RESPONSE_ARGS) -> RewardFn:
+    """`default_compute_score` when `path` is None, else function `name` from the file `path`,
+    given `reward_kwargs` (`custom_reward_function.reward_kwargs`) on every call. `keywords`:
+    what the reward manager passes (`PER_RESPONSE_ARGS`, or `BATCH_ARGS` and
+    `reward_model.reward_kwargs` for `batch`); a function that cannot take them is refused."""
     if path is None:
         return default_compute_score
     file = Path(path).expanduser()
@@ -65,19 +106,21 @@ def load_reward_fn(path: str | None, name: str) -> RewardFn:
             f"`{file}` has no function `{name}` (`custom_reward_function.name`); functions "
             f"defined there: {', '.join(found) or 'none'}"
         )
-    return fn
+    _check_keywords(fn, file, name, [*keywords, *(reward_kwargs or {})])
+    return partial(_with_kwargs, fn, dict(reward_kwargs)) if reward_kwargs else fn
 
 
-def _as_score(result: Any, data_source: str) -> tuple[float, dict[str, float]]:
+def _as_score(result: Any, data_source: str) -> tuple[float, dict[str, Any]]:
     if isinstance(result, dict):
         if "score" not in result:
             raise RewardError(
                 f"reward function returned a dict without `score` for `{data_source}`: "
                 f"{sorted(result)}; return a float or a dict with a `score` entry"
             )
-        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, int | float)}
+        extras = {k: (v if isinstance(v, str) else float(v)) for k, v in result.items()
+                  if k != "score" and isinstance(v, int | float | str)}
         return float(result["score"]), extras
-    if isinstance(result, int | float) and not isinstance(result, bool):
+    if isinstance(result, int | float):  # a bool too: verl's `float(res)`
         return float(result), {}
     raise RewardError(
         f"reward function returned {type(result).__name__} for `{data_source}`; return a float "
@@ -91,11 +134,14 @@ def score_batch(
     responses: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict[str, Any] | None],
-) -> tuple[list[float], dict[str, list[float]]]:
+    reward_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[float], dict[str, list[Any]]]:
     """verl's `batch` reward manager: one call with lists (`data_sources`, `solution_strs`,
-    `ground_truths`, `extra_infos`) returning one float or dict per response."""
+    `ground_truths`, `extra_infos`) and `reward_model.reward_kwargs` as further keywords,
+    returning one float or dict per response."""
+    infos = [{**(info or {}), "rollout_reward_scores": {}} for info in extra_infos]
     results = fn(data_sources=list(data_sources), solution_strs=list(responses),
-                 ground_truths=list(ground_truths), extra_infos=list(extra_infos))
+                 ground_truths=list(ground_truths), extra_infos=infos, **dict(reward_kwargs or {}))
     if not isinstance(results, Sequence) or isinstance(results, str) or len(results) != len(responses):
         got = f"{len(results)} results" if isinstance(results, Sequence) else type(results).__name__
         raise RewardError(
@@ -104,10 +150,10 @@ def score_batch(
     return _collect(data_sources, results)
 
 
-def _collect(data_sources: Sequence[str], results: Sequence[Any]) -> tuple[list[float], dict[str, list[float]]]:
+def _collect(data_sources: Sequence[str], results: Sequence[Any]) -> tuple[list[float], dict[str, list[Any]]]:
     """The scores of the reward function's `results` (one per response) and their extra values."""
     scores: list[float] = []
-    extras: dict[str, list[float]] = {}
+    extras: dict[str, list[Any]] = {}
     for source, result in zip(data_sources, results, strict=True):
         score, more = _as_score(result, source)
         scores.append(score)
@@ -130,8 +176,10 @@ def score_responses(
     responses: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict[str, Any] | None],
-) -> tuple[list[float], dict[str, list[float]]]:
-    """Score each decoded response; return the scores and any extra per-sample values."""
-    results = [fn(source, text, truth, info)
+) -> tuple[list[float], dict[str, list[Any]]]:
+    """Score each decoded response, calling `fn` by keyword as verl's `naive` and `dapo`
+    managers do; return the scores and any extra per-sample values."""
+    results = [fn(data_source=source, solution_str=text, ground_truth=truth,
+                  extra_info={**(info or {}), "num_turns": None, "rollout_reward_scores": {}})
                for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos, strict=True)]
     return _collect(data_sources, results)

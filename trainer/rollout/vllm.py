@@ -113,8 +113,13 @@ def external_launcher_args(tp: int) -> dict[str, Any]:
             remove_cpu_shm()  # an engine killed without closing (a Ray actor) leaves its segments
         dist.barrier()
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-    os.environ.setdefault("LOCAL_RANK", "0")  # a worker sees its own device(s) only
-    args: dict[str, Any] = {"distributed_executor_backend": "external_launcher"}
+    # vLLM takes `cuda:<LOCAL_RANK>`: the device this rank already uses (the one Ray assigned
+    # it), never a `LOCAL_RANK` inherited from the environment
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
+    # vLLM's custom all-reduce needs CUDA IPC between the processes of one engine, which see one
+    # GPU each here; NCCL carries the all-reduce instead (verl turns it off in this mode too)
+    args: dict[str, Any] = {"distributed_executor_backend": "external_launcher",
+                            "disable_custom_all_reduce": True}
     if world // tp > 1:
         args["data_parallel_size"] = world // tp
     return args
@@ -169,12 +174,14 @@ class VLLMRolloutEngine:
             trust_remote_code=trust_remote_code, **parallel)
 
     @classmethod
-    def from_config(cls, cfg: Config, tokenizer: Any, seed: int = 0) -> VLLMRolloutEngine:
-        """An engine for the actor model of `cfg` (verl's `actor_rollout_ref.rollout` keys)."""
+    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0
+                    ) -> VLLMRolloutEngine:
+        """An engine for the actor model of `cfg` (verl's `actor_rollout_ref.rollout` keys),
+        stopping on every id of `eos_token_ids` (:func:`trainer.models.eos_token_ids`)."""
         r = cfg.actor_rollout_ref.rollout
         max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         return cls(cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
-                   eos_token_ids=[tokenizer.eos_token_id], max_model_len=max_len, seed=seed,
+                   eos_token_ids=eos_token_ids, max_model_len=max_len, seed=seed,
                    dtype=str(compute_dtype(r.dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
                              ).removeprefix("torch."),
                    gpu_memory_utilization=r.gpu_memory_utilization,

@@ -32,15 +32,13 @@ from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.lora import apply_lora
+from trainer.metrics import flops_fields, memory_metrics
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.workers.base import Worker
 
 __all__ = ["ActorRolloutRefWorker"]
-
-CLIP_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-
 
 class ActorRolloutRefWorker(Worker):
     """Actor + reference + rollout of one rank."""
@@ -68,6 +66,7 @@ class ActorRolloutRefWorker(Worker):
                                    "actor_rollout_ref.ref.fsdp_config")
         self._optimizer(arr.actor.optim)
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
+        self.loss_params = self._loss_params()
         self.rollout, self.shares_weights = self._build_rollout()
 
     @property
@@ -81,10 +80,11 @@ class ActorRolloutRefWorker(Worker):
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
         arr = self.cfg.actor_rollout_ref
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        eos = M.eos_token_ids(arr.model.path, self.tokenizer, trust_remote_code=arr.model.trust_remote_code)
         if arr.rollout.name == "vllm":
             tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
-            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer,
+            return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, eos,
                                                  seed=self.cfg.trainer.seed + self.rank // tp), False
         assert self.ctx is not None
         tp = arr.rollout.tensor_model_parallel_size
@@ -173,11 +173,21 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ update
 
+    def _loss_params(self) -> core_algos.PolicyLossParams:
+        a = self.cfg.actor_rollout_ref.actor
+        pl = a.policy_loss
+        return core_algos.PolicyLossParams(
+            clip_ratio_low=float(a.clip_ratio_low), clip_ratio_high=float(a.clip_ratio_high),
+            clip_ratio_c=float(a.clip_ratio_c), tau_pos=float(a.tau_pos), tau_neg=float(a.tau_neg),
+            clip_cov_ratio=float(pl.clip_cov_ratio), clip_cov_lb=float(pl.clip_cov_lb),
+            clip_cov_ub=float(pl.clip_cov_ub), kl_cov_ratio=float(pl.kl_cov_ratio),
+            ppo_kl_coef=float(pl.ppo_kl_coef))
+
     def _micro_loss(self, mb: StepBatch, agg: dict[str, Any], keep_entropy: bool
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one micro-batch. Without old log-probs (the driver's
-        `reuses_update_log_probs`) its own log-probs, detached, stand in for them; `keep_entropy`
-        keeps its entropies in `mb.entropy` for the metric."""
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """`(loss, pg_loss, kl_loss, metrics)` of one micro-batch, unscaled. Without old
+        log-probs (the driver's `reuses_update_log_probs`) its own log-probs, detached, stand in
+        for them; `keep_entropy` keeps its entropies in `mb.entropy` for the metric."""
         a = self.cfg.actor_rollout_ref.actor
         log_prob, entropy = M.compute_log_probs(
             self.model, mb.input_ids, mb.attention_mask, mb.response_length,
@@ -187,48 +197,44 @@ class ActorRolloutRefWorker(Worker):
         if keep_entropy:
             mb.entropy = need(entropy, "entropy").detach()
         old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss(
-            old, log_prob, need(mb.advantages, "advantages"), mb.response_mask,
-            float(a.clip_ratio_low or a.clip_ratio), float(a.clip_ratio_high or a.clip_ratio),
-            a.clip_ratio_c, a.loss_agg_mode, **agg)
-        loss, info = pg_loss, {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": clipfrac.item(),
-                               "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": clipfrac_lower.item()}
+        pg_loss, info = self.policy_loss(old, log_prob, need(mb.advantages, "advantages"), mb.response_mask,
+                                         a.loss_agg_mode, self.loss_params, **agg)
+        loss, kl_loss = pg_loss, None
         if a.entropy_coeff != 0 and entropy is not None:
             loss = loss - a.entropy_coeff * core_algos.agg_loss(entropy, mb.response_mask, a.loss_agg_mode, **agg)
         if a.use_kl_loss:
             kld = core_algos.kl_penalty(log_prob, need(mb.ref_log_probs, "ref_log_probs"), a.kl_loss_type)
             kl_loss = core_algos.agg_loss(kld, mb.response_mask, a.loss_agg_mode, **agg)
             loss = loss + a.kl_loss_coef * kl_loss
-            info["actor/kl_loss"] = kl_loss.item()
             info["actor/kl_coef"] = a.kl_loss_coef
-        return loss, info
+        return loss, pg_loss, kl_loss, info
 
-    def _update_mini(self, share: MiniBatchShare, keep_entropy: bool, collected: dict[str, list[float]]
-                     ) -> torch.Tensor | None:
+    def _update_mini(self, share: MiniBatchShare, keep_entropy: bool, collected: dict[str, list[float]],
+                     totals: dict[str, float]) -> torch.Tensor | None:
         """One optimizer step on this rank's rows of one mini-batch (which may be none: every
-        row of the mini-batch was skipped); with `keep_entropy`, the entropy of each row."""
-        a = self.cfg.actor_rollout_ref.actor
+        row of the mini-batch was skipped); with `keep_entropy`, the entropy of each row.
+        `totals` gathers verl's `actor/pg_loss` and `actor/kl_loss`: each micro-batch's loss
+        times its scale, summed over micro-batches, mini-batches and epochs (verl b178a3c
+        verl/workers/actor/dp_actor.py:662 `metrics["actor/pg_loss"] += pg_loss.detach().item() *
+        loss_scale_factor`, :649 the same for `actor/kl_loss`, both started at 0.0 at :546)."""
+        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
         mini = share.batch.to(self.device)
-        agg, sums = self._agg_kwargs(share.num_tokens, share.num_seqs), defaultdict[str, float](float)
         entropy = torch.zeros_like(mini.response_mask) if keep_entropy else None
         if len(mini) == 0:
             self._zero_grads()
-            for key in CLIP_METRICS:
-                collected[key].append(0.0)
         for rows in self._micro(mini, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                 a.ppo_max_token_len_per_gpu) if len(mini) else []:
             mb = mini.select(rows)
-            loss, info = self._micro_loss(mb, agg, keep_entropy)
-            loss.backward()
+            agg, scale = self._loss_scale(share, len(rows), a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu,
+                                          a.use_dynamic_bsz, a.loss_scale_factor)
+            loss, pg_loss, kl_loss, info = self._micro_loss(mb, agg, keep_entropy)
+            (loss * scale).backward()
             if entropy is not None:
                 entropy[rows] = need(mb.entropy, "entropy")
-            sums["actor/pg_loss"] += info.pop("actor/pg_loss")
-            sums["actor/kl_loss"] += info.pop("actor/kl_loss", 0.0)
+            totals["actor/pg_loss"] += pg_loss.item() * scale
+            totals["actor/kl_loss"] += 0.0 if kl_loss is None else kl_loss.item() * scale
             for key, value in info.items():
                 collected[key].append(value)
-        collected["actor/pg_loss"].append(sums["actor/pg_loss"])
-        if a.use_kl_loss:
-            collected["actor/kl_loss"].append(sums["actor/kl_loss"])
         collected["actor/grad_norm"].append(self._optimizer_step(a.grad_clip))
         return entropy
 
@@ -238,16 +244,22 @@ class ActorRolloutRefWorker(Worker):
         holds the entropy of each of this rank's rows."""
         start, tokens = time.perf_counter(), 0.0
         collected: dict[str, list[float]] = defaultdict(list)
+        totals: dict[str, float] = defaultdict(float)
         entropy: torch.Tensor | None = None
         self.model.train()
         for minis in epochs:
             for share in minis:
                 tokens += float(share.batch.attention_mask.sum())
-                entropy = self._update_mini(share, keep_entropy, collected)
+                entropy = self._update_mini(share, keep_entropy, collected, totals)
+        for key in ("actor/pg_loss", "actor/kl_loss"):  # verl reports both, kl_loss 0 without a KL loss
+            collected[key].append(totals[key])
+        collected["actor/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        collected["actor/lr"].append(self.lr())
+        for key, value in memory_metrics(self.device).items():
+            collected[key].append(value)
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu()}
+                "tokens": tokens, "entropy": None if entropy is None else entropy.cpu(),
+                "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpcrl.devices import WorkerDevice, worker_device
 from hpcrl.runtimes import running_in
 from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
-from trainer.batch import StepBatch, seed_everything
+from trainer.batch import MiniBatchShare, StepBatch, seed_everything
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
 from trainer.checkpoint.hf_export import write_hf_export
 from trainer.config import Config, ConfigError
 
-__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device"]
+__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device", "take_ray_device"]
 
 #: Environment every worker process sets before heavy imports (vLLM's engine stays in-process).
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -54,6 +56,28 @@ def container_runtime() -> str:
     return running_in()
 
 
+def take_ray_device(environ: dict[str, str] | None = None) -> WorkerDevice | None:
+    """In a Ray actor holding a GPU: the device Ray assigned it (`get_accelerator_ids()`), with
+    the visible-device variables made to agree and `LOCAL_RANK` set to its index
+    (:func:`hpcrl.devices.worker_device`), in `environ` (`os.environ`). Must run before anything
+    starts CUDA/HIP in the process. A Ray actor without a GPU gets `LOCAL_RANK=0`; outside a Ray
+    actor (the driver, a rank in the driver's process) nothing changes and None is returned."""
+    env = os.environ if environ is None else environ
+    ray = sys.modules.get("ray")  # a Ray actor has Ray imported; the driver need not
+    if ray is None or not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return None
+    ids = context.get_accelerator_ids().get("GPU", [])
+    if not ids:
+        env["LOCAL_RANK"] = "0"
+        return None
+    device = worker_device(env, ids, "amd" if torch.version.hip else "nvidia")
+    env.update(device.env)
+    return device
+
+
 def resolve_device(name: str) -> torch.device:
     """`trainer.device` of a single rank: `auto` is the GPU when torch sees one."""
     if name == "auto":
@@ -71,6 +95,7 @@ class Worker:
     def __init__(self, cfg: Config, rank: int, world_size: int, total_steps: int) -> None:
         for key, value in WORKER_ENV.items():
             os.environ.setdefault(key, value)
+        self.gpu = take_ray_device()  # first: before anything starts CUDA in this process
         self.cfg, self.rank, self.world_size, self.total_steps = cfg, rank, world_size, total_steps
         self.ctx: P.DistContext | None = None
         self.model: Any = None
@@ -80,9 +105,12 @@ class Worker:
     # ------------------------------------------------------------------ identity and group
 
     def node_info(self) -> dict[str, Any]:
+        gpu = None if self.gpu is None else {
+            "ray_id": self.gpu.ray_id, "index": self.gpu.index,
+            **{k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "LOCAL_RANK")}}
         return {"role": self.role, "rank": self.rank, "hostname": socket.gethostname(),
                 "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available(),
-                "container": container_runtime()}
+                "container": container_runtime(), "gpu": gpu}
 
     def free_port(self) -> int:
         return P.free_port(node_ip())
@@ -97,7 +125,8 @@ class Worker:
         else:
             assert master_addr is not None and master_port is not None, "several ranks need a rendezvous"
             self.ctx = P.init_process_group(self.rank, self.world_size, master_addr, master_port,
-                                            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout)
+                                            timeout_s=self.cfg.actor_rollout_ref.nccl_timeout,
+                                            device_index=0 if self.gpu is None else self.gpu.index)
         seed_everything(self.cfg.trainer.seed)
         self.build()
         return {"backend": self.ctx.backend, "fsdp": self.ctx.fsdp, "threads": torch.get_num_threads()}
@@ -152,7 +181,8 @@ class Worker:
         warmup = core_algos.resolve_warmup_steps(optim.lr_warmup_steps, optim.lr_warmup_steps_ratio,
                                                  self.total_steps)
         self.sched = core_algos.build_lr_scheduler(self.optim, warmup, self.total_steps,
-                                                   optim.warmup_style, optim.min_lr_ratio)
+                                                   optim.lr_scheduler_type, optim.min_lr_ratio,
+                                                   optim.num_cycles)
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -160,10 +190,37 @@ class Worker:
         lengths = batch.attention_mask.sum(-1).long().tolist()
         return P.rank_micro_batches(lengths, micro, dynamic, max_len)
 
-    def _agg_kwargs(self, num_tokens: float, num_seqs: float) -> dict[str, Any]:
-        """Loss normalisers of the whole mini-batch (all ranks, skipped rows included)."""
-        return {"global_num_tokens": num_tokens, "global_num_seqs": num_seqs, "dp_size": self.world_size,
-                "norm_length": float(self.cfg.data.max_response_length)}
+    @property
+    def global_normalisers(self) -> bool:
+        """verl's model engine (`trainer.use_legacy_worker_impl=disable`): losses normalised by
+        the whole mini-batch; otherwise verl's default worker: micro-batch means."""
+        return str(self.cfg.trainer.use_legacy_worker_impl) == "disable"
+
+    def _loss_scale(self, share: MiniBatchShare, micro_rows: int, mini_size: int, micro_size: int | None,
+                    dynamic: bool, loss_scale_factor: float | None = None) -> tuple[dict[str, Any], float]:
+        """`(normalisers for agg_loss, factor of the micro-batch loss)` of one micro-batch of
+        `micro_rows` rows; `mini_size` counts the mini-batch's rows over all ranks.
+
+        verl's default worker (verl/workers/actor/dp_actor.py `update_policy`, dp_critic.py
+        `update_critic`) takes each micro-batch's own mean times `1 / gradient_accumulation`,
+        `gradient_accumulation = (mini_size // world) // micro_size`, or with dynamic batch size
+        the micro-batch's share `micro_rows / (mini_size // world)` (dp_actor.py:575-578 at verl
+        b178a3c); gradients are averaged over ranks. verl's model engine
+        (verl/workers/utils/losses.py:103-106 `ppo_loss`) divides by the whole
+        mini-batch's tokens or rows times the world size instead, factor 1. Dr.GRPO divides by
+        `loss_scale_factor` alone: the padded response length (`data.max_response_length`, the
+        width verl pads responses to); verl's default worker passes no `loss_scale_factor`.
+        """
+        length = float(self.cfg.data.max_response_length)
+        if self.global_normalisers:
+            return {"dp_size": self.world_size, "batch_num_tokens": share.num_tokens,
+                    "global_batch_size": share.num_seqs,
+                    "loss_scale_factor": loss_scale_factor or length}, 1.0
+        per_rank = max(mini_size // self.world_size, 1)
+        if dynamic:
+            return {"loss_scale_factor": length}, micro_rows / per_rank
+        accumulation = per_rank // micro_size if micro_size else 1
+        return {"loss_scale_factor": length}, 1.0 / max(accumulation, 1)
 
     def _zero_grads(self) -> None:
         """Zero gradients where no backward pass left one (this rank skipped every row of a
@@ -194,6 +251,12 @@ class Worker:
 
     def lr(self) -> float:
         return float(self.sched.get_last_lr()[0])
+
+    def device_name(self) -> str:
+        """This rank's device as verl's FLOPs table names it: the GPU's name, or `CPU`."""
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_name(self.device))
+        return "CPU"
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -12,6 +12,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.metrics import flops_fields
 from trainer.workers.base import Worker
 
 __all__ = ["CriticWorker"]
@@ -52,37 +53,57 @@ class CriticWorker(Worker):
         P.reshard(self.model)
         return {"values": (values * batch.response_mask).cpu(), "seconds": time.perf_counter() - start}
 
-    def _update_mini(self, share: MiniBatchShare, collected: dict[str, list[float]]) -> None:
+    def _value_loss_scale(self, share: MiniBatchShare, micro_rows: int) -> tuple[dict[str, Any], float]:
+        """Normalisers and factor of one micro-batch's value loss. verl's default worker
+        (dp_critic.py `update_critic`): the micro-batch mean times its share of the mini-batch,
+        as the actor's. verl's model engine (losses.py `value_loss`) passes no normalisers and no
+        factor: each micro-batch's own mean, summed over the micro-batches."""
+        c = self.cfg.critic
+        if self.global_normalisers:
+            return {"loss_scale_factor": float(self.cfg.data.max_response_length)}, 1.0
+        mini_size = int(c.ppo_mini_batch_size or 1) * self.cfg.actor_rollout_ref.rollout.n
+        return self._loss_scale(share, micro_rows, mini_size, c.ppo_micro_batch_size_per_gpu,
+                                bool(c.use_dynamic_bsz))
+
+    def _update_mini(self, share: MiniBatchShare, collected: dict[str, list[float]]) -> float:
+        """One optimizer step on this rank's rows of one mini-batch; returns its `critic/vf_loss`
+        share: each micro-batch's loss times its scale, summed (verl b178a3c
+        verl/workers/critic/dp_critic.py:256 `metrics["critic/vf_loss"] += vf_loss.detach().item() *
+        loss_scale_factor`)."""
         c = self.cfg.critic
         mini = share.batch.to(self.device)
-        agg, vf_loss = self._agg_kwargs(share.num_tokens, share.num_seqs), 0.0
+        vf_loss = 0.0
         for rows in self._micro(mini, c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
                                 c.ppo_max_token_len_per_gpu):
             mb = mini.select(rows)
+            agg, scale = self._value_loss_scale(share, len(rows))
             vpreds = M.compute_values(self.model, mb.input_ids, mb.attention_mask, mini.response_length,
                                       remove_padding=c.model.use_remove_padding)
             loss, clipfrac = core_algos.compute_value_loss(
                 vpreds, need(mb.returns, "returns"), need(mb.values, "values"), mb.response_mask,
                 c.cliprange_value, str(c.loss_agg_mode), **agg)
-            loss.backward()
-            vf_loss += loss.item()
+            (loss * scale).backward()
+            vf_loss += loss.item() * scale
             collected["critic/vf_clipfrac"].append(clipfrac.item())
-        collected["critic/vf_loss"].append(vf_loss)
+            collected["critic/vpred_mean"].append(core_algos.masked_mean(vpreds, mb.response_mask).item())
         collected["critic/grad_norm"].append(self._optimizer_step(c.grad_clip))
+        return vf_loss
 
     def update_critic(self, epochs: list[list[MiniBatchShare]]) -> dict[str, Any]:
-        """One optimizer step per mini-batch; `epochs[e][m]` is this rank's part of mini-batch m."""
-        start, tokens = time.perf_counter(), 0.0
+        """One optimizer step per mini-batch; `epochs[e][m]` is this rank's part of mini-batch m.
+        `critic/vf_loss` is summed over mini-batches and epochs, as verl."""
+        start, tokens, vf_loss = time.perf_counter(), 0.0, 0.0
         collected: dict[str, list[float]] = defaultdict(list)
         self.model.train()
         for minis in epochs:
             for share in minis:
                 tokens += float(share.batch.attention_mask.sum())
-                self._update_mini(share, collected)
+                vf_loss += self._update_mini(share, collected)
+        collected["critic/vf_loss"].append(vf_loss)
+        collected["critic/lr"].append(self.lr())  # the rate this update used (verl: before the step)
         self.sched.step()
-        collected["critic/lr"].append(self.lr())
         return {"metrics": {k: v for k, v in collected.items() if v}, "seconds": time.perf_counter() - start,
-                "tokens": tokens}
+                "tokens": tokens, "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     def save_checkpoint(self, tmp: str) -> float:
         return self.save(tmp, "critic")

@@ -3,10 +3,17 @@ placing worker groups, calling them.
 
 - :func:`connect` joins the cluster named by ``RAY_ADDRESS`` (set by the node agent; never
   ``auto``, which may find another job's cluster) or, without it, starts a private local one.
-- :func:`make_placement_group` reserves one bundle per node (``STRICT_SPREAD`` over
-  ``trainer.nnodes`` nodes) holding ``n_gpus_per_node`` worker slots; every worker group is
-  placed in the same bundles, so rank r of each group lives on node ``r // n_gpus_per_node``.
-- :class:`RayWorkerGroup` starts one actor per rank and runs a method on every rank. A rank
+- :func:`make_placement_group` reserves one bundle per GPU (per CPU slot on a cluster without
+  GPUs): ``trainer.nnodes`` nodes, found with a ``STRICT_SPREAD`` reservation of whole nodes, each
+  then holding one placement group of ``n_gpus_per_node`` one-GPU bundles pinned to it. Rank r
+  lives in bundle ``r % n_gpus_per_node`` of node ``r // n_gpus_per_node``, so the consecutive
+  ranks of a tensor-parallel engine share a node (on GPUs its size must divide
+  ``n_gpus_per_node``; a CPU cluster's gloo engine may span nodes).
+- :func:`start_colocated` starts one process per rank hosting every role (actor + reference +
+  rollout, and the critic when there is one: verl's colocated worker), asking Ray for a whole
+  GPU: no two processes share a GPU, as fractions would make them. Each role is seen as its own
+  :class:`RayWorkerGroup`.
+- :class:`RayWorkerGroup` runs a method of one role on every rank. A rank
   that raises or whose process dies ends the call at once with :class:`WorkerFailure`, naming
   the group, rank, node and process.
 """
@@ -24,26 +31,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.workers.group import WorkerFailure, WorkerGroup
 
-__all__ = ["RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group"]
+__all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group",
+           "start_colocated"]
 
 PLACEMENT_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
 class WorkerSlot:
-    """How the workers of every group are placed."""
+    """Where the ranks live."""
 
-    placement_group: Any
-    """The Ray placement group (one bundle per node)."""
+    placement_groups: tuple[Any, ...]
+    """One Ray placement group per node, each of `per_node` bundles of one GPU (or one CPU)."""
     per_node: int
     """Ranks per node (`trainer.n_gpus_per_node`)."""
     use_gpu: bool
-    """Each rank gets a share of one GPU (else of one CPU)."""
-    groups: int
-    """Worker groups sharing each slot (actor, and critic when there is one)."""
+    """Each rank gets a whole GPU (else one CPU)."""
+
+    def place(self, rank: int) -> tuple[Any, int]:
+        """(placement group, bundle index) of `rank`."""
+        return self.placement_groups[rank // self.per_node], rank % self.per_node
 
 
 def connect(world_size: int) -> str:
@@ -96,15 +106,41 @@ def private_token_auth() -> None:
 _private_token: Path | None = None
 
 
-def make_placement_group(nnodes: int, per_node: int, groups: int) -> WorkerSlot:
-    """One bundle per node with `per_node` slots (GPUs if the cluster has them, else CPUs)."""
+def make_placement_group(nnodes: int, per_node: int, tp: int = 1) -> WorkerSlot:
+    """`nnodes` distinct nodes, each with one placement group of `per_node` one-GPU bundles
+    (one-CPU bundles when the cluster has no GPU). On GPUs `tp` (the rollout's tensor-parallel
+    size) must divide `per_node`, so that no engine spans two nodes."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import (
+        placement_group,
+        placement_group_table,
+        remove_placement_group,
+    )
 
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    bundle = {"CPU": float(per_node), **({"GPU": float(per_node)} if use_gpu else {})}
+    if use_gpu and per_node % tp:  # a CPU cluster's gloo engine may span nodes (the lab's seeds)
+        raise ConfigError(
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` does not divide "
+            f"`trainer.n_gpus_per_node={per_node}`: a tensor-parallel engine would span two nodes. "
+            "Fix: make the tensor-parallel size a divisor of the GPUs per node")
+    unit = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    whole = {k: v * per_node for k, v in unit.items()}
     strategy = "STRICT_SPREAD" if nnodes > 1 else "PACK"
-    pg = placement_group([dict(bundle) for _ in range(nnodes)], strategy=strategy)
+    reserve = placement_group([dict(whole) for _ in range(nnodes)], strategy=strategy)
+    _wait_placed(reserve, f"{nnodes} node bundle(s) of {whole} ({strategy}: one per node)")
+    nodes = [placement_group_table(reserve)["bundles_to_node_id"][i] for i in range(nnodes)]
+    remove_placement_group(reserve)
+    groups = tuple(placement_group([dict(unit) for _ in range(per_node)], strategy="STRICT_PACK",
+                                   bundle_label_selector=[{"ray.io/node-id": node}] * per_node)
+                   for node in nodes)
+    for node, pg in zip(nodes, groups, strict=True):
+        _wait_placed(pg, f"{per_node} bundle(s) of {unit} on node {node[:12]}")
+    return WorkerSlot(placement_groups=groups, per_node=per_node, use_gpu=use_gpu)
+
+
+def _wait_placed(pg: Any, what: str) -> None:
+    import ray
+
     ready = pg.ready()
     # started by hpcrl with the head alone, the nodes may still be joining: the agent's own
     # join timeout (naming the missing nodes) ends the job before this one does
@@ -114,11 +150,41 @@ def make_placement_group(nnodes: int, per_node: int, groups: int) -> WorkerSlot:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         have = [f"{n.get('NodeManagerHostname')}: {n.get('Resources', {})}" for n in alive]
         raise WorkerFailure(
-            f"could not place {nnodes} worker bundle(s) of {bundle} ({strategy}: one per node) within "
-            f"{timeout:.0f} s; the cluster has {len(alive)} node(s): {'; '.join(have)}. "
-            "Fix: make `trainer.nnodes` at most the number of nodes and `trainer.n_gpus_per_node` at "
-            "most the GPUs (or CPUs) of each node")
-    return WorkerSlot(placement_group=pg, per_node=per_node, use_gpu=use_gpu, groups=groups)
+            f"could not place {what} within {timeout:.0f} s; the cluster has {len(alive)} "
+            f"node(s): {'; '.join(have)}. Fix: make `trainer.nnodes` at most the number of nodes "
+            "and `trainer.n_gpus_per_node` at most the GPUs (or CPUs) of each node")
+
+
+class ColocatedWorker:
+    """One process per rank hosting one worker of each role (verl's colocated worker): the
+    roles share the process, its GPU and its torch.distributed group, and run one call at a
+    time."""
+
+    def __init__(self, roles: dict[str, type], cfg: Config, rank: int, world_size: int,
+                 total_steps: int) -> None:
+        self.workers = {name: cls(cfg, rank, world_size, total_steps) for name, cls in roles.items()}
+
+    def call(self, role: str, method: str, *args: Any) -> Any:
+        return getattr(self.workers[role], method)(*args)
+
+
+def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, slot: WorkerSlot,
+                    world_size: int) -> dict[str, RayWorkerGroup]:
+    """One :class:`ColocatedWorker` per rank in its bundle (a whole GPU, or one CPU), and one
+    worker group per role over them."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote: Any = ray.remote(ColocatedWorker)
+    actors = []
+    for rank in range(world_size):
+        pg, bundle = slot.place(rank)
+        actors.append(remote.options(
+            num_cpus=0 if slot.use_gpu else 1, num_gpus=1 if slot.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            max_restarts=0, max_task_retries=0,
+        ).remote(roles, cfg, rank, world_size, total_steps))
+    return {name: RayWorkerGroup(name, actors) for name in roles}
 
 
 def _describe_error(err: BaseException) -> str:
@@ -152,36 +218,21 @@ def _dead_peer(pending: list[Any], rank_of: dict[Any, int], wait_s: float = 5.0
 
 
 class RayWorkerGroup(WorkerGroup):
-    """One Ray actor per rank of a worker class, with its own torch.distributed group."""
+    """One role (`name`) of the colocated workers, one Ray actor per rank."""
 
-    def __init__(self, name: str, cls: type, cfg: Config, total_steps: int, *, slot: WorkerSlot,
-                 world_size: int) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self.name, self.world_size = name, world_size
-        share = 1.0 / slot.groups
-        remote: Any = ray.remote(cls)
-        self.actors: list[Any] = [
-            remote.options(
-                num_cpus=share, num_gpus=share if slot.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    slot.placement_group, placement_group_bundle_index=rank // slot.per_node),
-                max_restarts=0, max_task_retries=0,
-            ).remote(cfg, rank, world_size, total_steps)
-            for rank in range(world_size)
-        ]
-        self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(world_size)]
+    def __init__(self, name: str, actors: list[Any]) -> None:
+        self.name, self.world_size, self.actors = name, len(actors), actors
+        self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
         self.nodes = self.run("node_info")
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         """`method(*per_rank[r])` on rank r."""
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank, strict=True)]
+        refs = [a.call.remote(self.name, method, *args) for a, args in zip(self.actors, per_rank, strict=True)]
         return self._gather(method, refs)
 
     def run_rank(self, rank: int, method: str, *args: Any) -> Any:
         """`method(*args)` on rank `rank` alone."""
-        ref = getattr(self.actors[rank], method).remote(*args)
+        ref = self.actors[rank].call.remote(self.name, method, *args)
         return self._gather(method, [ref], ranks=[rank])[0]
 
     def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:

@@ -169,3 +169,24 @@ def test_a_tensor_parallel_engine_equals_one_rank_and_follows_a_weight_sync(
     assert got[0]["sampled"].tolist() == got[1]["sampled"].tolist()
     whole = sum(p.numel() for p in models.load_actor(tiny_model_dir).parameters())
     assert got[0]["held"] == got[1]["held"] < whole  # each rank holds part of the projections
+
+
+def test_rollout_stops_on_every_eos_of_the_generation_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model whose generation config names two EOS ids: the trainer's HF rollout stops on
+    either and its response mask ends there (verl's `get_response_mask` with the list)."""
+    from tests.trainer.rollout.two_eos import check_two_eos
+    from trainer.rewards.toy import write_toy_digits
+
+    write_toy_digits(tmp_path / "data", train_size=16, val_size=16, seed=0)
+    check_two_eos(tiny_model_dir, tmp_path / "data", tmp_path, "hf")
+
+
+def test_eos_ids_are_the_tokenizer_s_and_the_generation_config_s(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.trainer.rollout.two_eos import with_two_eos
+
+    tok = models.load_tokenizer(tiny_model_dir)
+    assert models.eos_token_ids(tiny_model_dir, tok) == [EOS]
+    two = with_two_eos(tiny_model_dir, tmp_path / "two", 9)
+    assert models.eos_token_ids(two, tok) == [EOS, 9]
+    (two / "generation_config.json").unlink()  # then the model config's id, as transformers derives it
+    assert models.eos_token_ids(two, tok) == [EOS]

@@ -162,7 +162,7 @@ def test_two_ray_ranks_each_sync_and_generate_with_vllm(tiny_model_dir: Path, tm
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for rank in (0, 1):
-            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/update_weights_s"] > 0, r
 
 
 def _tp_rank(rank: int, port: int, model_a: str, model_b: str, out: str) -> None:
@@ -283,4 +283,15 @@ def test_two_ray_ranks_train_lora_with_vllm(tiny_model_dir: Path, tmp_path: Path
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for rank in (0, 1):
-            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/weight_sync_s"] > 0, r
+            assert r[f"dp/rank_{rank}/gen_tokens"] > 0 and r[f"dp/rank_{rank}/update_weights_s"] > 0, r
+
+
+def test_vllm_rollout_stops_on_every_eos_of_the_generation_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model whose generation config names two EOS ids: the trainer's vLLM rollout stops on
+    either (its stop tokens) and its response mask ends there."""
+    require_vllm()
+    from tests.trainer.rollout.two_eos import check_two_eos
+    from trainer.rewards.toy import write_toy_digits
+
+    write_toy_digits(tmp_path / "data", train_size=16, val_size=16, seed=0)
+    check_two_eos(tiny_model_dir, tmp_path / "data", tmp_path, "vllm")
