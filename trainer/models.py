@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPES",
     "CriticModel",
+    "attention_implementation",
     "compute_dtype",
     "compute_log_probs",
     "compute_values",
@@ -78,6 +79,15 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return resolve_dtype(name)
+
+
+def attention_implementation(device: torch.device, compute: torch.dtype) -> str:
+    """transformers' `flash_attention_2` (varlen kernels: packed sequences computed apart) on a
+    GPU with flash-attn installed and 16-bit compute, else `sdpa` (a block-diagonal mask for
+    packed sequences)."""
+    if device.type == "cuda" and compute.itemsize == 2 and importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def smollm2_path() -> Path:

@@ -174,6 +174,11 @@ def test_critic_values(tiny_model_dir: Path) -> None:
 
 def test_dtype_and_path_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert models.resolve_dtype("bf16") is torch.bfloat16
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert (models.compute_dtype(None, cpu), models.compute_dtype(None, gpu)) == (torch.float32, torch.bfloat16)
+    assert models.compute_dtype("bf16", cpu) is torch.bfloat16
+    assert models.attention_implementation(cpu, torch.bfloat16) == "sdpa"
+    assert models.attention_implementation(gpu, torch.float32) == "sdpa"  # flash-attn needs 16 bits
     assert models.load_actor(tiny_model_dir, dtype="bfloat16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="Valid values: float32"):
         models.resolve_dtype("float8")

@@ -52,6 +52,7 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         model: Any = M.load_actor(
             arr.model.path, dtype=arr.actor.fsdp_config.model_dtype,
+            attn_implementation=self._attention(arr.actor.fsdp_config),
             gradient_checkpointing=arr.model.enable_gradient_checkpointing, trust_remote_code=trust)
         self.lora = arr.model.lora_rank > 0
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
@@ -61,6 +62,7 @@ class ActorRolloutRefWorker(Worker):
         self.ref: Any = None
         if self.cfg.derived.use_reference and not self.lora:  # LoRA: the actor, adapters disabled
             self.ref = self._place(M.load_actor(arr.model.path, dtype=arr.ref.fsdp_config.model_dtype,
+                                                attn_implementation=self._attention(arr.ref.fsdp_config),
                                                 trust_remote_code=trust)
                                    .eval().requires_grad_(False), arr.ref.fsdp_config,
                                    "actor_rollout_ref.ref.fsdp_config")

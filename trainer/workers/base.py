@@ -144,6 +144,11 @@ class Worker:
         assert self.ctx is not None, "init_dist must run first"
         return self.ctx.device
 
+    def _attention(self, fsdp_config: Any) -> str:
+        """The attention implementation for a model placed with `fsdp_config`."""
+        dtype = M.compute_dtype(fsdp_config.mixed_precision.param_dtype, self.device)
+        return M.attention_implementation(self.device, dtype)
+
     def _place(self, model: torch.nn.Module, fsdp_config: Any, section: str) -> Any:
         """`model` on this rank's device, sharded with FSDP2 in a group. `param_offload` keeps
         the parameters (and under FSDP2 their gradients and the optimizer step) in host memory,

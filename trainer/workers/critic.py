@@ -27,6 +27,7 @@ class CriticWorker(Worker):
         c = self.cfg.critic
         assert c.model.path is not None
         self.model = self._place(M.load_critic(c.model.path, dtype=c.model.fsdp_config.model_dtype,
+                                               attn_implementation=self._attention(c.model.fsdp_config),
                                                gradient_checkpointing=c.model.enable_gradient_checkpointing,
                                                trust_remote_code=c.model.trust_remote_code),
                                  c.model.fsdp_config, "critic.model.fsdp_config")
