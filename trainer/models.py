@@ -530,7 +530,7 @@ def _response_log_probs(model: PreTrainedModel, tokens: Tokens, temperature: flo
                     position_ids=tokens.position_ids, use_cache=False, logits_to_keep=keep)
         logits = out.logits[tokens.rows, tokens.predict_at % width - (width - keep)]
     if temperature != 1.0:
-        logits = logits / temperature
+        logits = logits.div_(temperature)  # in place, as verl: no second copy
     log_probs = log_probs_from_logits(logits, tokens.labels())
     entropy = None
     if calculate_entropy:
