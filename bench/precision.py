@@ -1,6 +1,6 @@
 """Benchmark: bf16 mixed precision and real-token computation against the padded fp32 baseline.
 
-    python -m bench.precision step  [--rows 8] [--response 256]   # one actor micro-step, 5 variants
+    MALLOC_MMAP_THRESHOLD_=65536 python -m bench.precision step [--rows 8] [--response 256]
     python -m bench.precision learn [--steps 6] [--dir D]          # SmolLM2 GRPO, fp32 against bf16
     python -m bench.precision agree [--steps 6] [--dir D]          # SmolLM2 updates, fp32 against bf16
 
@@ -12,7 +12,8 @@ grad, the entropy for the metric, backward. `before` is the computation this tra
 entropy); the others are `trainer.models.compute_log_probs` with fp32 or bf16 (autocast, fp32
 master weights) compute, padded rows cut to their longest real row or packed sequences
 (`use_remove_padding`). Reported: the median seconds of `--repeats` runs and the peak resident
-memory added during one (VmHWM, as `bench.memory`), and both as ratios to `before`.
+memory added during one (VmHWM, as `bench.memory`; run it with `MALLOC_MMAP_THRESHOLD_=65536`
+so that freed tensors leave the resident set at once), and both as ratios to `before`.
 
 `learn`: the trainer itself (`python -m trainer`'s path, in process, HF rollout, one CPU rank)
 runs GRPO on `trainer.rewards.arith` with SmolLM2-135M-Instruct for `--steps` steps, once with
