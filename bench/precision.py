@@ -221,7 +221,7 @@ def agree(args: argparse.Namespace) -> int:
     print(f"SmolLM2-135M-Instruct, {args.steps} AdamW steps at lr {args.lr} on 16 answers; held-out: 32")
     print("| compute | loss per step | held-out answer log-prob before | after | seconds |")
     print("|---|---|---|---|---|")
-    for name in ("fp32", "bf16"):
+    for name in args.compute:
         torch.manual_seed(0)
         model = M.load_actor(model_dir).train()
         if name == "bf16":
@@ -237,7 +237,7 @@ def agree(args: argparse.Namespace) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             optim.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         with torch.no_grad():
             after = float(mean_log_prob(model, held))
         print(f"| {name} | " + ", ".join(f"{x:.3f}" for x in losses)
@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--response-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--compute", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="agree: the compute dtypes to run")
     args = p.parse_args(argv)
     return {"step": step, "learn": learn, "agree": agree}[args.command](args)
 
