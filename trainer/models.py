@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPES",
     "CriticModel",
+    "attention_implementation",
+    "compute_dtype",
     "compute_log_probs",
     "compute_values",
     "convert_to_hf",
@@ -68,6 +71,23 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"Unknown dtype `{dtype}`. Valid values: {', '.join(DTYPES)}.") from None
+
+
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """A `mixed_precision.param_dtype` or `rollout.dtype` setting: null is bf16 on GPUs (verl's
+    default) and fp32 on the CPU (where bf16 matmuls are slower and the tests compare numbers)."""
+    if name is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return resolve_dtype(name)
+
+
+def attention_implementation(device: torch.device, compute: torch.dtype) -> str:
+    """transformers' `flash_attention_2` (varlen kernels: packed sequences computed apart) on a
+    GPU with flash-attn installed and 16-bit compute, else `sdpa` (a block-diagonal mask for
+    packed sequences)."""
+    if device.type == "cuda" and compute.itemsize == 2 and importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
+    return "sdpa"
 
 
 def smollm2_path() -> Path:
@@ -282,11 +302,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return [] if gguf_file else sorted(Path(directory).glob("*.safetensors"))
 
 
-def empty_placed_actor(path: str | Path, *, gradient_checkpointing: bool = False,
+def empty_placed_actor(path: str | Path, *, dtype: str | torch.dtype = "float32",
+                       attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
                        trust_remote_code: bool = False) -> PreTrainedModel:
     """`empty_actor` with gradient checkpointing as `load_actor` sets it: for a rank that then
     reads only its shards (:func:`load_local_shards`)."""
-    model = empty_actor(path, trust_remote_code=trust_remote_code)
+    model = empty_actor(path, dtype=dtype, attn_implementation=attn_implementation,
+                        trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         _enable_checkpointing(model)
     return model
@@ -345,10 +367,11 @@ class CriticModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Values of shape ``(batch, seq_len)``, in float32."""
+        """Values of shape ``(batch, seq_len)``, in float32 (``attention_mask`` None with
+        packed ``position_ids``: one row of several sequences)."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -422,10 +445,63 @@ def left_pad(
     return ids, mask
 
 
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[label]`` per position, computed in float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
+#: Positions whose full-vocabulary logits are upcast to fp32 at once by the log-prob and entropy
+#: helpers: they never hold an fp32 copy of every position's logits.
+LOGIT_CHUNK = 1024
+
+
+class _TokenLogProb(torch.autograd.Function):
+    """``logit[label] - logsumexp(logits)`` per row, in fp32 chunk by chunk; the backward pass
+    recomputes each chunk's softmax from the saved logits and the saved log-normalisers (one
+    fp32 number per row), so no fp32 ``log_softmax`` of the whole batch is kept for it."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        picked = torch.empty_like(lse)
+        for i in range(0, logits.shape[0], chunk):
+            part = logits[i:i + chunk].float()
+            lse[i:i + chunk] = torch.logsumexp(part, dim=-1)
+            picked[i:i + chunk] = part.gather(-1, labels[i:i + chunk, None]).squeeze(-1)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk = chunk
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, labels, lse = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], ctx.chunk):
+            g = grad[i:i + ctx.chunk, None].float()
+            part = -torch.exp(logits[i:i + ctx.chunk].float() - lse[i:i + ctx.chunk, None]) * g
+            part.scatter_add_(-1, labels[i:i + ctx.chunk, None], g)
+            out[i:i + ctx.chunk] = part
+        return out, None, None
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk: int = LOGIT_CHUNK
+                          ) -> torch.Tensor:
+    """``log softmax(logits)[label]`` per position, in float32: the gathered logit minus the
+    log-sum-exp, over chunks of ``chunk`` positions (no full-vocabulary fp32 copy)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = _TokenLogProb.apply(flat, labels.reshape(-1).to(flat.device), chunk)
+    return out.view(labels.shape)
+
+
+def entropy_chunked(logits: torch.Tensor, chunk: int = LOGIT_CHUNK) -> torch.Tensor:
+    """`entropy_from_logits` in float32 over chunks of ``chunk`` positions; with grad each chunk
+    is recomputed in the backward pass (activation checkpointing) instead of kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for i in range(0, flat.shape[0], chunk):
+        part = flat[i:i + chunk]
+        if torch.is_grad_enabled() and part.requires_grad:
+            parts.append(checkpoint(lambda x: entropy_from_logits(x.float()), part, use_reentrant=False))
+        else:
+            parts.append(entropy_from_logits(part.float()))
+    return torch.cat(parts).view(logits.shape[:-1])
 
 
 def _to_model_device(
@@ -440,22 +516,83 @@ def _micro_batches(batch: int, micro_batch_size: int | None) -> list[slice]:
     return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
 
-def _response_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-) -> torch.Tensor:
-    """Logits that predict each response token, divided by ``temperature``."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=response_length + 1,
-    )
-    return out.logits[:, -response_length - 1 : -1, :] / temperature
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens one forward pass computes, and where each response token's result goes in the
+    ``(batch, response_length)`` output.
+
+    Packed (``use_remove_padding``): the real tokens of every row in one row, ``position_ids``
+    restarting at 0 for each sequence (flash-attention's varlen kernel, or a block-diagonal mask
+    for SDPA, keeps the sequences apart). Padded: the rows cut to their longest real row (the
+    columns no row uses are dropped). ``predict_at``: the flat positions (row-major over
+    ``input_ids``) whose output predicts a real response token; ``rows``/``cols``: that token's
+    place in the output."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    predict_at: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    response_length: int
+    batch: int
+
+    def labels(self) -> torch.Tensor:
+        return self.input_ids.reshape(-1)[self.predict_at + 1]
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (one per real response token) in a zero ``(batch, response_length)`` tensor."""
+        out = values.new_zeros((self.batch, self.response_length))
+        out[self.rows, self.cols] = values
+        return out
+
+
+def select_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+                  *, remove_padding: bool) -> Tokens:
+    """The tokens to compute for a left-padded prompt + right-padded response batch."""
+    mask = attention_mask.bool()
+    width = mask.shape[1]
+    rows, cols = mask[:, width - response_length:].nonzero(as_tuple=True)
+    if remove_padding:
+        flat = mask.reshape(-1)
+        packed_at = torch.cumsum(flat.long(), 0) - 1  # each flat position's index once packed
+        predict_at = packed_at.view(mask.shape)[rows, cols + width - response_length] - 1
+        keep = flat.nonzero().squeeze(-1)
+        return Tokens(input_ids.reshape(-1)[keep][None], None,
+                      position_ids_from_mask(attention_mask).reshape(-1)[keep][None],
+                      predict_at, rows, cols, response_length, mask.shape[0])
+    used = mask.any(0).nonzero().squeeze(-1)
+    first = int(used[0]) if used.numel() else 0
+    last = int(used[-1]) + 1 if used.numel() else width
+    last = max(last, width - response_length + 1)
+    ids, cut = input_ids[:, first:last], attention_mask[:, first:last]
+    predict_at = rows * cut.shape[1] + (cols + width - response_length - first) - 1
+    return Tokens(ids, cut, position_ids_from_mask(cut), predict_at, rows, cols, response_length,
+                  mask.shape[0])
+
+
+def _response_log_probs(model: PreTrainedModel, tokens: Tokens, temperature: float,
+                        calculate_entropy: bool, entropy_grad: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the real response tokens, one value each."""
+    width = tokens.input_ids.shape[1]
+    if tokens.attention_mask is None:  # packed: the logits of the predicting positions only
+        out = model(input_ids=tokens.input_ids, position_ids=tokens.position_ids, use_cache=False,
+                    logits_to_keep=tokens.predict_at)
+        logits = out.logits[0]
+    else:  # padded: the last columns, then the positions of real response tokens
+        keep = width - int((tokens.predict_at % width).min()) if tokens.predict_at.numel() else 1
+        out = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                    position_ids=tokens.position_ids, use_cache=False, logits_to_keep=keep)
+        logits = out.logits[tokens.rows, tokens.predict_at % width - (width - keep)]
+    if temperature != 1.0:
+        logits = logits.div_(temperature)  # in place, as verl: no second copy
+    log_probs = log_probs_from_logits(logits, tokens.labels())
+    entropy = None
+    if calculate_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_chunked(logits)
+    return log_probs, entropy
 
 
 def compute_log_probs(
@@ -468,13 +605,17 @@ def compute_log_probs(
     micro_batch_size: int | None = None,
     calculate_entropy: bool = False,
     entropy_grad: bool = True,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of the response part, shape ``(batch, resp_len)``.
+    """Per-token log-probs (and entropies) of the response part, shape ``(batch, resp_len)``,
+    zero at padding.
 
     Inputs are moved to the model's device; results stay there. Gradients flow when called
     with grad enabled (the actor update); wrap the call in
     ``torch.no_grad()`` for old/reference log-probs. ``micro_batch_size`` bounds memory.
     ``entropy_grad=False`` computes the entropies without autograd (for a metric only).
+    ``remove_padding`` packs each micro-batch's real tokens into one sequence
+    (:func:`select_tokens`); otherwise the rows are cut to their longest real row.
     """
     if temperature <= 0:
         raise ValueError(
@@ -482,16 +623,14 @@ def compute_log_probs(
             "the rollout temperature (1.0 for greedy validation)."
         )
     input_ids, attention_mask = _to_model_device(model, input_ids, attention_mask)
-    labels = input_ids[:, -response_length:]
     log_probs, entropies = [], []
     for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
-        logits = _response_logits(
-            model, input_ids[sl], attention_mask[sl], response_length, temperature
-        )
-        log_probs.append(log_probs_from_logits(logits, labels[sl]))
-        if calculate_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies.append(entropy_from_logits(logits.float()))
+        tokens = select_tokens(input_ids[sl], attention_mask[sl], response_length,
+                               remove_padding=remove_padding)
+        lp, ent = _response_log_probs(model, tokens, temperature, calculate_entropy, entropy_grad)
+        log_probs.append(tokens.scatter(lp))
+        if ent is not None:
+            entropies.append(tokens.scatter(ent))
     entropy = torch.cat(entropies) if calculate_entropy else None
     return torch.cat(log_probs), entropy
 
@@ -503,11 +642,15 @@ def compute_values(
     response_length: int,
     *,
     micro_batch_size: int | None = None,
+    remove_padding: bool = False,
 ) -> torch.Tensor:
-    """Critic values of the states before each response token, shape ``(batch, resp_len)``."""
+    """Critic values of the states before each response token, shape ``(batch, resp_len)``,
+    zero at padding (``remove_padding`` as in :func:`compute_log_probs`)."""
     input_ids, attention_mask = _to_model_device(critic, input_ids, attention_mask)
     values = []
     for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
-        v = critic(input_ids[sl], attention_mask[sl], position_ids_from_mask(attention_mask[sl]))
-        values.append(v[:, -response_length - 1 : -1])
+        tokens = select_tokens(input_ids[sl], attention_mask[sl], response_length,
+                               remove_padding=remove_padding)
+        v = critic(tokens.input_ids, tokens.attention_mask, tokens.position_ids)
+        values.append(tokens.scatter(v.reshape(-1)[tokens.predict_at]))
     return torch.cat(values)

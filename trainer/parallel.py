@@ -173,17 +173,41 @@ def all_reduce_gradients(model: torch.nn.Module, world_size: int) -> None:
         offset += n
 
 
-def apply_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+def apply_fsdp2(model: torch.nn.Module, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Shard `model` with FSDP2: each decoder layer is its own unit, then the root. The shards
     stay on the compute device; `param_offload` moves them to the host between phases
     (:mod:`trainer.phases`), not FSDP2's `CPUOffloadPolicy`, whose CPU DTensors would reach
-    collectives outside FSDP's forward/backward on an NCCL-only group."""
-    from torch.distributed.fsdp import fully_shard
+    collectives outside FSDP's forward/backward on an NCCL-only group. `param_dtype` /
+    `reduce_dtype` (FSDP2's `MixedPrecisionPolicy`): the dtype parameters are gathered and
+    computed in, and the dtype gradients are reduced in; the shards (the master weights the
+    optimizer updates) keep the model's dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def apply_autocast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """One rank's mixed precision (no FSDP2 to cast the parameters): every forward of `model`
+    runs under `torch.autocast(dtype)`, so matmuls compute in `dtype` while the parameters and
+    their gradients (the master weights) keep the model's dtype."""
+    contexts: list[torch.autocast] = []
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        device_type = next(module.parameters()).device.type
+        contexts.append(torch.autocast(device_type, dtype=dtype))
+        contexts[-1].__enter__()
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
     return model
 
 

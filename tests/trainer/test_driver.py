@@ -169,13 +169,18 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
 def test_micro_batch_split_does_not_change_the_update(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     """Under verl's model engine (`trainer.use_legacy_worker_impl=disable`, mini-batch
-    normalisers) one step with micro-batches of 1, by tokens, or none gives the same weights
+    normalisers) one step with micro-batches of 1, by tokens (also packed: only real tokens
+    computed, for the actor, the reference and the critic), or none gives the same weights
     (verl's default worker takes micro-batch means: tests/trainer/test_parallel.py)."""
     updated = []
     for i, extra in enumerate((["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
                                ["actor_rollout_ref.actor.use_dynamic_bsz=true",
                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"],
-                               [])):
+                               [],
+                               ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+                                "actor_rollout_ref.model.use_remove_padding=true",
+                                "critic.model.use_remove_padding=true"])):
         over = [o for o in _small(tiny_model_dir, toy_data, tmp_path / str(i), *extra)
                 if "ppo_micro_batch_size_per_gpu=2" not in o]
         over += ["trainer.total_training_steps=1", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
@@ -186,6 +191,25 @@ def test_micro_batch_split_does_not_change_the_update(
     for name, tensor in updated[0].items():
         torch.testing.assert_close(tensor, updated[1][name], rtol=0, atol=1e-6)
         torch.testing.assert_close(tensor, updated[2][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(tensor, updated[3][name], rtol=0, atol=1e-6)
+
+
+def test_bf16_mixed_precision_trains_end_to_end_on_cpu(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """verl's mixed precision on one CPU rank: bf16 compute (autocast) for the actor, the
+    reference and the critic, fp32 master weights that the step updates."""
+    bf16 = [f"{section}.fsdp_config.mixed_precision.param_dtype=bf16" for section in
+            ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")]
+    driver = PPODriver(load_config(_small(tiny_model_dir, toy_data, tmp_path, *bf16,
+                                          "actor_rollout_ref.model.use_remove_padding=true",
+                                          "trainer.total_training_steps=2")))
+    assert driver.fit() == 0
+    after, before = weights(driver), load_actor(tiny_model_dir).state_dict()
+    assert all(t.dtype == torch.float32 for t in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["actor/grad_norm"])) and r["actor/grad_norm"] > 0 for r in rows)
 
 
 def test_cli_stop_file_gives_requeue_status_and_resume_continues(

@@ -74,9 +74,73 @@ def test_micro_batches_and_entropy(actor: torch.nn.Module) -> None:
         ).logits[:, -resp_len - 1 : -1]
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=0)
     torch.testing.assert_close(ent2, ent, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent, entropy_from_logits(logits), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, entropy_from_logits(logits) * mask[:, -resp_len:], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="temperature"):
         models.compute_log_probs(actor, ids, mask, resp_len, temperature=0.0)
+
+
+def test_remove_padding_gives_the_padded_paths_log_probs_and_values(actor: torch.nn.Module,
+                                                                    tiny_model_dir: Path) -> None:
+    """Packed sequences (one row, position ids restarting per sequence, SDPA's block-diagonal
+    mask) give the padded forward's log-probs, entropies and values to 1e-5 in fp32."""
+    ids, mask, resp_len = make_batch()
+    ids, mask = torch.cat([ids, torch.zeros(3, 2, dtype=ids.dtype)], 1), torch.cat([mask, torch.zeros(3, 2, dtype=mask.dtype)], 1)
+    resp_len += 2  # two all-padding columns, which neither path computes
+    with torch.no_grad():
+        out = {rp: models.compute_log_probs(actor, ids, mask, resp_len, temperature=0.7,
+                                            calculate_entropy=True, remove_padding=rp) for rp in (False, True)}
+        full = actor(input_ids=ids, attention_mask=mask, position_ids=models.position_ids_from_mask(mask)
+                     ).logits[:, -resp_len - 1:-1] / 0.7
+    reference = torch.log_softmax(full, -1).gather(-1, ids[:, -resp_len:, None])[..., 0] * mask[:, -resp_len:]
+    for rp in (False, True):
+        torch.testing.assert_close(out[rp][0], reference, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[rp][1], entropy_from_logits(full) * mask[:, -resp_len:], atol=1e-5, rtol=0)
+    torch.manual_seed(0)
+    critic = models.load_critic(tiny_model_dir)
+    with torch.no_grad():
+        values = [models.compute_values(critic, ids, mask, resp_len, remove_padding=rp) for rp in (False, True)]
+    torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
+    assert values[0][2, 1:].abs().sum() == 0  # row 2's response is one token
+
+
+def test_chunked_log_probs_and_entropy_equal_full_log_softmax() -> None:
+    """The gathered log-sum-exp over chunks of 3 positions equals the full `log_softmax`, with
+    the same gradient, in fp32 (1e-6) and from bf16 logits (computed in fp32, 1e-6)."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(2, 5, 11) * 3).to(dtype).requires_grad_(True)
+        labels = torch.randint(0, 11, (2, 5))
+        chunked = models.log_probs_from_logits(logits, labels, chunk=3)
+        full = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
+        torch.testing.assert_close(chunked, full, atol=1e-6, rtol=0)
+        weights = torch.randn(2, 5)
+        (g_chunked,) = torch.autograd.grad((chunked * weights).sum(), logits)
+        (g_full,) = torch.autograd.grad((full * weights).sum(), logits)
+        torch.testing.assert_close(g_chunked, g_full)
+        ent = models.entropy_chunked(logits, chunk=3)
+        torch.testing.assert_close(ent, entropy_from_logits(logits.float()), atol=1e-5, rtol=0)
+        (g_ent,) = torch.autograd.grad(ent.sum(), logits)
+        (g_ref,) = torch.autograd.grad(entropy_from_logits(logits.float()).sum(), logits)
+        torch.testing.assert_close(g_ent, g_ref)
+
+
+def test_autocast_computes_in_bf16_and_keeps_fp32_master_weights(tiny_model_dir: Path) -> None:
+    """One rank's mixed precision: bf16 logits, fp32 parameters and gradients, log-probs within
+    bf16 rounding of the fp32 ones."""
+    from trainer import parallel
+
+    ids, mask, resp_len = make_batch()
+    fp32 = models.load_actor(tiny_model_dir)
+    with torch.no_grad():
+        ref, _ = models.compute_log_probs(fp32, ids, mask, resp_len)
+    model = parallel.apply_autocast(models.load_actor(tiny_model_dir), torch.bfloat16)
+    assert model(input_ids=ids[:1]).logits.dtype == torch.bfloat16
+    lp, _ = models.compute_log_probs(model, ids, mask, resp_len, remove_padding=True)
+    assert lp.dtype == torch.float32 and not torch.equal(lp, ref)
+    torch.testing.assert_close(lp, ref, atol=0.1, rtol=0)
+    lp.sum().backward()
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir: Path) -> None:
@@ -110,6 +174,11 @@ def test_critic_values(tiny_model_dir: Path) -> None:
 
 def test_dtype_and_path_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert models.resolve_dtype("bf16") is torch.bfloat16
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert (models.compute_dtype(None, cpu), models.compute_dtype(None, gpu)) == (torch.float32, torch.bfloat16)
+    assert models.compute_dtype("bf16", cpu) is torch.bfloat16
+    assert models.attention_implementation(cpu, torch.bfloat16) == "sdpa"
+    assert models.attention_implementation(gpu, torch.float32) == "sdpa"  # flash-attn needs 16 bits
     assert models.load_actor(tiny_model_dir, dtype="bfloat16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="Valid values: float32"):
         models.resolve_dtype("float8")

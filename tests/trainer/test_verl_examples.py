@@ -54,7 +54,7 @@ EXPECTED = {
     "examples/grpo_trainer/run_deepseek7b_llm_math_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_deepseek7b_llm_seq_balance.sh": ACCEPTED,
     "examples/grpo_trainer/run_glm41v_9b.sh": "multimodal data",
-    "examples/grpo_trainer/run_gptoss_20b.sh": "parameter dtypes",
+    "examples/grpo_trainer/run_gptoss_20b.sh": "SGLang rollout",
     "examples/grpo_trainer/run_minicpmo2_6.sh": "multimodal data",
     "examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh": "the reward model worker",
     "examples/grpo_trainer/run_moonlight16b_math_megatron.sh": "Megatron-LM",
@@ -128,8 +128,7 @@ def test_accepted_examples_print_their_settings_and_note_the_no_ops() -> None:
     assert arr["rollout"]["load_format"] == "safetensors" and arr["rollout"]["layered_summon"] is True
     notes = compat_notes(lora, cfg)
     assert [n.split("`")[1] for n in notes] == [
-        "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.rollout.load_format",
-        "actor_rollout_ref.rollout.layered_summon", "actor_rollout_ref.ref.fsdp_config.param_offload=true"]
+        "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon", "actor_rollout_ref.ref.fsdp_config.param_offload=true"]
     prof = EXAMPLES["examples/grpo_trainer/run_qwen2_5_7b_grpo_discrete_prof_npu.sh"]
     printed = yaml.safe_load(dump_config(load_config(prof, env={})))
     assert printed["global_profiler"]["steps"] == [2, 4]

@@ -7,14 +7,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.config.base import (
+    BUFFER_DTYPE,
     DERIVED_HINT,
-    PADDING,
     PREFETCH,
     PROFILER,
     STRATEGY,
     TORCH_COMPILE,
+    Dtype,
     FsdpConfig,
     LossAggMode,
+    MixedPrecisionConfig,
     OptimConfig,
     h,
     require,
@@ -26,7 +28,10 @@ from trainer.config.rollout import RolloutConfig
 class ModelConfig:
     path: str = h("HF model directory (or hub id) of the actor and reference")
     enable_gradient_checkpointing: bool = h("recompute activations in backward to save memory")
-    use_remove_padding: bool = h("verl's padding-free packing (compatibility only, see COMPAT)")
+    use_remove_padding: bool = h(
+        "compute real tokens only: each micro-batch's sequences packed into one row (position ids "
+        "restarting per sequence; flash-attention varlen on GPUs, a block-diagonal SDPA mask on "
+        "CPU); false: the padded rows, cut to their longest real row")
     trust_remote_code: bool = h("allow model code shipped with the checkpoint")
     lora_rank: int = h(
         "LoRA rank (peft); 0 = full fine-tuning. Above 0 only the low-rank adapters train (and "
@@ -47,6 +52,8 @@ class ModelConfig:
 class RefFsdpConfig:
     param_offload: bool = h("offload the reference model's parameters to CPU (FSDP workers)")
     forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")
+    model_dtype: Dtype = h("dtype the reference model is loaded in (verl: fp32)")
+    mixed_precision: MixedPrecisionConfig = h("forward dtype of the reference model")
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.actor.fsdp_config.offload_policy": "",
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": "",
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": "",
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": ("parameter dtypes other than fp32: the actor's "
-                                                        "weights are fp32 here, verl's default"),
     "actor_rollout_ref.actor.optim.total_training_steps": DERIVED_HINT.format(
         "trainer.total_training_steps"
     ),
@@ -154,7 +159,6 @@ NOT_SUPPORTED: dict[str, str] = {
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
-    "actor_rollout_ref.model.use_remove_padding": PADDING,
     "actor_rollout_ref.actor.strategy": STRATEGY,
     "actor_rollout_ref.ref.strategy": STRATEGY,
     "actor_rollout_ref.model.use_shm": ("the model is read from its path; verl's copy to shared memory "
@@ -174,19 +178,22 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,
     "actor_rollout_ref.ref.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,
     "actor_rollout_ref.ref.profiler": PROFILER,
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype": BUFFER_DTYPE,
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision.buffer_dtype": BUFFER_DTYPE,
 }
 
 #: Newer verl spellings read as this trainer's key.
 ALIASES: dict[str, str] = {
     "actor_rollout_ref.model.lora.rank": "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.actor.fsdp_config.dtype": "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+    "actor_rollout_ref.ref.fsdp_config.dtype": "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype",
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1,
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 1,
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": "fp32",
 }
 
 #: Values naming a feature this trainer does not have.

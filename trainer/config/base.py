@@ -29,8 +29,6 @@ def require(ok: bool, message: str) -> None:
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
-PADDING = ("verl's padding-free packing is a speed-up only; the padded computation here gives "
-           "the same losses")
 DERIVED_HINT = "is derived here; set `{}` instead"
 PROFILER = "verl's profilers (nsys, torch, NPU) only record timings; nothing is profiled here"
 TORCH_COMPILE = ("verl compiles its entropy and log-prob helpers with torch.compile for speed; they run "
@@ -38,6 +36,8 @@ TORCH_COMPILE = ("verl compiles its entropy and log-prob helpers with torch.comp
 PREFETCH = ("FSDP1's all-gather prefetch only overlaps communication; FSDP2 here gathers each layer "
             "before its forward, the same weights")
 STRATEGY = "`fsdp` and `fsdp2` both shard with FSDP2 here"
+BUFFER_DTYPE = ("FSDP2 has no buffer dtype: buffers (rotary frequencies) stay in `model_dtype`, as in "
+                "verl's FSDP2 path")
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,26 @@ class OptimConfig:
     clip_grad: float | None = h("newer verl name of the section's `grad_clip`; when set it replaces it")
 
 
+Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
+
+ON_GPU_BF16 = "null = bf16 on GPUs (verl's default), fp32 on CPU"
+
+
+@dataclass(frozen=True)
+class MixedPrecisionConfig:
+    param_dtype: Dtype | None = h(
+        "dtype of the parameters in forward and backward (FSDP2's `MixedPrecisionPolicy`; one rank: "
+        f"`torch.autocast`), the master weights stay in `model_dtype`; {ON_GPU_BF16}")
+    reduce_dtype: Dtype = h("dtype of the gradient reduce-scatter across ranks (verl: fp32)")
+    buffer_dtype: Dtype = h("verl's FSDP1 buffer dtype; FSDP2 keeps buffers in `model_dtype`, as "
+                            "verl's FSDP2 does (compatibility only)")
+
+
 @dataclass(frozen=True)
 class FsdpConfig:
     param_offload: bool = h("parameters in host memory between phases, on the device for log-probs, update, sync")
     optimizer_offload: bool = h("optimizer state in host memory except during the update (once per step)")
     forward_prefetch: bool = h("verl's FSDP1 forward prefetch (compatibility only, see COMPAT)")
+    model_dtype: Dtype = h("dtype the model is loaded and kept in: the master weights the optimizer "
+                           "updates (verl: fp32)")
+    mixed_precision: MixedPrecisionConfig = h("forward/backward and gradient-reduction dtypes")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.config.base import (
+    BUFFER_DTYPE,
     DERIVED_HINT,
-    PADDING,
     PREFETCH,
     PROFILER,
     STRATEGY,
@@ -23,7 +23,10 @@ class CriticModelConfig:
     path: str | None = h("critic model directory; null = the actor's model path")
     tokenizer_path: str | None = h("critic tokenizer (compatibility only, see COMPAT)")
     enable_gradient_checkpointing: bool = h("recompute activations in backward")
-    use_remove_padding: bool = h("verl's padding-free packing (compatibility only, see COMPAT)")
+    use_remove_padding: bool = h(
+        "compute real tokens only: each micro-batch's sequences packed into one row (position ids "
+        "restarting per sequence; flash-attention varlen on GPUs, a block-diagonal SDPA mask on "
+        "CPU); false: the padded rows, cut to their longest real row")
     trust_remote_code: bool = h("allow model code shipped with the checkpoint")
     fsdp_config: FsdpConfig = h("critic FSDP options")
 
@@ -65,10 +68,10 @@ NOT_SUPPORTED: dict[str, str] = {
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
-    "critic.model.use_remove_padding": PADDING,
     "critic.strategy": STRATEGY,
     "critic.profiler": PROFILER,
     "critic.model.fsdp_config.forward_prefetch": PREFETCH,
+    "critic.model.fsdp_config.mixed_precision.buffer_dtype": BUFFER_DTYPE,
     "critic.model.tokenizer_path": ("the critic scores the actor's tokens and has no HF export, "
                                     "so it loads no tokenizer"),
 }

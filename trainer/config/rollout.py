@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.base import DERIVED_HINT, PROFILER, h
+from trainer.config.base import DERIVED_HINT, ON_GPU_BF16, PROFILER, Dtype, h
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class RolloutConfig:
         "generation engine: `hf` (transformers generate) or `vllm`; null = `vllm` (verl's default) "
         "where vLLM is installed, else `hf` with a note saying so")
     temperature: float = h("sampling temperature")
+    dtype: Dtype | None = h(f"dtype of the rollout engine's weights and compute (HF and vLLM); {ON_GPU_BF16}")
     top_k: int = h("top-k sampling; -1 = off")
     top_p: float = h("nucleus sampling")
     do_sample: bool = h("sample (false = greedy)")
@@ -75,7 +76,6 @@ NO_VLLM_NOTE = ("`actor_rollout_ref.rollout.name` is not set and vLLM (verl's de
 
 #: verl's `rollout.*` keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
-    "actor_rollout_ref.rollout.dtype": "",
     "actor_rollout_ref.rollout.checkpoint_engine": (
         "checkpoint engine backends (the weights go to the rollout engine in memory here); the bucket "
         "size `checkpoint_engine.update_weights_bucket_megabytes` is read as "

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.algos.core_algos import entropy_from_logits
-from trainer.models import empty_actor, log_probs_from_logits, materialize
+from trainer.models import compute_log_probs, empty_actor, materialize
 from trainer.rollout.base import (
     RolloutBatch,
     SamplingParams,
@@ -84,12 +83,12 @@ def tensor_parallel(model: PreTrainedModel, tp: int, world_size: int, device: st
 
 
 def rollout_copy(path: str, tp: int, world_size: int, device: torch.device, *,
-                 trust_remote_code: bool = False) -> PreTrainedModel:
+                 dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> PreTrainedModel:
     """The HF engine's own model for a sharded actor: built empty, split over the `tp` ranks of
     this rank's group when `tp` > 1, then given memory on `device`; the first weight sync (before
     any rollout) gives it the actor's values. A rank holds its shares only, never the whole
     model, and reads nothing of the checkpoint on disk."""
-    copy = empty_actor(path, trust_remote_code=trust_remote_code)
+    copy = empty_actor(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if tp > 1:
         copy = tensor_parallel(copy, tp, world_size, device.type)
     return materialize(copy, device).eval()  # type: ignore[return-value]
@@ -177,13 +176,13 @@ class HFRolloutEngine:
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_logits=True,
             use_cache=True,
         )
 
-    def _generate_chunk(
-        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The sampled response tokens, padded to `max_response_length`. No logits are kept
+        while decoding (`output_logits` would hold rows x vocabulary floats per step): the
+        log-probs come from one forward pass over the finished rows (:meth:`generate`)."""
         # Inference mode (no autograd bookkeeping at all) is cheaper than no_grad; its tensors
         # cannot enter a backward pass, so what leaves is cloned outside it.
         with torch.inference_mode():
@@ -193,15 +192,20 @@ class HFRolloutEngine:
                 generation_config=self._generation_config(params),
             )
             response = out.sequences[:, ids.shape[1] :].cpu()
-            logits = torch.stack(out.logits, dim=1).cpu().float() / params.logprob_temperature
-            log_probs = log_probs_from_logits(logits, response)
-            entropy = entropy_from_logits(logits)
         pad = params.max_response_length - response.shape[1]
-        response = torch.nn.functional.pad(response.clone(), (0, pad), value=self.pad_token_id)
-        log_probs, entropy = (
-            torch.nn.functional.pad(t.clone(), (0, pad), value=0.0) for t in (log_probs, entropy)
-        )
-        return response, log_probs, entropy
+        return torch.nn.functional.pad(response.clone(), (0, pad), value=self.pad_token_id)
+
+    def _log_probs(self, ids: torch.Tensor, mask: torch.Tensor, response: torch.Tensor,
+                   response_mask: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling policy's log-probs and entropies of the responses (at
+        `logprob_temperature`), micro-batch by micro-batch, zero after EOS."""
+        with torch.inference_mode():
+            log_probs, entropy = compute_log_probs(
+                self.model, torch.cat([ids, response], 1), torch.cat([mask, response_mask.to(mask.dtype)], 1),
+                response.shape[1], temperature=params.logprob_temperature,
+                micro_batch_size=self.micro_batch_size, calculate_entropy=True)
+        assert entropy is not None
+        return log_probs.cpu().clone(), entropy.cpu().clone()
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
@@ -212,15 +216,11 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            chunks = [
-                self._generate_chunk(ids[i : i + size], mask[i : i + size], params)
-                for i in range(0, ids.shape[0], size)
-            ]
+            response = torch.cat([self._generate_chunk(ids[i : i + size], mask[i : i + size], params)
+                                  for i in range(0, ids.shape[0], size)])
+            response_mask = response_mask_from_eos(response, self.eos_token_ids)
+            response = torch.where(response_mask.bool(), response, self.pad_token_id)
+            log_probs, entropy = self._log_probs(ids, mask, response, response_mask, params)
         finally:
             self.model.train(was_training)
-        response = torch.cat([c[0] for c in chunks])
-        response_mask = response_mask_from_eos(response, self.eos_token_ids)
-        response = torch.where(response_mask.bool(), response, self.pad_token_id)
-        log_probs = torch.cat([c[1] for c in chunks]) * response_mask
-        entropy = torch.cat([c[2] for c in chunks]) * response_mask
         return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index, entropy)

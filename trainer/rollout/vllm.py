@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.models import resolve_model_path
+from trainer.models import compute_dtype, resolve_model_path
 from trainer.rollout.base import (
     RolloutBatch,
     SamplingParams,
@@ -185,6 +185,8 @@ class VLLMRolloutEngine:
         max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
         return cls(cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
                    eos_token_ids=eos_token_ids, max_model_len=max_len, seed=seed,
+                   dtype=str(compute_dtype(r.dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+                             ).removeprefix("torch."),
                    gpu_memory_utilization=r.gpu_memory_utilization,
                    tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,

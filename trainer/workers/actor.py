@@ -53,7 +53,9 @@ class ActorRolloutRefWorker(Worker):
         self.lora = arr.model.lora_rank > 0
         section = "actor_rollout_ref.actor.fsdp_config"
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
-            model: Any = apply_lora(M.load_actor(arr.model.path, trust_remote_code=trust,
+            model: Any = apply_lora(M.load_actor(arr.model.path, dtype=arr.actor.fsdp_config.model_dtype,
+                                                 attn_implementation=self._attention(arr.actor.fsdp_config),
+                                                 trust_remote_code=trust,
                                                  gradient_checkpointing=arr.model.enable_gradient_checkpointing),
                                     arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
             self.model = self._place(model, arr.actor.fsdp_config, section)
@@ -78,6 +80,10 @@ class ActorRolloutRefWorker(Worker):
     def fsdp_config(self) -> Any:
         return self.cfg.actor_rollout_ref.actor.fsdp_config
 
+    @property
+    def remove_padding(self) -> bool:
+        return bool(self.cfg.actor_rollout_ref.model.use_remove_padding)
+
     def _build_rollout(self) -> tuple[Any, bool]:
         """The engine, and whether it generates with the training model itself (no sync)."""
         arr = self.cfg.actor_rollout_ref
@@ -95,6 +101,7 @@ class ActorRolloutRefWorker(Worker):
         # copy for generation, whole or split over the `tp` ranks of this rank's group (which
         # get the same prompts and seed), and sync it from the gathered weights.
         copy = rollout_copy(arr.model.path, tp, self.ctx.world_size, self.device,
+                            dtype=M.compute_dtype(arr.rollout.dtype, self.device),
                             trust_remote_code=arr.model.trust_remote_code)
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 
@@ -174,7 +181,8 @@ class ActorRolloutRefWorker(Worker):
         for part in rows:
             mb = batch.select(part)
             out, e = M.compute_log_probs(model, mb.input_ids, mb.attention_mask, batch.response_length,
-                                         temperature=temperature, calculate_entropy=entropy)
+                                         temperature=temperature, calculate_entropy=entropy,
+                                         remove_padding=self.remove_padding)
             lp[part] = out
             if ent is not None and e is not None:
                 ent[part] = e
@@ -215,7 +223,8 @@ class ActorRolloutRefWorker(Worker):
         log_prob, entropy = M.compute_log_probs(
             self.model, mb.input_ids, mb.attention_mask, mb.response_length,
             temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-            calculate_entropy=a.entropy_coeff != 0 or keep_entropy, entropy_grad=a.entropy_coeff != 0)
+            calculate_entropy=a.entropy_coeff != 0 or keep_entropy, entropy_grad=a.entropy_coeff != 0,
+            remove_padding=self.remove_padding)
         if keep_entropy:
             mb.entropy = need(entropy, "entropy").detach()
         old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs

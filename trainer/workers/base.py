@@ -160,12 +160,27 @@ class Worker:
         assert self.ctx is not None, "init_dist must run first"
         return self.ctx.device
 
+    def _attention(self, fsdp_config: Any) -> str:
+        """The attention implementation for a model placed with `fsdp_config`."""
+        dtype = M.compute_dtype(fsdp_config.mixed_precision.param_dtype, self.device)
+        return M.attention_implementation(self.device, dtype)
+
     def _place(self, model: torch.nn.Module, fsdp_config: Any, section: str) -> Any:
         """`model` on this rank's device, sharded with FSDP2 in a group. With `param_offload`
         its parameters then live in host memory between phases (:mod:`trainer.phases`): call
-        :meth:`Phases.home` once the model is built."""
+        :meth:`Phases.home` once the model is built. Mixed precision (`mixed_precision.param_dtype`
+        below the model's `model_dtype`): FSDP2's policy in a group, `torch.autocast` on one rank;
+        either way the model's own parameters stay the master weights."""
         assert self.ctx is not None
-        placed = P.apply_fsdp2(model.to(self.device)) if self.ctx.fsdp else model.to(self.device)
+        mp = fsdp_config.mixed_precision
+        param_dtype = M.compute_dtype(mp.param_dtype, self.device)
+        mixed = param_dtype != M.resolve_dtype(fsdp_config.model_dtype)
+        model = model.to(self.device)
+        if self.ctx.fsdp:
+            placed = P.apply_fsdp2(model, param_dtype=param_dtype if mixed else None,
+                                   reduce_dtype=M.resolve_dtype(mp.reduce_dtype))
+        else:
+            placed = P.apply_autocast(model, param_dtype) if mixed and param_dtype.itemsize < 4 else model
         self.phases.register(placed, offload_params=bool(fsdp_config.param_offload))
         return placed
 
@@ -177,11 +192,14 @@ class Worker:
         model into host memory (verl's FSDP workers read it whole on every rank). A GGUF file is
         read whole (its tensors are quantised blocks, not sliceable)."""
         model: Any
+        dtype, attention = fsdp_config.model_dtype, self._attention(fsdp_config)
         if not M.safetensors_files(path):
-            model = M.load_actor(path, gradient_checkpointing=gradient_checkpointing,
+            model = M.load_actor(path, dtype=dtype, attn_implementation=attention,
+                                 gradient_checkpointing=gradient_checkpointing,
                                  trust_remote_code=trust_remote_code)
         else:
-            model = M.materialize(M.empty_placed_actor(path, gradient_checkpointing=gradient_checkpointing,
+            model = M.materialize(M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
+                                                       gradient_checkpointing=gradient_checkpointing,
                                                        trust_remote_code=trust_remote_code), self.device)
         if frozen:
             model = model.eval().requires_grad_(False)

@@ -26,7 +26,9 @@ class CriticWorker(Worker):
     def build(self) -> None:
         c = self.cfg.critic
         assert c.model.path is not None
-        self.model = self._place(M.load_critic(c.model.path, gradient_checkpointing=c.model.enable_gradient_checkpointing,
+        self.model = self._place(M.load_critic(c.model.path, dtype=c.model.fsdp_config.model_dtype,
+                                               attn_implementation=self._attention(c.model.fsdp_config),
+                                               gradient_checkpointing=c.model.enable_gradient_checkpointing,
                                                trust_remote_code=c.model.trust_remote_code),
                                  c.model.fsdp_config, "critic.model.fsdp_config")
         self.model.train()
@@ -52,7 +54,8 @@ class CriticWorker(Worker):
         for part in self._micro(batch, c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
                                 int(c.forward_max_token_len_per_gpu or 0)):
             mb = batch.select(part)
-            values[part] = M.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length)
+            values[part] = M.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length,
+                                            remove_padding=c.model.use_remove_padding)
         self.model.train()
         P.reshard(self.model)
         return (values * batch.response_mask).cpu()
@@ -81,7 +84,8 @@ class CriticWorker(Worker):
                                 c.ppo_max_token_len_per_gpu):
             mb = mini.select(rows)
             agg, scale = self._value_loss_scale(share, len(rows))
-            vpreds = M.compute_values(self.model, mb.input_ids, mb.attention_mask, mini.response_length)
+            vpreds = M.compute_values(self.model, mb.input_ids, mb.attention_mask, mini.response_length,
+                                      remove_padding=c.model.use_remove_padding)
             loss, clipfrac = core_algos.compute_value_loss(
                 vpreds, need(mb.returns, "returns"), need(mb.values, "values"), mb.response_mask,
                 c.cliprange_value, str(c.loss_agg_mode), **agg)
