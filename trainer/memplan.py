@@ -14,8 +14,12 @@ refusal naming the phase, its largest term and the fix when one cannot fit.
 - Weight sync: the trainer's resident state, vLLM's weights, and one bucket of
   `update_weights_bucket_megabytes` gathered parameters (or the largest parameter, if larger).
 
-Precision: the trainer computes in fp32 today; `param_dtype`/`reduce_dtype` are inputs of
-:func:`plan` (FSDP2's `MixedPrecisionPolicy`) for when bf16 is wired.
+Precision: the plan is for a GPU, so it takes the dtypes the trainer uses there: the actor's
+`fsdp_config.mixed_precision.param_dtype` / `reduce_dtype` (FSDP2's `MixedPrecisionPolicy`;
+null = bf16, verl's GPU default) over fp32 master weights (`model_dtype`), and
+`rollout.dtype` (null = bf16) for vLLM's weights. The critic is planned in the actor's precision,
+and one rank is traced without the autocast the trainer applies there (fp32 activations: an
+over-estimate).
 """
 
 from __future__ import annotations
@@ -137,6 +141,15 @@ class Settings:
     rollout_dtype: str = "fp32"
 
 
+_SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
+          "fp16": "fp16"}
+
+
+def _plan_dtype(name: str | None, default: str = "bf16") -> str:
+    """A dtype setting as the trainer resolves it on a GPU (null: `default`), in the plan's names."""
+    return default if name is None else _SHORT[str(name)]
+
+
 def _rows(dynamic: bool, max_tokens: int, micro: int | None, seq: int, mini_rows: int) -> int:
     """Rows of the largest micro-batch: the token budget over the padded length with
     `use_dynamic_bsz` (verl's budget of prompt + response tokens), else the micro-batch size
@@ -170,7 +183,10 @@ def settings_from_config(cfg: Any, device_gib: float) -> Settings:
         gpu_memory_utilization=r.gpu_memory_utilization, free_cache_engine=r.free_cache_engine,
         max_model_len=r.max_model_len or seq, max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=r.max_num_batched_tokens,
-        bucket_bytes=r.update_weights_bucket_megabytes * 2**20, entropy_grad=a.entropy_coeff != 0)
+        bucket_bytes=r.update_weights_bucket_megabytes * 2**20, entropy_grad=a.entropy_coeff != 0,
+        param_dtype=_plan_dtype(a.fsdp_config.mixed_precision.param_dtype),
+        reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
+        rollout_dtype=_plan_dtype(r.dtype))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -395,10 +411,12 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
     return Plan(name, params, s.device_bytes, tuple(phases), tuple(notes))
 
 
-def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtype: str = "fp32",
-                reduce_dtype: str = "fp32") -> Plan:
-    """The plan of a loaded trainer configuration (its actor model's `config.json`)."""
-    s = replace(settings_from_config(cfg, device_gib), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtype: str | None = None,
+                reduce_dtype: str | None = None) -> Plan:
+    """The plan of a loaded trainer configuration (its actor model's `config.json`), in the
+    configuration's precision unless `param_dtype` / `reduce_dtype` say otherwise."""
+    s = settings_from_config(cfg, device_gib)
+    s = replace(s, param_dtype=param_dtype or s.param_dtype, reduce_dtype=reduce_dtype or s.reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
     made = plan(read_model(path), s, name=Path(path).name or path, layers=layers)
     if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight

@@ -42,20 +42,29 @@ def _build(config: dict[str, Any], critic: bool, dtype: Any, grad_ckpt: bool, de
 def _steps(tracker: Any, model: Any, optim: Any, spec: dict[str, Any]) -> Any:
     """Two update steps of the trainer's own forward (the second with the AdamW moments) under
     `tracker`; its peak snapshot."""
+    import dataclasses
+
     import torch
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     rows, seq, resp = int(spec["rows"]), int(spec["seq_len"]), int(spec["response_len"])
-    ids = torch.randint(0, 100, (rows, seq))
-    mask = torch.ones(rows, seq, dtype=torch.long)
+    mode = detect_fake_mode()
+    with unset_fake_temporarily():  # which tokens to compute is data-dependent: chosen for real
+        ids = torch.randint(0, 100, (rows, seq))
+        real = M.select_tokens(ids, torch.ones(rows, seq, dtype=torch.long), resp, remove_padding=False)
+    tokens = dataclasses.replace(real, **{f.name: mode.from_tensor(getattr(real, f.name))
+                                          for f in dataclasses.fields(real)
+                                          if isinstance(getattr(real, f.name), torch.Tensor)})
     if hasattr(tracker, "track_inputs"):
-        tracker.track_inputs((ids, mask))
+        tracker.track_inputs((tokens.input_ids, tokens.attention_mask))
     with tracker:
-        for _ in range(2):
+        for _ in range(2):  # the trainer's own forward of the selected tokens (`compute_log_probs`)
             if spec["critic"]:
-                out = M.compute_values(model, ids, mask, resp)
+                out = M.token_values(model, tokens)
             else:
-                out, _ = M.compute_log_probs(model, ids, mask, resp, calculate_entropy=True,
-                                             entropy_grad=bool(spec.get("entropy_grad")))
+                lp, _ = M._response_log_probs(model, tokens, 1.0, True, bool(spec.get("entropy_grad")))
+                out = tokens.scatter(lp)
             out.float().mean().backward()
             optim.step()
             optim.zero_grad(set_to_none=True)

@@ -536,6 +536,9 @@ class Tokens:
     cols: torch.Tensor
     response_length: int
     batch: int
+    keep: int = 0
+    """Padded: the last columns whose logits predict a response token (computed here, from the
+    real mask, so that the forward pass holds no data-dependent size)."""
 
     def labels(self) -> torch.Tensor:
         return self.input_ids.reshape(-1)[self.predict_at + 1]
@@ -567,8 +570,9 @@ def select_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
     last = max(last, width - response_length + 1)
     ids, cut = input_ids[:, first:last], attention_mask[:, first:last]
     predict_at = rows * cut.shape[1] + (cols + width - response_length - first) - 1
+    keep = cut.shape[1] - int((predict_at % cut.shape[1]).min()) if predict_at.numel() else 1
     return Tokens(ids, cut, position_ids_from_mask(cut), predict_at, rows, cols, response_length,
-                  mask.shape[0])
+                  mask.shape[0], keep)
 
 
 def _response_log_probs(model: PreTrainedModel, tokens: Tokens, temperature: float,
@@ -581,7 +585,7 @@ def _response_log_probs(model: PreTrainedModel, tokens: Tokens, temperature: flo
                     logits_to_keep=tokens.predict_at)
         logits = out.logits[0]
     else:  # padded: the last columns, then the positions of real response tokens
-        keep = width - int((tokens.predict_at % width).min()) if tokens.predict_at.numel() else 1
+        keep = tokens.keep
         out = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                     position_ids=tokens.position_ids, use_cache=False, logits_to_keep=keep)
         logits = out.logits[tokens.rows, tokens.predict_at % width - (width - keep)]
@@ -651,6 +655,11 @@ def compute_values(
     for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
         tokens = select_tokens(input_ids[sl], attention_mask[sl], response_length,
                                remove_padding=remove_padding)
-        v = critic(tokens.input_ids, tokens.attention_mask, tokens.position_ids)
-        values.append(tokens.scatter(v.reshape(-1)[tokens.predict_at]))
+        values.append(token_values(critic, tokens))
     return torch.cat(values)
+
+
+def token_values(critic: CriticModel, tokens: Tokens) -> torch.Tensor:
+    """The critic's values of `tokens`' response states, in a ``(batch, resp_len)`` tensor."""
+    v = critic(tokens.input_ids, tokens.attention_mask, tokens.position_ids)
+    return tokens.scatter(v.reshape(-1)[tokens.predict_at])
