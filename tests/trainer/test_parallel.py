@@ -324,12 +324,19 @@ def test_the_store_reach_is_as_stated() -> None:
             f"s = d.TCPStore('127.0.0.1', {store.port}, is_master=False, "
             "timeout=datetime.timedelta(seconds=30))\n"
             "print(sorted(s.list_keys()), s.get('rendezvous').decode())\n")
-    as_other = {"user": 65534, "group": 65534} if os.getuid() == 0 else {}
-    # another user (as root: `nobody`) needs a Python it may run: the venv's may be private
-    python = "/usr/bin/python3" if as_other and os.access("/usr/bin/python3", os.X_OK) else sys.executable
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("site-packages")),
            "PATH": "/usr/bin:/bin"}
+    # another user (as root: `nobody`) with the system's Python and this venv's packages, where
+    # `nobody` may read them (a checkout under a private directory, as a fresh clone in a
+    # `mkdtemp` is, keeps them out of its reach): the connection carries no credential, so any
+    # process that reaches the port reads the keys, whoever runs it
+    as_other: dict[str, int] = {}
+    if os.getuid() == 0 and os.access("/usr/bin/python3", os.X_OK):
+        probe = subprocess.run(["/usr/bin/python3", "-c", "import torch.distributed"], env=env,
+                               capture_output=True, timeout=120, user=65534, group=65534)
+        as_other = {"user": 65534, "group": 65534} if probe.returncode == 0 else {}
+    python = "/usr/bin/python3" if as_other else sys.executable
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=env, **as_other if python == "/usr/bin/python3" else {})
+                         env=env, **as_other)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "secret-of-the-group" in out.stdout and "rendezvous" in out.stdout

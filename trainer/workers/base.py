@@ -12,10 +12,8 @@ state.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -115,17 +113,6 @@ class Worker:
         return {"role": self.role, "rank": self.rank, "hostname": socket.gethostname(),
                 "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available(),
                 "container": container_runtime(), "gpu": gpu}
-
-    def ignore_sigterm(self) -> bool:
-        """In a Ray actor: ignore SIGTERM from now on. Slurm sends it to every process of a job
-        it cancels, requeues or preempts, and Ray's worker exits on it; the agent starts Ray with
-        SIGTERM blocked, but a library thread that unblocks it (seen with vLLM's CPU engine)
-        would take it. The driver asks for the checkpoint; the actor ends with the job (SIGKILL).
-        False where it cannot (not the main thread)."""
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return True
 
     def free_port(self) -> int:
         return P.free_port(node_ip())

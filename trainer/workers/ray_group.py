@@ -174,6 +174,18 @@ def _wait_placed(pg: Any, what: str) -> None:
             "and `trainer.n_gpus_per_node` at most the GPUs (or CPUs) of each node")
 
 
+def ignore_sigterm() -> bool:
+    """In a Ray actor's process: ignore SIGTERM from now on. Slurm sends it to every process of a
+    job it cancels, requeues or preempts, and Ray's worker exits on it; the agent starts Ray with
+    SIGTERM blocked, but a library thread that unblocks it (seen with vLLM's CPU engine) would
+    take it. The driver asks for the checkpoint; the actor ends with the job (SIGKILL). False
+    where it cannot (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return True
+
+
 class ColocatedWorker:
     """One process per rank hosting one worker of each role (verl's colocated worker): the
     roles share the process, its GPU and its torch.distributed group, and run one call at a
@@ -181,6 +193,7 @@ class ColocatedWorker:
 
     def __init__(self, roles: dict[str, type], cfg: Config, rank: int, world_size: int,
                  total_steps: int) -> None:
+        self.ignores_sigterm = ignore_sigterm()  # before any role starts a thread
         self.workers = {name: cls(cfg, rank, world_size, total_steps) for name, cls in roles.items()}
 
     def call(self, role: str, method: str, *args: Any) -> Any:
@@ -243,7 +256,6 @@ class RayWorkerGroup(WorkerGroup):
         self.name, self.world_size, self.actors = name, len(actors), actors
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
         self.nodes = self.run("node_info")
-        self.run("ignore_sigterm")  # Slurm's SIGTERM to every process must not end a rank
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         """`method(*per_rank[r])` on rank r."""
