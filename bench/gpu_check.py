@@ -9,9 +9,8 @@ as `bench.learning prepare` does) and the arithmetic task: GRPO, `rollout.name=v
 `free_cache_engine=true` (vLLM's sleep mode), run twice, with `param_offload` and
 `optimizer_offload` on and off, `--steps` steps each. For each run it prints the tokens per
 second per GPU (verl's `perf/throughput`), the peak device memory of every phase
-(`perf/memory/<phase>/max_*_gb`, :mod:`trainer.phases`) and the actor update's MFU (6 x
-parameters x tokens over the update's seconds, against the GPU's dense bf16 peak; the update runs
-in fp32, so read it as a lower bound).
+(`perf/memory/<phase>/max_*_gb`, :mod:`trainer.phases`) and the actor update's MFU (the
+trainer's own `perf/mfu/actor`: verl's FLOPs count over verl's table of device peaks).
 
 `--dry` runs the same path on the CPU: the tiny test model, the toy task, HF rollout where vLLM
 is absent, 2 steps; memory reads 0 and MFU is not computed there. The test suite runs it.
@@ -27,18 +26,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DIR = Path("/tmp/hpcrl-gpu-check")
-#: Dense bf16 peak FLOP/s by device-name fragment (vendor data sheets).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "MI300X": 1307e12, "MI250X": 383e12}
 PHASES = ("rollout", "weight_sync", "old_log_prob", "ref", "update_actor")
-
-
-def peak_flops() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def dry_inputs(root: Path) -> tuple[Path, Path, list[str]]:
@@ -91,17 +79,15 @@ def n_params(model: Path) -> int:
     return sum(p.numel() for p in built.parameters())
 
 
-def summarise(rows: list[dict[str, Any]], params: int, peak: float | None) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], on_gpu: bool) -> dict[str, Any]:
     """Means over the steps after the first (which warms up), or the one step there is."""
     timed = rows[1:] or rows
 
     def mean(key: str) -> float:
         return sum(float(r.get(key, 0.0)) for r in timed) / len(timed)
 
-    update_s = mean("timing_s/update_actor")
-    flops = 6 * params * mean("perf/total_num_tokens")
     out: dict[str, Any] = {"tokens/s/GPU": mean("perf/throughput"), "step_s": mean("perf/time_per_step"),
-                           "mfu": None if peak is None or update_s <= 0 else flops / update_s / peak}
+                           "mfu": mean("perf/mfu/actor") if on_gpu else None}
     for phase in PHASES:
         key = f"perf/memory/{phase}/max_allocated_gb"
         if any(key in r for r in rows):
@@ -145,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (2 if args.dry else 10)
     root = args.dir or (Path(tempfile.mkdtemp(prefix="hpcrl-gpu-check-")) if args.dry else DEFAULT_DIR)
     model, data, extra = dry_inputs(root) if args.dry else gpu_inputs(root)
-    params, peak = n_params(model), peak_flops()
+    params = n_params(model)
     print(f"gpu_check: {model.name} ({params / 1e6:.1f}M parameters), {steps} steps, "
           f"{'dry run on the CPU' if args.dry else 'one GPU'}", flush=True)
     for offload in (False, True):
         start = time.perf_counter()
         rows = run_once(model, data, root / f"run-offload-{'on' if offload else 'off'}", steps, offload, extra)
-        print(report(offload, summarise(rows, params, peak)), f"\n  ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(report(offload, summarise(rows, not args.dry)), f"\n  ({time.perf_counter() - start:.0f} s)", flush=True)
     return 0
 
 
