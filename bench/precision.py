@@ -30,7 +30,6 @@ after, for both.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import subprocess
 import sys
@@ -38,25 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.memory import _reset_peak, _status
+
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
                  "max_position_embeddings": 2048, "tie_word_embeddings": True}
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> int:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    return _status("VmRSS")
 
 
 def _batch(rows: int, prompt: int, response: int) -> tuple[Any, Any]:
