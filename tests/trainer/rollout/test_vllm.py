@@ -256,7 +256,8 @@ def test_lora_step_then_sync_answers_like_the_merged_model(engine, tiny_model_di
                        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
                        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-2",
-                       "data.max_response_length=8"])
+                       "data.max_response_length=8",
+                       "actor_rollout_ref.rollout.name=hf"])  # the actor's own copy; vLLM's below
     actor = ActorRolloutRefWorker(cfg, 0, 1, total_steps=1)
     actor.init_dist(None, None)
     batch = _batch(8, 1)
