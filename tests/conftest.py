@@ -8,6 +8,7 @@ user's real home is compared before and after the run; a change fails the run an
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -103,6 +104,25 @@ def session_home(tmp_path_factory: pytest.TempPathFactory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+#: The signals whose handling code under test changes in this process (the trainer's stop
+#: request, its `settle`, Slurm-shielded calls): restored after every test.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def signal_state():
+    """Each test starts with the signal handlers and mask the session had: a test that runs the
+    trainer's `main` in this process leaves SIGTERM ignored (its `settle`), and every process a
+    later test starts would inherit that (a stand-in agent then outlives `hpcrl cancel`)."""
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) != handler and handler is not None:
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @pytest.fixture(autouse=True)
