@@ -86,6 +86,7 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
         "trainer.log_val_generations=4", "trainer.logger=[console,jsonl]",
         "trainer.project_name=hpcrl-bench", "trainer.experiment_name=arith-smollm2-grpo",
         f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
+        *args.extra,
     ]
 
 
@@ -306,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5, help="actor learning rate")
     p.add_argument("--time", default="01:30:00", help="the job's Slurm time limit")
     p.add_argument("--minutes", type=float, default=40.0, help="trl: wall-time budget")
+    p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
+                   help="more trainer overrides (verl's keys), after the bench's own, e.g. "
+                        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
     args = p.parse_args(argv)
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
