@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
                    help="more trainer overrides (verl's keys), after the bench's own, e.g. "
                         "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may follow the options
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     if args.command == "prepare":
