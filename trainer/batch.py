@@ -73,23 +73,11 @@ class StepBatch:
         return replace(self, **moved)
 
 
-def micro_batch_rows(
-    lengths: list[int], micro_batch_size: int | None, use_dynamic_bsz: bool, max_token_len: int
-) -> list[list[int]]:
-    """Split rows 0..n-1 into micro-batches: by count, or greedily by token budget."""
-    n = len(lengths)
-    if not use_dynamic_bsz:
-        size = micro_batch_size or n
-        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-    groups: list[list[int]] = [[]]
-    tokens = 0
-    for row, length in enumerate(lengths):
-        if groups[-1] and tokens + length > max_token_len:
-            groups.append([])
-            tokens = 0
-        groups[-1].append(row)
-        tokens += length
-    return groups
+def micro_batch_rows(rows: int, micro_batch_size: int | None) -> list[list[int]]:
+    """Rows 0..rows-1 in consecutive micro-batches of `micro_batch_size` (all in one without a
+    size), as verl's `split`. Token-budget micro-batches: `trainer.parallel.rank_micro_batches`."""
+    size = micro_batch_size or rows or 1
+    return [list(range(i, min(i + size, rows))) for i in range(0, rows, size)]
 
 
 def need(value: torch.Tensor | None, what: str) -> torch.Tensor:

@@ -57,7 +57,7 @@ from trainer.metrics import (
     timing_metrics,
     validation_metrics,
 )
-from trainer.parallel import balanced_split, split_rows
+from trainer.parallel import balanced_split, rank_mini_batches, split_rows
 from trainer.rewards import (
     BATCH_ARGS,
     PER_RESPONSE_ARGS,
@@ -370,27 +370,40 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ updates
 
-    def _mini_batches(self, batch: StepBatch, mini_size: int, shuffle: bool, salt: int) -> list[StepBatch]:
-        order = list(range(len(batch)))
-        if shuffle:
+    def _mini_batches(self, batch: StepBatch, mini_size: int, shuffle: bool, salt: int) -> list[list[list[int]]]:
+        """Rows of every mini-batch, per rank, as verl forms them: the batch is first split over
+        the ranks (:meth:`_split`, each rank's rows in its order), then each rank's rows are cut
+        into local mini-batches (:func:`~trainer.parallel.rank_mini_batches`). Which rows share
+        a mini-batch, a rank and a micro-batch changes the update under verl's per-micro-batch
+        means, so this order is verl's. `shuffle` acts only under verl's model
+        engine (`trainer.use_legacy_worker_impl=disable`, where verl's loader shuffles each rank's
+        rows): there each rank's rows are permuted (this trainer's seeded permutation, not the
+        one torch's sampler draws in verl); verl's default worker ignores it, and so does this."""
+        per_rank = self._split(batch)
+        local = max(mini_size // self.world, 1)
+        if shuffle and self.cfg.trainer.use_legacy_worker_impl == "disable":
             gen = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, self.global_step, salt))
-            order = torch.randperm(len(batch), generator=gen).tolist()
-        return [batch.select(order[i:i + mini_size]) for i in range(0, len(batch), mini_size)]
+            per_rank = [[rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()] for rows in per_rank]
+        return rank_mini_batches(per_rank, local)
 
-    def _rows_to_update(self, mini: StepBatch, keep_entropy: bool) -> list[int]:
+    def _keeps_every_row(self, keep_entropy: bool) -> bool:
+        """Whether the actor update computes every row in verl's places (see :meth:`_rows_to_update`)."""
+        a = self.cfg.actor_rollout_ref.actor
+        micro_means = self.cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
+        return keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means
+
+    @staticmethod
+    def _rows_to_update(mini: StepBatch) -> list[int]:
         """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
 
         With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
         group whose samples scored alike) adds exactly zero to the policy gradient, and under
         `trainer.use_legacy_worker_impl=disable` the loss normalisers (from the whole mini-batch)
         still count it. verl's default worker divides by each micro-batch's own counts, which a
-        skipped row would change: there every row is kept. Every row is kept too when the update
-        must supply the entropy metric (`keep_entropy`).
+        skipped row (or a row moved to another micro-batch) would change: there every row is
+        kept where verl computes it (:meth:`_keeps_every_row`). Every row is kept too when the
+        update must supply the entropy metric.
         """
-        a = self.cfg.actor_rollout_ref.actor
-        micro_means = self.cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
-        if keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means:
-            return list(range(len(mini)))
         advantages = need(mini.advantages, "advantages") * mini.response_mask
         return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
 
@@ -402,27 +415,44 @@ class PPODriver:
         extra = [r for r in range(size) if r not in chosen][:short]
         return sorted(rows + extra)
 
-    def _shares(self, mini: StepBatch, rows: list[int]) -> list[MiniBatchShare]:
-        """Each rank's part of `rows` of `mini`, with the normalisers of the whole of `mini`."""
+    def _shares(self, batch: StepBatch, ranks_rows: list[list[int]], skip: Any
+                ) -> tuple[list[MiniBatchShare], list[list[int]], float]:
+        """Each rank's share of one mini-batch (`ranks_rows`: rows of `batch` per rank) with the
+        normalisers of the whole mini-batch, the rows of `batch` each share holds, and the
+        fraction of rows skipped. `skip(mini)` names the rows of the mini-batch to compute
+        (None: all, each rank its own rows in verl's order); the kept rows are then re-split
+        over the ranks, which changes no number where rows may be skipped (global normalisers)."""
+        union = [r for rows in ranks_rows for r in rows]
+        mini = batch.select(union)
         tokens, seqs = core_algos.loss_normalizers(mini.response_mask)
-        kept = mini.select(rows).tensors_only()
-        return [MiniBatchShare(kept.select(part), tokens, seqs) for part in self._split(kept)]
+        if skip is None:
+            parts, at = [], 0
+            for rows in ranks_rows:
+                parts.append(list(range(at, at + len(rows))))
+                at += len(rows)
+        else:
+            kept = self._fill_to_ranks(skip(mini), len(mini))
+            parts = [[kept[i] for i in part] for part in self._split(mini.select(kept))]
+        shares = [MiniBatchShare(mini.select(part).tensors_only(), tokens, seqs) for part in parts]
+        return shares, [[union[i] for i in part] for part in parts], 1.0 - sum(map(len, parts)) / len(union)
 
     def _rank_minis(self, batch: StepBatch, mini_size: int, shuffle: bool, epochs: int, salt: int,
-                    skip: Any = None) -> tuple[list[tuple[Any, ...]], list[float]]:
-        """Per rank: for each epoch, its share of every mini-batch; and the fraction of rows
-        skipped in each mini-batch (`skip(mini)` gives the rows to keep; None keeps all)."""
+                    skip: Any = None) -> tuple[list[tuple[Any, ...]], list[float], list[list[int]]]:
+        """Per rank: for each epoch, its share of every mini-batch; the fraction of rows skipped
+        in each mini-batch; and the rows of `batch` each rank holds in the last mini-batch, in
+        its order (what the entropy the update measures belongs to)."""
         per_rank: list[list[list[MiniBatchShare]]] = [[] for _ in range(self.world)]
         skipped: list[float] = []
+        rows_of: list[list[int]] = [[] for _ in range(self.world)]
         for epoch in range(epochs):
             shares_of_minis = []
-            for mini in self._mini_batches(batch, mini_size, shuffle, salt + epoch):
-                rows = list(range(len(mini))) if skip is None else self._fill_to_ranks(skip(mini), len(mini))
-                skipped.append(1.0 - len(rows) / len(mini))
-                shares_of_minis.append(self._shares(mini, rows))
+            for ranks_rows in self._mini_batches(batch, mini_size, shuffle, salt + epoch):
+                shares, rows_of, frac = self._shares(batch, ranks_rows, skip)
+                skipped.append(frac)
+                shares_of_minis.append(shares)
             for rank in range(self.world):
                 per_rank[rank].append([shares[rank] for shares in shares_of_minis])
-        return [(epochs_of_rank,) for epochs_of_rank in per_rank], skipped
+        return [(epochs_of_rank,) for epochs_of_rank in per_rank], skipped, rows_of
 
     def _merge(self, results: list[dict[str, Any]], prefix: str) -> dict[str, float]:
         """Rank metrics merged: every value is the mean over ranks and mini-batches (loss shares
@@ -436,7 +466,7 @@ class PPODriver:
     def update_critic(self, batch: StepBatch) -> dict[str, float]:
         assert self.critic_group is not None
         c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
-        args, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
+        args, _, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
                                    int(c.ppo_epochs or 1), 100)
         results = self.critic_group.run_each("update_critic", args)
         metrics = self._merge(results, "update_critic")
@@ -447,14 +477,16 @@ class PPODriver:
         a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
         # The old log-probs come from this update and the rollout gave no entropies: measure them here.
         keep_entropy = batch.old_log_probs is None and batch.entropy is None
-        args, skipped = self._rank_minis(batch, a.ppo_mini_batch_size * n, a.shuffle, a.ppo_epochs, 0,
-                                         skip=lambda mini: self._rows_to_update(mini, keep_entropy))
+        args, skipped, rows_of = self._rank_minis(
+            batch, a.ppo_mini_batch_size * n, a.shuffle, a.ppo_epochs, 0,
+            skip=None if self._keeps_every_row(keep_entropy) else lambda mini: self._rows_to_update(mini))
         results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
         metrics = self._merge(results, "update_actor")
         metrics["perf/mfu/actor"] = self._mfu(batch, results, a.ppo_epochs)
         metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
         if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
-            metrics["actor/entropy"] = self._update_entropy(batch, [r["entropy"] for r in results])
+            metrics["actor/entropy"] = self._entropy_metric(
+                torch.cat([r["entropy"] for r in results]), batch.response_mask[sum(rows_of, [])])
         return metrics
 
     def _mfu(self, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
@@ -464,11 +496,6 @@ class PPODriver:
         seqlens = batch.attention_mask.sum(-1).long().tolist()
         return float(np.mean([mfu(r["flops_fields"], seqlens, r["seconds"], r["device_name"],
                                   epochs=epochs, world_size=self.world) for r in results]))
-
-    def _update_entropy(self, batch: StepBatch, per_rank: list[torch.Tensor]) -> float:
-        mini = self._mini_batches(batch, len(batch), self.cfg.actor_rollout_ref.actor.shuffle, 0)[0]
-        return self._entropy_metric(torch.cat(per_rank), torch.cat(
-            [mini.select(p).response_mask for p in self._split(mini)]))
 
     def sync_weights(self) -> None:
         """Give every rank's rollout engine the actor's current weights (nothing to do where

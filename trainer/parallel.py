@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import datetime
+import heapq
 import math
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -60,13 +61,16 @@ __all__ = [
     "full_tensors",
     "init_method_url",
     "init_process_group",
+    "karmarkar_karp",
     "rank_micro_batches",
+    "rank_mini_batches",
     "reshard",
     "single_rank",
     "split_rows",
     "state_entries",
     "unique_state_names",
     "weight_buckets",
+    "workload",
 ]
 
 
@@ -239,41 +243,124 @@ def split_rows(n: int, parts: int) -> list[list[int]]:
     return out
 
 
+def workload(lengths: Sequence[int]) -> list[int]:
+    """verl's relative cost of a row of `length` real tokens (verl/utils/seqlen_balancing.py
+    `calculate_workload`): `24576 * length + length**2`, a dense 7B-shaped block's linear and
+    attention FLOPs. What both balancers below weigh, so rows land where verl puts them."""
+    return [24576 * int(n) + int(n) ** 2 for n in lengths]
+
+
+class _LdmState:
+    """One partial solution of the largest differencing method: `k` sets, largest first.
+
+    A set is `[sum, [(row, value), ...]]`, ordered as verl orders them (sum, then item count,
+    then the items); the state that `heapq` pops first is the one of largest spread, then the
+    one whose largest set is largest. These tie-breaks decide which rows share a rank, and
+    hence (with verl's per-micro-batch means) the loss, so they are verl's."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self, sets: list[list[Any]]) -> None:
+        self.sets = sorted(sets, key=self._key, reverse=True)
+
+    @staticmethod
+    def _key(s: list[Any]) -> tuple[int, int, list[tuple[int, int]]]:
+        return s[0], len(s[1]), s[1]
+
+    def spread(self) -> int:
+        return int(self.sets[0][0] - self.sets[-1][0])
+
+    def __lt__(self, other: _LdmState) -> bool:
+        if self.spread() != other.spread():
+            return self.spread() > other.spread()
+        return self._key(self.sets[0]) > self._key(other.sets[0])
+
+    def absorb(self, other: _LdmState) -> None:
+        """Largest set with the other's smallest, and so on down (the differencing step)."""
+        k = len(self.sets)
+        for i in range(k):
+            mine, theirs = self.sets[i], other.sets[k - 1 - i]
+            mine[0] += theirs[0]
+            mine[1] = mine[1] + theirs[1]
+        self.sets = sorted(self.sets, key=self._key, reverse=True)
+
+
+def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
+    """Rows in `k` groups of similar `values` totals by the largest differencing method, as
+    verl partitions (verl/utils/seqlen_balancing.py `get_seqlen_balanced_partitions`): rows
+    sorted by (value, row); with `equal_size`, each run of `k` of them starts a state with one
+    row per set (every group then has `len(values) / k` rows), else each row starts one alone;
+    the two states of largest spread merge until one is left. Groups largest total first, each
+    group's rows in row order."""
+    n = len(values)
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot split {n} rows into {k} non-empty groups")
+    if equal_size and n % k:
+        raise ValueError(f"{n} rows do not split into {k} groups of equal size")
+    items = sorted((int(v), row) for row, v in enumerate(values))
+    width = k if equal_size else 1
+    heap: list[_LdmState] = []
+    for at in range(0, n, width):
+        sets = [[v, [(row, v)]] for v, row in items[at:at + width]]
+        heapq.heappush(heap, _LdmState(sets + [[0, []] for _ in range(k - len(sets))]))
+    while len(heap) > 1:
+        first, second = heapq.heappop(heap), heapq.heappop(heap)
+        first.absorb(second)
+        heapq.heappush(heap, first)
+    groups = [sorted(row for row, _ in s[1]) for s in heap[0].sets]
+    if not all(groups):
+        raise ValueError(f"cannot split {n} rows into {k} non-empty groups of similar totals")
+    return groups
+
+
 def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Rows in `parts` groups of equal size (differing by at most one) with similar token totals:
-    rows dealt longest first in snake order (0..p-1, p-1..0, ...), each group in row order.
-    What `trainer.balance_batch` uses to give every data-parallel rank a similar load."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    for i, row in enumerate(order):
-        lap, pos = divmod(i, parts)
-        groups[pos if lap % 2 == 0 else parts - 1 - pos].append(row)
-    return [sorted(g) for g in groups]
+    """Each data-parallel rank's rows under `trainer.balance_batch`, in the order that rank
+    takes them: verl's `_balance_batch` (verl/trainer/ppo/ray_trainer.py). Groups of equal size
+    and similar :func:`workload` by :func:`karmarkar_karp`; each group ordered lightest first
+    and then every other row, so the heaviest rows sit in the middle
+    (`rows[::2] + rows[1::2][::-1]` of the rows sorted by workload). Which rows a rank gets and
+    their order decide its mini- and micro-batches, as in verl. A batch that does not divide
+    into equal groups (verl refuses it) is cut into contiguous chunks."""
+    if len(lengths) % parts or len(lengths) < parts:
+        return split_rows(len(lengths), parts)
+    work = workload(lengths)
+    out = []
+    for group in karmarkar_karp(work, parts, equal_size=True):
+        ordered = sorted(group, key=lambda r: (work[r], r))
+        out.append(ordered[::2] + ordered[1::2][::-1])
+    return out
 
 
 def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
-    """Rows in `k` non-empty groups of similar token totals (longest first into the lightest
-    group), each group's rows in their original order, groups ordered by their first row.
-    Needs `k <= len(lengths)`."""
-    if not 1 <= k <= len(lengths):
-        raise ValueError(f"cannot split {len(lengths)} rows into {k} non-empty micro-batches")
-    groups: list[list[int]] = [[] for _ in range(k)]
-    loads = [0] * k
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    for i, row in enumerate(order):
-        target = i if i < k else min(range(k), key=lambda g: (loads[g], g))
-        groups[target].append(row)
-        loads[target] += lengths[row]
-    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+    """A rank's rows in `k` dynamic micro-batches, as verl's `rearrange_micro_batches` makes
+    them: groups of similar :func:`workload` by :func:`karmarkar_karp` (sizes free), ordered
+    heaviest first and then dealt to both ends (`groups[::2][::-1] + groups[1::2]`), so the
+    lightest run first and last; each group's rows in row order. Needs `k <= len(lengths)`."""
+    work = workload(lengths)
+    groups = karmarkar_karp(work, k, equal_size=False)
+    groups.sort(key=lambda g: (sum(work[r] for r in g), g[0]), reverse=True)
+    return groups[::2][::-1] + groups[1::2]
+
+
+def rank_mini_batches(per_rank: Sequence[Sequence[int]], local_size: int) -> list[list[list[int]]]:
+    """Mini-batches as verl forms them once the batch is split over the ranks (`per_rank`: each
+    rank's rows in its order): each rank cuts its rows into consecutive local mini-batches of
+    `local_size` rows (verl/workers/actor/dp_actor.py `update_policy`: `data.split`), and
+    mini-batch k is every rank's k-th cut. Per mini-batch, per rank, its rows."""
+    count = max(-(-len(rows) // local_size) for rows in per_rank)
+    return [[list(rows[k * local_size:(k + 1) * local_size]) for rows in per_rank] for k in range(count)]
 
 
 def rank_micro_batches(lengths: Sequence[int], micro_batch_size: int | None, use_dynamic_bsz: bool,
                        max_token_len: int) -> list[list[int]]:
-    """This rank's micro-batches: by count, or by token budget with the number of micro-batches
-    agreed over the ranks (the largest any rank needs), so that every rank runs as many forwards."""
+    """This rank's micro-batches: consecutive rows by count, or verl's token-budget split:
+    `ceil(tokens / max_token_len)` micro-batches (at most one per row), the largest count any
+    rank needs (every rank runs as many forwards, which FSDP's collectives need), rows placed by
+    :func:`balanced_partition`. A micro-batch may then hold a little more than the budget, as
+    in verl."""
     if not use_dynamic_bsz:
-        return micro_batch_rows(list(lengths), micro_batch_size, False, 0)
-    needed = len(micro_batch_rows(list(lengths), None, True, max_token_len))
+        return micro_batch_rows(len(lengths), micro_batch_size)
+    needed = min(len(lengths), -(-int(sum(lengths)) // max_token_len))
     count = min(all_reduce_max(needed), len(lengths))
     return balanced_partition(lengths, count) if count > 1 else [list(range(len(lengths)))]
 

@@ -50,9 +50,16 @@ def no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
 
 #: Greedy rollouts (no per-rank sampling streams) and one checkpoint per step, so that runs on
 #: different numbers of ranks see the same data and can be compared step by step.
+#: An update that does not depend on the world size, so that runs on different numbers of ranks
+#: can be compared: verl's model engine (`use_legacy_worker_impl=disable`: losses over the whole
+#: mini-batch; verl's default worker averages each rank's micro-batch means, which depend on which
+#: rows share a rank) and one mini-batch of all 16 rows, twice (verl cuts mini-batches from each
+#: rank's rows, so with several their rows depend on the world size, as in verl).
 COMMON = ("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
           "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
-          "actor_rollout_ref.rollout.do_sample=false", "trainer.save_freq=1")
+          "actor_rollout_ref.rollout.do_sample=false", "trainer.save_freq=1",
+          "trainer.use_legacy_worker_impl=disable", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+          "actor_rollout_ref.actor.ppo_epochs=2")
 #: Weights of a resumed run against an uninterrupted one: float noise between world sizes moves
 #: Adam's steps by ~1e-6; a resume that lost the Adam moments, the LR schedule or the data
 #: position moves them by about the learning rate (1e-3), which the test checks is detectable.

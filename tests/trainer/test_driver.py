@@ -54,10 +54,9 @@ def scores(run: Path) -> list[float]:
     return [r["critic/score/mean"] for r in read_jsonl(run / "metrics.jsonl")]
 
 
-def test_micro_batch_rows_by_count_and_by_tokens() -> None:
-    assert micro_batch_rows([5] * 5, 2, False, 0) == [[0, 1], [2, 3], [4]]
-    assert micro_batch_rows([5] * 3, None, False, 0) == [[0, 1, 2]]
-    assert micro_batch_rows([4, 4, 3, 9, 1], None, True, 8) == [[0, 1], [2], [3], [4]]
+def test_micro_batch_rows_by_count() -> None:
+    assert micro_batch_rows(5, 2) == [[0, 1], [2, 3], [4]]
+    assert micro_batch_rows(3, None) == [[0, 1, 2]]
 
 
 def test_stop_request_by_signal_and_by_file(tmp_path: Path) -> None:
@@ -282,7 +281,7 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         t = PPODriver(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
                                     "trainer.test_freq=-1", "trainer.use_legacy_worker_impl=disable"]))
         if name == "every_row":
-            t._rows_to_update = lambda mini, keep_entropy: list(range(len(mini)))  # type: ignore[method-assign]
+            t._rows_to_update = lambda mini: list(range(len(mini)))  # type: ignore[method-assign]
         assert t.fit() == 0
         runs[name] = (t, [r["actor/skipped_row_frac"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")])
     (skip, skipped), (every_row, none_skipped) = runs["skip"], runs["every_row"]
@@ -307,10 +306,12 @@ def test_default_worker_keeps_rows_of_zero_advantage() -> None:
     mini = StepBatch(examples=[], uids=[], input_ids=torch.zeros(3, 4, dtype=torch.long),
                      attention_mask=torch.ones(3, 4, dtype=torch.long), response_mask=mask,
                      advantages=torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
-    for impl, kept in (("auto", [0, 1, 2]), ("enable", [0, 1, 2]), ("disable", [1])):
+    for impl, every_row in (("auto", True), ("enable", True), ("disable", False)):
         cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
                            f"trainer.use_legacy_worker_impl={impl}"])
-        assert PPODriver._rows_to_update(SimpleNamespace(cfg=cfg), mini, False) == kept, impl  # type: ignore[arg-type]
+        assert PPODriver._keeps_every_row(SimpleNamespace(cfg=cfg), False) is every_row, impl  # type: ignore[arg-type]
+        assert PPODriver._keeps_every_row(SimpleNamespace(cfg=cfg), True), impl  # type: ignore[arg-type]
+    assert PPODriver._rows_to_update(mini) == [1]
 
 
 def test_remax_baseline_is_the_score_of_the_greedy_response(

@@ -16,36 +16,68 @@ from trainer.batch import MiniBatchShare, StepBatch
 from trainer.config import load_config
 
 
-def test_split_rows_and_balanced_partition() -> None:
+def test_split_rows() -> None:
     assert P.split_rows(5, 2) == [[0, 1, 2], [3, 4]]
     assert P.split_rows(2, 3) == [[0], [1], []]
-    groups = P.balanced_partition([9, 1, 1, 8, 2, 3], 3)
-    assert sorted(r for g in groups for r in g) == list(range(6))
-    assert all(g == sorted(g) and g for g in groups)
-    loads = sorted(sum([9, 1, 1, 8, 2, 3][r] for r in g) for g in groups)
-    assert loads == [7, 8, 9]  # longest first into the lightest group
+
+
+def test_workload_is_verls_flops_proxy() -> None:
+    assert P.workload([0, 1, 10]) == [0, 24577, 245860]  # 24576 n + n^2
+
+
+def test_largest_differencing_equal_size_by_hand() -> None:
+    """Values 1..8 into 2 groups of 4. Pairs in sorted order start the states, each with spread
+    1: {2|1} {4|3} {6|5} {8|7}. Ties go to the larger largest set: {8|7} merges with {6|5}
+    (8+5, 7+6: 13|13), then {4|3} with {2|1} (4+1, 3+2: 5|5); last 13|13 with 5|5, each
+    largest with the other's smallest: (8,5)+(3,2), (7,6)+(4,1); equal sums and sizes, the set
+    holding row 7 first."""
+    assert P.karmarkar_karp([1, 2, 3, 4, 5, 6, 7, 8], 2, equal_size=True) == [[1, 2, 4, 7], [0, 3, 5, 6]]
+    with pytest.raises(ValueError, match="7 rows do not split into 2 groups of equal size"):
+        P.karmarkar_karp([1] * 7, 2, equal_size=True)
     with pytest.raises(ValueError, match="cannot split 2 rows into 3"):
-        P.balanced_partition([1, 1], 3)
+        P.karmarkar_karp([1, 1], 3, equal_size=False)
 
 
-def test_balanced_split_gives_equal_counts_and_similar_tokens() -> None:
-    lengths = [9, 1, 1, 8, 2, 3, 7, 5]
-    groups = P.balanced_split(lengths, 2)
-    assert [len(g) for g in groups] == [4, 4]
-    assert sorted(r for g in groups for r in g) == list(range(8))
-    assert [sum(lengths[r] for r in g) for g in groups] == [18, 18]
-    assert [len(g) for g in P.balanced_split([1] * 7, 3)] == [3, 2, 2]
+def test_balanced_split_is_verls_balance_batch_by_hand() -> None:
+    """Lengths 1..8 over 2 ranks, by workload w(n) = 24576 n + n^2 (monotone in n). Spreads of
+    the starting pairs: w(2)-w(1) = 24579 < w(4)-w(3) = 24583 < 24587 < w(8)-w(7) = 24591, so
+    {8|7} merges with {6|5} first (w8+w5 vs w7+w6: 24576*13 + 89 | + 85), then {4|3} with {2|1}
+    (+17 | +13), then (8,5)+(3,2) and (7,6)+(4,1): 24576*18 + 102 each, the set holding row 7
+    first. Each rank's rows lightest first, then every other one back: sorted [1,2,4,7] ->
+    [1,4] + [7,2]; [0,3,5,6] -> [0,5] + [6,3]."""
+    assert P.balanced_split([1, 2, 3, 4, 5, 6, 7, 8], 2) == [[1, 4, 7, 2], [0, 5, 6, 3]]
+    lengths = [9, 1, 1, 8, 2, 3, 7, 5, 4, 4, 6, 2]
+    groups = P.balanced_split(lengths, 3)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    assert sorted(r for g in groups for r in g) == list(range(12))
+    assert P.balanced_split([1] * 7, 3) == [[0, 1, 2], [3, 4], [5, 6]]  # no equal split: contiguous
+
+
+def test_mini_batches_are_cut_from_each_rank_s_rows() -> None:
+    """verl splits over the ranks first, then each rank cuts consecutive local mini-batches:
+    8 rows, 2 ranks, mini-batches of 4 (2 per rank). Mini-batch 0 is rows 1,4 of rank 0 and 0,5
+    of rank 1 (not rows 0-3 of the batch)."""
+    per_rank = P.balanced_split([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    assert P.rank_mini_batches(per_rank, 2) == [[[1, 4], [0, 5]], [[7, 2], [6, 3]]]
+    assert P.rank_mini_batches([[0, 1, 2], [3, 4, 5]], 2) == [[[0, 1], [3, 4]], [[2], [5]]]
+
+
+def test_dynamic_micro_batches_are_verls_by_hand() -> None:
+    """Lengths 4,4,3,9,1 with 8 tokens per micro-batch: ceil(21 / 8) = 3 micro-batches.
+    Workloads w(9) = 221265 > w(4) = 98320 (rows 0, 1) > w(3) = 73737 > w(1) = 24577; every row
+    starts alone. Largest spreads first: {9} with {4 (row 1)}: {9|4|}; then with {4 (row 0)}:
+    {9|4|4}, spread w9-w4; then row 2 joins the smallest set's opposite: {9|4,3|4}; then row 4:
+    {9 | 4,3 | 4,1}. Heaviest first: [3], [0,2], [1,4]; dealt to both ends:
+    [::2][::-1] + [1::2] = [1,4], [3], [0,2]."""
+    assert P.rank_micro_batches([4, 4, 3, 9, 1], None, True, 8) == [[1, 4], [3], [0, 2]]
+    assert P.rank_micro_batches([4, 4, 3], 2, False, 0) == [[0, 1], [2]]
+    assert P.rank_micro_batches([4, 4, 3], None, True, 100) == [[0, 1, 2]]
 
 
 def test_init_method_brackets_ipv6() -> None:
     assert P.init_method_url("10.0.0.1", 5) == "tcp://10.0.0.1:5"
     assert P.init_method_url("fd77::11", 5) == "tcp://[fd77::11]:5"
     assert P.init_method_url("[fd77::11]", 5) == "tcp://[fd77::11]:5"
-
-
-def test_rank_micro_batches_without_a_group_is_local() -> None:
-    assert P.rank_micro_batches([4, 4, 3, 9, 1], None, True, 8) == [[0], [1], [2, 4], [3]]
-    assert P.rank_micro_batches([4, 4, 3], 2, False, 0) == [[0, 1], [2]]
 
 
 def _batch(rows: int, seed: int) -> StepBatch:

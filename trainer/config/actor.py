@@ -94,7 +94,7 @@ class ActorConfig:
     kl_loss_type: str = h("KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3); a "
                           "trailing `+` (`k3+`) keeps the value and takes k2's gradient")
     ppo_epochs: int = h("passes over each batch of rollouts")
-    shuffle: bool = h("shuffle samples between mini-batches")
+    shuffle: bool = h("permute each rank's rows every epoch under `trainer.use_legacy_worker_impl=disable`; verl's default worker ignores it, and so does this one then")
     optim: OptimConfig = h("actor optimizer")
     fsdp_config: FsdpConfig = h("actor FSDP options")
     use_torch_compile: bool = h("verl: torch.compile the entropy and log-prob helpers (compatibility only)")

@@ -42,7 +42,7 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = h("token budget of one critic micro-batch")
     forward_max_token_len_per_gpu: int | None = h("token budget of value forwards; null = previous")
     ppo_epochs: int | None = h("critic passes per batch; null = actor's `ppo_epochs`")
-    shuffle: bool | None = h("shuffle between mini-batches; null = actor's")
+    shuffle: bool | None = h("as `actor.shuffle`, for the critic; null = actor's")
     grad_clip: float = h("clip the critic gradient norm to this value")
     cliprange_value: float = h("value clipping range")
     loss_agg_mode: LossAggMode | None = h("value-loss aggregation; null = actor's `loss_agg_mode`")
