@@ -131,7 +131,8 @@ def _rollout_bytes(worker: Any) -> int:
     return sum(t.numel() * t.element_size() for t in params)
 
 
-def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int = 1, build_only: bool = False) -> None:
+def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int = 1, build_only: bool = False,
+               param_dtype: str = "fp32") -> None:
     import torch
 
     from trainer.checkpoint import full_state as ckpt
@@ -150,7 +151,8 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int =
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"trainer.n_gpus_per_node={world}",
                        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                        "data.max_response_length=32", "data.max_prompt_length=32",
-                       f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"])
+                       f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                       f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={param_dtype}"])
     worker = ActorRolloutRefWorker(cfg, rank, world, total_steps=10)
     phase("build", lambda: worker.init_dist("127.0.0.1" if world > 1 else None, port if world > 1 else None))
     if build_only:
@@ -179,11 +181,11 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str, tp: int =
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
 
 
-def _child(world: int, port: int, model: str, out: str, tp: int, build_only: bool) -> None:
+def _child(world: int, port: int, model: str, out: str, tp: int, build_only: bool, param_dtype: str) -> None:
     """Run W ranks of this tree (the one on PYTHONPATH) and wait for them."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(world, port, model, out, tp, build_only), nprocs=world)
+    mp.spawn(_rank_main, args=(world, port, model, out, tp, build_only, param_dtype), nprocs=world)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -214,25 +216,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(tree: Path, world: int, model: Path, work: Path, tp: int = 1, build_only: bool = False
-            ) -> list[dict[str, Any]]:
+def measure(tree: Path, world: int, model: Path, work: Path, tp: int = 1, build_only: bool = False,
+            param_dtype: str = "fp32") -> list[dict[str, Any]]:
     out = work / f"{tree.name}-{world}-tp{tp}"
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(world), str(_free_port()), str(model),
-           str(out), str(tp), "build" if build_only else "all"]
+           str(out), str(tp), "build" if build_only else "all", param_dtype]
     subprocess.run(cmd, env=env, cwd=tree, check=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     shutil.rmtree(out / "ckpt", ignore_errors=True)
     return ranks
 
 
-def step_estimate(world: int) -> int:
+def step_estimate(world: int, param_dtype: str = "fp32") -> int:
     """The memory plan's bytes added by the step on one of `world` ranks (see the docstring)."""
     from trainer.memplan import update_estimate
 
-    peak = update_estimate({"model_type": "llama", **MODEL_SHAPE}, world, 2, 64, 32)
+    peak = update_estimate({"model_type": "llama", **MODEL_SHAPE}, world, 2, 64, 32, param_dtype=param_dtype)
     return peak["Total"] - sum(peak.get(k, 0) for k in ("SHARDED_PARAM", "OPT", "BUFFER"))
 
 
@@ -278,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout of hpcrl to measure the same way (e.g. the tree before a change)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the actor's compute precision (`fsdp_config.mixed_precision.param_dtype`), "
+                             "measured and planned")
     parser.add_argument("--build-only", action="store_true",
                         help="measure the build alone: host memory per rank and per node (all W ranks on one node)")
     args = parser.parse_args(argv)
@@ -291,11 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         for label, tree in trees:
             for world in args.ranks:
                 for tp in [1] if args.build_only else [k for k in args.rollout_tp if world % k == 0]:
-                    ranks = measure(tree, world, model, work / "runs", tp, args.build_only)
+                    ranks = measure(tree, world, model, work / "runs", tp, args.build_only, args.param_dtype)
                     if args.build_only:
                         lines.append(build_row(label, world, ranks))
                     else:
-                        estimates.setdefault(world, step_estimate(world))
+                        estimates.setdefault(world, step_estimate(world, args.param_dtype))
                         lines.append(row(label, world, ranks, tp, estimates[world]))
                     print(lines[-1], flush=True)
         if not args.build_only:
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
-               int(sys.argv[6]) if len(sys.argv) > 6 else 1, len(sys.argv) > 7 and sys.argv[7] == "build")
+               int(sys.argv[6]) if len(sys.argv) > 6 else 1, len(sys.argv) > 7 and sys.argv[7] == "build",
+               sys.argv[8] if len(sys.argv) > 8 else "fp32")
     else:
         sys.exit(main())

@@ -302,15 +302,16 @@ def traced_peaks(shape: ModelShape, s: Settings, sides: list[tuple[TrainSide, bo
 
 
 def update_estimate(config: dict[str, Any], world: int, rows: int, seq_len: int, response_len: int, *,
-                    grad_ckpt: bool = False, layers: str = "full") -> dict[str, int]:
+                    grad_ckpt: bool = False, layers: str = "full", param_dtype: str = "fp32") -> dict[str, int]:
     """The actor update's traced peak per category on one of `world` ranks for a micro-batch of
-    `rows` x `seq_len` tokens (fp32, no offload): what `bench/memory.py` calibrates."""
+    `rows` x `seq_len` tokens (compute in `param_dtype` over fp32 master weights, fp32 gradient
+    reduction, no offload): what `bench/memory.py` calibrates."""
     shape = ModelShape(config)
     side = TrainSide(rows, seq_len, False, False, grad_ckpt)
     s = Settings(world=world, device_bytes=0, response_len=response_len, actor=side, critic=None,
                  ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
                  free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
-                 bucket_bytes=0)
+                 bucket_bytes=0, param_dtype=param_dtype)
     return traced_peaks(shape, s, [(side, False)], layers)[0]
 
 
