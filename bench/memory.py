@@ -235,7 +235,10 @@ def step_estimate(world: int, param_dtype: str = "fp32") -> int:
     from trainer.memplan import update_estimate
 
     peak = update_estimate({"model_type": "llama", **MODEL_SHAPE}, world, 2, 64, 32, param_dtype=param_dtype)
-    return peak["Total"] - sum(peak.get(k, 0) for k in ("SHARDED_PARAM", "OPT", "BUFFER"))
+    # held before the step: the fp32 shards, their two AdamW moments and the buffers (the step's own
+    # optimizer temporaries, which the tracer files under OPT too, count as added)
+    held = 3 * peak.get("SHARDED_PARAM", 0) + peak.get("BUFFER", 0)
+    return peak["Total"] - held
 
 
 def mib(value: float) -> str:
