@@ -24,6 +24,8 @@ class StepBatch:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     old_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    """The engine's log-probs of the sampled tokens (`rollout.calculate_log_probs`)."""
     ref_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None

@@ -53,6 +53,7 @@ from trainer.metrics import (
     data_metrics,
     last_step,
     mfu,
+    rollout_probs_diff,
     throughput_metrics,
     timing_metrics,
     validation_metrics,
@@ -252,7 +253,9 @@ class PPODriver:
             self._note("gen_s", [info["gen"] for _, info in results])
         rows = torch.cat([o.prompt_index for o in outs]).tolist()  # prompts share one padded width
         entropy = [o.entropy for o in outs]
+        keep = self.cfg.actor_rollout_ref.rollout.calculate_log_probs and not validate
         return StepBatch(examples=[examples[i] for i in rows], uids=rows,
+                         rollout_log_probs=torch.cat([o.log_probs for o in outs]) if keep else None,
                          input_ids=torch.cat([o.input_ids for o in outs]),
                          attention_mask=torch.cat([o.attention_mask for o in outs]),
                          response_mask=torch.cat([o.response_mask for o in outs]).float(),
@@ -327,7 +330,7 @@ class PPODriver:
         """
         a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
         return (a.ppo_epochs == 1 and len(batch) <= a.ppo_mini_batch_size * n
-                and not self.cfg.algorithm.use_kl_in_reward)
+                and not self.cfg.algorithm.use_kl_in_reward and batch.rollout_log_probs is None)
 
     def _entropy_metric(self, entropy: torch.Tensor, response_mask: torch.Tensor) -> float:
         mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
@@ -571,6 +574,9 @@ class PPODriver:
         if not self.reuses_update_log_probs(batch):
             with timer.phase("old_log_prob"):
                 metrics.update(self.compute_old_log_probs(batch))
+            if batch.rollout_log_probs is not None:
+                metrics.update(rollout_probs_diff(
+                    batch.rollout_log_probs, need(batch.old_log_probs, "old_log_probs"), batch.response_mask))
         elif batch.entropy is not None:  # the rollout's entropies stand in for recomputed ones
             metrics["actor/entropy"] = self._entropy_metric(batch.entropy, batch.response_mask)
         if self.cfg.derived.use_reference:

@@ -228,6 +228,25 @@ PER_TOKEN_PHASES = {"gen": "response", "ref": "all", "values": "all", "adv": "al
                     "update_critic": "all", "update_actor": "all"}
 
 
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, actor_log_probs: torch.Tensor,
+                       response_mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling probabilities are from the actor's on the sampled tokens,
+    as verl logs it with `rollout.calculate_log_probs` (verl/utils/debug/metrics.py
+    `calculate_debug_metrics`): `|p_actor - p_rollout|` over the response tokens (max, mean and
+    the unbiased std) and the Pearson correlation of the two probabilities."""
+    import torch
+
+    mask = response_mask.bool()
+    actor = torch.masked_select(actor_log_probs.float().exp(), mask)
+    rollout = torch.masked_select(rollout_log_probs.float().exp(), mask)
+    diff = (actor - rollout).abs()
+    return {"training/rollout_probs_diff_valid": 1.0,
+            "training/rollout_probs_diff_max": float(diff.max()),
+            "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()),
+            "training/rollout_actor_probs_pearson_corr": float(torch.corrcoef(torch.stack([actor, rollout]))[0, 1])}
+
+
 def timing_metrics(timings: Mapping[str, float], *, response_tokens: float | None = None,
                    all_tokens: float | None = None) -> dict[str, float]:
     """`timing_s/<phase>` for every timed phase and, given the step's token counts,

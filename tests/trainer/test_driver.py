@@ -264,6 +264,24 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
         torch.testing.assert_close(tensor, weights(recompute)[name], rtol=0, atol=1e-5)
 
 
+def test_calculate_log_probs_reports_how_far_the_sampler_is_from_the_actor(
+        tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """verl's `rollout.calculate_log_probs`: the engine's log-probs of the sampled tokens are kept
+    and compared with the actor's. The HF engine samples with the actor's own weights, so the two
+    agree; the on-policy update then recomputes the old log-probs (their own phase)."""
+    over = [o for o in _small(tiny_model_dir, toy_data, tmp_path)
+            if not o.startswith(("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.ppo_mini_batch_size"))]
+    t = PPODriver(load_config([*over, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                                "trainer.total_training_steps=1", "trainer.test_freq=-1"]))
+    assert t.fit() == 0
+    row = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert "timing_s/old_log_prob" in row
+    assert row["training/rollout_probs_diff_valid"] == 1.0
+    assert 0.0 <= row["training/rollout_probs_diff_mean"] <= row["training/rollout_probs_diff_max"] < 1e-3, row
+    assert row["training/rollout_actor_probs_pearson_corr"] > 0.999
+
+
 @pytest.mark.parametrize("score", ["float(len(solution_str.split()) % 2)", "0.5"], ids=["some", "all"])
 def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path, score: str) -> None:

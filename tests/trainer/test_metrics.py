@@ -20,6 +20,7 @@ from trainer.metrics import (
     flops_fields,
     mfu,
     read_jsonl,
+    rollout_probs_diff,
     throughput_metrics,
     timing_metrics,
     train_flops,
@@ -194,3 +195,19 @@ def test_validation_metrics_without_acc_report_the_reward_as_core() -> None:
     assert m == pytest.approx({
         "val-core/s/reward/mean@1": 0.5, "val-aux/s/reward/sem@1": 0.5 / np.sqrt(3),
         "val-aux/s/formatted/mean@1": 2 / 3, "val-aux/s/formatted/sem@1": np.std([1, 1, 0], ddof=1) / np.sqrt(3)})
+
+
+def test_rollout_probs_diff_by_hand() -> None:
+    """verl's debug metrics on three response tokens (a fourth, masked, must not count):
+    actor p = 0.4, 0.2, 0.9; sampler p = 0.5, 0.2, 0.7. |diff| = 0.1, 0, 0.2: max 0.2, mean 0.1,
+    unbiased std sqrt((0 + 0.01 + 0.01) / 2) = 0.1. Pearson: deviations (-0.1, -0.3, 0.4) and
+    (1/30, -8/30, 7/30): 0.17 / sqrt(0.26 * 0.126667) = 0.93677."""
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    actor = torch.tensor([[0.4, 0.2], [0.9, 0.01]]).log()
+    sampler = torch.tensor([[0.5, 0.2], [0.7, 0.99]]).log()
+    got = rollout_probs_diff(sampler, actor, mask)
+    assert got["training/rollout_probs_diff_valid"] == 1.0
+    assert got["training/rollout_probs_diff_max"] == pytest.approx(0.2, abs=1e-6)
+    assert got["training/rollout_probs_diff_mean"] == pytest.approx(0.1, abs=1e-6)
+    assert got["training/rollout_probs_diff_std"] == pytest.approx(0.1, abs=1e-6)
+    assert got["training/rollout_actor_probs_pearson_corr"] == pytest.approx(0.93677, abs=1e-4)

@@ -49,6 +49,11 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool | None = h("token-count micro-batches; null = actor's `use_dynamic_bsz`")
     log_prob_max_token_len_per_gpu: int | None = h("token budget; null = actor's `ppo_max_token_len_per_gpu`")
     val_kwargs: ValKwargs = h("sampling parameters for validation")
+    calculate_log_probs: bool = h(
+        "keep the engine's log-probs of the sampled tokens and log verl's "
+        "`training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` (how far "
+        "the sampler's probabilities are from the actor's); the old log-probs then get their own "
+        "forward pass even where the on-policy update would supply them")
     mode: Literal["sync", "async"] = h("verl: the single-turn rollout's scheduling (compatibility only, see COMPAT)")
     load_format: str = h("verl: how the rollout engine loads its first weights (compatibility only, see COMPAT)")
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
@@ -83,7 +88,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.rollout.engine_kwargs": "",
     "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn rollout",
     "actor_rollout_ref.rollout.agent": "agent loops",
-    "actor_rollout_ref.rollout.calculate_log_probs": "",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
         "deprecated in verl; use `actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`"
     ),

@@ -20,8 +20,10 @@ a no-op.
 
 Each response row is its own request with ``n=1`` and, when sampling, its own seed drawn from
 torch's generator: a run is reproducible for a given torch seed, and the ``n`` samples of a
-prompt differ. The returned ``log_probs`` are vLLM's raw log-probs of the sampled tokens
-(temperature 1); the trainer recomputes ``old_log_prob`` with the actor either way.
+prompt differ. The returned ``log_probs`` are vLLM's log-probs of the sampled tokens after
+temperature (``logprobs_mode="processed_logprobs"``, verl's default); the trainer recomputes
+``old_log_prob`` with the actor either way and, with ``rollout.calculate_log_probs``, reports how
+far the two are apart (verl's ``training/rollout_probs_diff_*``).
 
 vLLM reads these environment variables when imported; :func:`engine_env` gives the defaults used
 here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statistics).
@@ -174,7 +176,9 @@ class VLLMRolloutEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
             enable_prefix_caching=True, enable_sleep_mode=self.gpu and free_cache_engine,
-            trust_remote_code=trust_remote_code, load_format=load_format, **parallel)
+            trust_remote_code=trust_remote_code, load_format=load_format,
+            # verl's default: log-probs after temperature (what the actor's recomputation gives)
+            logprobs_mode="processed_logprobs", **parallel)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0
