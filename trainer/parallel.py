@@ -39,7 +39,7 @@ import math
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -320,15 +320,24 @@ def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
     and then every other row, so the heaviest rows sit in the middle
     (`rows[::2] + rows[1::2][::-1]` of the rows sorted by workload). Which rows a rank gets and
     their order decide its mini- and micro-batches, as in verl. A batch that does not divide
-    into equal groups (verl refuses it) is cut into contiguous chunks."""
+    into equal groups (verl refuses it) is cut into contiguous chunks.
+
+    One step asks for the same batch's split in every phase (log-probs, reference, values,
+    each update epoch); the partition of 2048 rows over 16 ranks takes about 80 ms here, so the
+    last few are remembered by the lengths themselves (fresh lists each call)."""
+    return [list(rows) for rows in _balanced_split(tuple(int(n) for n in lengths), parts)]
+
+
+@lru_cache(maxsize=4)
+def _balanced_split(lengths: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], ...]:
     if len(lengths) % parts or len(lengths) < parts:
-        return split_rows(len(lengths), parts)
+        return tuple(tuple(rows) for rows in split_rows(len(lengths), parts))
     work = workload(lengths)
     out = []
     for group in karmarkar_karp(work, parts, equal_size=True):
         ordered = sorted(group, key=lambda r: (work[r], r))
-        out.append(ordered[::2] + ordered[1::2][::-1])
-    return out
+        out.append(tuple(ordered[::2] + ordered[1::2][::-1]))
+    return tuple(out)
 
 
 def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
