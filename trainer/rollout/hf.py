@@ -211,7 +211,11 @@ class HFRolloutEngine:
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> RolloutBatch:
         prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
-        ids, mask = prompt_ids[prompt_index], prompt_mask[prompt_index]
+        # The rows stay on the host, as the responses do (`_generate_chunk`): each chunk and the
+        # log-prob pass move to the model's device themselves. A caller may hand device tensors
+        # (the actor does, on a GPU): found by bench/gpu_check.py on an H200, where concatenating
+        # the device prompts with the host responses failed.
+        ids, mask = prompt_ids.cpu()[prompt_index], prompt_mask.cpu()[prompt_index]
         size = self.micro_batch_size or ids.shape[0]
         was_training = self.model.training
         self.model.eval()

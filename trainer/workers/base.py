@@ -117,18 +117,22 @@ class Worker:
     def free_port(self) -> int:
         return P.free_port(node_ip())
 
-    def init_dist(self, master_addr: str | None, master_port: int | None) -> dict[str, Any]:
-        """Join the group (several ranks) or take the configured device (one rank), then build."""
+    def init_dist(self, master_addr: str | None, master_port: int | None, *,
+                  shard_alone: bool = False) -> dict[str, Any]:
+        """Join the group (several ranks) or take the configured device (one rank), then build.
+        `shard_alone`: one rank forms a group of one and shards with FSDP2 all the same (the
+        one-GPU check's path, :func:`trainer.parallel.init_process_group`)."""
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
-        if self.world_size == 1:
+        if self.world_size == 1 and not shard_alone:
             self.ctx = P.single_rank(resolve_device(self.cfg.trainer.device))
         else:
             assert master_addr is not None and master_port is not None, "several ranks need a rendezvous"
             self.ctx = P.init_process_group(self.rank, self.world_size, master_addr, master_port,
                                             timeout_s=self.cfg.actor_rollout_ref.nccl_timeout,
-                                            device_index=0 if self.gpu is None else self.gpu.index)
+                                            device_index=0 if self.gpu is None else self.gpu.index,
+                                            shard_alone=shard_alone)
         seed_everything(self.cfg.trainer.seed)
         self.phases = Phases(self.device, offload_optimizer=bool(self.fsdp_config.optimizer_offload))
         self.build()
