@@ -324,20 +324,18 @@ TRAIN_TERMS = {"SHARDED_PARAM": "parameter shards", "UNSHARDED_PARAM": "gathered
 
 def _update_phase(name: str, peak: dict[str, int], side: TrainSide, others: list[tuple[str, int]],
                   s: Settings, section: str, model_section: str) -> Phase:
+    # Offload lowers the other phases, never this one: `param_offload` and `optimizer_offload` move
+    # the shards and the AdamW moments onto the device for the whole update and back after it
+    # (`Phases.on_device("update_actor", model, optim)`, verl's load/offload around `update_actor`),
+    # so the traced peak, shards, gradients and moments included, is the update's peak. (Counting
+    # them as host-resident under offload made the plan 1.27-1.86 x too low on an H200:
+    # bench/README.md, "One-GPU check".)
     terms = {label: peak.get(k, 0) for k, label in TRAIN_TERMS.items()}
-    if side.param_offload:  # shards, their gradients and the step live in host memory
-        for k in ("SHARDED_PARAM", "SHARDED_GRAD", "OPT"):
-            terms[TRAIN_TERMS[k]] = 0
-    elif side.optimizer_offload:  # the moments come back for the step only: the larger of the two
-        step = peak.get("SHARDED_PARAM", 0) + peak.get("SHARDED_GRAD", 0) + peak.get("OPT", 0)
-        rest = sum(terms.values()) - peak.get("OPT", 0)
-        terms[TRAIN_TERMS["OPT"]] = max(0, step - rest)
     shrink = (f"fewer micro-batch tokens (`{section}.ppo_max_token_len_per_gpu` with `use_dynamic_bsz`, "
               f"or `{section}.ppo_micro_batch_size_per_gpu`) or gradient checkpointing "
               f"(`{model_section}.enable_gradient_checkpointing=true`)")
-    fsdp = model_section if section == "critic" else section
-    spread = (f"offload (`{fsdp}.fsdp_config.param_offload=true` or `optimizer_offload=true`) or more "
-              "GPUs (`trainer.n_gpus_per_node`, `trainer.nnodes`)")
+    spread = ("more GPUs (`trainer.n_gpus_per_node`, `trainer.nnodes`), which shard the parameters, "
+              "gradients and moments further (offload does not lower the update: it brings them back for it)")
     state = {TRAIN_TERMS[k] for k in ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "UNSHARDED_PARAM")}
     largest = max(terms, key=lambda k: terms[k])
     fix = f"{spread}; or {shrink}" if largest in state else f"{shrink}; or {spread}"

@@ -105,3 +105,24 @@ def test_a_reasonable_7b_configuration_is_accepted(capsys: pytest.CaptureFixture
     out, err = capsys.readouterr()
     assert "DOES NOT FIT" not in out and "error" not in err
     assert out.startswith("memory plan: Qwen2.5-7B-Instruct, 7.62B parameters, 80 GiB per device")
+
+
+@pytest.mark.slow
+def test_offload_lowers_the_rollout_and_sync_but_not_the_update() -> None:
+    """The update runs with the shards and the AdamW moments on the device whatever the offload
+    (`Phases.on_device("update_actor", model, optim)`): offload frees them between updates, for the
+    rollout and the weight sync, and brings them back for the update. Measured on an H200 (bench
+    README, "One-GPU check"): with both offloads on, the second update's peak held the onloaded
+    moments, 1.27-1.86 x a plan that counted them as host-resident."""
+    base = FLAGSHIP
+    offload = ["actor_rollout_ref.actor.fsdp_config.param_offload=True",
+               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"]
+    kept = {p.name: p for p in plan_config(load_config(base), 80).phases}
+    off = {p.name: p for p in plan_config(load_config([*base, *offload]), 80).phases}
+    assert off["actor update"].peak == kept["actor update"].peak
+    terms = dict(off["actor update"].terms)
+    assert terms["parameter shards"] == pytest.approx(7.616e9 * 4 / 8, rel=0.03)
+    assert terms["AdamW moments"] == pytest.approx(2 * 7.616e9 * 4 / 8, rel=0.03)
+    held = 3 * 7.616e9 * 4 / 8  # fp32 shards and two moments per rank
+    assert kept["rollout"].peak - off["rollout"].peak == pytest.approx(held, rel=0.03)
+    assert kept["weight sync"].peak - off["weight sync"].peak == pytest.approx(held, rel=0.03)
