@@ -149,7 +149,9 @@ class ContainerConfig:
                                   factory=tuple)
     security_opt: tuple[str, ...] = _f("security options (`--security-opt`, podman/docker)",
                                        factory=tuple)
-    group_add: tuple[str, ...] = _f("extra groups (`--group-add`, podman/docker)", factory=tuple)
+    group_add: tuple[str, ...] = _f("extra groups (`--group-add`, podman/docker); rootless podman "
+                                    "gets `keep-groups` instead (the user's own host groups)",
+                                    factory=tuple)
     network_host: bool = _f("use the host network (`--network=host`; apptainer always does)",
                             True)
     pid_host: bool = _f("share the host PID namespace (`--pid=host`): a Ray driver finds its node's "
@@ -157,8 +159,10 @@ class ContainerConfig:
                         "other", True)
     ipc_host: bool = _f("share the host IPC namespace (`--ipc=host`; not with `shm_size`)", False)
     privileged: bool = _f("`--privileged` (podman/docker)", False)
-    gpu: str = _f("GPU support flag for apptainer (`--rocm` or `--nv`)", "none",
-                  choices=("none", "rocm", "nv"))
+    gpu: str = _f("GPUs under apptainer: `nv` (`--nv`), `rocm` (the image's own ROCm, the "
+                  "devices bound: `--bind /dev/kfd --bind /dev/dri`), `rocm-host` (`--rocm`: the "
+                  "host's ROCm libraries over the image's; only when both versions match)", "none",
+                  choices=("none", "rocm", "rocm-host", "nv"))
     cleanenv: bool = _f("apptainer `--cleanenv`: only the variables hpcrl passes arrive", True)
     python: str | None = _f("Python inside the container for the payload; null: the same "
                             "absolute path as the node agent's Python", None)
