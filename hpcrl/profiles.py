@@ -278,12 +278,17 @@ class LoadedProfile:
 # ----------------------------------------------------------------------------- search path
 
 
+def user_sites_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The user's profile directory: `$XDG_CONFIG_HOME/hpcrl/sites` (`~/.config/hpcrl/sites`)."""
+    environ = os.environ if environ is None else environ
+    config_home = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME", "~")) / ".config")
+    return Path(config_home).expanduser() / "hpcrl" / "sites"
+
+
 def search_path(environ: Mapping[str, str] | None = None) -> list[Path]:
     """Directories holding profiles, lowest priority first."""
     environ = os.environ if environ is None else environ
-    dirs = [data_dir("site_profiles")]
-    config_home = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME", "~")) / ".config")
-    dirs.append(Path(config_home).expanduser() / "hpcrl" / "sites")
+    dirs = [data_dir("site_profiles"), user_sites_dir(environ)]
     user = [Path(p).expanduser() for p in environ.get("HPCRL_SITE_PATH", "").split(":") if p]
     dirs.extend(reversed(user))
     return dirs

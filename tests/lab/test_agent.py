@@ -325,3 +325,34 @@ def test_taken_port_blocks_move_the_job_or_fail_it_naming_the_holder(lab, sites,
     assert json.loads((run_dir / "0" / "rendezvous.json").read_text())["ports"]["gcs"] == base
     if first_index(str(job), 0, PortRange(base=base, limit=base + blocks * size)) != 0:  # moved
         assert "is taken here (port" in logs and f"is held by pid {holder.pid} (" in logs, logs
+
+
+# ------------------------------------------------------------------ issue 35: `hpcrl sites new`
+
+
+@pytest.mark.containers
+def test_sites_new_profile_runs_a_job_unchanged(lab, lab_images, tmp_path):
+    """`hpcrl sites new` against the lab's Slurm (no terminal: defaults and notes), then `hpcrl
+    submit` with the profile as written: Ray on all 3 nodes in Podman."""
+    env = {**lab.env, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hpcrl", "sites", "new", "labnew", "--extends", "slurmlab"],
+                          env={**env, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = (tmp_path / "cfg" / "hpcrl" / "sites" / "labnew.yaml").read_text()
+    for line in ['  partition: "debug"  # scontrol show partition: PartitionName=debug Default=YES',
+                 "  cpus_per_task: 2  # scontrol show node: CPUTot=2", '  mem: "4000M"',
+                 "  gpus_per_node: 0  # scontrol show node: Gres=(null)", '  runtime: "podman"  # on PATH: ']:
+        assert line in written, written
+    assert "hpcrl doctor --site labnew" in proc.stdout
+    run_dir = tmp_path / "runs" / "new"
+    sub = run_hpcrl(["submit", "--site", "labnew", "--via", "sbatch", "--run-dir", str(run_dir),
+                     "--command", "--", sys.executable, str(PROBE)], env)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    rec = finished(lab, int(sub.stdout.split("job id: ")[1].split()[0]), run_dir)
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
+    probe = json.loads((run_dir / "probe.json").read_text())
+    assert sorted(t["hostname"] for t in probe["tasks"]) == ["node1", "node2", "node3"], probe
+    assert {t["container"] for t in probe["tasks"]} == {"podman"}, probe
+    print(f"sites new + submit + job on the lab: {time.monotonic() - t0:.1f} s")
