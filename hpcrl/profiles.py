@@ -239,6 +239,15 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class DoctorConfig:
+    """What `hpcrl doctor` expects of the site."""
+
+    allreduce_floor_gbps: float = _f("bus bandwidth (GB/s, nccl-tests' busbw) an all-reduce of "
+                                     "64 MiB between nodes must reach, one rank per node", 0.0,
+                                     bounds=(0, 10_000), rule="GB/s of one link")
+
+
+@dataclass(frozen=True)
 class SiteProfile:
     """One cluster, fully resolved."""
 
@@ -256,6 +265,7 @@ class SiteProfile:
     ray: RayConfig = _f("Ray settings", factory=RayConfig)
     agent: AgentConfig = _f("node agent timeouts and the payload's stop signal",
                             factory=AgentConfig)
+    doctor: DoctorConfig = _f("what `hpcrl doctor` checks against", factory=DoctorConfig)
     env: Mapping[str, str] = _f("environment applied on every node (not secret)",
                                 factory=_frozen_map)
     secrets: tuple[str, ...] = _f("names of variables passed from the submitting environment "
