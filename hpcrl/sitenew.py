@@ -232,6 +232,11 @@ def plan_container(facts: Facts, parent: SiteProfile | None, flags: Flags, vendo
             if facts.rootless else ""))
     if runtime == "none":
         return
+    set_for = _vendor(None, parent)
+    if vendor and set_for and vendor != set_for:
+        plan.notes.append(f"the GPUs here are {vendor}'s (Slurm's gres) but `{parent.name if parent else ''}` "
+                          f"is set up for {set_for}'s: extend "
+                          f"{'mi300-cluster' if vendor == 'amd' else 'h100-cluster'} instead")
     if not same:
         for key, value, why in _gpu_options(runtime, _vendor(vendor, parent), bool(facts.ports)):
             plan.set(key, value, why)

@@ -152,6 +152,14 @@ def test_mi300_plan_from_a_gpu_cluster(tmp_path: Path, monkeypatch: pytest.Monke
     assert "NCCL_IB_HCA" not in p.env and p.container.group_add == ("video",)
 
 
+def test_a_profile_of_the_other_vendor_is_named(tmp_path: Path) -> None:
+    env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    parent = load_profile("h100-cluster", env).profile
+    probe = gpu_probe(tmp_path, apptainer="/usr/bin/apptainer")
+    plan = sitenew.plan(sitenew.gather(probe), parent, sitenew.Flags(), no_questions)
+    assert any("GPUs here are amd's" in n and "extend mi300-cluster instead" in n for n in plan.notes), plan.notes
+
+
 def test_roce_gid_and_apptainer_when_podman_is_absent(tmp_path: Path) -> None:
     probe = gpu_probe(tmp_path, apptainer="/opt/apptainer/bin/apptainer")
     for hca in ("mlx5_0", "mlx5_1"):  # only the RoCE port is left active
