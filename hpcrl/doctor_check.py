@@ -206,11 +206,12 @@ def allreduce_rank(rank: int, world: int, master: str, port: int, run_dir: str) 
         dist.destroy_process_group()
 
 
-def generate_once(model: str) -> str:
-    """vLLM loads `model` and generates 8 tokens (on the GPU Ray gave this task)."""
+def generate_once(model: str, max_model_len: int = 256) -> str:
+    """vLLM loads `model` and generates 8 tokens (on the GPU Ray gave this task; vLLM's CPU
+    backend where there is none)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.3)
+    llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, gpu_memory_utilization=0.3)
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
     return out[0].outputs[0].text
 

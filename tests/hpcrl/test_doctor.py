@@ -173,3 +173,15 @@ def test_memory_plan_row_uses_the_gpus_found(tmp_path: Path) -> None:
     big = [dict(report("gpu01", 8, 8), devices=[{"name": "MI300X", "memory_gib": 191.5}] * 8)]
     fits = doctor.memory_plan_row(h100, GRPO, big, 2, tmp_path)
     assert fits["status"] == "PASS" and "fits 191.5 GiB per GPU" in fits["detail"], fits
+
+
+@pytest.mark.vllm
+def test_vllm_generates_a_few_tokens(tiny_model_dir: Path) -> None:
+    """The doctor's vLLM check itself (`generate_once`), here on vLLM's CPU backend."""
+    from tests.trainer.rollout.vllm_support import require_vllm
+
+    require_vllm()
+    from hpcrl.doctor_check import generate_once
+
+    text = generate_once(str(tiny_model_dir), max_model_len=64)
+    assert isinstance(text, str) and text, text
