@@ -22,7 +22,8 @@ from hpcrl.doctor_check import (
 from hpcrl.profiles import load_profile
 from tests.conftest import DATA
 
-# NCCL 2.21's INFO lines (NCCL_DEBUG_SUBSYS=INIT,NET), as nccl-tests print them
+# Lines composed in the format of NCCL's `NCCL_DEBUG=INFO` log (INIT,NET), not captured from a
+# cluster: an IB run and one that finds no HCA and falls back to sockets
 NCCL_IB = """gpu01:1234:1234 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB ; OOB ib0:10.1.2.3<0>
 gpu01:1234:1234 [0] NCCL INFO Using network IB
 gpu01:1234:1290 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NET/IB/0

@@ -29,6 +29,11 @@ from tests.conftest import DATA, PYTHON, REPO, write_exe
 SLURM = DATA / "slurm"
 
 
+# The `*_lab.txt` outputs are the lab's own (Slurm 22.05); the `*_gpu.txt` ones are composed in
+# the same `--oneliner` format for a cluster with a CPU and an MI300X partition, and the sysfs
+# trees below follow the kernel's /sys/class/infiniband and /sys/class/net layout.
+
+
 def test_parse_gres() -> None:
     assert parse_gres("gpu:mi300x:8(S:0-1)") == Gres(8, "mi300x")
     assert parse_gres("gpu:4") == Gres(4, None)
