@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "cancel": "hpcrl.commands.cancel",
     "image": "hpcrl.commands.image",
     "plot": "hpcrl.commands.plot",
+    "doctor": "hpcrl.commands.doctor",
 }
 
 

@@ -149,7 +149,9 @@ class ContainerConfig:
                                   factory=tuple)
     security_opt: tuple[str, ...] = _f("security options (`--security-opt`, podman/docker)",
                                        factory=tuple)
-    group_add: tuple[str, ...] = _f("extra groups (`--group-add`, podman/docker)", factory=tuple)
+    group_add: tuple[str, ...] = _f("extra groups (`--group-add`, podman/docker); rootless podman "
+                                    "gets `keep-groups` instead (the user's own host groups)",
+                                    factory=tuple)
     network_host: bool = _f("use the host network (`--network=host`; apptainer always does)",
                             True)
     pid_host: bool = _f("share the host PID namespace (`--pid=host`): a Ray driver finds its node's "
@@ -157,8 +159,10 @@ class ContainerConfig:
                         "other", True)
     ipc_host: bool = _f("share the host IPC namespace (`--ipc=host`; not with `shm_size`)", False)
     privileged: bool = _f("`--privileged` (podman/docker)", False)
-    gpu: str = _f("GPU support flag for apptainer (`--rocm` or `--nv`)", "none",
-                  choices=("none", "rocm", "nv"))
+    gpu: str = _f("GPUs under apptainer: `nv` (`--nv`), `rocm` (the image's own ROCm, the "
+                  "devices bound: `--bind /dev/kfd --bind /dev/dri`), `rocm-host` (`--rocm`: the "
+                  "host's ROCm libraries over the image's; only when both versions match)", "none",
+                  choices=("none", "rocm", "rocm-host", "nv"))
     cleanenv: bool = _f("apptainer `--cleanenv`: only the variables hpcrl passes arrive", True)
     python: str | None = _f("Python inside the container for the payload; null: the same "
                             "absolute path as the node agent's Python", None)
@@ -235,6 +239,15 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class DoctorConfig:
+    """What `hpcrl doctor` expects of the site."""
+
+    allreduce_floor_gbps: float = _f("bus bandwidth (GB/s, nccl-tests' busbw) an all-reduce of "
+                                     "64 MiB between nodes must reach, one rank per node", 0.0,
+                                     bounds=(0, 10_000), rule="GB/s of one link")
+
+
+@dataclass(frozen=True)
 class SiteProfile:
     """One cluster, fully resolved."""
 
@@ -252,6 +265,7 @@ class SiteProfile:
     ray: RayConfig = _f("Ray settings", factory=RayConfig)
     agent: AgentConfig = _f("node agent timeouts and the payload's stop signal",
                             factory=AgentConfig)
+    doctor: DoctorConfig = _f("what `hpcrl doctor` checks against", factory=DoctorConfig)
     env: Mapping[str, str] = _f("environment applied on every node (not secret)",
                                 factory=_frozen_map)
     secrets: tuple[str, ...] = _f("names of variables passed from the submitting environment "
@@ -274,12 +288,17 @@ class LoadedProfile:
 # ----------------------------------------------------------------------------- search path
 
 
+def user_sites_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The user's profile directory: `$XDG_CONFIG_HOME/hpcrl/sites` (`~/.config/hpcrl/sites`)."""
+    environ = os.environ if environ is None else environ
+    config_home = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME", "~")) / ".config")
+    return Path(config_home).expanduser() / "hpcrl" / "sites"
+
+
 def search_path(environ: Mapping[str, str] | None = None) -> list[Path]:
     """Directories holding profiles, lowest priority first."""
     environ = os.environ if environ is None else environ
-    dirs = [data_dir("site_profiles")]
-    config_home = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME", "~")) / ".config")
-    dirs.append(Path(config_home).expanduser() / "hpcrl" / "sites")
+    dirs = [data_dir("site_profiles"), user_sites_dir(environ)]
     user = [Path(p).expanduser() for p in environ.get("HPCRL_SITE_PATH", "").split(":") if p]
     dirs.extend(reversed(user))
     return dirs

@@ -54,11 +54,24 @@ def test_profiles_build_the_tested_release() -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_installs_every_runtime_dependency_from_pyproject(recipe: Path) -> None:
     installs = [ln for ln in recipe.read_text().splitlines() if "pip install" in ln and not ln.lstrip().startswith("#")]
+    flash = [ln for ln in installs if '".[flash]"' in ln]
+    installs = [ln for ln in installs if ln not in flash]
     assert len(installs) == 1, f"{recipe.name}: one install from pyproject, found {installs}"
     assert re.search(r"\[train,vllm\]\"", installs[0]) and "-c /tmp/base.txt" in installs[0], installs[0]
+    # flash-attn: the CUDA image alone, pinned in pyproject, built against the base's torch
+    assert len(flash) == (recipe.name == "Dockerfile.cuda"), f"{recipe.name}: flash installs {flash}"
+    for ln in flash:
+        assert "--no-build-isolation" in ln and "-c /tmp/base.txt" in ln, ln
     extras = pyproject()["optional-dependencies"]
     names = {re.split(r"[<>=\[ ]", d)[0] for d in [*pyproject()["dependencies"], *extras["train"]]}
     assert {"hydra-core", "ray", "accelerate", "peft", "transformers", "pyarrow"} <= names
+
+
+def test_flash_attn_is_pinned() -> None:
+    (pin,) = pyproject()["optional-dependencies"]["flash"]
+    assert re.fullmatch(r"flash-attn==\d+\.\d+\.\d+(\.post\d+)?", pin), pin
+    assert "import hpcrl, trainer, ray" in (REPO / "containers" / "Dockerfile.cuda").read_text()
+    assert "flash_attn;" in (REPO / "containers" / "Dockerfile.cuda").read_text()
 
 
 def test_ray_with_token_auth_everywhere() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from hpcrl import preflight as pf
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
+from hpcrl.doctor_record import suggestion
 from hpcrl.jobspec import prepare_run_dir
 from hpcrl.memcheck import check_memory
 from hpcrl.progress import NO_ANSWER, Progress, follow
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if done.via != "local":  # a local run printed its own summary
         for line in done.lines():
             print(line, flush=True)
+        if not getattr(args, "doctor", False) and (note := suggestion(profile.name)):
+            print(note, file=sys.stderr)
         if args.follow:
             follow_job(done.job_id, Path(done.run_dir), earlier)
     return done.exit_status or 0

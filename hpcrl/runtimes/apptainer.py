@@ -6,6 +6,14 @@ backticks and ``$NAME`` would expand), so :func:`apptainer_env_value` escapes ``
 backticks: the container sees each value exactly as given. ``HOME`` is the exception Apptainer
 makes (it ignores ``APPTAINERENV_HOME``): it travels as ``--home PATH``, which also binds it. Apptainer shares the host's /dev,
 network and /dev/shm, so the OCI-only settings do not apply; ``gpu`` and ``cleanenv`` do.
+
+GPUs (``container.gpu``): ``nv`` is ``--nv`` (the host's driver libraries, which must match its
+kernel module, bound in). ``rocm`` uses the image's own ROCm: Apptainer's ``--rocm`` binds the
+host's ROCm libraries ahead of the image's (Apptainer's GPU docs: "Locate and bind the basic ROCm
+libraries from the host", ``LD_LIBRARY_PATH`` set to them), which breaks PyTorch and vLLM when the
+two ROCm versions differ; the kernel driver (amdgpu) is all the image needs from the host, so
+only the devices are bound (``--bind /dev/kfd --bind /dev/dri``: present even under ``--contain``
+or ``mount dev = minimal``). ``rocm-host`` is ``--rocm`` itself, for an image without ROCm.
 """
 
 from __future__ import annotations
@@ -39,6 +47,15 @@ def _head(c: ContainerConfig, command: str) -> list[str]:
     return head
 
 
+GPU_FLAGS: dict[str, list[str]] = {
+    "none": [],
+    "nv": ["--nv"],
+    "rocm": ["--bind", "/dev/kfd", "--bind", "/dev/dri"],
+    "rocm-host": ["--rocm"],
+}
+"""`container.gpu` -> Apptainer's flags (see the module's docstring)."""
+
+
 class Apptainer(Runtime):
     name = "apptainer"
     image_help = "`.sif` path"
@@ -48,8 +65,7 @@ class Apptainer(Runtime):
         flags: list[str] = []
         if c.cleanenv:
             flags.append("--cleanenv")
-        if c.gpu != "none":
-            flags.append(f"--{c.gpu}")
+        flags += GPU_FLAGS[c.gpu]
         for b in binds:
             flags += ["--bind", b]
         if workdir:

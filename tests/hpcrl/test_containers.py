@@ -22,7 +22,8 @@ def profile(name: str, tmp_path: Path):  # type: ignore[no-untyped-def]
     return load_profile(name, env).profile
 
 
-def test_podman_mi300_flags_and_env_names_only(tmp_path: Path) -> None:
+def test_podman_mi300_flags_and_env_names_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hpcrl.runtimes.podman.rootless", lambda: False)
     p = profile("mi300-cluster", tmp_path)
     cmd = container_command(p.container, ["python3", "-m", "trainer", "a=1"], dict(p.env),
                             passthrough=["WANDB_API_KEY", "UNSET_SECRET"], binds=["/runs/r"],
@@ -43,7 +44,37 @@ def test_podman_mi300_flags_and_env_names_only(tmp_path: Path) -> None:
     assert set(e_names) == {*p.env, "WANDB_API_KEY"}  # the unset secret is not passed
     assert all("=" not in n for n in e_names)
     assert SECRET not in cmd.display() and "0,1,2,3,4,5,6,7" not in cmd.display()
-    assert cmd.env["WANDB_API_KEY"] == SECRET and cmd.env["NCCL_IB_GID_INDEX"] == "3"
+    assert cmd.env["WANDB_API_KEY"] == SECRET and cmd.env["NCCL_PROTO"] == "Simple"
+
+
+def test_rootless_podman_keeps_the_users_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rootless, `--group-add video` would add the container's `video`, not the host's that owns
+    /dev/kfd: podman's `keep-groups` (alone: it excludes other groups) keeps the user's own."""
+    monkeypatch.setattr("hpcrl.runtimes.podman.rootless", lambda: True)
+    p = profile("mi300-cluster", tmp_path)
+    argv = list(container_command(p.container, ["true"], {}, environ={}).argv)
+    assert [a for a in argv if a.startswith("--group-add")] == ["--group-add=keep-groups"]
+    assert argv[:3] == ["podman", "run", "--rm"] and argv[-2:] == ["localhost/hpcrl-rocm:latest", "true"]
+    for flag in ["--device=/dev/kfd", "--device=/dev/dri", "--device=/dev/infiniband"]:
+        assert flag in argv, flag
+    # docker (rootful daemon) and a profile asking for no group are left as they are
+    docker = dataclasses.replace(p.container, runtime="docker")
+    assert "--group-add=video" in container_command(docker, ["true"], {}, environ={}).argv
+    lab = profile("slurmlab", tmp_path)
+    assert not [a for a in container_command(lab.container, ["true"], {}, environ={}).argv
+                if a.startswith("--group-add")]
+
+
+def test_podman_rootless_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.runtimes import podman
+
+    monkeypatch.delenv("_CONTAINERS_USERNS_CONFIGURED", raising=False)
+    monkeypatch.setattr(podman.os, "geteuid", lambda: 1000)
+    assert podman.rootless()
+    monkeypatch.setattr(podman.os, "geteuid", lambda: 0)
+    assert not podman.rootless()
+    monkeypatch.setenv("_CONTAINERS_USERNS_CONFIGURED", "1")  # root inside podman's user namespace
+    assert podman.rootless()
 
 
 def test_docker_uses_same_flags_with_its_binary(tmp_path: Path) -> None:
@@ -64,10 +95,15 @@ def test_apptainer_rocm_through_spython_head(tmp_path: Path) -> None:
                             environ={"WANDB_API_KEY": SECRET})
     argv = list(cmd.argv)
     assert argv[:2] == ["apptainer", "exec"]
-    assert "--rocm" in argv and "--cleanenv" in argv and "--nv" not in argv
+    # the image's own ROCm: the devices bound, not `--rocm` (the host's ROCm libraries first)
+    assert "--rocm" not in argv and "--cleanenv" in argv and "--nv" not in argv
+    assert argv[2:7] == ["--cleanenv", "--bind", "/dev/kfd", "--bind", "/dev/dri"]
     assert argv[argv.index("--pwd") + 1] == "/runs/r"
     binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
-    assert binds == [f"{tmp_path}/home", "/runs/r"]
+    assert binds == ["/dev/kfd", "/dev/dri", f"{tmp_path}/home", "/runs/r"]
+    host = dataclasses.replace(p.container, gpu="rocm-host")
+    host_argv = list(container_command(host, ["true"], {}, environ={}).argv)
+    assert host_argv[:4] == ["apptainer", "exec", "--cleanenv", "--rocm"] and "/dev/kfd" not in host_argv
     assert argv[-4:] == [p.container.image, "python3", "-c", "pass"]
     assert "--device=/dev/kfd" not in argv and not any(a.startswith("--shm") for a in argv)
     assert cmd.env == {"APPTAINERENV_A": "x y", "APPTAINERENV_B": "\\$(no)",

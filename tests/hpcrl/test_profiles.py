@@ -58,7 +58,7 @@ def test_extends_merges_and_records_provenance(tmp_path: Path) -> None:
     assert loaded.chain == (base, child)
     assert p.container.runtime == "apptainer" and p.container.gpu == "rocm"
     assert prov["container.runtime"] == child
-    assert p.env["NCCL_IB_GID_INDEX"] == "3" and prov["env.NCCL_IB_GID_INDEX"] == base
+    assert p.env["NCCL_PROTO"] == "Simple" and prov["env.NCCL_PROTO"] == base
     assert p.slurm.gpus_per_node == 8 and prov["slurm.gpus_per_node"] == base
     assert p.container.image == f"{tmp_path}/home/images/hpcrl-rocm.sif"
 

@@ -325,3 +325,54 @@ def test_taken_port_blocks_move_the_job_or_fail_it_naming_the_holder(lab, sites,
     assert json.loads((run_dir / "0" / "rendezvous.json").read_text())["ports"]["gcs"] == base
     if first_index(str(job), 0, PortRange(base=base, limit=base + blocks * size)) != 0:  # moved
         assert "is taken here (port" in logs and f"is held by pid {holder.pid} (" in logs, logs
+
+
+# ------------------------------------------------------------------ issue 35: `hpcrl sites new`
+
+
+@pytest.mark.containers
+def test_sites_new_profile_runs_a_job_unchanged(lab, lab_images, tmp_path):
+    """A new site's first day on the lab: `hpcrl sites new` against the lab's Slurm (no terminal:
+    defaults and notes); `hpcrl submit` with the profile as written (Ray on all 3 nodes in
+    Podman), which suggests the doctor; `hpcrl doctor` passes (no GPU, gloo) and is recorded."""
+    env = {**lab.env, "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hpcrl", "sites", "new", "labnew", "--extends", "slurmlab"],
+                          env={**env, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = (tmp_path / "cfg" / "hpcrl" / "sites" / "labnew.yaml").read_text()
+    for line in ['  partition: "debug"  # scontrol show partition: PartitionName=debug Default=YES',
+                 "  cpus_per_task: 2  # scontrol show node: CPUTot=2", '  mem: "4000M"',
+                 "  gpus_per_node: 0  # scontrol show node: Gres=(null)", '  runtime: "podman"  # on PATH: ']:
+        assert line in written, written
+    assert "hpcrl doctor --site labnew" in proc.stdout
+    run_dir = tmp_path / "runs" / "new"
+    sub = run_hpcrl(["submit", "--site", "labnew", "--via", "sbatch", "--run-dir", str(run_dir),
+                     "--command", "--", sys.executable, str(PROBE)], env)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    rec = finished(lab, int(sub.stdout.split("job id: ")[1].split()[0]), run_dir)
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{run_logs(run_dir)}"
+    probe = json.loads((run_dir / "probe.json").read_text())
+    assert sorted(t["hostname"] for t in probe["tasks"]) == ["node1", "node2", "node3"], probe
+    assert {t["container"] for t in probe["tasks"]} == {"podman"}, probe
+    assert "`hpcrl doctor --site labnew` has never passed here" in sub.stderr
+    print(f"sites new + submit + job on the lab: {time.monotonic() - t0:.1f} s")
+
+    t1 = time.monotonic()
+    doc = subprocess.run([sys.executable, "-m", "hpcrl", "doctor", "--site", "labnew", "--nodes", "3",
+                          "--run-dir", str(tmp_path / "runs" / "doctor")], env={**env, "PYTHONPATH": str(REPO)},
+                         stdin=subprocess.DEVNULL, text=True, capture_output=True, timeout=300)
+    assert doc.returncode == 0, doc.stdout + doc.stderr + run_logs(tmp_path / "runs" / "doctor")
+    table = doc.stdout[doc.stdout.index("PASS  Ray"):]
+    for check in ["PASS  Ray: every node joined", "PASS  container starts on every node",
+                  "PASS  node1: GPUs torch sees = granted", "PASS  all-reduce across nodes: result",
+                  "PASS  all-reduce across nodes: bus bandwidth", "SKIP  all-reduce across nodes: transport",
+                  "SKIP  vLLM loads and generates on one GPU"]:
+        assert check in table, table
+    assert "FAIL" not in table and "0 x none (0 GiB) via CPU, granted 0" in table
+    assert (tmp_path / "state" / "hpcrl" / "doctor" / "labnew.json").is_file()
+    again = run_hpcrl(["submit", "--site", "labnew", "--via", "sbatch", "--run-dir", str(tmp_path / "runs" / "again"),
+                       "--dry-run", "--command", "--", "true"], env)
+    assert again.returncode == 0 and "never passed" not in again.stderr
+    print(f"hpcrl doctor on the lab: {time.monotonic() - t1:.1f} s\n{table}")
