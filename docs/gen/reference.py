@@ -162,6 +162,11 @@ for page, build in PAGES.items():
     with mkdocs_gen_files.open(page, "w") as fh:
         fh.write(build())
 
+# the figures live beside the benchmarks that measured them (bench/figures.py draws two of them)
+for png in sorted((ROOT / "bench").glob("*.png")):
+    with mkdocs_gen_files.open(f"img/{png.name}", "wb") as fh:
+        fh.write(png.read_bytes())
+
 # the benchmarks' own record stays in bench/README.md; the site shows it as it is
 with mkdocs_gen_files.open("reference/benchmarks.md", "w") as fh:
     fh.write(GENERATED.replace("edit the code", "edit bench/README.md")
