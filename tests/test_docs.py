@@ -10,6 +10,7 @@ and skips without it, except under CI=true, where it fails.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -44,6 +45,27 @@ def test_site_builds_strictly_without_a_warning(tmp_path: Path) -> None:
     for page in ("reference/site-profile-keys", "reference/trainer-keys",
                  "reference/verl-examples", "reference/cli"):
         assert (tmp_path / "site" / page / "index.html").is_file(), page
+    _reference_names_everything(tmp_path / "site" / "reference")
+
+
+def _reference_names_everything(ref: Path) -> None:
+    """Each trainer key, site-profile key, verl example and hpcrl command has its row."""
+    from hpcrl.cli import COMMANDS
+    from hpcrl.profiles import SiteProfile, flatten, profile_to_dict
+    from tests.trainer.verl_examples import FIXTURE
+    from trainer.config.load import describe_keys
+
+    def shown(page: str) -> str:
+        return (ref / page / "index.html").read_text()
+
+    trainer_page = shown("trainer-keys")
+    assert all(f"<code>{key}</code>" in trainer_page for key, _, _ in describe_keys())
+    profile_page = shown("site-profile-keys")
+    keys = [k for k, _ in flatten(profile_to_dict(SiteProfile(name="x")))]
+    assert [k for k in keys if f"<code>{k}</code>" not in profile_page] == []
+    examples = json.loads(FIXTURE.read_text())["examples"]
+    assert all(f"<code>{Path(name).name}</code>" in shown("verl-examples") for name in examples)
+    assert all(f"<code>hpcrl {name}</code>" in shown("cli") for name in COMMANDS)
 
 
 # ----------------------------------------------------------------------------- commands shown

@@ -34,7 +34,10 @@ def _cell(value: object) -> str:
 
 
 def _text(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A table cell of prose: `<name>` outside code spans is shown, not taken for HTML."""
+    parts = text.replace("|", "\\|").replace("\n", " ").split("`")
+    parts[::2] = [p.replace("<", "&lt;").replace(">", "&gt;") for p in parts[::2]]
+    return "`".join(parts)
 
 
 def _default(f: dataclasses.Field) -> object:
