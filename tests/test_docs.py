@@ -312,3 +312,38 @@ def test_blocks_are_split_as_the_shell_splits_them() -> None:
         ["sbatch", "job.sbatch"],
         ["make", "demo", "DEMO_ARGS=--steps 4"],
     ]
+
+
+def _runs_safely(cmd: list[str]) -> list[str] | None:
+    """The argv to run for a shown command that creates nothing and queues nothing (`hpcrl
+    sites`, `hpcrl submit|render ... --dry-run`, `python -m trainer --print-config|--list-keys`),
+    run with this Python; None for every other command."""
+    if cmd[0] in ("python", "python3") or cmd[0].endswith("/bin/python"):
+        cmd = cmd[2:] if cmd[1:2] == ["-m"] else cmd
+    program, args = cmd[0], cmd[1:]
+    head = args[:args.index("--")] if "--" in args else args
+    if program == "hpcrl" and (args[:1] == ["sites"] or "--dry-run" in head):
+        return [sys.executable, "-m", "hpcrl", *args]
+    if program == "trainer" and {"--print-config", "--list-keys"} & set(args):
+        return [sys.executable, "-m", "trainer", *args]
+    return None
+
+
+def test_commands_shown_that_create_nothing_run() -> None:
+    """Beyond parsing: each shown command that creates and queues nothing (a dry run, the
+    trainer's printed config or keys, the list of sites) runs and exits 0. The others need a
+    model, data, a Slurm cluster or the lab, and are only parsed (above)."""
+    ran, failures = 0, []
+    for page in PAGES:
+        for cmd in _shown_in(page):
+            argv = _runs_safely(cmd)
+            if argv is None:
+                continue
+            proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                                  timeout=300, check=False, env={**os.environ, "HPCRL_SITE": ""})
+            ran += 1
+            if proc.returncode != 0:
+                failures.append(f"{page.relative_to(REPO)}: `{shlex.join(cmd)}` exited "
+                                f"{proc.returncode}: {proc.stderr[-800:]}")
+    assert ran >= 4, f"only {ran} commands ran"
+    assert not failures, "\n".join(failures)
