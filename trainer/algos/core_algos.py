@@ -493,6 +493,13 @@ def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tens
     return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
 
+def _is_weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """The per-token loss times the rollout correction's importance weights, where there are any
+    (verl multiplies them in every policy loss, right before the aggregation;
+    :mod:`trainer.algos.rollout_corr`)."""
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+
+
 def _item(value: torch.Tensor) -> float:
     return float(value.detach().item())
 
@@ -505,6 +512,7 @@ def compute_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with asymmetric clip range and dual clip (Ye et al. 2020).
@@ -534,7 +542,7 @@ def compute_policy_loss(
         torch.gt(clip_pg_losses1, pg_losses3).float() * (advantages < 0).float(), response_mask
     )
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    pg_loss = agg_loss(_is_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg)
     return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl),
                      "actor/pg_clipfrac_lower": _item(pg_clipfrac_lower)}
 
@@ -547,6 +555,7 @@ def compute_policy_loss_gspo(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "seq-mean-token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): the sequence's geometric-mean ratio
@@ -561,7 +570,7 @@ def compute_policy_loss_gspo(
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - params.clip_ratio_low, 1 + params.clip_ratio_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **agg)
+    pg_loss = agg_loss(_is_weighted(pg_losses, rollout_is_weights), response_mask, "seq-mean-token-mean", **agg)
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
     return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl),
@@ -576,6 +585,7 @@ def compute_policy_loss_sapo(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "seq-mean-token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SAPO (Gao et al. 2025): a smooth gate ``sigmoid(tau * (r - 1)) * 4 / tau`` in place of the
@@ -586,7 +596,7 @@ def compute_policy_loss_sapo(
     taus = torch.where(advantages > 0, torch.full_like(ratio, params.tau_pos),
                        torch.full_like(ratio, params.tau_neg))
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    pg_loss = agg_loss(-gates * advantages, response_mask, "seq-mean-token-mean", **agg)
+    pg_loss = agg_loss(_is_weighted(-gates * advantages, rollout_is_weights), response_mask, "seq-mean-token-mean", **agg)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
     return pg_loss, {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": _item(ppo_kl), "actor/pg_clipfrac_lower": 0.0}
 
@@ -599,6 +609,7 @@ def compute_policy_loss_cispo(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax 2025): ``-sg[clip(r, 1 - low, 1 + high)] * A * log_prob``; the gradient
@@ -607,7 +618,7 @@ def compute_policy_loss_cispo(
     ratio = torch.exp(negative_approx_kl)
     clipped = torch.clamp(ratio, 1 - params.clip_ratio_low, 1 + params.clip_ratio_high)
     pg_losses = -clipped.detach() * advantages * log_prob
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    pg_loss = agg_loss(_is_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg)
     pg_clipfrac = masked_mean((ratio != clipped).float(), response_mask)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
     return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl),
@@ -622,10 +633,11 @@ def compute_policy_loss_gpg(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG (Chu et al. 2025): plain policy gradient ``-log_prob * A``, no ratio, no metrics."""
-    return agg_loss(-log_prob * advantages, response_mask, loss_agg_mode, **agg), {}
+    return agg_loss(_is_weighted(-log_prob * advantages, rollout_is_weights), response_mask, loss_agg_mode, **agg), {}
 
 
 @register_policy_loss("clip_cov")
@@ -636,6 +648,7 @@ def compute_policy_loss_clip_cov(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (Cui et al. 2025): the PPO clip loss, with the gradient removed from up to
@@ -661,7 +674,7 @@ def compute_policy_loss_clip_cov(
         corr = torch.ones_like(advantages)
         corr[picked[:, 0], picked[:, 1]] = 0.0
     pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    pg_loss = agg_loss(_is_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg)
     pg_clipfrac = masked_mean((corr == 0).float(), response_mask)
     return pg_loss, {"actor/pg_clipfrac": _item(pg_clipfrac), "actor/ppo_kl": _item(ppo_kl)}
 
@@ -674,6 +687,7 @@ def compute_policy_loss_kl_cov(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams = PolicyLossParams(),
+    rollout_is_weights: torch.Tensor | None = None,
     **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al. 2025): the unclipped ``-A * r``, plus ``ppo_kl_coef * |log r|`` on the
@@ -696,7 +710,7 @@ def compute_policy_loss_kl_cov(
         penalised[flat_valid[top]] = True
         penalty = params.ppo_kl_coef * negative_approx_kl.abs()
         pg_losses = pg_losses + torch.where(penalised.view_as(pg_losses), penalty, torch.zeros_like(penalty))
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg)
+    pg_loss = agg_loss(_is_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, **agg)
     return pg_loss, {"actor/ppo_kl": _item(masked_mean(negative_approx_kl.abs(), response_mask))}
 
 
