@@ -365,16 +365,18 @@ class VerlKind:
         if self.stop.terminated_by is None:
             return (end if end is not None else now + self.node.job.signal_lead_s) - STOP_MARGIN_S
         local = self.node.ctx.local
-        wait = float((None if local else kill_wait_s()) or self.node.job.grace_s)
-        start = now
+        info: dict[str, str] = {}
         if not local:
             try:
                 info = show_job(self.node.ctx.job_id)
             except (SlurmError, OSError):
-                info = {}
-            if rq.preempted_in_grace(info):
-                start = parse_slurm_time(info.get("EndTime", "")) or now
-        return start + wait - min(STOP_MARGIN_S, wait / 3)
+                pass
+        grace_end = parse_slurm_time(info.get("EndTime", "")) if rq.preempted_in_grace(info) \
+            else None
+        if grace_end is not None:  # stopped within the grace time, the head requeues the job
+            return grace_end - min(STOP_MARGIN_S, (grace_end - now) / 3)
+        wait = float((None if local else kill_wait_s()) or self.node.job.grace_s)
+        return now + wait - min(STOP_MARGIN_S, wait / 3)
 
     def status(self, code: int, requeue_code: int) -> int:
         merge_metrics(self.node.run_dir)

@@ -18,6 +18,7 @@ from hpcrl.jobspec import JobSpec
 from hpcrl.payloads import verl
 from hpcrl.rundir import RunPaths, latest_checkpoint, run_report
 from tests.conftest import REPO, run_hpcrl
+from tests.trainer.test_config import SEEDS, seed_command_lines
 
 RUN = Path("/runs/r1")
 LINE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", "trainer.save_freq=5"]
@@ -193,3 +194,40 @@ def test_the_launcher_runs_verl_with_sigterm_blocked() -> None:
     assert proc.returncode == 0, proc.stderr
     first, second = proc.stdout.splitlines()
     assert first.startswith("verl_launch: verl ") and second == "True"
+
+
+def seed_outcomes() -> list[str]:
+    """What `--verl` makes of each seed line (tests/data/verl_seed_overrides.txt, shell
+    variables as in the allocation) on 2 nodes of 8 GPUs, and of the AMD Slurm line also typed
+    on a login node, where `$SLURM_NNODES` and `$SLURM_GPUS_PER_NODE` expand to nothing."""
+    out = []
+    for words in seed_command_lines():
+        try:
+            verl.verl_overrides(words, RUN, 2, 8, None)
+            out.append("accepted")
+        except verl.VerlError as exc:
+            out.append(str(exc).split(":")[0])
+    login = SEEDS.read_text().split("\n\n")[-1].replace("${SLURM_NNODES}", "") \
+        .replace("${SLURM_GPUS_PER_NODE}", "").replace("trainer.save_freq=-1", "trainer.save_freq=10")
+    words = [w for w in login.replace("\\\n", " ").split() if "=" in w]
+    try:
+        verl.verl_overrides(words, RUN, 2, 8, None)
+    except verl.VerlError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_the_seed_lines_as_typed() -> None:
+    got = seed_outcomes()
+    assert got[:6] == ["`trainer.save_freq` is -1", "`trainer.save_freq` is -1",
+                       "`trainer.save_freq` is -1", "`trainer.n_gpus_per_node=1` disagrees with the "
+                       "allocation (8", "`trainer.resume_mode=disable`", "`trainer.save_freq` is -1"]
+    assert "`trainer.nnodes=` is not a whole number (empty: a shell variable such as " \
+           "`$SLURM_NNODES` expanded to nothing" in got[6]
+    fixed = verl.verl_overrides(["trainer.save_freq=10", *seed_command_lines()[0]], RUN, 2, 8,
+                                None)
+    assert "trainer.logger=[console,file]" in fixed and "trainer.nnodes=2" in fixed
+    dstack = [w for w in seed_command_lines()[4] if w != "trainer.resume_mode=disable"]
+    with pytest.raises(verl.VerlError, match="`trainer.default_local_dir=/checkpoints` is outside"):
+        verl.verl_overrides(dstack, RUN, 2, 8, None)
+
