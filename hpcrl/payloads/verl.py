@@ -270,6 +270,8 @@ def last_logged(run_dir: Path) -> int:
 # ----------------------------------------------------------------------------- the stop
 
 
+LOG_WAIT_S = 10.0
+"""After the checkpoint at a stop, how long verl may take to log that step's metrics."""
 STOP_MARGIN_S = 15.0
 """Left for ending verl, the teardown and the requeue before the bound Slurm sets."""
 
@@ -288,6 +290,7 @@ class VerlStop:
     ended: bool = False
     note: str = ""
     _asked: float = field(default=0.0)
+    _saved_at: float = field(default=0.0)
 
     def begin(self, bound: float, why: str) -> None:
         newest = tracked_checkpoint(self.root)
@@ -307,6 +310,10 @@ class VerlStop:
         step = newest[0] if newest else 0
         logged = last_logged(self.run_dir)
         if step > (self.at_stop or 0):
+            # verl logs a step's metrics after saving it (`ray_trainer.py` `fit`): let it
+            self._saved_at = self._saved_at or time.time()
+            if logged < step and time.time() < min(self.bound, self._saved_at + LOG_WAIT_S):
+                return
             self.note = f"verl saved global_step_{step} after the stop; nothing is redone"
         elif clock_stop and step and step >= logged:
             self.note = (f"verl's early-save hook saved global_step_{step} (its last step) "

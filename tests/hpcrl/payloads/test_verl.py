@@ -160,6 +160,9 @@ def test_stop_waits_for_a_newer_checkpoint_then_ends_verl(tmp_path: Path) -> Non
     assert payload.sent == [] and waiter.status(143, 3) == 143  # still waiting
     save(root, 6)
     waiter.tick(payload, clock_stop=False)
+    assert payload.sent == []  # step 6 saved, its metrics not logged yet
+    write_verl_log(tmp_path, 0, range(1, 7))
+    waiter.tick(payload, clock_stop=False)
     assert payload.sent == [signal.SIGKILL] and waiter.status(137, 3) == 3
     assert "verl saved global_step_6 after the stop; nothing is redone" in log.lines[-1]
 
