@@ -56,6 +56,7 @@ CPUS_FIXED = 10
 controller (1) and `num_data_storage_units` (8) storage actors at 1 CPU each."""
 CPUS_PER_GPU = 3
 """Each GPU's bundle `{CPU: 3, GPU: 1}` (`verl/single_controller/ray/base.py`)."""
+ASYNC_SAVE = "actor_rollout_ref.actor.checkpoint.async_save"
 REFUSED_KEYS = ("ray_kwargs.ray_init.num_cpus", "ray_kwargs.ray_init.num_gpus")
 
 
@@ -113,6 +114,11 @@ def verl_overrides(overrides: Sequence[str], run_dir: Path, nodes: int, gpus: in
             f"`trainer.save_freq` is {save_freq}: verl then saves no checkpoint, not even at a "
             "stop (its early save is checked only with `save_freq > 0`), and a requeued run "
             "starts again from step 0. Fix: add `trainer.save_freq=N` with N > 0 (e.g. 10)")
+    if have.get(ASYNC_SAVE, "false").lower() == "true":
+        raise VerlError(
+            f"`{ASYNC_SAVE}=True`: verl then writes no `latest_checkpointed_iteration.txt` "
+            "(`ray_trainer.py` `_save_checkpoint`), so neither a resume nor hpcrl's stop finds "
+            f"its checkpoints. Fix: leave `{ASYNC_SAVE}` out")
     mode = have.get("trainer.resume_mode", "auto")
     if mode != "auto":
         raise VerlError(
@@ -270,8 +276,9 @@ def last_logged(run_dir: Path) -> int:
 # ----------------------------------------------------------------------------- the stop
 
 
-LOG_WAIT_S = 10.0
-"""After the checkpoint at a stop, how long verl may take to log that step's metrics."""
+LOG_WAIT_S = 120.0
+"""After the checkpoint at a stop, how long verl may take to log that step's metrics (it updates
+the rollout's weights and may validate first)."""
 STOP_MARGIN_S = 15.0
 """Left for ending verl, the teardown and the requeue before the bound Slurm sets."""
 

@@ -48,6 +48,7 @@ def test_given_values_that_agree_are_kept_and_relative_dirs_go_under_the_run() -
     (["trainer.n_gpus_per_node=8"], "GPUs per node"),
     (["trainer.nnodes="], "expanded to nothing where the line was typed"),
     (["trainer.resume_mode=disable"], "must resume from the newest checkpoint"),
+    (["actor_rollout_ref.actor.checkpoint.async_save=True"], "no `latest_checkpointed_iteration"),
     (["trainer.default_local_dir=/scratch/x"], "outside the run directory"),
 ])
 def test_refusals_name_the_problem_and_the_fix(extra: list[str], words: str) -> None:

@@ -1,37 +1,43 @@
 """Stand-in for verl 0.9.1's `python3 -m verl.trainer.main_ppo` in hpcrl's tests: verl's stop,
 checkpoint and logging behaviour without a model or a GPU. Each behaviour it copies, with the
-verl file (commit b178a3cd of volcengine/verl, the 0.9.1 line) it comes from:
+file and line of verl 0.9.1 (the `verl-0.9.1-py3-none-any.whl` of PyPI) it comes from:
 
 - The driver connects to the running Ray cluster with `ray.init()` and no address
-  (`verl/trainer/main_ppo.py` `run_ppo`: `ray.init(**ray_init_kwargs)` when Ray is not
-  initialised; Ray then takes `RAY_ADDRESS`), and runs the training loop in a `TaskRunner` actor
-  (`main_ppo.py` `TaskRunner.run` -> `RayPPOTrainer.fit`).
-- Signals: the driver dies of SIGUSR2 (uncaught: 140), and exits 15 on SIGTERM (Ray's driver
-  handler, installed by `ray.init` in the driver: `ray/_private/worker.py`
-  `sigterm_handler` -> `sys.exit(signum)`).
-- The early save (`verl/utils/checkpoint/checkpoint_manager.py` `should_save_ckpt_esi`, called in
-  `verl/trainer/ppo/ray_trainer.py` `fit` after each step, inside the TaskRunner actor): the
-  actor reads `MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP` with `os.getenv` and saves when
-  `0 < remaining <= 60 + max_steps_duration + esi_redundant_time`, only with `save_freq > 0`.
-- Checkpoints (`ray_trainer.py` `_save_checkpoint`, `_load_checkpoint`;
-  `verl/utils/checkpoint/fsdp_checkpoint_manager.py` `save_checkpoint`): under
+  (`verl/trainer/main_ppo.py:74`, `run_ppo`; Ray then takes `RAY_ADDRESS`) and runs the training
+  loop in a TaskRunner actor (`main_ppo.py:91-92`, `runner.run.remote(config)`).
+- Signals: the driver dies of SIGUSR2, which nothing catches (status 140 in a shell); on SIGTERM
+  it exits 15 through the handler `ray.init` installs in the driver (Ray 2.60
+  `ray/_private/worker.py:1675`, `sigterm_handler` -> `sys.exit(signum)`), which this stand-in
+  gets from the same `ray.init()`.
+- The early save (`verl/utils/checkpoint/checkpoint_manager.py:262`, `should_save_ckpt_esi`,
+  called in `verl/trainer/ppo/ray_trainer.py:1693` after the actor update, inside the TaskRunner
+  actor): the actor reads `MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP` with `os.getenv` and
+  saves when `0 < remaining <= 60 + max_steps_duration + esi_redundant_time`, only with
+  `save_freq > 0` (`ray_trainer.py:1704`); `max_steps_duration` is the longest step before this
+  one (updated at the step's end, `ray_trainer.py:1762`).
+- Checkpoints (`ray_trainer.py:983` `_save_checkpoint`, `:1052` `_load_checkpoint`;
+  `verl/utils/checkpoint/fsdp_checkpoint_manager.py:213,233,242`): under
   `trainer.default_local_dir`, `global_step_{N}/actor/model_world_size_{W}_rank_{r}.pt`,
   `optim_world_size_{W}_rank_{r}.pt`, `extra_state_world_size_{W}_rank_{r}.pt`,
-  `global_step_{N}/data.pt`, then `latest_checkpointed_iteration.txt` holding `N` (written last).
-  `resume_mode=auto` resumes from the step the tracker names (`find_latest_ckpt_path`), and
-  prints `Resuming from <folder>`.
-- The file logger (`verl/utils/tracking.py` `FileLogger`): opens `VERL_FILE_LOGGER_PATH` with
-  mode `wb` (truncated at each start) and writes `{"step": N, "data": {...}}` lines.
-- The console logger line `step:N - key:value - ...` (`verl/utils/logger/aggregate_logger.py`).
+  `global_step_{N}/data.pt` (`ray_trainer.py:1032`), then `latest_checkpointed_iteration.txt`
+  holding `N`, written last (`ray_trainer.py:1046-1050`). `resume_mode=auto` resumes from the
+  step the tracker names (`checkpoint_manager.py:222` `find_latest_ckpt_path`) and prints
+  `Resuming from <folder>` (`ray_trainer.py:1086`).
+- The metrics of a step are logged after its checkpoint (`ray_trainer.py` `fit`: save, weight
+  update, validation, then the loggers).
+- The file logger (`verl/utils/tracking.py:529` `FileLogger`): opens `VERL_FILE_LOGGER_PATH`
+  with mode `wb` (truncated at each start, `:541`) and writes `{"step": N, "data": {...}}`
+  lines (`:544`).
 
-Test knobs (environment): `STANDIN_STEP_S` (seconds per step, default 1).
+`tests/hpcrl/payloads/test_verl_layout.py` checks this layout against real verl's checkpoint
+code where verl 0.9.1 is installed. Test knob (environment): `STANDIN_STEP_S` (seconds per
+step, default 1).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -113,7 +119,6 @@ def fit(cfg: dict[str, str]) -> int:
     while step <= total:
         began = time.time()
         time.sleep(step_s)
-        max_steps_duration = max(max_steps_duration, time.time() - began)
         esi = should_save_ckpt_esi(max_steps_duration,
                                    redundant_time=float(cfg["trainer.esi_redundant_time"]))
         if save_freq > 0 and (step == total or step % save_freq == 0 or esi):
@@ -122,6 +127,7 @@ def fit(cfg: dict[str, str]) -> int:
             save(root, step, world)
         data = {"critic/score/mean": step / total, "timing_s/step": time.time() - began,
                 "training/global_step": step}
+        max_steps_duration = max(max_steps_duration, time.time() - began)
         if logger is not None:
             logger.write(json.dumps({"step": step, "data": data}).encode() + b"\n")
         print(f"step:{step} - " + " - ".join(f"{k}:{v:.3f}" for k, v in data.items()),
@@ -142,7 +148,6 @@ def main(argv: list[str]) -> int:
 
     cfg = config(argv)
     ray.init()  # RAY_ADDRESS; installs Ray's driver SIGTERM handler (exit 15)
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(signum))
     runner = ray.remote(num_cpus=1)(TaskRunner).remote()
     done = ray.get(runner.run.remote(cfg))
     print(f"standin: finished at step {done}", flush=True)
