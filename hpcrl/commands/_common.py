@@ -112,9 +112,11 @@ def verl_payload(profile: Any, python: str, overrides: list[str], run_dir: Any) 
     import os
     from pathlib import Path
 
-    if args_conflict := [o for o in overrides if o in ("python3", "python") or o == verl.MODULE]:
-        raise RequestError(f"`--verl` takes verl's overrides after `--`, not the command "
-                           f"(found `{args_conflict[0]}`); hpcrl runs `python3 -m {verl.MODULE}`")
+    command = [o for o in overrides if "=" not in o and o.lstrip("~") == o]
+    if command:
+        raise RequestError(f"`--verl` takes verl's overrides after `--`, not the command (found "
+                           f"`{command[0]}`); hpcrl runs `python3 -m {verl.MODULE}`. Fix: drop "
+                           "everything before the first `key=value`")
     gpus = profile.ray.num_gpus if profile.ray.num_gpus is not None else profile.slurm.gpus_per_node
     try:
         checked = verl.verl_overrides(overrides, Path(os.path.abspath(run_dir)),

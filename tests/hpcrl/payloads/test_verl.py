@@ -235,3 +235,11 @@ def test_the_seed_lines_as_typed() -> None:
     with pytest.raises(verl.VerlError, match="`trainer.default_local_dir=/checkpoints` is outside"):
         verl.verl_overrides(dstack, RUN, 2, 8, None)
 
+
+
+def test_the_command_itself_after_dash_dash_is_refused(tmp_path: Path,
+                                                       clean_env: dict[str, str]) -> None:
+    proc = run_hpcrl(["render", "--site", "gpu", "--verl", "--run-dir", str(tmp_path / "v"),
+                      "--", "python3", "-m", "verl.trainer.main_ppo", *LINE],
+                     {**clean_env, **site(tmp_path)})
+    assert proc.returncode == 2 and "not the command (found `python3`)" in proc.stderr

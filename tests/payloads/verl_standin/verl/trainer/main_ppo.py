@@ -25,6 +25,8 @@ file and line of verl 0.9.1 (the `verl-0.9.1-py3-none-any.whl` of PyPI) it comes
   `Resuming from <folder>` (`ray_trainer.py:1086`).
 - The metrics of a step are logged after its checkpoint (`ray_trainer.py` `fit`: save, weight
   update, validation, then the loggers).
+- The loggers write a step in the order `trainer.logger` names them (`verl/utils/tracking.py:191`
+  `Tracking.log`; hpcrl appends `file`, so the console line comes first).
 - The file logger (`verl/utils/tracking.py:529` `FileLogger`): opens `VERL_FILE_LOGGER_PATH`
   with mode `wb` (truncated at each start, `:541`) and writes `{"step": N, "data": {...}}`
   lines (`:544`).
@@ -128,10 +130,10 @@ def fit(cfg: dict[str, str]) -> int:
         data = {"critic/score/mean": step / total, "timing_s/step": time.time() - began,
                 "training/global_step": step}
         max_steps_duration = max(max_steps_duration, time.time() - began)
+        print(f"step:{step} - " + " - ".join(f"{k}:{v:.3f}" for k, v in data.items()),
+              flush=True)  # the loggers in their configured order: console before file
         if logger is not None:
             logger.write(json.dumps({"step": step, "data": data}).encode() + b"\n")
-        print(f"step:{step} - " + " - ".join(f"{k}:{v:.3f}" for k, v in data.items()),
-              flush=True)
         step += 1
     return step - 1
 
