@@ -156,6 +156,8 @@ class Head:
             failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
                 or watch.lost_nodes()
             if failed and stop.reason is None:
+                if kind is not None:
+                    kind.after_loss()
                 return self._after_failure(failed, requeuer, watch)
             if failed and not ignored:
                 ignored = True

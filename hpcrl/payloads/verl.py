@@ -276,6 +276,14 @@ def last_logged(run_dir: Path) -> int:
 # ----------------------------------------------------------------------------- the stop
 
 
+def redo_note(saved: int, logged: int) -> str:
+    """What the next run redoes when verl ends unsaved: the steps after its newest checkpoint
+    (`saved`, 0: none) up to the one in progress after the last logged step."""
+    start = f"global_step_{saved}" if saved else "step 0"
+    return (f"the next run resumes from {start} and redoes steps {saved + 1} to {logged + 1} "
+            f"(step {logged + 1} was in progress)")
+
+
 LOG_WAIT_S = 120.0
 """After the checkpoint at a stop, how long verl may take to log that step's metrics (it updates
 the rollout's weights and may validate first)."""
@@ -326,11 +334,8 @@ class VerlStop:
             self.note = (f"verl's early-save hook saved global_step_{step} (its last step) "
                          "before the stop; only the step in progress is redone")
         elif time.time() >= self.bound:
-            start = f"global_step_{step}" if step else "step 0"
-            self.note = (f"no checkpoint newer than step {step} came in time: the next run "
-                         f"resumes from {start} and "
-                         f"redoes steps {step + 1} to {logged + 1} (step {logged + 1} was in "
-                         "progress)")
+            self.note = f"no checkpoint newer than step {step} came in time: " \
+                + redo_note(step, logged)
         else:
             return
         self.log.info("%s; ending verl", self.note)
@@ -391,6 +396,14 @@ class VerlKind:
             return grace_end - min(STOP_MARGIN_S, (grace_end - now) / 3)
         wait = float((None if local else kill_wait_s()) or self.node.job.grace_s)
         return now + wait - min(STOP_MARGIN_S, wait / 3)
+
+    def after_loss(self) -> None:
+        """A node is lost (or Ray died) while verl ran: nothing can be saved any more; the log
+        names what the next run redoes."""
+        merge_metrics(self.node.run_dir)
+        newest = tracked_checkpoint(checkpoint_root(self.node.job.payload, self.node.run_dir))
+        self.node.log.error("verl could not save: %s",
+                            redo_note(newest[0] if newest else 0, last_logged(self.node.run_dir)))
 
     def status(self, code: int, requeue_code: int) -> int:
         merge_metrics(self.node.run_dir)

@@ -243,3 +243,17 @@ def test_the_command_itself_after_dash_dash_is_refused(tmp_path: Path,
                       "--", "python3", "-m", "verl.trainer.main_ppo", *LINE],
                      {**clean_env, **site(tmp_path)})
     assert proc.returncode == 2 and "not the command (found `python3`)" in proc.stderr
+
+
+def test_a_lost_node_names_the_steps_the_next_run_redoes(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    save(tmp_path / "checkpoints", 5)
+    write_verl_log(tmp_path, 0, range(1, 9))
+    log = Log()
+    log.error = log.info  # type: ignore[method-assign]
+    node = SimpleNamespace(run_dir=tmp_path, log=log, job=SimpleNamespace(
+        payload=verl.payload("python3", verl.verl_overrides(LINE, tmp_path, 1, 1, None))))
+    verl.VerlKind(node, stop=None).after_loss()
+    assert log.lines == ["verl could not save: the next run resumes from global_step_5 and "
+                         "redoes steps 6 to 9 (step 9 was in progress)"]
