@@ -6,6 +6,8 @@
 # Each creates .venv, installs torch==2.13.0 before anything that depends on torch, then hpcrl.
 # `make test` also builds .venv-vllm (vLLM for CPU, `make vllm-venv`) and runs the vLLM tests
 # there as a second pytest run: vLLM pins its own transformers, so it lives in a venv of its own.
+# Likewise .venv-verl (verl 0.9.1, `make verl-venv`): the lab runs it, and a third pytest run there
+# checks the verl stand-in's checkpoint layout against verl's own code.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,8 +18,11 @@ DEMO_ARGS ?=
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.hpcrl-installed
+VERL_VENV  ?= .venv-verl
+VERL_PY    := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.hpcrl-installed
 
-.PHONY: demo test test-fresh venv vllm-venv lab-packages lint clean-lab docs
+.PHONY: demo test test-fresh venv vllm-venv verl-venv lab-packages lint clean-lab docs
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +57,22 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 
+# verl 0.9.1 itself, for `hpcrl submit --verl` tests (`tests/lab/test_verl.py` runs it on the lab,
+# `tests/hpcrl/payloads/test_verl_layout.py` checks the stand-in against its checkpoint code):
+# torch first (pinned, CPU build), verl held to that torch; verl pins its own transformers, so it
+# lives in a venv of its own. hpcrl without its deps (verl brought them).
+$(VERL_STAMP): pyproject.toml
+	@test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --upgrade pip
+	$(VERL_PY) -m pip install -q torch==2.13.0
+	echo "torch==2.13.0+cpu" > $(VERL_VENV)/constraints.txt
+	$(VERL_PY) -m pip install -q "verl[verl-core]==0.9.1" -c $(VERL_VENV)/constraints.txt
+	$(VERL_PY) -m pip install -q --no-deps -e .
+	$(VERL_PY) -m pip install -q -c $(VERL_VENV)/constraints.txt pytest pytest-timeout
+	@touch $@
+
+verl-venv: $(VERL_STAMP)
+
 lab-packages: $(STAMP)
 	@if [ "$$(id -u)" = 0 ]; then $(PY) -m tests.lab packages; \
 	else echo "not root: skipping the lab's Debian packages (lab tests skip, or fail under CI=true)"; fi
@@ -65,11 +86,13 @@ test: lab-packages
 	@images=; if [ "$$(id -u)" = 0 ]; then \
 		mkdir -p $(VENV)/lab-images-home; \
 		HOME=$(CURDIR)/$(VENV)/lab-images-home $(PY) -m tests.lab images > $(VENV)/lab-images.log 2>&1 & images=$$!; fi; \
-	$(MAKE) --no-print-directory vllm-venv || { status=$$?; [ -z "$$images" ] || wait $$images; exit $$status; }; \
+	$(MAKE) --no-print-directory -j2 vllm-venv verl-venv || { status=$$?; [ -z "$$images" ] || wait $$images; exit $$status; }; \
 	status=0; \
 	$(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
 	[ -z "$$images" ] || wait $$images || true; \
 	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
+		|| status=$$?; \
+	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	exit $$status
 

@@ -709,6 +709,22 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted((step_of(p), p) for p in entries if is_complete(p))
 
 
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+"""verl's record of its newest complete checkpoint in its checkpoint root (written after the save,
+`verl/trainer/ppo/ray_trainer.py` `_save_checkpoint`), naming `global_step_<N>/`."""
+
+
+def tracked_checkpoint(root: Path) -> tuple[int, Path] | None:
+    """(N, `root/global_step_N`) as verl's tracker file names it, None without one (or when
+    that directory is gone, as verl's `find_latest_ckpt_path` rules)."""
+    try:
+        step = int((root / TRACKER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    path = root / f"global_step_{step}"
+    return (step, path) if path.is_dir() else None
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     """The run's newest checkpoint: by the trainer's rule (its own, newest commit) once the run
     has an identity, else the highest complete step found."""
@@ -718,6 +734,9 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     if own is not None:
         return step_of(own), own
     found = checkpoints(root)
+    tracked = None if found else tracked_checkpoint(root)
+    if tracked is not None:
+        return tracked
     if not found:  # trainer dirs not where the overrides say: look near the metrics file
         metrics = find_metrics(run_dir)
         for base in ([metrics.parent, metrics.parent / "checkpoints"] if metrics else []):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.launch import HeadCluster, Launcher
-from hpcrl.agent.node import TICK_S, Heartbeat, Node, Outcome
+from hpcrl.agent.node import TICK_S, AgentError, Heartbeat, Node, Outcome
 from hpcrl.agent.procs import Child
 from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
@@ -27,6 +28,7 @@ from hpcrl.agent.watch import (
     stop_requested,
 )
 from hpcrl.netaddr import format_host
+from hpcrl.payloads import verl
 from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED, gpus_env
 from hpcrl.slurm import SlurmError, run_slurm
 from trainer.exit_codes import REQUEUE_EXIT_CODE
@@ -98,11 +100,31 @@ class Head:
                 "starts (`payload_start: head-alive`); ")
         node.log.info("%sstarting the payload: %s", when, " ".join(job.payload))
         host_cwd = workdir if job.runtime == "none" else str(node.run_dir)
-        child = node.start("payload", "payload", job.payload,
+        argv = list(job.payload)
+        if verl.is_verl(argv):
+            argv = self._verl_argv(cluster)
+        child = node.start("payload", "payload", argv,
                            self._payload_env(cluster, deadline), workdir,
                            node.paths.payload_log, host_cwd, echo=sys.stdout)
         node.state.append(PAYLOAD_STARTED, pid=child.pid, nodes=node.ctx.num_nodes)
         return child
+
+    def _verl_argv(self, cluster: HeadCluster) -> list[str]:
+        """verl's line under `verl_launch.py`, after checking Ray's CPUs against verl's need."""
+        node = self.node
+        cpus = cluster.cpus * node.ctx.num_nodes if cluster.cpus is not None else None
+        refused = verl.check_cpus(cpus, node.job.payload)
+        if refused:
+            raise AgentError(refused)
+        if node.ctx.num_nodes != node.job.nodes:
+            raise AgentError(
+                f"the job asked for {node.job.nodes} nodes and has {node.ctx.num_nodes}: verl's "
+                "checkpoints are tied to the world size (`model_world_size_{N}_rank_{r}.pt`), so "
+                "it cannot resume on another node count. Fix: resubmit with `--nodes "
+                f"{node.job.nodes}` when that many are free")
+        helper = node.paths.helper(verl.LAUNCHER)
+        helper.write_text(Path(verl.__file__).with_name(verl.LAUNCHER).read_text())
+        return verl.launcher_argv(node.job.payload[0], helper, node.job.payload)
 
     def _watch_payload(
         self, payload: Child, ray: Child, watch: GcsWatch, stop: StopControl, requeuer: Requeuer
@@ -111,23 +133,31 @@ class Head:
         node ends the job, unless the payload was asked to stop (Slurm's SIGTERM reaches Ray
         too) and may still checkpoint."""
         started, ignored, noted = time.monotonic(), False, False
+        kind = verl.VerlKind(self.node, stop) if verl.is_verl(self.node.job.payload) else None
         while True:
-            stop.take_signals(payload)
+            stop.take_signals(payload if kind is None else None)
             stop.check_cancel()
             if stop.reason is None:
                 why = stop.warning(payload_started=True)
                 if why:
                     stop.ask(why)
-            stop.deliver(payload, started)
+            if kind is None:
+                stop.deliver(payload, started)
+            else:
+                kind.tick(payload)
             noted = noted or self._note_stop(stop)
             code = payload.poll()
             if code is not None:
-                return self._outcome(code if code >= 0 else 128 - code, stop, requeuer, watch)
+                code = code if code >= 0 else 128 - code
+                code = kind.status(code, REQUEUE_EXIT_CODE) if kind else code
+                return self._outcome(code, stop, requeuer, watch)
             watch.progress()  # the nodes still joining, if any
             watch.refresh()
             failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
                 or watch.lost_nodes()
             if failed and stop.reason is None:
+                if kind is not None:
+                    kind.after_loss()
                 return self._after_failure(failed, requeuer, watch)
             if failed and not ignored:
                 ignored = True

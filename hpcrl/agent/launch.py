@@ -36,6 +36,7 @@ from hpcrl.agent.procs import (
     processes_mentioning,
     unix_name_holders,
 )
+from hpcrl.agent.stop import Deadline
 from hpcrl.allocation import Allocation, AllocationError, CgroupFiles, node_allocation
 from hpcrl.netaddr import (
     NetworkPolicy,
@@ -46,6 +47,7 @@ from hpcrl.netaddr import (
     host_name_addresses,
     socket_ifname_env,
 )
+from hpcrl.payloads import verl
 from hpcrl.profiles import env_for_ray_version, profile_from_dict
 from hpcrl.rundir import RAY_RESOURCES
 
@@ -140,6 +142,8 @@ class HeadCluster:
     env: dict[str, str]
     ray: Child
     gcs_lines: queue.Queue[str]
+    cpus: int | None = None
+    """CPUs Ray offers on this node (None: Ray counts them)."""
 
 
 @dataclass
@@ -204,7 +208,7 @@ class Launcher:
         log = node.paths.node_log("gcs-watch", ctx.node_rank, ctx.hostname)
         node.start("watch", "gcs-watch", argv, env, str(node.tmp), log,
                    str(node.tmp), on_line=lines.put, death_signal=signal.SIGKILL)
-        return HeadCluster(addr, gcs, env, ray, lines)
+        return HeadCluster(addr, gcs, env, ray, lines, alloc.cpus)
 
     def worker(self, keep_waiting: Callable[[], str | None]) -> Child:
         """Wait for the head's publication (or `keep_waiting`'s reason to stop), then start Ray;
@@ -277,11 +281,20 @@ class Launcher:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token),
             "RAY_USAGE_STATS_ENABLED": "0",
+            **self._payload_kind_env(),
         }
         if not self.node.job.dashboard:  # nothing reads the metrics: no open Prometheus port
             env.update(NO_METRICS_ENV)
         env.pop(INHERITED_TOKEN, None)
         return env
+
+    def _payload_kind_env(self) -> dict[str, str]:
+        """What verl must find in Ray's own environment (`hpcrl.payloads.verl.ray_env`)."""
+        node = self.node
+        if not verl.is_verl(node.job.payload):
+            return {}
+        end = Deadline.learn(node.ctx, node.env, node.job, node.log).end_time
+        return verl.ray_env(node.paths, end, node.job.signal_lead_s)
 
     def _version_env(self) -> dict[str, str]:
         """Profile variables chosen by the Ray version in the container (asked only if needed)."""

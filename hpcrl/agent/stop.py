@@ -175,9 +175,10 @@ class StopControl:
             "%s; asking the payload to checkpoint and stop (SIG%s)", reason, self.job.stop_signal
         )
 
-    def take_signals(self, payload: Child) -> None:
+    def take_signals(self, payload: Child | None) -> None:
         """Act on the noted signals: SIGTERM goes to the payload as is (and means Slurm ends
-        the job); the warning signal becomes a stop request; others pass through."""
+        the job); the warning signal becomes a stop request; others pass through. A payload of
+        None (verl, which dies of them) is sent none."""
         for sig in self.inbox.take():
             name = signal.Signals(sig).name
             if sig == signal.SIGTERM:
@@ -188,6 +189,9 @@ class StopControl:
                 self.reason = self.reason or name
             elif name == f"SIG{self.job.warning_signal}":
                 self.ask(f"the warning signal {name} reached the agent")
+                continue
+            if payload is None:
+                self.ask(f"{name} reached the agent")
                 continue
             self.log.info("forwarding %s to the payload", name)
             payload.send(sig)

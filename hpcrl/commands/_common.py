@@ -11,6 +11,7 @@ from typing import Any
 from hpcrl.containers import ContainerError
 from hpcrl.jobs import resolve
 from hpcrl.jobspec import UPDATE_SPEC, JobSpec, JobSpecError, RunDirError, default_payload
+from hpcrl.payloads import verl
 from hpcrl.plotting import PlotError
 from hpcrl.preflight import PreflightError
 from hpcrl.profiles import ProfileError, load_profile, replace_slurm
@@ -106,6 +107,25 @@ def resumed_payload(run_dir: Any) -> tuple[tuple[str, ...], str] | None:
     return job.payload, job.payload_start
 
 
+def verl_payload(profile: Any, python: str, overrides: list[str], run_dir: Any) -> tuple[str, ...]:
+    """`--verl`: the user's verl line with what hpcrl fills or refuses (`hpcrl.payloads.verl`)."""
+    import os
+    from pathlib import Path
+
+    command = [o for o in overrides if "=" not in o and o.lstrip("~") == o]
+    if command:
+        raise RequestError(f"`--verl` takes verl's overrides after `--`, not the command (found "
+                           f"`{command[0]}`); hpcrl runs `python3 -m {verl.MODULE}`. Fix: drop "
+                           "everything before the first `key=value`")
+    gpus = profile.ray.num_gpus if profile.ray.num_gpus is not None else profile.slurm.gpus_per_node
+    try:
+        checked = verl.verl_overrides(overrides, Path(os.path.abspath(run_dir)),
+                                      profile.slurm.nodes, gpus, profile.slurm.node_range)
+    except verl.VerlError as exc:
+        raise RequestError(f"`--verl`: {exc}") from None
+    return verl.payload(python, checked)
+
+
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """--site/--nodes/--time/--partition/--run-dir/--resume/--command and the payload."""
     add_site(parser)
@@ -126,6 +146,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--command", dest="whole_command", action="store_true",
                         help="the arguments after `--` are the whole command to run in the "
                         "container, not trainer overrides")
+    parser.add_argument("--verl", action="store_true",
+                        help="run verl itself: the arguments after `--` are overrides of "
+                        "`python3 -m verl.trainer.main_ppo` (the verl of the image or venv); "
+                        "hpcrl fills the checkpoint directory, nodes and GPUs and saves at stops")
     parser.add_argument("payload", nargs=argparse.REMAINDER,
                         help="after `--`: trainer overrides (e.g. `trainer.nnodes=2`)")
 
@@ -151,6 +175,11 @@ def prepare(args: argparse.Namespace) -> Any:
     kept = resumed_payload(run_dir) if args.resume and not payload else None
     if kept is not None:  # `--resume` without overrides: the job's own payload
         argv, start = kept
+    elif getattr(args, "verl", False):
+        if args.whole_command:
+            raise RequestError("`--verl` and `--command` name two payloads; pass one of them")
+        argv, start = verl_payload(profile, profile.container.python or python, payload,
+                                   run_dir), "all-joined"
     elif args.whole_command:
         if not payload:
             raise RequestError("`--command` needs the command after `--`, e.g. "

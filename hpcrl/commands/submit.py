@@ -106,7 +106,7 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: boo
     stops it on every node, so it is refused here on any site, dry run or not; a model, data
     file or disk space that this host cannot confirm is fatal only where the job runs here (the
     local site, not a dry run), a warning elsewhere."""
-    if args.whole_command or (args.resume and not args.update_spec):
+    if args.whole_command or args.verl or (args.resume and not args.update_spec):
         return
     run_dir = Path(req.run_dir)
     job_env = reading_env(req.spec.nodes, run_dir, req.spec.profile)

@@ -1,0 +1,1 @@
+"""Stand-in for verl (tests only): see `trainer/main_ppo.py`."""
