@@ -313,6 +313,12 @@ def plan(facts: Facts, parent: SiteProfile | None, flags: Flags, ask: Ask) -> Pl
 # ----------------------------------------------------------------------------- writing
 
 
+def _one_line(text: str) -> str:
+    """A comment's text on one line: what a tool printed (an `scontrol` error over several lines)
+    would otherwise break out of its comment and the YAML with it."""
+    return " ".join(str(text).split())
+
+
 def _yaml(value: Any) -> str:
     import json
 
@@ -333,13 +339,13 @@ def render(name: str, parent: str | None, p: Plan, host: str | None = None,
     sections: dict[str, list[str]] = {}
     for key, (value, source) in p.values.items():
         section, _, leaf = key.partition(".")
-        sections.setdefault(section, []).append(f"  {leaf}: {_yaml(value)}  # {source}")
+        sections.setdefault(section, []).append(f"  {leaf}: {_yaml(value)}  # {_one_line(source)}")
     for section, rows in sections.items():
         lines += [f"{section}:", *rows]
     if p.proposals:
         lines += ["# Proposed for the NICs found here, NOT set: uncomment under `env:` after "
                   "checking (`hpcrl doctor` shows the transport NCCL/RCCL chose).", "# env:"]
-        lines += [f"#   {k}: {_yaml(v)}  # {why}" for k, (v, why) in p.proposals.items()]
+        lines += [f"#   {k}: {_yaml(v)}  # {_one_line(why)}" for k, (v, why) in p.proposals.items()]
     if p.notes:
-        lines += ["# Notes:"] + [f"# - {n}" for n in p.notes]
+        lines += ["# Notes:"] + [f"# - {_one_line(n)}" for n in p.notes]
     return "\n".join(lines) + "\n"

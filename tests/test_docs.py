@@ -322,7 +322,7 @@ def _runs_safely(cmd: list[str]) -> list[str] | None:
         cmd = cmd[2:] if cmd[1:2] == ["-m"] else cmd
     program, args = cmd[0], cmd[1:]
     head = args[:args.index("--")] if "--" in args else args
-    if program == "hpcrl" and (args[:1] == ["sites"] or "--dry-run" in head):
+    if program == "hpcrl" and ((args[:1] == ["sites"] and args[1:2] != ["new"]) or "--dry-run" in head):
         return [sys.executable, "-m", "hpcrl", *args]
     if program == "trainer" and {"--print-config", "--list-keys"} & set(args):
         return [sys.executable, "-m", "trainer", *args]

@@ -203,3 +203,20 @@ def test_no_terminal_takes_defaults_and_says_so(tmp_path: Path) -> None:
                                stdin=subprocess.DEVNULL, text=True, capture_output=True, timeout=60)
     assert with_flag.returncode == 0, with_flag.stderr
     assert 'partition: "mi300x"' in written.read_text() and "not a terminal" not in with_flag.stderr
+
+
+def test_a_failing_scontrol_is_noted_and_the_profile_still_loads(tmp_path: Path) -> None:
+    """On a host whose Slurm is not configured, `scontrol` fails with a message of several lines
+    (seen on the lab machine: `scontrol: error: fetch_config: DNS SRV lookup failed` and more); the
+    note that records it stays one comment line, so the written profile is valid YAML."""
+    bin_ = tmp_path / "bin"
+    write_exe(bin_ / "scontrol", "#!/bin/sh\necho 'scontrol: error: resolve_ctls_from_dns_srv: res_nsearch error: "
+              "Unknown host' >&2\necho 'scontrol: error: fetch_config: DNS SRV lookup failed' >&2\nexit 1\n")
+    env = {"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "PYTHONPATH": str(REPO), "LANG": "C.UTF-8"}
+    proc = subprocess.run([PYTHON, "-m", "hpcrl", "sites", "new", "noslurm", "--extends", "h100-cluster"],
+                          env=env, stdin=subprocess.DEVNULL, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "cfg" / "hpcrl" / "sites" / "noslurm.yaml").read_text()
+    assert "# - `scontrol show partition --oneliner` failed (1): scontrol: error: resolve_ctls" in text
+    assert all(line.startswith("#") or not line.startswith("scontrol") for line in text.splitlines())
