@@ -59,15 +59,9 @@ from trainer.metrics import (
     validation_metrics,
 )
 from trainer.parallel import balanced_split, rank_mini_batches, split_rows
-from trainer.rewards import (
-    BATCH_ARGS,
-    PER_RESPONSE_ARGS,
-    load_reward_fn,
-    overlong_penalty,
-    score_batch,
-    score_responses,
-)
 from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.stages.advantage import compute_advantages
+from trainer.stages.reward import load_reward, score_rollouts
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
@@ -161,12 +155,7 @@ class PPODriver:
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         fetch_models(cfg)
-        rm = cfg.reward_model
-        batch_manager = rm.reward_manager == "batch"
-        self.reward_fn = load_reward_fn(
-            cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-            cfg.custom_reward_function.reward_kwargs,
-            keywords=[*BATCH_ARGS, *rm.reward_kwargs] if batch_manager else PER_RESPONSE_ARGS)
+        self.reward_fn = load_reward(cfg)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         tokenizer_path, tokenizer_trust = cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
@@ -262,34 +251,9 @@ class PPODriver:
                          entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
 
     def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
-        """Decode responses, score each with its data source's function, place the score on
-        the last response token."""
-        lengths = batch.response_mask.sum(-1).long().tolist()
-        texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
-                 for row, n in zip(batch.responses, lengths, strict=True)]
-        rm = self.cfg.reward_model
-        args = (self.reward_fn, [e.data_source for e in batch.examples], texts,
-                [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
-        if rm.reward_manager == "batch":
-            scores, extras = score_batch(*args, rm.reward_kwargs)
-        else:
-            scores, extras = score_responses(*args)
-        if rm.reward_manager == "dapo":
-            if not extras:  # verl's dapo reports a plain score as the accuracy
-                extras["acc"] = list(scores)
-            buffer = rm.overlong_buffer
-            if buffer.enable:
-                max_len = rm.reward_kwargs.get("max_resp_len", self.cfg.data.max_response_length)
-                penalties = overlong_penalty(lengths, max_len, buffer.len, buffer.penalty_factor)
-                scores = [s + p for s, p in zip(scores, penalties, strict=True)]
-                if buffer.log:
-                    extras["overlong_reward"] = penalties
-                    extras["overlong"] = [float(p < 0) for p in penalties]
-        batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
-        batch.reward_extras = extras
-        batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
-        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
-                if not any(isinstance(x, str) for x in v)}
+        """The reward stage (:func:`trainer.stages.reward.score_rollouts`)."""
+        return score_rollouts(batch, self.tokenizer, self.reward_fn, self.cfg.reward_model,
+                              self.cfg.data.max_response_length)
 
     def _split(self, batch: StepBatch) -> list[list[int]]:
         """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
@@ -354,22 +318,8 @@ class PPODriver:
         batch.values, _ = self._on_ranks(self.critic_group, "compute_values", batch, "values", "values")
 
     def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
-        """KL in the reward (when asked), then the configured advantage estimator."""
-        algo, metrics = self.cfg.algorithm, {}
-        assert batch.token_scores is not None
-        batch.token_rewards = batch.token_scores
-        if algo.use_kl_in_reward:
-            batch.token_rewards, current_kl = core_algos.apply_kl_penalty(
-                batch.token_scores, need(batch.old_log_probs, "old_log_probs"),
-                need(batch.ref_log_probs, "ref_log_probs"), batch.response_mask,
-                self.kl_ctrl.value, algo.kl_penalty)
-            metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
-            self.kl_ctrl.update(current_kl, len(batch))
-        batch.advantages, batch.returns = core_algos.compute_advantage(
-            algo.adv_estimator, batch.token_rewards, batch.response_mask, values=batch.values,
-            index=batch.uids, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
-        return metrics
+        """The advantage stage (:func:`trainer.stages.advantage.compute_advantages`)."""
+        return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl)
 
     # ------------------------------------------------------------------------------ updates
 
