@@ -39,7 +39,7 @@ import torch
 from trainer import models as M
 from trainer import startup
 from trainer.algos import core_algos, registry
-from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
+from trainer.batch import StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
 from trainer.checkpoint.layout import read_manifest
@@ -52,15 +52,16 @@ from trainer.metrics import (
     MetricsLogger,
     data_metrics,
     last_step,
-    mfu,
     rollout_probs_diff,
     throughput_metrics,
     timing_metrics,
     validation_metrics,
 )
-from trainer.parallel import balanced_split, rank_mini_batches, split_rows
+from trainer.parallel import split_rows
 from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.stages import logprobs, update
 from trainer.stages.advantage import compute_advantages
+from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
 from trainer.stages.reward import load_reward, score_rollouts
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
@@ -256,23 +257,8 @@ class PPODriver:
                               self.cfg.data.max_response_length)
 
     def _split(self, batch: StepBatch) -> list[list[int]]:
-        """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
-        token totals (the maths does not depend on the split, only the load does)."""
-        if self.cfg.trainer.balance_batch:
-            return balanced_split(batch.attention_mask.sum(-1).long().tolist(), self.world)
-        return split_rows(len(batch), self.world)
-
-    def _on_ranks(self, group: WorkerGroup, method: str, batch: StepBatch, key: str, phase: str
-                  ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        """`method` on every rank's rows of `batch`; its `key` output reassembled in row order."""
-        parts = self._split(batch)
-        results = group.run_each(method, [(batch.select(p).tensors_only(),) for p in parts])
-        self._note(f"{phase}_s", [r["seconds"] for r in results])
-        out = torch.zeros_like(batch.response_mask)
-        for part, res in zip(parts, results, strict=True):
-            if part:
-                out[part] = res[key]
-        return out, results
+        """Rows of each rank (:func:`trainer.stages.logprobs.split_batch`)."""
+        return split_batch(batch, self.world, self.cfg.trainer.balance_batch)
 
     def compute_reward_baselines(self, examples: list[Example], batch: StepBatch) -> None:
         """ReMax's baseline (verl ray_trainer `gen_max`): each prompt's greedy response, generated
@@ -284,38 +270,23 @@ class PPODriver:
         batch.reward_baselines = torch.tensor([score_of[uid] for uid in batch.uids], dtype=torch.float32)
 
     def reuses_update_log_probs(self, batch: StepBatch) -> bool:
-        """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
-
-        When the update is one optimiser step over the whole batch (one PPO epoch, one
-        mini-batch) and nothing needs the old log-probs before it (no KL in the reward), every
-        micro-batch's forward runs with the weights the old log-probs would be recomputed with:
-        the old log-probs are that forward's log-probs, detached (the ratio is exactly 1, the
-        on-policy case). With dropout the recomputation would run without it; here it does not.
-        """
-        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
-        return (a.ppo_epochs == 1 and len(batch) <= a.ppo_mini_batch_size * n
-                and not self.cfg.algorithm.use_kl_in_reward and batch.rollout_log_probs is None)
+        """Whether the actor update supplies the old log-probs itself
+        (:func:`trainer.stages.logprobs.reuses_update_log_probs`)."""
+        return reuses_update_log_probs(self.cfg, batch)
 
     def _entropy_metric(self, entropy: torch.Tensor, response_mask: torch.Tensor) -> float:
-        mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
-        return float(core_algos.agg_loss(entropy, response_mask, mode).item())
+        return entropy_metric(entropy, response_mask, self.cfg.actor_rollout_ref.actor.loss_agg_mode)
 
     def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
-        batch.old_log_probs, results = self._on_ranks(self.actor_group, "compute_log_probs", batch,
-                                                      "log_probs", "old_log_prob")
-        batch.entropy = torch.zeros_like(batch.response_mask)
-        for part, res in zip(self._split(batch), results, strict=True):
-            if part:
-                batch.entropy[part] = res["entropy"]
-        return {"actor/entropy": self._entropy_metric(batch.entropy, batch.response_mask)}
+        return logprobs.old_log_probs(batch, self.actor_group, self._split(batch),
+                                      self.cfg.actor_rollout_ref.actor.loss_agg_mode, self._note)
 
     def compute_ref_log_probs(self, batch: StepBatch) -> None:
-        batch.ref_log_probs, _ = self._on_ranks(self.actor_group, "compute_ref_log_probs", batch,
-                                                "log_probs", "ref")
+        logprobs.ref_log_probs(batch, self.actor_group, self._split(batch), self._note)
 
     def compute_values(self, batch: StepBatch) -> None:
         assert self.critic_group is not None
-        batch.values, _ = self._on_ranks(self.critic_group, "compute_values", batch, "values", "values")
+        logprobs.values(batch, self.critic_group, self._split(batch), self._note)
 
     def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
         """The advantage stage (:func:`trainer.stages.advantage.compute_advantages`)."""
@@ -323,132 +294,28 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ updates
 
-    def _mini_batches(self, batch: StepBatch, mini_size: int, shuffle: bool, salt: int) -> list[list[list[int]]]:
-        """Rows of every mini-batch, per rank, as verl forms them: the batch is first split over
-        the ranks (:meth:`_split`, each rank's rows in its order), then each rank's rows are cut
-        into local mini-batches (:func:`~trainer.parallel.rank_mini_batches`). Which rows share
-        a mini-batch, a rank and a micro-batch changes the update under verl's per-micro-batch
-        means, so this order is verl's. `shuffle` acts only under verl's model
-        engine (`trainer.use_legacy_worker_impl=disable`, where verl's loader shuffles each rank's
-        rows): there each rank's rows are permuted (this trainer's seeded permutation, not the
-        one torch's sampler draws in verl); verl's default worker ignores it, and so does this."""
-        per_rank = self._split(batch)
-        local = max(mini_size // self.world, 1)
-        if shuffle and self.cfg.trainer.use_legacy_worker_impl == "disable":
-            gen = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, self.global_step, salt))
-            per_rank = [[rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()] for rows in per_rank]
-        return rank_mini_batches(per_rank, local)
+    def _batcher(self) -> update.MiniBatcher:
+        t = self.cfg.trainer
+        return update.MiniBatcher(self.world, self._split, t.seed, self.global_step,
+                                  model_engine=t.use_legacy_worker_impl == "disable")
 
     def _keeps_every_row(self, keep_entropy: bool) -> bool:
-        """Whether the actor update computes every row in verl's places (see :meth:`_rows_to_update`)."""
-        a = self.cfg.actor_rollout_ref.actor
-        micro_means = self.cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
-        return keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means
+        """Whether the actor update computes every row (:func:`trainer.stages.update.keeps_every_row`)."""
+        return update.keeps_every_row(self.cfg, keep_entropy)
 
     @staticmethod
     def _rows_to_update(mini: StepBatch) -> list[int]:
-        """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
-
-        With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
-        group whose samples scored alike) adds exactly zero to the policy gradient, and under
-        `trainer.use_legacy_worker_impl=disable` the loss normalisers (from the whole mini-batch)
-        still count it. verl's default worker divides by each micro-batch's own counts, which a
-        skipped row (or a row moved to another micro-batch) would change: there every row is
-        kept where verl computes it (:meth:`_keeps_every_row`). Every row is kept too when the
-        update must supply the entropy metric.
-        """
-        advantages = need(mini.advantages, "advantages") * mini.response_mask
-        return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
-
-    def _fill_to_ranks(self, rows: list[int], size: int) -> list[int]:
-        """`rows` topped up with skipped rows (whose gradient is zero) to a multiple of the
-        number of ranks, so every rank runs as many forward passes (FSDP's collectives need it)."""
-        short = -len(rows) % self.world
-        chosen = set(rows)
-        extra = [r for r in range(size) if r not in chosen][:short]
-        return sorted(rows + extra)
-
-    def _shares(self, batch: StepBatch, ranks_rows: list[list[int]], skip: Any
-                ) -> tuple[list[MiniBatchShare], list[list[int]], float]:
-        """Each rank's share of one mini-batch (`ranks_rows`: rows of `batch` per rank) with the
-        normalisers of the whole mini-batch, the rows of `batch` each share holds, and the
-        fraction of rows skipped. `skip(mini)` names the rows of the mini-batch to compute
-        (None: all, each rank its own rows in verl's order); the kept rows are then re-split
-        over the ranks, which changes no number where rows may be skipped (global normalisers)."""
-        union = [r for rows in ranks_rows for r in rows]
-        mini = batch.select(union)
-        tokens, seqs = core_algos.loss_normalizers(mini.response_mask)
-        if skip is None:
-            parts, at = [], 0
-            for rows in ranks_rows:
-                parts.append(list(range(at, at + len(rows))))
-                at += len(rows)
-        else:
-            kept = self._fill_to_ranks(skip(mini), len(mini))
-            parts = [[kept[i] for i in part] for part in self._split(mini.select(kept))]
-        shares = [MiniBatchShare(mini.select(part).tensors_only(), tokens, seqs) for part in parts]
-        return shares, [[union[i] for i in part] for part in parts], 1.0 - sum(map(len, parts)) / len(union)
-
-    def _rank_minis(self, batch: StepBatch, mini_size: int, shuffle: bool, epochs: int, salt: int,
-                    skip: Any = None) -> tuple[list[tuple[Any, ...]], list[float], list[list[int]]]:
-        """Per rank: for each epoch, its share of every mini-batch; the fraction of rows skipped
-        in each mini-batch; and the rows of `batch` each rank holds in the last mini-batch, in
-        its order (what the entropy the update measures belongs to)."""
-        per_rank: list[list[list[MiniBatchShare]]] = [[] for _ in range(self.world)]
-        skipped: list[float] = []
-        rows_of: list[list[int]] = [[] for _ in range(self.world)]
-        for epoch in range(epochs):
-            shares_of_minis = []
-            for ranks_rows in self._mini_batches(batch, mini_size, shuffle, salt + epoch):
-                shares, rows_of, frac = self._shares(batch, ranks_rows, skip)
-                skipped.append(frac)
-                shares_of_minis.append(shares)
-            for rank in range(self.world):
-                per_rank[rank].append([shares[rank] for shares in shares_of_minis])
-        return [(epochs_of_rank,) for epochs_of_rank in per_rank], skipped, rows_of
-
-    def _merge(self, results: list[dict[str, Any]], prefix: str) -> dict[str, float]:
-        """Rank metrics merged: every value is the mean over ranks and mini-batches (loss shares
-        average to the whole mini-batch's loss because each is scaled by the world size)."""
-        keys = {k for r in results for k in r["metrics"]}
-        merged = {k: float(np.mean([v for r in results for v in r["metrics"].get(k, [])])) for k in keys}
-        self._note(f"{prefix}_s", [r["seconds"] for r in results])
-        self._note(f"{prefix}_tokens", [r["tokens"] for r in results])
-        return merged
+        """Rows of `mini` whose loss has a gradient (:func:`trainer.stages.update.rows_to_update`)."""
+        return update.rows_to_update(mini)
 
     def update_critic(self, batch: StepBatch) -> dict[str, float]:
         assert self.critic_group is not None
-        c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
-        args, _, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
-                                   int(c.ppo_epochs or 1), 100)
-        results = self.critic_group.run_each("update_critic", args)
-        metrics = self._merge(results, "update_critic")
-        metrics["perf/mfu/critic"] = self._mfu(batch, results, int(c.ppo_epochs or 1))
-        return metrics
+        return update.update_critic(batch, self.critic_group, self.cfg, self._batcher(), self._note)
 
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
-        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
-        # The old log-probs come from this update and the rollout gave no entropies: measure them here.
-        keep_entropy = batch.old_log_probs is None and batch.entropy is None
-        args, skipped, rows_of = self._rank_minis(
-            batch, a.ppo_mini_batch_size * n, a.shuffle, a.ppo_epochs, 0,
-            skip=None if self._keeps_every_row(keep_entropy) else lambda mini: self._rows_to_update(mini))
-        results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
-        metrics = self._merge(results, "update_actor")
-        metrics["perf/mfu/actor"] = self._mfu(batch, results, a.ppo_epochs)
-        metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
-        if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
-            metrics["actor/entropy"] = self._entropy_metric(
-                torch.cat([r["entropy"] for r in results]), batch.response_mask[sum(rows_of, [])])
-        return metrics
-
-    def _mfu(self, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
-        """verl's `perf/mfu/<role>`: the model FLOPs of `epochs` passes over every row of the
-        batch in each rank's update time, per rank, over its device's promised FLOP/s; the mean
-        over ranks."""
-        seqlens = batch.attention_mask.sum(-1).long().tolist()
-        return float(np.mean([mfu(r["flops_fields"], seqlens, r["seconds"], r["device_name"],
-                                  epochs=epochs, world_size=self.world) for r in results]))
+        every_row = self._keeps_every_row(update.measures_entropy(batch))
+        return update.update_actor(batch, self.actor_group, self.cfg, self._batcher(), self._note,
+                                   skip=None if every_row else lambda mini: self._rows_to_update(mini))
 
     def sync_weights(self) -> None:
         """Give every rank's rollout engine the actor's current weights (nothing to do where

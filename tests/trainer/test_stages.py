@@ -11,7 +11,9 @@ from trainer.algos import core_algos
 from trainer.batch import StepBatch
 from trainer.config import load_config
 from trainer.data import Example
+from trainer.stages import logprobs, update
 from trainer.stages.advantage import compute_advantages
+from trainer.stages.logprobs import split_batch
 from trainer.stages.reward import score_rollouts
 
 
@@ -107,3 +109,131 @@ def test_advantage_kl_in_reward_subtracts_the_penalty_and_updates_the_controller
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.5)  # token mean per row, then row mean
     assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
     assert kl.value != pytest.approx(0.2)  # adaptive: moved toward the target
+
+
+# ------------------------------------------------------------------------ log-probs
+
+
+class RowGroup:
+    """A worker group of `world_size` ranks (the process seam): each rank answers for the rows it
+    is given, the log-prob of a token being minus its id and the entropy its id / 10, so a row
+    reassembled in the wrong place shows."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.calls = world_size, []  # type: ignore[var-annotated]
+
+    def run_each(self, method: str, per_rank: list[tuple[StepBatch]]) -> list[dict[str, Any]]:
+        self.calls.append((method, [len(args[0]) for args in per_rank]))
+        out = []
+        for (part,) in per_rank:
+            assert part.examples == [] and part.uids == []  # workers get tensors only
+            tokens = part.responses.float()
+            out.append({"log_probs": -tokens, "values": tokens, "entropy": tokens / 10, "seconds": 0.5})
+        return out
+
+
+def test_log_probs_are_computed_on_every_rank_s_rows_and_reassembled_in_row_order() -> None:
+    batch = _batch([1, 2, 3, 4, 2])
+    batch.input_ids[:, 2:] += torch.arange(5)[:, None] * 100  # row r's tokens: 100 r + 10..
+    group, noted = RowGroup(2), {}
+    note = lambda name, per_rank: noted.setdefault(name, per_rank)[0]  # noqa: E731
+    parts = split_batch(batch, 2, balance=False)
+    assert parts == [[0, 1, 2], [3, 4]]
+    metrics = logprobs.old_log_probs(batch, group, parts, "token-mean", note)
+    assert torch.equal(batch.old_log_probs, -batch.responses.float())  # type: ignore[arg-type]
+    expected = core_algos.agg_loss(batch.responses.float() / 10, batch.response_mask, "token-mean").item()
+    assert metrics == {"actor/entropy": pytest.approx(expected)}
+    logprobs.ref_log_probs(batch, group, split_batch(batch, 2, balance=True), note)
+    assert torch.equal(batch.ref_log_probs, -batch.responses.float())  # type: ignore[arg-type]
+    logprobs.values(batch, group, parts, note)
+    assert torch.equal(batch.values, batch.responses.float())  # type: ignore[arg-type]
+    assert group.calls == [("compute_log_probs", [3, 2]), ("compute_ref_log_probs", [3, 2]),
+                           ("compute_values", [3, 2])]
+    assert noted == {"old_log_prob_s": [0.5, 0.5], "ref_s": [0.5, 0.5], "values_s": [0.5, 0.5]}
+
+
+def test_the_update_supplies_the_old_log_probs_only_for_one_on_policy_step() -> None:
+    one = ["actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.train_batch_size=2",
+           "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo"]
+    batch = _batch([1, 1, 1, 1])
+    assert logprobs.reuses_update_log_probs(load_config(one), batch)
+    assert not logprobs.reuses_update_log_probs(load_config([*one, "actor_rollout_ref.actor.ppo_epochs=2"]), batch)
+    assert not logprobs.reuses_update_log_probs(load_config([*one, "algorithm.use_kl_in_reward=true"]), batch)
+    assert not logprobs.reuses_update_log_probs(load_config([*one, "data.train_batch_size=4"]), _batch([1] * 8))
+    batch.rollout_log_probs = torch.zeros(4, 4)  # rollout.calculate_log_probs: compared with a recomputation
+    assert not logprobs.reuses_update_log_probs(load_config(one), batch)
+
+
+# ------------------------------------------------------------------------ update
+
+
+def _batcher(world: int, model_engine: bool = False, step: int = 1) -> update.MiniBatcher:
+    return update.MiniBatcher(world, lambda b: split_batch(b, world, balance=False), seed=5, step=step,
+                              model_engine=model_engine)
+
+
+def test_mini_batches_are_verls_per_rank_cuts_and_shuffle_acts_only_under_the_model_engine() -> None:
+    batch = _batch([1] * 8)
+    assert _batcher(2).mini_batches(batch, 4, shuffle=True, salt=0) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    shuffled = _batcher(2, model_engine=True).mini_batches(batch, 4, shuffle=True, salt=0)
+    assert sorted(sum(sum(shuffled, []), [])) == list(range(8)) and shuffled != [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert all(set(sum(mini[0:1], [])) <= {0, 1, 2, 3} for mini in shuffled)  # each rank keeps its rows
+    assert shuffled == _batcher(2, model_engine=True).mini_batches(batch, 4, shuffle=True, salt=0)
+    assert shuffled != _batcher(2, model_engine=True, step=2).mini_batches(batch, 4, shuffle=True, salt=0)
+
+
+def test_shares_carry_the_whole_mini_batch_s_normalisers_and_skipped_rows_are_re_split() -> None:
+    batch = _batch([1, 2, 3, 4])
+    batch.advantages = torch.zeros(4, 4)
+    batch.advantages[2, 0] = 1.0  # only row 2 has a gradient
+    batcher = _batcher(2)
+    shares, rows, frac = batcher.shares(batch, [[0, 1], [2, 3]], None)
+    assert rows == [[0, 1], [2, 3]] and frac == 0.0
+    assert [(s.num_tokens, s.num_seqs) for s in shares] == [(10.0, 4.0), (10.0, 4.0)]
+    shares, rows, frac = batcher.shares(batch, [[0, 1], [2, 3]], update.rows_to_update)
+    assert rows == [[0], [2]] and frac == 0.5  # row 2 and a filler so both ranks run a pass
+    assert [(s.num_tokens, s.num_seqs) for s in shares] == [(10.0, 4.0), (10.0, 4.0)]
+    assert batcher.fill_to_ranks([1], 4) == [0, 1] and batcher.fill_to_ranks([0, 3], 4) == [0, 3]
+
+
+class UpdateGroup:
+    """A worker group (the process seam) that records what each rank's update receives."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.received = world_size, []  # type: ignore[var-annotated]
+
+    def run_each(self, method: str, per_rank: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+        self.received.append((method, per_rank))
+        return [{"metrics": {f"{method}/loss": [float(rank), float(rank) + 2]}, "seconds": 0.0, "tokens": 7,
+                 "flops_fields": None, "device_name": "cpu", "entropy": torch.ones(len(args[0][0][0].batch), 4)}
+                for rank, args in enumerate(per_rank)]
+
+
+def test_actor_update_gives_each_rank_its_share_of_every_mini_batch_per_epoch() -> None:
+    cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_epochs=2"])
+    batch = _batch([1, 2, 3, 4, 1, 2, 3, 4], uids=[0, 0, 1, 1, 2, 2, 3, 3])
+    batch.advantages, batch.old_log_probs = torch.ones(8, 4), torch.zeros(8, 4)
+    group, noted = UpdateGroup(2), {}
+    metrics = update.update_actor(batch, group, cfg, _batcher(2), lambda k, v: noted.setdefault(k, v)[0], skip=None)
+    [(method, per_rank)] = group.received
+    assert method == "update_actor" and len(per_rank) == 2
+    for rank, (epochs, keep_entropy) in enumerate(per_rank):
+        assert keep_entropy is False and len(epochs) == 2 and all(len(minis) == 2 for minis in epochs)
+        first = torch.cat([share.batch.input_ids for share in epochs[0]])
+        assert torch.equal(first, batch.input_ids[[0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7]])
+    assert metrics["update_actor/loss"] == pytest.approx(1.5)  # the mean over ranks and mini-batches
+    assert metrics["actor/skipped_row_frac"] == 0.0 and "actor/entropy" not in metrics
+    assert noted == {"update_actor_s": [0.0, 0.0], "update_actor_tokens": [7, 7]}
+
+
+def test_the_update_measures_entropy_when_the_old_log_probs_came_from_it() -> None:
+    cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+    batch = _batch([1, 2, 3, 4], uids=[0, 0, 1, 1])
+    batch.advantages = torch.ones(4, 4)
+    assert update.measures_entropy(batch) and update.keeps_every_row(cfg, True)
+    metrics = update.update_actor(batch, UpdateGroup(1), cfg, _batcher(1), lambda k, v: 0.0, skip=None)
+    assert metrics["actor/entropy"] == pytest.approx(1.0)
+    batch.entropy = torch.zeros(4, 4)  # the rollout's entropies stand in
+    assert not update.measures_entropy(batch)
