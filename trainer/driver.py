@@ -29,7 +29,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
 from trainer.checkpoint.layout import read_manifest
 from trainer.config import Config, ConfigError, config_to_dict, dump_config
-from trainer.data import Example, PromptDataset, PromptLoader, batches
+from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import (
@@ -55,14 +54,13 @@ from trainer.metrics import (
     rollout_probs_diff,
     throughput_metrics,
     timing_metrics,
-    validation_metrics,
 )
-from trainer.parallel import split_rows
-from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stages import logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
 from trainer.stages.reward import load_reward, score_rollouts
+from trainer.stages.rollout import Rollout
+from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
@@ -71,8 +69,6 @@ from trainer.workers.ray_group import connect, make_placement_group, start_coloc
 
 __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
-#: `trainer.log_val_generations` samples, one JSON object per line, in `trainer.run_dir`.
-VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
 
 def use_ray(cfg: Config) -> bool:
@@ -171,8 +167,7 @@ class PPODriver:
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
-        rollout = cfg.actor_rollout_ref.rollout
-        self.rollout_tp = rollout.tensor_model_parallel_size
+        self.rollout = Rollout(cfg, self.actor_group, self.tokenizer.pad_token_id)
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")
@@ -210,46 +205,11 @@ class PPODriver:
             self.rank_metrics[f"dp/rank_{rank}/{phase}"] = float(value)
         return max(per_rank) if per_rank else 0.0
 
-    def _sampling(self, validate: bool) -> SamplingParams:
-        r = self.cfg.actor_rollout_ref.rollout
-        src: Any = r.val_kwargs if validate else r
-        return SamplingParams(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k,
-                              max_response_length=self.cfg.data.max_response_length,
-                              do_sample=src.do_sample)
-
     # ------------------------------------------------------------------------------ phases
 
     def generate(self, examples: list[Example], validate: bool = False, greedy: bool = False) -> StepBatch:
-        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part;
-        `greedy`: one greedy response per prompt (ReMax's baseline)."""
-        ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
-        tp = self.rollout_tp  # the ranks of one engine get the same prompts and seed
-        parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
-        salt = 2000 if validate else 3000 if greedy else 1000
-        sampling = self._sampling(validate)
-        if greedy:
-            sampling = replace(sampling, n=1, do_sample=False)
-        args = [(ids[p], mask[p], sampling,
-                 step_seed(self.cfg.trainer.seed, self.global_step, salt + rank // tp)) for rank, p in enumerate(parts)]
-        results = self.actor_group.run_each("generate", args)
-        outs: list[RolloutBatch] = []
-        for rank, (part, (out, _info)) in enumerate(zip(parts, results, strict=True)):
-            if out is not None and rank % tp == 0:  # one answer per engine
-                out.prompt_index = out.prompt_index + part[0]
-                outs.append(out)
-        if not validate and not greedy:
-            self._note("gen_rows", [len(p) for p in parts])
-            self._note("gen_tokens", [info["gen_tokens"] for _, info in results])
-            self._note("gen_s", [info["gen"] for _, info in results])
-        rows = torch.cat([o.prompt_index for o in outs]).tolist()  # prompts share one padded width
-        entropy = [o.entropy for o in outs]
-        keep = self.cfg.actor_rollout_ref.rollout.calculate_log_probs and not validate
-        return StepBatch(examples=[examples[i] for i in rows], uids=rows,
-                         rollout_log_probs=torch.cat([o.log_probs for o in outs]) if keep else None,
-                         input_ids=torch.cat([o.input_ids for o in outs]),
-                         attention_mask=torch.cat([o.attention_mask for o in outs]),
-                         response_mask=torch.cat([o.response_mask for o in outs]).float(),
-                         entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
+        """The rollout stage (:class:`trainer.stages.rollout.Rollout`) at this step."""
+        return self.rollout.generate(examples, self.global_step, self._note, validate=validate, greedy=greedy)
 
     def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
         """The reward stage (:func:`trainer.stages.reward.score_rollouts`)."""
@@ -324,58 +284,16 @@ class PPODriver:
 
     # ------------------------------------------------------------------------------ validation
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Generate `val_kwargs.n` responses per validation prompt with `val_kwargs` (greedy by
-        default) and report verl's validation metrics (:func:`trainer.metrics.validation_metrics`:
-        the core number, `acc` or else the reward, under `val-core`, the rest under `val-aux`)."""
+        """The validation stage (:func:`trainer.stages.validate.validate`); the generations it
+        keeps are logged."""
         assert self.val_set is not None
-        sources: list[str] = []
-        uids: list[int] = []
-        columns: dict[str, list[Any]] = {"reward": []}
-        samples: list[dict[str, Any]] = []
-        offset = 0
-        for examples in batches(self.val_set, self.cfg.data.val_batch_size):
-            batch = self.generate(examples, validate=True)
-            self.compute_rewards(batch)
-            scores = need(batch.sequence_scores, "scores").tolist()
-            before = len(sources)
-            sources += [e.data_source for e in batch.examples]
-            uids += [offset + u for u in batch.uids]  # a prompt's n responses share its uid
-            offset += len(examples)
-            for name, values in {"reward": scores, **batch.reward_extras}.items():
-                columns.setdefault(name, [None] * before).extend(values)
-            for values in columns.values():  # a column this batch's rewards lacked: blanks
-                values.extend([None] * (len(sources) - len(values)))
-            samples += self._generations(batch, scores, self.cfg.trainer.log_val_generations - len(samples))
+        metrics, samples = validate(
+            self.val_set, self.cfg.data.val_batch_size, lambda examples: self.generate(examples, validate=True),
+            self.compute_rewards, self.tokenizer, self.global_step, self.cfg.trainer.log_val_generations)
         if samples:
-            self._log_generations(samples)
-        complete = {k: v for k, v in columns.items() if all(x is not None for x in v)}
-        return validation_metrics(sources, uids, complete)
-
-    def _generations(self, batch: StepBatch, scores: list[float], count: int) -> list[dict[str, Any]]:
-        """The first `count` rows of a validation batch as text (`trainer.log_val_generations`):
-        the validation set's order is fixed, so every validation shows the same prompts."""
-        rows = []
-        prompt_len = batch.input_ids.shape[1] - batch.response_length
-        for i in range(min(max(count, 0), len(batch))):
-            prompt = batch.input_ids[i, :prompt_len][batch.attention_mask[i, :prompt_len].bool()]
-            response = batch.responses[i][batch.response_mask[i].bool()]
-            rows.append({"step": self.global_step, "data_source": batch.examples[i].data_source,
-                         "input": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
-                         "output": self.tokenizer.decode(response.tolist(), skip_special_tokens=True),
-                         "score": scores[i]})
-        return rows
-
-    def _log_generations(self, samples: list[dict[str, Any]]) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / VAL_GENERATIONS_FILE, "a") as fh:
-            for row in samples:
-                fh.write(json.dumps(row) + "\n")
-        if "console" in self.cfg.trainer.logger:
-            for row in samples:
-                print(f"val generation (step {row['step']}, score {row['score']:.3f}): "
-                      f"{row['input']!r} -> {row['output']!r}", flush=True)
+            log_generations(self.run_dir, samples, "console" in self.cfg.trainer.logger)
+        return metrics
 
     # ------------------------------------------------------------------------------ one step
 

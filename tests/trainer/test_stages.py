@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from trainer.algos import core_algos
 from trainer.batch import StepBatch
 from trainer.config import load_config
-from trainer.data import Example
+from trainer.data import Example, PromptDataset
 from trainer.stages import logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import split_batch
 from trainer.stages.reward import score_rollouts
+from trainer.stages.rollout import Rollout, sampling_params
+from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
 
 
 class WordTokenizer:
@@ -237,3 +244,91 @@ def test_the_update_measures_entropy_when_the_old_log_probs_came_from_it() -> No
     assert metrics["actor/entropy"] == pytest.approx(1.0)
     batch.entropy = torch.zeros(4, 4)  # the rollout's entropies stand in
     assert not update.measures_entropy(batch)
+
+
+# ------------------------------------------------------------------------ rollout
+
+
+class EngineGroup:
+    """An actor group (the process seam) whose engines answer each prompt with `n` responses of
+    one token: the prompt's last id + 100 + the sample number, so the rows show their prompt."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.calls = world_size, []  # type: ignore[var-annotated]
+
+    def run_each(self, method: str, per_rank: list[tuple[Any, ...]]) -> list[tuple[Any, dict[str, float]]]:
+        from trainer.rollout.base import RolloutBatch
+
+        out = []
+        for ids, mask, sampling, seed in per_rank:
+            self.calls.append((ids[:, -1].tolist(), sampling.n, sampling.do_sample, seed))
+            rows = ids.repeat_interleave(sampling.n, dim=0)
+            resp = (rows[:, -1:] + 100 + torch.arange(sampling.n).repeat(len(ids))[:, None]).long()
+            out.append((RolloutBatch(prompt_ids=rows, prompt_mask=mask.repeat_interleave(sampling.n, dim=0),
+                                     response_ids=resp, response_mask=torch.ones_like(resp),
+                                     log_probs=torch.full(resp.shape, -0.5),
+                                     prompt_index=torch.arange(len(ids)).repeat_interleave(sampling.n)),
+                        {"gen_tokens": float(resp.numel()), "gen": 0.25}))
+        return out
+
+
+def test_rollout_splits_prompts_over_engines_and_keeps_rows_prompt_major() -> None:
+    cfg = load_config(["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                       "trainer.nnodes=1", "trainer.n_gpus_per_node=4", "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.train_batch_size=4",
+                       "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    examples = [replace(_example(i), prompt_ids=[1] * (i % 2) + [5 + i]) for i in range(4)]
+    group, noted = EngineGroup(4), {}
+    batch = Rollout(cfg, group, pad_token_id=0).generate(examples, 3, lambda k, v: noted.setdefault(k, v)[0])
+    # two engines of two ranks: ranks 0-1 get prompts 0-1 with one seed, ranks 2-3 prompts 2-3
+    assert [c[0] for c in group.calls] == [[5, 6], [5, 6], [7, 8], [7, 8]]
+    seeds = [c[3] for c in group.calls]
+    assert seeds[0] == seeds[1] != seeds[2] == seeds[3]
+    assert batch.uids == [0, 0, 1, 1, 2, 2, 3, 3] and [e.index for e in batch.examples] == batch.uids
+    assert batch.responses[:, 0].tolist() == [105, 106, 106, 107, 107, 108, 108, 109]
+    assert batch.input_ids.shape[1] == 3 and batch.rollout_log_probs is not None  # prompts share one width
+    assert noted == {"gen_rows": [2, 2, 2, 2], "gen_tokens": [4.0] * 4, "gen_s": [0.25] * 4}
+    greedy = Rollout(cfg, group, 0).generate(examples, 3, lambda k, v: 0.0, greedy=True)
+    assert group.calls[-1][1:3] == (1, False) and greedy.uids == [0, 1, 2, 3]
+    assert group.calls[-1][3] != seeds[2]  # its own seed
+    val = Rollout(cfg, group, 0).generate(examples, 3, lambda k, v: 0.0, validate=True)
+    assert group.calls[-1][1:3] == (1, False) and val.rollout_log_probs is None  # val_kwargs: greedy, n=1
+    assert sampling_params(cfg, validate=False).n == 2
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def test_validation_scores_every_prompt_and_keeps_the_first_generations(tmp_path: Path) -> None:
+    data = tmp_path / "val.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "toy", "prompt": [{"role": "user", "content": f"q{i}"}],
+         "reward_model": {"ground_truth": str(i)}} for i in range(3)]), data)
+
+    class Chat(WordTokenizer):
+        def apply_chat_template(self, messages: Any, **_: Any) -> str:
+            return messages[0]["content"]
+
+        def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+            return {"input_ids": [int(text[1:])]}
+
+    val_set = PromptDataset([data], Chat(), max_prompt_length=4)
+    cfg = load_config([])
+
+    def generate(examples: list[Example]) -> StepBatch:  # the rollout seam: response = the prompt id
+        batch = _batch([1] * len(examples))
+        batch.examples = examples
+        batch.input_ids[:, 2] = torch.tensor([e.prompt_ids[0] for e in examples])
+        return batch
+
+    def score(batch: StepBatch) -> dict[str, float]:
+        return score_rollouts(batch, WordTokenizer(), lambda solution_str, ground_truth, **_:
+                              float(solution_str == f"w{ground_truth}"), cfg.reward_model, 4)
+
+    metrics, samples = validate(val_set, 2, generate, score, WordTokenizer(), step=7, log_count=2)
+    assert metrics["val-core/toy/reward/mean@1"] == 1.0
+    assert [(s["step"], s["input"], s["output"], s["score"]) for s in samples] == [
+        (7, "w1 w1", "w0", 1.0), (7, "w1 w1", "w1", 1.0)]
+    log_generations(tmp_path, samples, console=False)
+    assert [json.loads(line)["output"] for line in (tmp_path / VAL_GENERATIONS_FILE).read_text().splitlines()] == [
+        "w0", "w1"]
