@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from trainer import models as M
@@ -40,26 +36,23 @@ from trainer import startup
 from trainer.algos import core_algos, registry
 from trainer.batch import StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
-from trainer.checkpoint import sharded
-from trainer.checkpoint.layout import read_manifest
-from trainer.config import Config, ConfigError, config_to_dict, dump_config
+from trainer.config import Config, config_to_dict, dump_config
 from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import (
     METRICS_FILE,
     MetricsLogger,
-    data_metrics,
     last_step,
     rollout_probs_diff,
-    throughput_metrics,
-    timing_metrics,
 )
-from trainer.stages import logprobs, update
+from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
+from trainer.stages.metrics import Timer, memory_metrics, step_metrics
 from trainer.stages.reward import load_reward, score_rollouts
 from trainer.stages.rollout import Rollout
+from trainer.stages.sync import sync_weights
 from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
@@ -94,23 +87,6 @@ def fetch_models(cfg: Config) -> None:
     for key, path in paths.items():
         if path:
             M.resolve_model_path(path, key)
-
-
-class Timer:
-    """Collects `timing_s/<phase>` durations for one step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
-    return {k: float(np.mean(v)) for k, v in collected.items() if v}
 
 
 def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
@@ -278,9 +254,8 @@ class PPODriver:
                                    skip=None if every_row else lambda mini: self._rows_to_update(mini))
 
     def sync_weights(self) -> None:
-        """Give every rank's rollout engine the actor's current weights (nothing to do where
-        the engine generates with the actor itself)."""
-        self._note("update_weights_s", self.actor_group.run("sync_rollout_weights"))
+        """The sync stage (:func:`trainer.stages.sync.sync_weights`)."""
+        sync_weights(self.actor_group, self._note)
 
     # ------------------------------------------------------------------------------ validation
 
@@ -341,19 +316,8 @@ class PPODriver:
         return metrics
 
     def _step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
-        """Data, timing, throughput and progress metrics of the step (verl names)."""
-        metrics = data_metrics(
-            sequence_score=need(batch.sequence_scores, "scores"),
-            sequence_reward=need(batch.token_rewards, "token_rewards").sum(-1),
-            advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
-            values=batch.values, response_mask=batch.response_mask,
-            prompt_mask=batch.attention_mask[:, :-batch.response_length],
-            max_response_length=self.cfg.data.max_response_length,
-            max_prompt_length=self.cfg.data.max_prompt_length)
-        response_tokens = float(batch.response_mask.sum())
-        metrics.update(timing_metrics(timer.seconds, response_tokens=response_tokens,
-                                      all_tokens=float(batch.attention_mask.sum())))
-        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], self.world))
+        """The metrics stage's step metrics, the ranks' figures and the run's progress."""
+        metrics = step_metrics(batch, timer.seconds, self.cfg.data, self.world)
         metrics.update(self.rank_metrics)
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
                         "training/total_steps": self.total_steps, "training/restart": launcher_restart()})
@@ -378,14 +342,8 @@ class PPODriver:
         return metrics
 
     def memory_metrics(self) -> dict[str, float]:
-        """The peak device memory of the step and of each phase (:mod:`trainer.phases`), the
-        largest over the ranks of every worker group (verl's `perf/max_memory_*_gb`)."""
-        merged: dict[str, float] = {}
-        for group in self._groups():
-            for per_rank in group.run("memory_metrics"):
-                for key, value in per_rank.items():
-                    merged[key] = max(merged.get(key, 0.0), value)
-        return merged
+        """Peak device memory over every group's ranks (:func:`trainer.stages.metrics.memory_metrics`)."""
+        return memory_metrics(self._groups())
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -397,52 +355,21 @@ class PPODriver:
         return self._run
 
     def save_checkpoint(self) -> Path:
-        """`<default_local_dir>/global_step_N/`: every rank of each group writes its shards into
-        the temporary directory, the driver adds the loop state and the config, then commits. A
-        failed write removes the temporary directory (the previous checkpoint stays the newest)
-        and, when the storage is out of room, says where and how much is needed."""
-        tmp = None
-        try:
-            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step, run=self.run)
-            for group in self._groups():
-                group.run("save_checkpoint", str(tmp))
-            ckpt.write_states(tmp, {"trainer_state": self._trainer_state()})
-            return ckpt.commit_checkpoint(
-                self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
-                metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
-                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep, run=self.run)
-        except BaseException as exc:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, sharded.CheckpointWriteError):  # a group's own, with its exact size
-                raise
-            error = sharded.out_of_space_error(exc, tmp or self.ckpt_root, self._previous_checkpoint_bytes())
-            if error is not None:
-                raise error from exc
-            raise
+        """`<default_local_dir>/global_step_N/` (:func:`trainer.stages.checkpoint.save`)."""
+        return checkpoint.save(
+            self.ckpt_root, self.global_step, self.run, self._groups(), self._trainer_state(),
+            files={"config.yaml": dump_config(self.cfg)},
+            metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
+            keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
 
     def _trainer_state(self) -> dict[str, Any]:
         """What the driver owns: step, data position, KL controller, RNG (small, world-size free)."""
         return {"global_step": self.global_step, "loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(), "world_size": self.world}
 
-    def _previous_checkpoint_bytes(self) -> int | None:
-        """The size of the newest complete checkpoint: what the next one needs, about."""
-        newest = ckpt.latest_run_checkpoint(self.ckpt_root, self.run)
-        manifest = read_manifest(newest) if newest is not None else None
-        return None if manifest is None else sum(int(n) for n in manifest["files"].values())
-
     def load_checkpoint(self, path: Path) -> int | str:
         """Load a checkpoint written on any number of ranks; returns that number."""
-        sharded.require_group_state(path, "actor")  # refuses the gathered format of old runs
-        if self.critic_group is not None and not sharded.has_group_state(path, "critic"):
-            raise ConfigError(
-                f"checkpoint `{path}` has no critic but `algorithm.adv_estimator="
-                f"{self.cfg.algorithm.adv_estimator}` needs one; resume with the estimator the run "
-                "started with, or `trainer.resume_mode=disable`")
-        for group in self._groups():
-            group.run("load_checkpoint", str(path))
-        state = ckpt.load_state(path, "trainer_state")
+        state = checkpoint.load(path, self.actor_group, self.critic_group, self.cfg.algorithm.adv_estimator)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -14,13 +14,15 @@ import torch
 
 from trainer.algos import core_algos
 from trainer.batch import StepBatch
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.data import Example, PromptDataset
-from trainer.stages import logprobs, update
+from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import split_batch
+from trainer.stages.metrics import Timer, memory_metrics, step_metrics
 from trainer.stages.reward import score_rollouts
 from trainer.stages.rollout import Rollout, sampling_params
+from trainer.stages.sync import sync_weights
 from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
 
 
@@ -332,3 +334,94 @@ def test_validation_scores_every_prompt_and_keeps_the_first_generations(tmp_path
     log_generations(tmp_path, samples, console=False)
     assert [json.loads(line)["output"] for line in (tmp_path / VAL_GENERATIONS_FILE).read_text().splitlines()] == [
         "w0", "w1"]
+
+
+# ------------------------------------------------------------------------ sync, metrics
+
+
+class RunGroup:
+    """A worker group (the process seam) whose every rank answers `answers[method]`."""
+
+    def __init__(self, name: str, answers: dict[str, list[Any]]) -> None:
+        self.name, self.answers, self.calls = name, answers, []  # type: ignore[var-annotated]
+        self.world_size = len(next(iter(answers.values()), [None]))
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        self.calls.append((method, args))
+        return self.answers[method]
+
+
+def test_sync_notes_each_rank_s_seconds() -> None:
+    group, noted = RunGroup("actor", {"sync_rollout_weights": [0.5, 0.25]}), {}
+    sync_weights(group, lambda k, v: noted.setdefault(k, v)[0])  # type: ignore[arg-type]
+    assert group.calls == [("sync_rollout_weights", ())] and noted == {"update_weights_s": [0.5, 0.25]}
+
+
+def test_step_metrics_and_the_largest_memory_over_every_rank() -> None:
+    batch = _batch([1, 3])
+    batch.sequence_scores = torch.tensor([1.0, 0.0])
+    batch.token_rewards = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
+    batch.advantages, batch.returns = torch.ones(2, 4), torch.ones(2, 4)
+    timer = Timer()
+    with timer.phase("step"), timer.phase("gen"):
+        pass
+    metrics = step_metrics(batch, {**timer.seconds, "step": 2.0}, load_config([]).data, world=2)
+    assert metrics["critic/score/mean"] == 0.5 and metrics["response_length/mean"] == 2.0
+    assert metrics["perf/total_num_tokens"] == 8 and metrics["perf/throughput"] == 2.0  # 8 tokens / 2 s / 2 ranks
+    assert "timing_s/gen" in metrics
+    groups = [RunGroup("actor", {"memory_metrics": [{"perf/max_memory_allocated_gb": 1.0}, {"perf/max_memory_allocated_gb": 3.0}]}),
+              RunGroup("critic", {"memory_metrics": [{"perf/max_memory_allocated_gb": 2.0, "x": 1.0}]})]
+    assert memory_metrics(groups) == {"perf/max_memory_allocated_gb": 3.0, "x": 1.0}  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------ checkpoint
+
+
+class ShardGroup:
+    """A worker group (the process seam) of one rank holding a small model, saved and loaded as
+    a worker saves its group's shards."""
+
+    def __init__(self, name: str, fail: BaseException | None = None) -> None:
+        self.name, self.world_size, self.fail, self.loaded = name, 1, fail, []  # type: ignore[var-annotated]
+        self.model = torch.nn.Linear(2, 2)
+        self.optim = torch.optim.AdamW(self.model.parameters())
+
+    def run(self, method: str, path: str) -> list[Any]:
+        from trainer.checkpoint import sharded
+
+        if method == "save_checkpoint":
+            if self.fail is not None:
+                raise self.fail
+            return [sharded.save_group_state(Path(path) / self.name, self.model, self.optim)]
+        self.loaded.append(path)
+        return [None]
+
+
+def test_checkpoint_saves_every_group_and_the_loop_state_and_loads_them_back(tmp_path: Path) -> None:
+    from trainer.checkpoint import full_state as ckpt
+
+    run = ckpt.run_identity(tmp_path / "run")
+    actor, critic = ShardGroup("actor"), ShardGroup("critic")
+    state = {"global_step": 3, "loader": {"epoch": 0}}
+    path = checkpoint.save(tmp_path / "ckpt", 3, run, [actor, critic], state, {"config.yaml": "a: 1\n"},
+                           {"global_step": 3}, keep_last=None)
+    assert path.name == "global_step_3" and (path / "config.yaml").read_text() == "a: 1\n"
+    assert checkpoint.previous_checkpoint_bytes(tmp_path / "ckpt", run)
+    loaded = checkpoint.load(path, actor, critic, "gae")
+    assert loaded["global_step"] == 3 and actor.loaded == [str(path)] == critic.loaded
+    without_critic = checkpoint.save(tmp_path / "ckpt", 4, run, [actor], state, {}, {}, keep_last=None)
+    with pytest.raises(ConfigError, match="has no critic but `algorithm.adv_estimator=gae` needs one"):
+        checkpoint.load(without_critic, actor, critic, "gae")
+
+
+def test_a_failed_checkpoint_leaves_the_previous_one_the_newest(tmp_path: Path) -> None:
+    from trainer.checkpoint import full_state as ckpt
+
+    run = ckpt.run_identity(tmp_path / "run")
+    first = checkpoint.save(tmp_path / "ckpt", 1, run, [ShardGroup("actor")], {}, {}, {}, keep_last=None)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        checkpoint.save(tmp_path / "ckpt", 2, run, [ShardGroup("actor", RuntimeError("disk gone"))], {}, {}, {},
+                        keep_last=None)
+    assert ckpt.latest_run_checkpoint(tmp_path / "ckpt", run) == first
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("global_step")) == [
+        "global_step_1"]
