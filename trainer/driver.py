@@ -1,11 +1,12 @@
 """The PPO driver: one loop for one rank in this process or many ranks on Ray.
 
-The driver keeps the loop, the data, the rewards, the advantages and the algorithm state; the
-models live in worker groups (:mod:`trainer.workers`): actor + reference + rollout, and the
-critic when the estimator needs one. A group is one rank in this process
-(:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray actor per
-rank across the nodes (:class:`~trainer.workers.ray_group.RayWorkerGroup`); the loop is the same.
-It reads top to bottom, one method per phase:
+The driver keeps the loop and its state (the step, the data position, the KL controller, the
+stop request); each stage of a step is a unit of its own in :mod:`trainer.stages`, which the
+driver only orders. The models live in worker groups (:mod:`trainer.workers`): actor +
+reference + rollout, and the critic when the estimator needs one. A group is one rank in this
+process (:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray
+actor per rank across the nodes (:class:`~trainer.workers.ray_group.RayWorkerGroup`); the loop
+is the same. It reads top to bottom:
 `resume -> for step: rollout -> reward -> old/ref log-probs, values -> advantages -> critic update
 -> actor update -> weight sync -> metrics -> maybe validate -> maybe checkpoint -> stop if asked`.
 
@@ -50,7 +51,7 @@ from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
 from trainer.stages.metrics import Timer, memory_metrics, step_metrics
-from trainer.stages.reward import load_reward, score_rollouts
+from trainer.stages.reward import load_reward, score_rollouts, set_reward_baselines
 from trainer.stages.rollout import Rollout
 from trainer.stages.sync import sync_weights
 from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
@@ -202,8 +203,7 @@ class PPODriver:
         every row of that prompt."""
         greedy = self.generate(examples, greedy=True)
         self.compute_rewards(greedy)
-        score_of = dict(zip(greedy.uids, need(greedy.sequence_scores, "scores").tolist(), strict=True))
-        batch.reward_baselines = torch.tensor([score_of[uid] for uid in batch.uids], dtype=torch.float32)
+        set_reward_baselines(batch, greedy)
 
     def reuses_update_log_probs(self, batch: StepBatch) -> bool:
         """Whether the actor update supplies the old log-probs itself

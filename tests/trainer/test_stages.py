@@ -20,7 +20,7 @@ from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import split_batch
 from trainer.stages.metrics import Timer, memory_metrics, step_metrics
-from trainer.stages.reward import score_rollouts
+from trainer.stages.reward import score_rollouts, set_reward_baselines
 from trainer.stages.rollout import Rollout, sampling_params
 from trainer.stages.sync import sync_weights
 from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
@@ -425,3 +425,10 @@ def test_a_failed_checkpoint_leaves_the_previous_one_the_newest(tmp_path: Path) 
     assert ckpt.latest_run_checkpoint(tmp_path / "ckpt", run) == first
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("global_step")) == [
         "global_step_1"]
+
+
+def test_remax_baseline_is_the_greedy_score_of_each_row_s_prompt() -> None:
+    batch, greedy = _batch([1] * 4, uids=[0, 0, 1, 1]), _batch([1, 1], uids=[1, 0])
+    greedy.sequence_scores = torch.tensor([0.25, 0.75])
+    set_reward_baselines(batch, greedy)
+    assert batch.reward_baselines.tolist() == [0.75, 0.75, 0.25, 0.25]  # type: ignore[union-attr]

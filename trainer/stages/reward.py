@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from trainer.algos import core_algos
-from trainer.batch import StepBatch
+from trainer.batch import StepBatch, need
 from trainer.config import Config, RewardModelConfig
 from trainer.rewards import (
     BATCH_ARGS,
@@ -21,7 +21,7 @@ from trainer.rewards import (
     score_responses,
 )
 
-__all__ = ["load_reward", "score_rollouts"]
+__all__ = ["load_reward", "score_rollouts", "set_reward_baselines"]
 
 
 def load_reward(cfg: Config) -> Callable[..., Any]:
@@ -62,3 +62,10 @@ def score_rollouts(batch: StepBatch, tokenizer: Any, reward_fn: Callable[..., An
     batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
     return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
             if not any(isinstance(x, str) for x in v)}
+
+
+def set_reward_baselines(batch: StepBatch, greedy: StepBatch) -> None:
+    """ReMax's baseline (verl ray_trainer `gen_max`): the score of each prompt's greedy response
+    (`greedy`, scored) is the baseline of every row of `batch` answering that prompt."""
+    score_of = dict(zip(greedy.uids, need(greedy.sequence_scores, "scores").tolist(), strict=True))
+    batch.reward_baselines = torch.tensor([score_of[uid] for uid in batch.uids], dtype=torch.float32)
