@@ -19,6 +19,7 @@ from hpcrl.rundir import reading_env, trainer_dirs
 from trainer import hub
 from trainer.algos import registry
 from trainer.config import ConfigError, check_overrides, load_defaults, override_values
+from trainer.data import AGENT_LOOP_COLUMNS, agent_loop_file_refusal
 
 GIB = 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -184,6 +185,10 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
                 problems.append(f"`{key}`: `{path}` cannot be read as parquet ({exc}). Fix: "
                                 "write it with `python -m trainer.preprocess`")
                 continue
+            if columns is not None and any(c in columns for c in AGENT_LOOP_COLUMNS):
+                refusal = agent_loop_file_refusal(path)
+                if refusal is not None:
+                    problems.append(f"`{key}`: {refusal}")
             missing = [c for c in needed if columns is not None and c not in columns]
             if missing and columns is not None:
                 problems.append(

@@ -1,4 +1,5 @@
-"""`python -m trainer [--print-config | --list-keys] KEY=VALUE ...`: the PPO trainer's entry.
+"""`python -m trainer [--print-config | --list-keys] [--config-path DIR --config-name FILE] KEY=VALUE ...`:
+the PPO trainer's entry.
 
 Exit status: 0 when training finished, 2 for bad configuration or input (fix and rerun),
 3 (`REQUEUE_EXIT_CODE`) when a stop was requested and a checkpoint written (requeue me),
@@ -25,7 +26,14 @@ if _STARTUP_STOP is not None:
     _STARTUP_STOP.install()
 
 from trainer.checkpoint.layout import CheckpointOwnerError, CheckpointPermissionError  # noqa: E402
-from trainer.config import ConfigError, compat_notes, describe_keys, dump_config, load_config  # noqa: E402
+from trainer.config import (  # noqa: E402
+    ConfigError,
+    compat_notes,
+    describe_keys,
+    dump_config,
+    file_overrides,
+    load_config,
+)
 from trainer.data import DataError  # noqa: E402
 from trainer.deadline import DeadlineError  # noqa: E402
 from trainer.driver import run_training  # noqa: E402
@@ -63,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device-memory", type=float, default=80.0, metavar="GIB",
                         help="with --plan-memory: memory of one device in GiB (default 80)")
+    parser.add_argument("--config-path", "-cp", metavar="DIR",
+                        help="as verl's Hydra entry: the directory of the `--config-name` file")
+    parser.add_argument("--config-name", "-cn", metavar="FILE",
+                        help="as verl's Hydra entry: a YAML file of keys set over verl's `ppo_trainer` "
+                        "(its `defaults: [ppo_trainer, _self_]`); the KEY=VALUE overrides apply over it")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return parser
 
@@ -98,11 +111,12 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
             print(f"{key}  ({type_name})\n    {help_text}")
         return 0
     try:
-        cfg = load_config(args.overrides)
+        overrides = [*file_overrides(args.config_path, args.config_name, args.overrides), *args.overrides]
+        cfg = load_config(overrides)
     except ConfigError as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    for line in compat_notes(args.overrides, cfg):
+    for line in compat_notes(overrides, cfg):
         print(f"python -m trainer: note: {line}", file=sys.stderr)
     if args.print_config:
         print(dump_config(cfg), end="")

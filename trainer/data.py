@@ -5,6 +5,10 @@ A row holds `data_source` (selects the reward function; another column with
 `data.reward_fn_key`), `prompt` (a chat: list of
 `{"role", "content"}`), `ability`, `reward_model` (`{"style", "ground_truth"}`) and
 `extra_info` (free-form).
+
+Rows made for verl's agent loops (an `agent_name` other than the single-turn default, or
+`extra_info.tools_kwargs` / `extra_info.interaction_kwargs`) are refused: the rollout here is
+single-turn, and training them single-turn would not be what they were made for.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from trainer.config.rollout import SINGLE_TURN_AGENT
 
 Truncation = Literal["error", "left", "right", "middle"]
 
@@ -43,9 +49,67 @@ class Example:
         return self.reward_model.get("ground_truth")
 
 
+#: verl's per-row arguments of its tool agent loop, under `extra_info` (verl's `RLHFDataset`
+#: hands them to the agent loop as `tools_kwargs` and `interaction_kwargs`).
+AGENT_LOOP_EXTRA = ("tools_kwargs", "interaction_kwargs")
+#: The columns `agent_loop_refusal` reads.
+AGENT_LOOP_COLUMNS = ("agent_name", "extra_info")
+
+
+def _given(value: Any) -> bool:
+    """Whether a parquet cell holds something (a struct column gives None, or a dict of Nones,
+    for a row that lacks the entry other rows have)."""
+    if isinstance(value, dict):
+        return any(_given(v) for v in value.values())
+    return value not in (None, "", [])
+
+
+def agent_loop_use(row: Mapping[str, Any]) -> str | None:
+    """What a data row asks of verl's agent loops (`agent_name=tool_agent`, `extra_info.tools_kwargs`),
+    or None for a single-turn row. verl picks each row's loop by `agent_name`, default
+    `single_turn_agent` (`rollout.agent.default_agent_loop`)."""
+    agent = row.get("agent_name")
+    if agent is not None and agent != SINGLE_TURN_AGENT:
+        return f"`agent_name={agent}`"
+    extra = row.get("extra_info")
+    for key in AGENT_LOOP_EXTRA:
+        if isinstance(extra, Mapping) and _given(extra.get(key)):
+            return f"`extra_info.{key}`"
+    return None
+
+
+def agent_loop_refusal(rows: Sequence[Mapping[str, Any]], path: str | Path) -> str | None:
+    """The refusal of the agent-loop rows among `rows` of the parquet file `path`, or None when
+    every row is single-turn. One message for the trainer's load and the launcher's preflight."""
+    uses = [(i, use) for i, use in enumerate(agent_loop_use(r) for r in rows) if use is not None]
+    if not uses:
+        return None
+    first, what = uses[0]
+    return (f"`{path}`: {len(uses)} of {len(rows)} rows (the first: row {first}, {what}) are made for "
+            "verl's agent loops (multi-turn rollout with tools or interactions), which this trainer "
+            "does not have yet: its rollout is single-turn (verl's `single_turn_agent`), and these rows "
+            "would be trained single-turn without their tools. Fix: train on single-turn data (e.g. "
+            "`python -m trainer.preprocess gsm8k`, or verl's `examples/data_preprocess/gsm8k.py`), or "
+            "drop the `agent_name` column and `extra_info.tools_kwargs`/`interaction_kwargs` to train "
+            "these prompts single-turn")
+
+
+def agent_loop_file_refusal(path: str | Path) -> str | None:
+    """`agent_loop_refusal` of a parquet file, reading only the columns it needs (the launcher's
+    preflight)."""
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    columns = [c for c in AGENT_LOOP_COLUMNS if c in names]
+    if not columns:
+        return None
+    return agent_loop_refusal(pq.read_table(path, columns=columns).to_pylist(), path)
+
+
 def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt",
               reward_fn_key: str = "data_source") -> list[dict[str, Any]]:
-    """All rows of the parquet `files`, in order; fail naming a missing file or column."""
+    """All rows of the parquet `files`, in order; fail naming a missing file or column, or rows
+    made for verl's agent loops (`agent_loop_refusal`)."""
     import pyarrow.parquet as pq
 
     rows: list[dict[str, Any]] = []
@@ -65,7 +129,11 @@ def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt",
                 f"`{path}` lacks column(s) {', '.join(f'`{c}`' for c in missing)}; verl's format "
                 f"needs {', '.join(f'`{c}`' for c in required)} (has: {', '.join(table.column_names)})"
             )
-        rows.extend(table.to_pylist())
+        found = table.to_pylist()
+        refusal = agent_loop_refusal(found, path)
+        if refusal is not None:
+            raise DataError(refusal)
+        rows.extend(found)
     return rows
 
 

@@ -1,11 +1,12 @@
 """The PPO driver: one loop for one rank in this process or many ranks on Ray.
 
-The driver keeps the loop, the data, the rewards, the advantages and the algorithm state; the
-models live in worker groups (:mod:`trainer.workers`): actor + reference + rollout, and the
-critic when the estimator needs one. A group is one rank in this process
-(:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray actor per
-rank across the nodes (:class:`~trainer.workers.ray_group.RayWorkerGroup`); the loop is the same.
-It reads top to bottom, one method per phase:
+The driver keeps the loop and its state (the step, the data position, the KL controller, the
+stop request); each stage of a step is a unit of its own in :mod:`trainer.stages`, which the
+driver only orders. The models live in worker groups (:mod:`trainer.workers`): actor +
+reference + rollout, and the critic when the estimator needs one. A group is one rank in this
+process (:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray
+actor per rank across the nodes (:class:`~trainer.workers.ray_group.RayWorkerGroup`); the loop
+is the same. It reads top to bottom:
 `resume -> for step: rollout -> reward -> old/ref log-probs, values -> advantages -> critic update
 -> actor update -> weight sync -> metrics -> maybe validate -> maybe checkpoint -> stop if asked`.
 
@@ -24,50 +25,36 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from trainer import models as M
 from trainer import startup
 from trainer.algos import core_algos, registry
-from trainer.batch import MiniBatchShare, StepBatch, need, seed_everything, step_seed
+from trainer.batch import StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
-from trainer.checkpoint import sharded
-from trainer.checkpoint.layout import read_manifest
-from trainer.config import Config, ConfigError, config_to_dict, dump_config
-from trainer.data import Example, PromptDataset, PromptLoader, batches
+from trainer.config import Config, config_to_dict, dump_config
+from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import (
     METRICS_FILE,
     MetricsLogger,
-    data_metrics,
     last_step,
-    mfu,
     rollout_probs_diff,
-    throughput_metrics,
-    timing_metrics,
-    validation_metrics,
 )
-from trainer.parallel import balanced_split, rank_mini_batches, split_rows
-from trainer.rewards import (
-    BATCH_ARGS,
-    PER_RESPONSE_ARGS,
-    load_reward_fn,
-    overlong_penalty,
-    score_batch,
-    score_responses,
-)
-from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.stages import checkpoint, logprobs, update
+from trainer.stages.advantage import compute_advantages
+from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
+from trainer.stages.metrics import Timer, memory_metrics, step_metrics
+from trainer.stages.reward import load_reward, score_rollouts, set_reward_baselines
+from trainer.stages.rollout import Rollout
+from trainer.stages.sync import sync_weights
+from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
@@ -76,8 +63,6 @@ from trainer.workers.ray_group import connect, make_placement_group, start_coloc
 
 __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
-#: `trainer.log_val_generations` samples, one JSON object per line, in `trainer.run_dir`.
-VAL_GENERATIONS_FILE = "val_generations.jsonl"
 
 
 def use_ray(cfg: Config) -> bool:
@@ -103,23 +88,6 @@ def fetch_models(cfg: Config) -> None:
     for key, path in paths.items():
         if path:
             M.resolve_model_path(path, key)
-
-
-class Timer:
-    """Collects `timing_s/<phase>` durations for one step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
-    return {k: float(np.mean(v)) for k, v in collected.items() if v}
 
 
 def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
@@ -161,12 +129,7 @@ class PPODriver:
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         fetch_models(cfg)
-        rm = cfg.reward_model
-        batch_manager = rm.reward_manager == "batch"
-        self.reward_fn = load_reward_fn(
-            cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-            cfg.custom_reward_function.reward_kwargs,
-            keywords=[*BATCH_ARGS, *rm.reward_kwargs] if batch_manager else PER_RESPONSE_ARGS)
+        self.reward_fn = load_reward(cfg)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         tokenizer_path, tokenizer_trust = cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
@@ -181,8 +144,7 @@ class PPODriver:
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
-        rollout = cfg.actor_rollout_ref.rollout
-        self.rollout_tp = rollout.tensor_model_parallel_size
+        self.rollout = Rollout(cfg, self.actor_group, self.tokenizer.pad_token_id)
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")
@@ -220,95 +182,20 @@ class PPODriver:
             self.rank_metrics[f"dp/rank_{rank}/{phase}"] = float(value)
         return max(per_rank) if per_rank else 0.0
 
-    def _sampling(self, validate: bool) -> SamplingParams:
-        r = self.cfg.actor_rollout_ref.rollout
-        src: Any = r.val_kwargs if validate else r
-        return SamplingParams(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k,
-                              max_response_length=self.cfg.data.max_response_length,
-                              do_sample=src.do_sample)
-
     # ------------------------------------------------------------------------------ phases
 
     def generate(self, examples: list[Example], validate: bool = False, greedy: bool = False) -> StepBatch:
-        """Rollout: `n` responses per prompt, rows prompt-major, each rank answering its part;
-        `greedy`: one greedy response per prompt (ReMax's baseline)."""
-        ids, mask = M.left_pad([e.prompt_ids for e in examples], self.tokenizer.pad_token_id)
-        tp = self.rollout_tp  # the ranks of one engine get the same prompts and seed
-        parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
-        salt = 2000 if validate else 3000 if greedy else 1000
-        sampling = self._sampling(validate)
-        if greedy:
-            sampling = replace(sampling, n=1, do_sample=False)
-        args = [(ids[p], mask[p], sampling,
-                 step_seed(self.cfg.trainer.seed, self.global_step, salt + rank // tp)) for rank, p in enumerate(parts)]
-        results = self.actor_group.run_each("generate", args)
-        outs: list[RolloutBatch] = []
-        for rank, (part, (out, _info)) in enumerate(zip(parts, results, strict=True)):
-            if out is not None and rank % tp == 0:  # one answer per engine
-                out.prompt_index = out.prompt_index + part[0]
-                outs.append(out)
-        if not validate and not greedy:
-            self._note("gen_rows", [len(p) for p in parts])
-            self._note("gen_tokens", [info["gen_tokens"] for _, info in results])
-            self._note("gen_s", [info["gen"] for _, info in results])
-        rows = torch.cat([o.prompt_index for o in outs]).tolist()  # prompts share one padded width
-        entropy = [o.entropy for o in outs]
-        keep = self.cfg.actor_rollout_ref.rollout.calculate_log_probs and not validate
-        return StepBatch(examples=[examples[i] for i in rows], uids=rows,
-                         rollout_log_probs=torch.cat([o.log_probs for o in outs]) if keep else None,
-                         input_ids=torch.cat([o.input_ids for o in outs]),
-                         attention_mask=torch.cat([o.attention_mask for o in outs]),
-                         response_mask=torch.cat([o.response_mask for o in outs]).float(),
-                         entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
+        """The rollout stage (:class:`trainer.stages.rollout.Rollout`) at this step."""
+        return self.rollout.generate(examples, self.global_step, self._note, validate=validate, greedy=greedy)
 
     def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
-        """Decode responses, score each with its data source's function, place the score on
-        the last response token."""
-        lengths = batch.response_mask.sum(-1).long().tolist()
-        texts = [str(self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
-                 for row, n in zip(batch.responses, lengths, strict=True)]
-        rm = self.cfg.reward_model
-        args = (self.reward_fn, [e.data_source for e in batch.examples], texts,
-                [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
-        if rm.reward_manager == "batch":
-            scores, extras = score_batch(*args, rm.reward_kwargs)
-        else:
-            scores, extras = score_responses(*args)
-        if rm.reward_manager == "dapo":
-            if not extras:  # verl's dapo reports a plain score as the accuracy
-                extras["acc"] = list(scores)
-            buffer = rm.overlong_buffer
-            if buffer.enable:
-                max_len = rm.reward_kwargs.get("max_resp_len", self.cfg.data.max_response_length)
-                penalties = overlong_penalty(lengths, max_len, buffer.len, buffer.penalty_factor)
-                scores = [s + p for s, p in zip(scores, penalties, strict=True)]
-                if buffer.log:
-                    extras["overlong_reward"] = penalties
-                    extras["overlong"] = [float(p < 0) for p in penalties]
-        batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
-        batch.reward_extras = extras
-        batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
-        return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
-                if not any(isinstance(x, str) for x in v)}
+        """The reward stage (:func:`trainer.stages.reward.score_rollouts`)."""
+        return score_rollouts(batch, self.tokenizer, self.reward_fn, self.cfg.reward_model,
+                              self.cfg.data.max_response_length)
 
     def _split(self, batch: StepBatch) -> list[list[int]]:
-        """Rows of each rank: contiguous, or with `trainer.balance_batch` equal counts of similar
-        token totals (the maths does not depend on the split, only the load does)."""
-        if self.cfg.trainer.balance_batch:
-            return balanced_split(batch.attention_mask.sum(-1).long().tolist(), self.world)
-        return split_rows(len(batch), self.world)
-
-    def _on_ranks(self, group: WorkerGroup, method: str, batch: StepBatch, key: str, phase: str
-                  ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        """`method` on every rank's rows of `batch`; its `key` output reassembled in row order."""
-        parts = self._split(batch)
-        results = group.run_each(method, [(batch.select(p).tensors_only(),) for p in parts])
-        self._note(f"{phase}_s", [r["seconds"] for r in results])
-        out = torch.zeros_like(batch.response_mask)
-        for part, res in zip(parts, results, strict=True):
-            if part:
-                out[part] = res[key]
-        return out, results
+        """Rows of each rank (:func:`trainer.stages.logprobs.split_batch`)."""
+        return split_batch(batch, self.world, self.cfg.trainer.balance_batch)
 
     def compute_reward_baselines(self, examples: list[Example], batch: StepBatch) -> None:
         """ReMax's baseline (verl ray_trainer `gen_max`): each prompt's greedy response, generated
@@ -316,249 +203,72 @@ class PPODriver:
         every row of that prompt."""
         greedy = self.generate(examples, greedy=True)
         self.compute_rewards(greedy)
-        score_of = dict(zip(greedy.uids, need(greedy.sequence_scores, "scores").tolist(), strict=True))
-        batch.reward_baselines = torch.tensor([score_of[uid] for uid in batch.uids], dtype=torch.float32)
+        set_reward_baselines(batch, greedy)
 
     def reuses_update_log_probs(self, batch: StepBatch) -> bool:
-        """Whether the actor update supplies the old log-probs itself, skipping their forward pass.
-
-        When the update is one optimiser step over the whole batch (one PPO epoch, one
-        mini-batch) and nothing needs the old log-probs before it (no KL in the reward), every
-        micro-batch's forward runs with the weights the old log-probs would be recomputed with:
-        the old log-probs are that forward's log-probs, detached (the ratio is exactly 1, the
-        on-policy case). With dropout the recomputation would run without it; here it does not.
-        """
-        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
-        return (a.ppo_epochs == 1 and len(batch) <= a.ppo_mini_batch_size * n
-                and not self.cfg.algorithm.use_kl_in_reward and batch.rollout_log_probs is None)
+        """Whether the actor update supplies the old log-probs itself
+        (:func:`trainer.stages.logprobs.reuses_update_log_probs`)."""
+        return reuses_update_log_probs(self.cfg, batch)
 
     def _entropy_metric(self, entropy: torch.Tensor, response_mask: torch.Tensor) -> float:
-        mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
-        return float(core_algos.agg_loss(entropy, response_mask, mode).item())
+        return entropy_metric(entropy, response_mask, self.cfg.actor_rollout_ref.actor.loss_agg_mode)
 
     def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
-        batch.old_log_probs, results = self._on_ranks(self.actor_group, "compute_log_probs", batch,
-                                                      "log_probs", "old_log_prob")
-        batch.entropy = torch.zeros_like(batch.response_mask)
-        for part, res in zip(self._split(batch), results, strict=True):
-            if part:
-                batch.entropy[part] = res["entropy"]
-        return {"actor/entropy": self._entropy_metric(batch.entropy, batch.response_mask)}
+        return logprobs.old_log_probs(batch, self.actor_group, self._split(batch),
+                                      self.cfg.actor_rollout_ref.actor.loss_agg_mode, self._note)
 
     def compute_ref_log_probs(self, batch: StepBatch) -> None:
-        batch.ref_log_probs, _ = self._on_ranks(self.actor_group, "compute_ref_log_probs", batch,
-                                                "log_probs", "ref")
+        logprobs.ref_log_probs(batch, self.actor_group, self._split(batch), self._note)
 
     def compute_values(self, batch: StepBatch) -> None:
         assert self.critic_group is not None
-        batch.values, _ = self._on_ranks(self.critic_group, "compute_values", batch, "values", "values")
+        logprobs.values(batch, self.critic_group, self._split(batch), self._note)
 
     def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
-        """KL in the reward (when asked), then the configured advantage estimator."""
-        algo, metrics = self.cfg.algorithm, {}
-        assert batch.token_scores is not None
-        batch.token_rewards = batch.token_scores
-        if algo.use_kl_in_reward:
-            batch.token_rewards, current_kl = core_algos.apply_kl_penalty(
-                batch.token_scores, need(batch.old_log_probs, "old_log_probs"),
-                need(batch.ref_log_probs, "ref_log_probs"), batch.response_mask,
-                self.kl_ctrl.value, algo.kl_penalty)
-            metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
-            self.kl_ctrl.update(current_kl, len(batch))
-        batch.advantages, batch.returns = core_algos.compute_advantage(
-            algo.adv_estimator, batch.token_rewards, batch.response_mask, values=batch.values,
-            index=batch.uids, gamma=algo.gamma, lam=algo.lam,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
-        return metrics
+        """The advantage stage (:func:`trainer.stages.advantage.compute_advantages`)."""
+        return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl)
 
     # ------------------------------------------------------------------------------ updates
 
-    def _mini_batches(self, batch: StepBatch, mini_size: int, shuffle: bool, salt: int) -> list[list[list[int]]]:
-        """Rows of every mini-batch, per rank, as verl forms them: the batch is first split over
-        the ranks (:meth:`_split`, each rank's rows in its order), then each rank's rows are cut
-        into local mini-batches (:func:`~trainer.parallel.rank_mini_batches`). Which rows share
-        a mini-batch, a rank and a micro-batch changes the update under verl's per-micro-batch
-        means, so this order is verl's. `shuffle` acts only under verl's model
-        engine (`trainer.use_legacy_worker_impl=disable`, where verl's loader shuffles each rank's
-        rows): there each rank's rows are permuted (this trainer's seeded permutation, not the
-        one torch's sampler draws in verl); verl's default worker ignores it, and so does this."""
-        per_rank = self._split(batch)
-        local = max(mini_size // self.world, 1)
-        if shuffle and self.cfg.trainer.use_legacy_worker_impl == "disable":
-            gen = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, self.global_step, salt))
-            per_rank = [[rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()] for rows in per_rank]
-        return rank_mini_batches(per_rank, local)
+    def _batcher(self) -> update.MiniBatcher:
+        t = self.cfg.trainer
+        return update.MiniBatcher(self.world, self._split, t.seed, self.global_step,
+                                  model_engine=t.use_legacy_worker_impl == "disable")
 
     def _keeps_every_row(self, keep_entropy: bool) -> bool:
-        """Whether the actor update computes every row in verl's places (see :meth:`_rows_to_update`)."""
-        a = self.cfg.actor_rollout_ref.actor
-        micro_means = self.cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
-        return keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means
+        """Whether the actor update computes every row (:func:`trainer.stages.update.keeps_every_row`)."""
+        return update.keeps_every_row(self.cfg, keep_entropy)
 
     @staticmethod
     def _rows_to_update(mini: StepBatch) -> list[int]:
-        """Rows of `mini` whose loss has a gradient; the others skip their forward and backward passes.
-
-        With neither an entropy bonus nor a KL loss, a row whose advantages are all zero (a GRPO
-        group whose samples scored alike) adds exactly zero to the policy gradient, and under
-        `trainer.use_legacy_worker_impl=disable` the loss normalisers (from the whole mini-batch)
-        still count it. verl's default worker divides by each micro-batch's own counts, which a
-        skipped row (or a row moved to another micro-batch) would change: there every row is
-        kept where verl computes it (:meth:`_keeps_every_row`). Every row is kept too when the
-        update must supply the entropy metric.
-        """
-        advantages = need(mini.advantages, "advantages") * mini.response_mask
-        return torch.nonzero((advantages != 0).any(dim=-1)).flatten().tolist()
-
-    def _fill_to_ranks(self, rows: list[int], size: int) -> list[int]:
-        """`rows` topped up with skipped rows (whose gradient is zero) to a multiple of the
-        number of ranks, so every rank runs as many forward passes (FSDP's collectives need it)."""
-        short = -len(rows) % self.world
-        chosen = set(rows)
-        extra = [r for r in range(size) if r not in chosen][:short]
-        return sorted(rows + extra)
-
-    def _shares(self, batch: StepBatch, ranks_rows: list[list[int]], skip: Any
-                ) -> tuple[list[MiniBatchShare], list[list[int]], float]:
-        """Each rank's share of one mini-batch (`ranks_rows`: rows of `batch` per rank) with the
-        normalisers of the whole mini-batch, the rows of `batch` each share holds, and the
-        fraction of rows skipped. `skip(mini)` names the rows of the mini-batch to compute
-        (None: all, each rank its own rows in verl's order); the kept rows are then re-split
-        over the ranks, which changes no number where rows may be skipped (global normalisers)."""
-        union = [r for rows in ranks_rows for r in rows]
-        mini = batch.select(union)
-        tokens, seqs = core_algos.loss_normalizers(mini.response_mask)
-        if skip is None:
-            parts, at = [], 0
-            for rows in ranks_rows:
-                parts.append(list(range(at, at + len(rows))))
-                at += len(rows)
-        else:
-            kept = self._fill_to_ranks(skip(mini), len(mini))
-            parts = [[kept[i] for i in part] for part in self._split(mini.select(kept))]
-        shares = [MiniBatchShare(mini.select(part).tensors_only(), tokens, seqs) for part in parts]
-        return shares, [[union[i] for i in part] for part in parts], 1.0 - sum(map(len, parts)) / len(union)
-
-    def _rank_minis(self, batch: StepBatch, mini_size: int, shuffle: bool, epochs: int, salt: int,
-                    skip: Any = None) -> tuple[list[tuple[Any, ...]], list[float], list[list[int]]]:
-        """Per rank: for each epoch, its share of every mini-batch; the fraction of rows skipped
-        in each mini-batch; and the rows of `batch` each rank holds in the last mini-batch, in
-        its order (what the entropy the update measures belongs to)."""
-        per_rank: list[list[list[MiniBatchShare]]] = [[] for _ in range(self.world)]
-        skipped: list[float] = []
-        rows_of: list[list[int]] = [[] for _ in range(self.world)]
-        for epoch in range(epochs):
-            shares_of_minis = []
-            for ranks_rows in self._mini_batches(batch, mini_size, shuffle, salt + epoch):
-                shares, rows_of, frac = self._shares(batch, ranks_rows, skip)
-                skipped.append(frac)
-                shares_of_minis.append(shares)
-            for rank in range(self.world):
-                per_rank[rank].append([shares[rank] for shares in shares_of_minis])
-        return [(epochs_of_rank,) for epochs_of_rank in per_rank], skipped, rows_of
-
-    def _merge(self, results: list[dict[str, Any]], prefix: str) -> dict[str, float]:
-        """Rank metrics merged: every value is the mean over ranks and mini-batches (loss shares
-        average to the whole mini-batch's loss because each is scaled by the world size)."""
-        keys = {k for r in results for k in r["metrics"]}
-        merged = {k: float(np.mean([v for r in results for v in r["metrics"].get(k, [])])) for k in keys}
-        self._note(f"{prefix}_s", [r["seconds"] for r in results])
-        self._note(f"{prefix}_tokens", [r["tokens"] for r in results])
-        return merged
+        """Rows of `mini` whose loss has a gradient (:func:`trainer.stages.update.rows_to_update`)."""
+        return update.rows_to_update(mini)
 
     def update_critic(self, batch: StepBatch) -> dict[str, float]:
         assert self.critic_group is not None
-        c, n = self.cfg.critic, self.cfg.actor_rollout_ref.rollout.n
-        args, _, _ = self._rank_minis(batch, int(c.ppo_mini_batch_size or 1) * n, bool(c.shuffle),
-                                   int(c.ppo_epochs or 1), 100)
-        results = self.critic_group.run_each("update_critic", args)
-        metrics = self._merge(results, "update_critic")
-        metrics["perf/mfu/critic"] = self._mfu(batch, results, int(c.ppo_epochs or 1))
-        return metrics
+        return update.update_critic(batch, self.critic_group, self.cfg, self._batcher(), self._note)
 
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
-        a, n = self.cfg.actor_rollout_ref.actor, self.cfg.actor_rollout_ref.rollout.n
-        # The old log-probs come from this update and the rollout gave no entropies: measure them here.
-        keep_entropy = batch.old_log_probs is None and batch.entropy is None
-        args, skipped, rows_of = self._rank_minis(
-            batch, a.ppo_mini_batch_size * n, a.shuffle, a.ppo_epochs, 0,
-            skip=None if self._keeps_every_row(keep_entropy) else lambda mini: self._rows_to_update(mini))
-        results = self.actor_group.run_each("update_actor", [(*arg, keep_entropy) for arg in args])
-        metrics = self._merge(results, "update_actor")
-        metrics["perf/mfu/actor"] = self._mfu(batch, results, a.ppo_epochs)
-        metrics["actor/skipped_row_frac"] = float(np.mean(skipped))
-        if keep_entropy:  # one mini-batch, every row kept: each rank's rows in its split order
-            metrics["actor/entropy"] = self._entropy_metric(
-                torch.cat([r["entropy"] for r in results]), batch.response_mask[sum(rows_of, [])])
-        return metrics
-
-    def _mfu(self, batch: StepBatch, results: list[dict[str, Any]], epochs: int) -> float:
-        """verl's `perf/mfu/<role>`: the model FLOPs of `epochs` passes over every row of the
-        batch in each rank's update time, per rank, over its device's promised FLOP/s; the mean
-        over ranks."""
-        seqlens = batch.attention_mask.sum(-1).long().tolist()
-        return float(np.mean([mfu(r["flops_fields"], seqlens, r["seconds"], r["device_name"],
-                                  epochs=epochs, world_size=self.world) for r in results]))
+        every_row = self._keeps_every_row(update.measures_entropy(batch))
+        return update.update_actor(batch, self.actor_group, self.cfg, self._batcher(), self._note,
+                                   skip=None if every_row else lambda mini: self._rows_to_update(mini))
 
     def sync_weights(self) -> None:
-        """Give every rank's rollout engine the actor's current weights (nothing to do where
-        the engine generates with the actor itself)."""
-        self._note("update_weights_s", self.actor_group.run("sync_rollout_weights"))
+        """The sync stage (:func:`trainer.stages.sync.sync_weights`)."""
+        sync_weights(self.actor_group, self._note)
 
     # ------------------------------------------------------------------------------ validation
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Generate `val_kwargs.n` responses per validation prompt with `val_kwargs` (greedy by
-        default) and report verl's validation metrics (:func:`trainer.metrics.validation_metrics`:
-        the core number, `acc` or else the reward, under `val-core`, the rest under `val-aux`)."""
+        """The validation stage (:func:`trainer.stages.validate.validate`); the generations it
+        keeps are logged."""
         assert self.val_set is not None
-        sources: list[str] = []
-        uids: list[int] = []
-        columns: dict[str, list[Any]] = {"reward": []}
-        samples: list[dict[str, Any]] = []
-        offset = 0
-        for examples in batches(self.val_set, self.cfg.data.val_batch_size):
-            batch = self.generate(examples, validate=True)
-            self.compute_rewards(batch)
-            scores = need(batch.sequence_scores, "scores").tolist()
-            before = len(sources)
-            sources += [e.data_source for e in batch.examples]
-            uids += [offset + u for u in batch.uids]  # a prompt's n responses share its uid
-            offset += len(examples)
-            for name, values in {"reward": scores, **batch.reward_extras}.items():
-                columns.setdefault(name, [None] * before).extend(values)
-            for values in columns.values():  # a column this batch's rewards lacked: blanks
-                values.extend([None] * (len(sources) - len(values)))
-            samples += self._generations(batch, scores, self.cfg.trainer.log_val_generations - len(samples))
+        metrics, samples = validate(
+            self.val_set, self.cfg.data.val_batch_size, lambda examples: self.generate(examples, validate=True),
+            self.compute_rewards, self.tokenizer, self.global_step, self.cfg.trainer.log_val_generations)
         if samples:
-            self._log_generations(samples)
-        complete = {k: v for k, v in columns.items() if all(x is not None for x in v)}
-        return validation_metrics(sources, uids, complete)
-
-    def _generations(self, batch: StepBatch, scores: list[float], count: int) -> list[dict[str, Any]]:
-        """The first `count` rows of a validation batch as text (`trainer.log_val_generations`):
-        the validation set's order is fixed, so every validation shows the same prompts."""
-        rows = []
-        prompt_len = batch.input_ids.shape[1] - batch.response_length
-        for i in range(min(max(count, 0), len(batch))):
-            prompt = batch.input_ids[i, :prompt_len][batch.attention_mask[i, :prompt_len].bool()]
-            response = batch.responses[i][batch.response_mask[i].bool()]
-            rows.append({"step": self.global_step, "data_source": batch.examples[i].data_source,
-                         "input": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
-                         "output": self.tokenizer.decode(response.tolist(), skip_special_tokens=True),
-                         "score": scores[i]})
-        return rows
-
-    def _log_generations(self, samples: list[dict[str, Any]]) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / VAL_GENERATIONS_FILE, "a") as fh:
-            for row in samples:
-                fh.write(json.dumps(row) + "\n")
-        if "console" in self.cfg.trainer.logger:
-            for row in samples:
-                print(f"val generation (step {row['step']}, score {row['score']:.3f}): "
-                      f"{row['input']!r} -> {row['output']!r}", flush=True)
+            log_generations(self.run_dir, samples, "console" in self.cfg.trainer.logger)
+        return metrics
 
     # ------------------------------------------------------------------------------ one step
 
@@ -606,19 +316,8 @@ class PPODriver:
         return metrics
 
     def _step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
-        """Data, timing, throughput and progress metrics of the step (verl names)."""
-        metrics = data_metrics(
-            sequence_score=need(batch.sequence_scores, "scores"),
-            sequence_reward=need(batch.token_rewards, "token_rewards").sum(-1),
-            advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
-            values=batch.values, response_mask=batch.response_mask,
-            prompt_mask=batch.attention_mask[:, :-batch.response_length],
-            max_response_length=self.cfg.data.max_response_length,
-            max_prompt_length=self.cfg.data.max_prompt_length)
-        response_tokens = float(batch.response_mask.sum())
-        metrics.update(timing_metrics(timer.seconds, response_tokens=response_tokens,
-                                      all_tokens=float(batch.attention_mask.sum())))
-        metrics.update(throughput_metrics(int(batch.attention_mask.sum()), timer.seconds["step"], self.world))
+        """The metrics stage's step metrics, the ranks' figures and the run's progress."""
+        metrics = step_metrics(batch, timer.seconds, self.cfg.data, self.world)
         metrics.update(self.rank_metrics)
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
                         "training/total_steps": self.total_steps, "training/restart": launcher_restart()})
@@ -643,14 +342,8 @@ class PPODriver:
         return metrics
 
     def memory_metrics(self) -> dict[str, float]:
-        """The peak device memory of the step and of each phase (:mod:`trainer.phases`), the
-        largest over the ranks of every worker group (verl's `perf/max_memory_*_gb`)."""
-        merged: dict[str, float] = {}
-        for group in self._groups():
-            for per_rank in group.run("memory_metrics"):
-                for key, value in per_rank.items():
-                    merged[key] = max(merged.get(key, 0.0), value)
-        return merged
+        """Peak device memory over every group's ranks (:func:`trainer.stages.metrics.memory_metrics`)."""
+        return memory_metrics(self._groups())
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -662,52 +355,21 @@ class PPODriver:
         return self._run
 
     def save_checkpoint(self) -> Path:
-        """`<default_local_dir>/global_step_N/`: every rank of each group writes its shards into
-        the temporary directory, the driver adds the loop state and the config, then commits. A
-        failed write removes the temporary directory (the previous checkpoint stays the newest)
-        and, when the storage is out of room, says where and how much is needed."""
-        tmp = None
-        try:
-            tmp = ckpt.begin_checkpoint(self.ckpt_root, self.global_step, run=self.run)
-            for group in self._groups():
-                group.run("save_checkpoint", str(tmp))
-            ckpt.write_states(tmp, {"trainer_state": self._trainer_state()})
-            return ckpt.commit_checkpoint(
-                self.ckpt_root, self.global_step, tmp, files={"config.yaml": dump_config(self.cfg)},
-                metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
-                keep_last=self.cfg.trainer.max_actor_ckpt_to_keep, run=self.run)
-        except BaseException as exc:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, sharded.CheckpointWriteError):  # a group's own, with its exact size
-                raise
-            error = sharded.out_of_space_error(exc, tmp or self.ckpt_root, self._previous_checkpoint_bytes())
-            if error is not None:
-                raise error from exc
-            raise
+        """`<default_local_dir>/global_step_N/` (:func:`trainer.stages.checkpoint.save`)."""
+        return checkpoint.save(
+            self.ckpt_root, self.global_step, self.run, self._groups(), self._trainer_state(),
+            files={"config.yaml": dump_config(self.cfg)},
+            metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": self.world},
+            keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
 
     def _trainer_state(self) -> dict[str, Any]:
         """What the driver owns: step, data position, KL controller, RNG (small, world-size free)."""
         return {"global_step": self.global_step, "loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(), "world_size": self.world}
 
-    def _previous_checkpoint_bytes(self) -> int | None:
-        """The size of the newest complete checkpoint: what the next one needs, about."""
-        newest = ckpt.latest_run_checkpoint(self.ckpt_root, self.run)
-        manifest = read_manifest(newest) if newest is not None else None
-        return None if manifest is None else sum(int(n) for n in manifest["files"].values())
-
     def load_checkpoint(self, path: Path) -> int | str:
         """Load a checkpoint written on any number of ranks; returns that number."""
-        sharded.require_group_state(path, "actor")  # refuses the gathered format of old runs
-        if self.critic_group is not None and not sharded.has_group_state(path, "critic"):
-            raise ConfigError(
-                f"checkpoint `{path}` has no critic but `algorithm.adv_estimator="
-                f"{self.cfg.algorithm.adv_estimator}` needs one; resume with the estimator the run "
-                "started with, or `trainer.resume_mode=disable`")
-        for group in self._groups():
-            group.run("load_checkpoint", str(path))
-        state = ckpt.load_state(path, "trainer_state")
+        state = checkpoint.load(path, self.actor_group, self.critic_group, self.cfg.algorithm.adv_estimator)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])

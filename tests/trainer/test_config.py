@@ -141,7 +141,8 @@ def test_unknown_key_lists_valid_keys_at_that_level() -> None:
 
 def test_unsupported_verl_keys_say_not_supported_yet() -> None:
     for item in ("critic.model.lora_rank=8",
-                 "trainer.default_hdfs_dir=hdfs://x", "actor_rollout_ref.rollout.multi_turn.enable=True"):
+                 "trainer.default_hdfs_dir=hdfs://x",
+                 "actor_rollout_ref.rollout.multi_turn.tool_config_path=/tools.yaml"):
         with pytest.raises(ConfigError, match="not supported yet"):
             load_config([item])
     # The verl defaults of those keys are accepted: that is what this trainer does.
@@ -423,7 +424,16 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
     ("actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.use_torch_compile", "eagerly"),
     ("actor_rollout_ref.ref.use_torch_compile=False", "actor_rollout_ref.ref.use_torch_compile", "eagerly"),
     ("actor_rollout_ref.ref.strategy=fsdp2", "actor_rollout_ref.ref.strategy", "FSDP2"),
-    ("actor_rollout_ref.rollout.multi_turn.format=hermes", "actor_rollout_ref.rollout.multi_turn", "single-turn"),
+    ("actor_rollout_ref.rollout.multi_turn.format=llama3_json", "actor_rollout_ref.rollout.multi_turn.format",
+     "tool agent loop"),
+    ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
+     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "tool agent loop"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable", "agent_name"),
+    ("actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.agent.num_workers", "which worker"),
+    ("actor_rollout_ref.rollout.trace.token2text=true", "actor_rollout_ref.rollout.trace.token2text", "no tracing"),
+    ("actor_rollout_ref.rollout.over_sample_rate=0.1", "actor_rollout_ref.rollout.over_sample_rate", "no code"),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up=true", "actor_rollout_ref.rollout.multi_stage_wake_up",
+     "peak memory"),
 ]
 
 
@@ -437,14 +447,6 @@ def test_verl_keys_that_change_no_number_are_accepted_with_one_note(item: str, k
     assert notes[0].startswith(f"`{key}")
     marked = [line for line in C.dump_config(load_config(items)).splitlines() if "# compatibility only:" in line]
     assert any(line.strip().startswith(key.rsplit(".", 1)[-1] + ":") and instead in line for line in marked)
-
-
-def test_multi_turn_rollout_is_refused_in_either_spelling() -> None:
-    load_config(["actor_rollout_ref.rollout.multi_turn.enable=false"])
-    for item in ("actor_rollout_ref.rollout.multi_turn.enable=true",
-                 "actor_rollout_ref.rollout.multi_turn={enable: true, format: hermes}"):
-        with pytest.raises(ConfigError, match="not supported yet \\(multi-turn rollout\\)"):
-            load_config([item])
 
 
 def test_no_note_for_acting_keys_or_verl_defaults() -> None:

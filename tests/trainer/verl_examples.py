@@ -4,13 +4,16 @@
     python -m tests.trainer.verl_examples check                        # accepted / refused table
 
 `extract` reads every `examples/ppo_trainer/*.sh` and `examples/grpo_trainer/*.sh` of a verl
-checkout (a bare git directory is enough: the scripts are read from its HEAD), runs each under
-bash with `python3`/`python` stubbed and an empty `PATH` (no other command runs, so the shell
-variables, quoting and `$HOME` expand as they would for a user, and nothing else happens), and
-keeps the arguments after `verl.trainer.main_ppo`: the overrides, and the `--config-name` of a
-Megatron script. They go to `tests/data/verl_examples.json` with the verl commit, so the tests
-need no verl checkout. `check` runs each through `load_config` (what `python -m trainer
---print-config` does) and prints whether it is accepted, or the first refusal.
+checkout, and the multi-turn scripts of `MULTI_TURN` (a bare git directory is enough: the
+scripts are read from its HEAD), runs each under bash with `python3`/`python` stubbed and an
+empty `PATH` (no other command runs, so the shell variables, quoting and `$HOME` expand as they
+would for a user, and nothing else happens), and keeps the arguments after
+`verl.trainer.main_ppo`: the overrides, and the `--config-path`/`--config-name` flags. A script
+runs in the checkout's root, which is `VERL_ROOT` in the arguments kept (`$(pwd)`); the YAML
+files of the `--config-path` directories are kept too. They go to `tests/data/verl_examples.json`
+with the verl commit, so the tests need no verl checkout. `check` runs each through the
+trainer's reading of a command line (what `python -m trainer --print-config` does) and prints
+whether it is accepted, or the first refusal.
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ from typing import Any
 
 FIXTURE = Path(__file__).parents[1] / "data" / "verl_examples.json"
 FOLDERS = ("examples/ppo_trainer", "examples/grpo_trainer")
+#: verl's multi-turn (agent loop) examples that run through `verl.trainer.main_ppo`.
+MULTI_TURN = tuple(f"examples/sglang_multiturn/{name}" for name in (
+    "run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh", "run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh",
+    "run_qwen2.5-3b_gsm8k_multiturn.sh", "run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh",
+    "run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh"))
 ENTRY = "verl.trainer.main_ppo"
 HOME = "/home/user"
+#: Where the scripts run (verl's checkout, `$(pwd)`), as the arguments kept spell it.
+VERL_ROOT = f"{HOME}/verl"
 
 _STUB = r"""
 command_not_found_handle() { return 0; }
@@ -55,6 +65,7 @@ def script_args(text: str) -> list[str]:
     """The arguments one example script passes after `verl.trainer.main_ppo`, as bash expands
     them (no command but the stubbed python runs)."""
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = os.path.realpath(tmp)
         out = Path(tmp, "args")
         out.touch()
         script = Path(tmp, "script.sh")
@@ -63,30 +74,42 @@ def script_args(text: str) -> list[str]:
         subprocess.run(["/bin/bash", str(script)], cwd=tmp, env=env, capture_output=True,
                        timeout=30, check=False)
         raw = out.read_bytes().decode()
-    return [a for a in raw.split("\0") if a.strip()]
+    return [a.replace(tmp, VERL_ROOT) for a in raw.split("\0") if a.strip()]
 
 
 def extract(git_dir: Path) -> dict[str, Any]:
     commit = _git(git_dir, "rev-parse", "HEAD").strip()
-    examples: dict[str, list[str]] = {}
-    for folder in FOLDERS:
-        for name in sorted(_git(git_dir, "ls-tree", "--name-only", "HEAD", f"{folder}/").split()):
-            if name.endswith(".sh"):
-                examples[name] = script_args(_git(git_dir, "show", f"HEAD:{name}"))
-    return {"verl_commit": commit, "examples": examples}
+    names = [name for folder in FOLDERS
+             for name in sorted(_git(git_dir, "ls-tree", "--name-only", "HEAD", f"{folder}/").split())
+             if name.endswith(".sh")]
+    examples = {name: script_args(_git(git_dir, "show", f"HEAD:{name}")) for name in [*names, *MULTI_TURN]}
+    configs: dict[str, str] = {}
+    for args in examples.values():
+        from trainer.config import split_config_flags
+
+        folder, _, _ = split_config_flags(args)
+        if folder is None or not folder.startswith(VERL_ROOT + "/"):
+            continue  # a folder of the script's own (`config`), not read: Megatron scripts only
+        rel = folder[len(VERL_ROOT) + 1:]
+        for name in _git(git_dir, "ls-tree", "--name-only", "HEAD", f"{rel}/").split():
+            if name.endswith(".yaml"):
+                configs[name] = _git(git_dir, "show", f"HEAD:{name}")
+    return {"verl_commit": commit, "examples": examples, "configs": configs}
 
 
-def outcome(args: list[str]) -> str:
-    """`accepted`, or `refused: <the trainer's message>`."""
-    from trainer.config import ConfigError, load_config
+def outcome(args: list[str], configs: dict[str, str] | None = None) -> str:
+    """`accepted`, or `refused: <the trainer's message>`; `configs`: verl's YAML files by path in
+    its checkout (the fixture's), found where the arguments name `VERL_ROOT`."""
+    from trainer.config import ConfigError, expand_args, load_config
 
-    flags = [a for a in args if a.startswith("--")]
-    if any("megatron" in f for f in flags):
-        return f"refused: `{' '.join(flags)}` selects verl's Megatron-LM config (Megatron-LM training)"
-    try:
-        load_config([a for a in args if not a.startswith("--")], env={})
-    except ConfigError as err:
-        return f"refused: {err}"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in (configs or {}).items():
+            Path(tmp, name).parent.mkdir(parents=True, exist_ok=True)
+            Path(tmp, name).write_text(text)
+        try:
+            load_config(expand_args([a.replace(VERL_ROOT, tmp) for a in args]), env={})
+        except ConfigError as err:
+            return f"refused: {err}".replace(tmp, VERL_ROOT)
     return "accepted"
 
 
@@ -104,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = json.loads(FIXTURE.read_text())
     for name, overrides in data["examples"].items():
-        print(f"{os.path.basename(name)}: {outcome(overrides)}")
+        print(f"{os.path.basename(name)}: {outcome(overrides, data.get('configs'))}")
     return 0
 
 

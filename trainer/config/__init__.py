@@ -9,7 +9,8 @@ refused:
   `custom_reward_function.*`), `algorithm`, `trainer` (`trainer.*`);
 - `base`: what the sections share (`ConfigError`, the optimizer and FSDP sections);
 - `schema`: the whole `Config` and the merged tables; `values`: typed value reading;
-  `overrides`: verl's override grammar; `load`: defaults + overrides -> validated `Config`.
+  `overrides`: verl's override grammar; `compose`: `--config-path`/`--config-name` files;
+  `load`: defaults + overrides -> validated `Config`.
 
 `load_config(["data.train_batch_size=64", ...])` applies verl/Hydra-style dotted overrides,
 rejects unknown keys (listing the valid ones at that level) and keys verl has that this trainer
@@ -26,6 +27,7 @@ from trainer.config.actor import (
 )
 from trainer.config.algorithm import AlgorithmConfig, KLCtrlConfig
 from trainer.config.base import GPUS_ENV, RUN_DIR_ENV, ConfigError, FsdpConfig, OptimConfig
+from trainer.config.compose import expand_args, file_overrides, split_config_flags
 from trainer.config.critic import CriticConfig, CriticModelConfig
 from trainer.config.data import DataConfig
 from trainer.config.load import (
@@ -70,6 +72,6 @@ __all__ = [
     "OverlongBufferConfig", "Override", "PolicyLossConfig", "RefConfig", "RefFsdpConfig",
     "RewardModelConfig", "RolloutConfig", "TrainerConfig", "ValKwargs", "_resolve_key",
     "apply_overrides", "check_overrides", "compat_notes", "config_from_dict", "config_to_dict", "describe_keys",
-    "dump_config", "is_override", "load_config", "load_defaults", "override_values",
-    "parse_override", "parse_value", "typed_value", "validate",
+    "dump_config", "expand_args", "file_overrides", "is_override", "load_config", "load_defaults", "override_values",
+    "parse_override", "parse_value", "split_config_flags", "typed_value", "validate",
 ]

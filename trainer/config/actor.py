@@ -43,6 +43,8 @@ class ModelConfig:
         "modules that get LoRA adapters: `all-linear` (every linear layer but the output head) "
         "or module names, e.g. `[q_proj,v_proj]`")
     use_shm: bool = h("verl: load the model through shared memory (compatibility only, see COMPAT)")
+    enable_activation_offload: bool = h("verl: keep checkpointed activations in host memory "
+                                        "(compatibility only, see COMPAT)")
     use_liger: bool = h("Liger's Triton kernels (compatibility only, see COMPAT)")
     use_fused_kernels: bool = h("verl's fused linear + log-prob kernel (compatibility only, see COMPAT)")
     fused_kernel_options: dict[str, Any] = h("options of verl's fused kernels (compatibility only, see COMPAT)")
@@ -163,6 +165,9 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.ref.strategy": STRATEGY,
     "actor_rollout_ref.model.use_shm": ("the model is read from its path; verl's copy to shared memory "
                                         "only speeds the load, the weights are the same"),
+    "actor_rollout_ref.model.enable_activation_offload": (
+        "verl's activation offload only moves the activations saved for the backward pass to host "
+        "memory and back (`verl.utils.activation_offload`); the same tensors are used"),
     "actor_rollout_ref.model.use_fused_kernels": (
         "verl's fused linear + log-prob kernel only saves memory; the log-probs here come from the "
         "model's full logits"),

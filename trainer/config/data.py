@@ -48,6 +48,14 @@ NOT_SUPPORTED: dict[str, str] = {
     "data.filter_overlong_prompts_workers": "",
     "data.sampler": "custom samplers",
     "data.datagen": "",
+    "data.tool_config_path": (
+        "tool schemas in the prompts' chat template (verl renders every prompt with `tools=` from "
+        "this file, and its tool agent loop calls them); the prompts here are rendered without tools"),
+}
+
+#: verl keys accepted only with their verl default value (which is what this trainer does).
+ACCEPTED_ONLY_AS: dict[str, Any] = {
+    "data.tool_config_path": None,
 }
 
 #: `data.*` keys accepted that change nothing here, and why nothing is lost.

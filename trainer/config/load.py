@@ -15,7 +15,15 @@ from trainer.algos import registry
 from trainer.config.actor import validate_lora
 from trainer.config.algorithm import estimator
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
-from trainer.config.overrides import _apply, _lookup, _reading_env, apply_overrides, is_override
+from trainer.config.compose import expand_args
+from trainer.config.overrides import (
+    Override,
+    _apply,
+    _lookup,
+    _reading_env,
+    apply_overrides,
+    is_override,
+)
 from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
 from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name
 from trainer.config.schema import ALIASES, COMPAT, Config
@@ -227,10 +235,6 @@ def validate(cfg: Config) -> None:
         "of weights here (verl's hybrid engine); a separate rollout deployment is not supported. "
         "Fix: remove the override",
     )
-    require(not rollout.multi_turn.get("enable"),
-            "`actor_rollout_ref.rollout.multi_turn.enable=true` is not supported yet (multi-turn "
-            "rollout): the rollout here is single-turn. Fix: remove `enable` from "
-            "`actor_rollout_ref.rollout.multi_turn`")
     validate_lora(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(
@@ -251,7 +255,7 @@ def validate(cfg: Config) -> None:
 
 
 def load_config(
-    overrides: list[str] | tuple[str, ...] = (), env: Mapping[str, str] | None = None
+    overrides: Sequence[str | Override] = (), env: Mapping[str, str] | None = None
 ) -> Config:
     """Defaults + dotted overrides -> validated, derived, frozen `Config`; `env` (default: the
     process environment) supplies `HPCRL_RUN_DIR` and `HPCRL_GPUS_PER_NODE` when hpcrl launched
@@ -315,7 +319,7 @@ def describe_keys() -> list[tuple[str, str, str]]:
     return rows
 
 
-def compat_notes(overrides: Sequence[str], cfg: Config) -> list[str]:
+def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
     """One line for each override among `overrides` that is accepted without acting (a `COMPAT`
     key set away from its default, a newer verl spelling read as this trainer's key, a setting
     LoRA makes moot): what runs instead, and that the numbers are the same. `cfg`: their config."""
@@ -329,7 +333,8 @@ def compat_notes(overrides: Sequence[str], cfg: Config) -> list[str]:
         shown = compat if compat in keys else f"{compat}.*"
         lines.append(f"`{shown}` is accepted and changes nothing here: {COMPAT[compat]}; "
                      "the numbers are the same")
-    for key in dict.fromkeys(item.lstrip("+~").split("=", 1)[0] for item in items):
+    for key in dict.fromkeys(item.key if isinstance(item, Override) else item.lstrip("+~").split("=", 1)[0]
+                             for item in items):
         if key in ALIASES:
             lines.append(f"`{key}` is verl's newer name of `{ALIASES[key]}`, read as it")
     arr = cfg.actor_rollout_ref
@@ -343,19 +348,20 @@ def compat_notes(overrides: Sequence[str], cfg: Config) -> list[str]:
 
 
 def _compat_key(key: str) -> str | None:
-    """The `COMPAT` key that `key` is or lies under (a sub-key of a free-form mapping)."""
-    return next((k for k in COMPAT if key == k or key.startswith(k + ".")), None)
+    """The `COMPAT` key that `key` is or lies under (a sub-key of a free-form mapping); the
+    longest when several are."""
+    return max((k for k in COMPAT if key == k or key.startswith(k + ".")), key=len, default=None)
 
 
 def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The keys the overrides among `args` set and the value each ends with (verl's grammar,
+    """The keys the overrides among `args` (with a `--config-name` file's) set and the value each ends with (verl's grammar,
     interpolations resolved, `~key` back to its default): how the launcher reads a payload's
     overrides (submit's checks, the run directory's paths), by the trainer's own rules. Keys
     this trainer does not have are left out. `job_env`: variables the job will have that this
     process lacks (`${oc.env:HPCRL_NUM_NODES}`), for the reading only. Raises ConfigError as the
     trainer would."""
     with _reading_env(job_env):
-        tree, keys = _apply(load_defaults(), [a for a in args if is_override(a)])
+        tree, keys = _apply(load_defaults(), expand_args(args))
     return {key: _lookup(tree, key)[1] for key in keys}
 
 
@@ -364,5 +370,5 @@ def check_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
     refuses), as its start on the job's nodes runs it, with `job_env` as in `override_values`;
     files are not looked at (they may exist only on the compute nodes). Raises ConfigError."""
     with _reading_env(job_env):
-        return load_config([a for a in args if is_override(a)], env=dict(os.environ))
+        return load_config(expand_args(args), env=dict(os.environ))
 

@@ -17,6 +17,7 @@ from trainer.config.schema import (
     ACCEPTED_ONLY_AS,
     ALIASES,
     NOT_SUPPORTED,
+    UNSUPPORTED_VALUE_FIX,
     UNSUPPORTED_VALUES,
     Config,
 )
@@ -48,8 +49,11 @@ def _not_supported(key: str) -> str | None:
 
 def _unsupported_value(key: str, text: str) -> str | None:
     feature = UNSUPPORTED_VALUES.get(key, {}).get(_unquote(text))
-    return None if feature is None else (f"`{key}={_unquote(text)}`: {feature} is not supported; "
-                                         "this trainer runs FSDP2 training with HF or vLLM rollout")
+    if feature is None:
+        return None
+    fix = UNSUPPORTED_VALUE_FIX.get(key)
+    return (f"`{key}={_unquote(text)}`: {feature} is not supported; this trainer runs FSDP2 training "
+            f"with HF or vLLM rollout" + (f". Fix: {fix}" if fix else ""))
 
 
 
@@ -77,8 +81,9 @@ def _resolve_key(key: str) -> tuple[list[str], Any]:
     return parts, cls
 
 
-def _check_accepted_only_as(key: str, text: str) -> bool:
-    """True when `key` is a verl key we accept only with its default value and `text` is it."""
+def _check_accepted_only_as(key: str, text: str, item: str | None = None) -> bool:
+    """True when `key` is a verl key we accept only with its default value and `text` is it;
+    `item`: the override as given (a config file's names the file)."""
     if key not in ACCEPTED_ONLY_AS:
         return False
     allowed = ACCEPTED_ONLY_AS[key]
@@ -90,10 +95,10 @@ def _check_accepted_only_as(key: str, text: str) -> bool:
     if value == allowed:
         return True
     shown = "null" if allowed is None else str(allowed).lower() if isinstance(allowed, bool) else str(allowed)
-    why = NOT_SUPPORTED.get(key)
+    why = _not_supported(key)
     raise ConfigError(
-        f"`{key}={text}` is not supported yet{f' ({why})' if why else ''}: only `{key}={shown}` "
-        "is accepted; remove the override"
+        f"`{item or f'{key}={text}'}` is not supported yet{f' ({why})' if why else ''}: only "
+        f"`{key}={shown}` is accepted; remove the override"
     )
 
 
@@ -175,31 +180,39 @@ def parse_override(item: str, parser: Any = None) -> Override:
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of the nested dict `tree` with the overrides applied in order (the last one
-    of a key wins, as in Hydra). `+key`/`++key` set the key like `key=value` (verl scripts add
+    of a key wins, as in Hydra: only its value is checked). `+key`/`++key` set the key like `key=value` (verl scripts add
     with `+` the keys verl's own yaml lacks; here every key has a default); `~key` restores the
     default. Interpolations (`${a.b}`, `${oc.env:NAME}`) are resolved by OmegaConf against the
     config after every override, then typed like any value."""
     return _apply(tree, overrides)[0]
 
 
-def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """:func:`apply_overrides`, and the keys the overrides set, in order."""
+def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tuple[dict[str, Any], list[str]]:
+    """:func:`apply_overrides`, and the keys the overrides set, in order. An item is an override's
+    text, or an `Override` already read (a config file's key)."""
     import copy
 
     tree = copy.deepcopy(defaults)
-    parser = _hydra_parser() if overrides else None
+    parser = _hydra_parser() if any(isinstance(i, str) for i in overrides) else None
     deferred: list[tuple[Override, list[str], Any]] = []
     keys: list[str] = []
-    for item in overrides:
-        o = _aliased(parse_override(item, parser))
+    read = [_aliased(given if isinstance(given, Override) else parse_override(given, parser))
+            for given in overrides]
+    last = {o.key: i for i, o in enumerate(read) if o.op != "delete"}  # the value each key ends with
+    for i, o in enumerate(read):
+        item, text = o.item, _text_of(o)
         if o.op == "delete" and _not_supported(o.key) is not None:
             continue  # removing a key this trainer does not have leaves nothing to remove
-        if o.op != "delete" and _check_accepted_only_as(o.key, o.text or ""):
+        if last.get(o.key, i) > i:  # a later override of the key replaces this value (as in Hydra):
+            if _not_supported(o.key) is None and o.key not in ACCEPTED_ONLY_AS:
+                _resolve_key(o.key)  # only the key is checked
+            continue
+        if o.op != "delete" and _check_accepted_only_as(o.key, text, item):
             continue
         why = _not_supported(o.key)
         if why is not None:
             raise ConfigError(_not_supported_message(o.key, item, why))
-        refused = None if o.op == "delete" else _unsupported_value(o.key, o.text or "")
+        refused = None if o.op == "delete" else _unsupported_value(o.key, text)
         if refused is not None:
             raise ConfigError(refused)
         parts, tp = _resolve_key(o.key)
@@ -230,14 +243,26 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str
     return tree, keys
 
 
+def _text_of(o: Override) -> str:
+    """The value's text as given; for an `Override` read from a file, as an override spells it."""
+    if o.text is not None:
+        return o.text
+    if o.value is None:
+        return "null" if o.op != "delete" else ""
+    return str(o.value).lower() if isinstance(o.value, bool) else str(o.value)
+
+
 def _aliased(o: Override) -> Override:
     """`o` with a newer verl spelling of a key (`ALIASES`) read as this trainer's key."""
     key = ALIASES.get(o.key)
     return o if key is None else dataclasses.replace(o, key=key)
 
 
-def is_override(arg: str) -> bool:
-    """Whether a command-line word is a trainer override (`key=value`, `~key`), not a flag."""
+def is_override(arg: str | Override) -> bool:
+    """Whether a command-line word is a trainer override (`key=value`, `~key`), not a flag; an
+    `Override` read from a config file is one."""
+    if isinstance(arg, Override):
+        return True
     return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
 
 

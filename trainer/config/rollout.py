@@ -19,6 +19,52 @@ class ValKwargs:
     do_sample: bool = h("sample during validation (false = greedy)")
 
 
+#: verl's agent loop for a row without `agent_name` (`rollout.agent.default_agent_loop`): one
+#: generation per prompt, the rollout this trainer runs.
+SINGLE_TURN_AGENT = "single_turn_agent"
+
+_AGENT_LOOPS = ("verl's agent loops (multi-turn rollout with tools or interactions); the rollout here "
+                "is single-turn, verl's `single_turn_agent`")
+_TOOL_LOOP = ("acts only in verl's tool agent loop, which a data row chooses with `agent_name=tool_agent`; "
+              "such rows are refused here when the data is read, so for every row trained here it "
+              "changes nothing (verl's single-turn agent loop does not read it either)")
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """verl's `rollout.multi_turn.*`: settings of its tool agent loop."""
+
+    enable: bool = h("verl: tags the batch as multi-turn; no longer chooses the rollout (compatibility only)")
+    max_assistant_turns: int | None = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    tool_config_path: str | None = h(f"verl: tools of the tool agent loop; only null is accepted ({_AGENT_LOOPS})")
+    max_user_turns: int | None = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    max_parallel_calls: int = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    max_tool_response_length: int = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    tool_response_truncate_side: str = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    interaction_config_path: str | None = h(
+        f"verl: interactions of the tool agent loop; only null is accepted ({_AGENT_LOOPS})")
+    use_inference_chat_template: bool = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    tokenization_sanity_check_mode: str = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    format: str = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    num_repeat_rollouts: int | None = h("verl's tool agent loop (compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """verl's `rollout.agent.*`; its other keys are accepted only at their defaults."""
+
+    num_workers: int = h("verl: agent-loop workers the rollout's requests are spread over "
+                         "(compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """verl's `rollout.trace.*`; `trace.backend` is accepted only as null."""
+
+    token2text: bool = h("verl: decode traced tokens (compatibility only, see COMPAT)")
+    max_samples_per_step_per_worker: int | None = h("verl: traced samples (compatibility only, see COMPAT)")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["hf", "vllm"] | None = h(
@@ -54,13 +100,18 @@ class RolloutConfig:
         "`training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` (how far "
         "the sampler's probabilities are from the actor's); the old log-probs then get their own "
         "forward pass even where the on-policy update would supply them")
-    mode: Literal["sync", "async"] = h("verl: the single-turn rollout's scheduling (compatibility only, see COMPAT)")
+    mode: Literal["sync", "async"] = h("verl: the rollout's scheduling; `async` (verl's default and only "
+                                       "mode) and `sync` both run the single-turn rollout (compatibility "
+                                       "only, see COMPAT)")
     load_format: str = h("verl: how the rollout engine loads its first weights (compatibility only, see COMPAT)")
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
     enable_prefix_caching: bool = h("vLLM's prefix cache (compatibility only, see COMPAT)")
     profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
-    multi_turn: dict[str, Any] = h("verl's multi-turn options; `multi_turn.enable=true` is refused "
-                                   "(compatibility only, see COMPAT)")
+    multi_turn: MultiTurnConfig = h("verl's tool agent loop settings")
+    agent: AgentConfig = h("verl's agent-loop settings")
+    trace: TraceConfig = h("verl's rollout tracing")
+    over_sample_rate: float = h("verl: declared, read by no code (compatibility only, see COMPAT)")
+    multi_stage_wake_up: bool = h("verl: SGLang's staged wake-up (compatibility only, see COMPAT)")
 
 
 def default_rollout_name() -> str:
@@ -86,8 +137,16 @@ NOT_SUPPORTED: dict[str, str] = {
         "size `checkpoint_engine.update_weights_bucket_megabytes` is read as "
         "`actor_rollout_ref.rollout.update_weights_bucket_megabytes`"),
     "actor_rollout_ref.rollout.engine_kwargs": "",
-    "actor_rollout_ref.rollout.multi_turn.enable": "multi-turn rollout",
-    "actor_rollout_ref.rollout.agent": "agent loops",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": f"tool calling: {_AGENT_LOOPS}",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": f"interactions: {_AGENT_LOOPS}",
+    "actor_rollout_ref.rollout.agent.default_agent_loop": _AGENT_LOOPS,
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": f"custom agent loops: {_AGENT_LOOPS}",
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": f"custom agent loops: {_AGENT_LOOPS}",
+    "actor_rollout_ref.rollout.agent.custom_async_server": (
+        "custom async rollout servers (the rollout engine runs inside the trainer's workers here)"),
+    "actor_rollout_ref.rollout.trace.backend": (
+        "rollout tracing to MLflow or Weave (verl traces each agent loop's turns); log the "
+        "generations with `trainer.log_val_generations` instead"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
         "deprecated in verl; use `actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`"
     ),
@@ -98,14 +157,23 @@ NOT_SUPPORTED: dict[str, str] = {
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.rollout.ignore_eos": False,
-    "actor_rollout_ref.rollout.multi_turn.enable": False,
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": None,
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": None,
+    "actor_rollout_ref.rollout.agent.default_agent_loop": SINGLE_TURN_AGENT,
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": None,
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": None,
+    "actor_rollout_ref.rollout.agent.custom_async_server.path": None,
+    "actor_rollout_ref.rollout.agent.custom_async_server.name": None,
+    "actor_rollout_ref.rollout.trace.backend": None,
 }
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
     "actor_rollout_ref.rollout.mode": (
-        "single-turn rollout here is one batched generate per step with the current weights; verl's "
-        "async single-turn agent loop samples the same on-policy responses"),
+        "verl runs every rollout through its agent loops (`async`, its default; it refuses `sync`), "
+        "and for a row without `agent_name` that is the single-turn agent loop: each prompt's "
+        "responses sampled once with the current weights, as this trainer's one batched generate per "
+        "step samples them; rows naming another agent loop are refused when the data is read"),
     "actor_rollout_ref.rollout.load_format": ("the rollout engine gets the actor's weights at every "
                                               "sync here, whatever it loaded first"),
     "actor_rollout_ref.rollout.layered_summon": ("LoRA weights are merged and synced in buckets here; "
@@ -114,9 +182,26 @@ COMPAT: dict[str, str] = {
         "vLLM's prefix cache is always on here (verl's default); it reuses the KV of identical prompt "
         "prefixes, the sampled responses follow the same distribution"),
     "actor_rollout_ref.rollout.profiler": PROFILER,
-    "actor_rollout_ref.rollout.multi_turn": ("multi-turn options act only with `multi_turn.enable=true` "
-                                             "(refused here); the rollout is single-turn, as verl's is "
-                                             "without it"),
+    "actor_rollout_ref.rollout.multi_turn.enable": (
+        "verl chooses the agent loop by each data row's `agent_name`, not by this key, which only "
+        "tags the batch (no loss reads the tag); rows naming a multi-turn agent loop are refused here "
+        "when the data is read"),
+    **{f"actor_rollout_ref.rollout.multi_turn.{name}": _TOOL_LOOP
+       for name in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
+                    "tool_response_truncate_side", "use_inference_chat_template",
+                    "tokenization_sanity_check_mode", "format", "num_repeat_rollouts")},
+    "actor_rollout_ref.rollout.agent.num_workers": (
+        "verl's agent-loop workers only share out the rollout's requests; which worker generates a "
+        "response changes no number"),
+    **{f"actor_rollout_ref.rollout.trace.{name}": (
+        "acts only with `actor_rollout_ref.rollout.trace.backend`, which is accepted only as null (no "
+        "tracing, verl's default)") for name in ("token2text", "max_samples_per_step_per_worker")},
+    "actor_rollout_ref.rollout.over_sample_rate": (
+        "verl declares it in its rollout config, but no code of verl reads it (checked at verl "
+        "b178a3c): it changes nothing there either"),
+    "actor_rollout_ref.rollout.multi_stage_wake_up": (
+        "SGLang's staged wake-up after training (refused engine here); it only lowers peak memory at "
+        "the switch, and no code of verl reads it (checked at verl b178a3c)"),
 }
 
 #: Newer verl spellings read as this trainer's key.
@@ -129,4 +214,9 @@ ALIASES: dict[str, str] = {
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
     "actor_rollout_ref.rollout.name": {"sglang": "SGLang rollout", "trtllm": "TensorRT-LLM rollout",
                                        "hf_server": "server-mode rollout"},
+}
+
+#: The fix a refusal of `UNSUPPORTED_VALUES` names, by key.
+UNSUPPORTED_VALUE_FIX: dict[str, str] = {
+    "actor_rollout_ref.rollout.name": "set `actor_rollout_ref.rollout.name=vllm` (verl's default engine)",
 }

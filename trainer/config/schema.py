@@ -64,3 +64,5 @@ ACCEPTED_ONLY_AS: dict[str, Any] = _merged("ACCEPTED_ONLY_AS")
 ALIASES: dict[str, str] = _merged("ALIASES")
 #: Values of a key that name a feature this trainer does not have: one clear error each.
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = _merged("UNSUPPORTED_VALUES")
+#: The fix each refusal of `UNSUPPORTED_VALUES` names, by key.
+UNSUPPORTED_VALUE_FIX: dict[str, str] = _merged("UNSUPPORTED_VALUE_FIX")

@@ -1,0 +1,263 @@
+"""verl's agent loops (multi-turn rollout with tools or interactions) are not built here: data
+made for them and the settings that would act only in them are refused by name, the settings
+that change no number are accepted with a note, and verl's `--config-path`/`--config-name`
+entry reads a user's config file over verl's `ppo_trainer`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from hpcrl import preflight as pf
+from trainer.__main__ import main
+from trainer.config import (
+    ConfigError,
+    check_overrides,
+    compat_notes,
+    expand_args,
+    file_overrides,
+    load_config,
+    override_values,
+    split_config_flags,
+)
+from trainer.data import DataError, PromptDataset, agent_loop_file_refusal, read_rows
+
+HF = "actor_rollout_ref.rollout.name=hf"
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def _row(i: int, **extra: Any) -> dict[str, Any]:
+    return {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i)}, **extra}
+
+
+def _tool_agent_row(i: int) -> dict[str, Any]:
+    """A row as verl's `examples/data_preprocess/gsm8k_tool_agent_loop.py` writes it."""
+    return _row(i, agent_name="tool_agent", extra_info={
+        "split": "train", "index": i, "need_tools_kwargs": True,
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": str(i)}}},
+        "interaction_kwargs": {"query": f"q{i}", "ground_truth": str(i)}})
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+# ------------------------------------------------------------------------ data rows
+
+
+def test_verl_tool_agent_rows_are_refused_when_read(tmp_path: Path) -> None:
+    path = _write(tmp_path / "train.parquet", [_tool_agent_row(i) for i in range(3)])
+    with pytest.raises(DataError) as err:
+        read_rows([path])
+    msg = str(err.value)
+    assert f"`{path}`: 3 of 3 rows (the first: row 0, `agent_name=tool_agent`)" in msg
+    assert "verl's agent loops" in msg and "single-turn" in msg and "Fix:" in msg
+
+
+def test_the_dataset_refuses_them_before_tokenizing(tmp_path: Path) -> None:
+    """The trainer's load (PromptDataset) refuses them: the tokenizer is never called."""
+    plain = _row(0, agent_name=None, extra_info={"split": "train", "index": 0, "need_tools_kwargs": None,
+                                                 "tools_kwargs": None, "interaction_kwargs": None})
+    path = _write(tmp_path / "train.parquet", [plain, _tool_agent_row(1)])
+
+    class Untouchable:
+        def apply_chat_template(self, *a: Any, **k: Any) -> Any:
+            raise AssertionError("tokenized a refused file")
+
+        def __call__(self, *a: Any, **k: Any) -> Any:
+            raise AssertionError("tokenized a refused file")
+
+    with pytest.raises(DataError, match="1 of 2 rows \\(the first: row 1, `agent_name=tool_agent`\\)"):
+        PromptDataset([path], Untouchable(), max_prompt_length=64)
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"extra_info": {"index": 0, "tools_kwargs": {"calc": {"create_kwargs": {"x": 1}}}}},
+     "`extra_info.tools_kwargs`"),
+    ({"extra_info": {"index": 0, "interaction_kwargs": {"name": "gsm8k", "query": "q"}}},
+     "`extra_info.interaction_kwargs`"),
+    ({"agent_name": "react_agent"}, "`agent_name=react_agent`"),
+])
+def test_each_agent_loop_marker_is_refused(tmp_path: Path, extra: dict[str, Any], named: str) -> None:
+    path = _write(tmp_path / "t.parquet", [_row(0, **extra)])
+    assert named in (agent_loop_file_refusal(path) or "")
+
+
+def test_single_turn_rows_are_read(tmp_path: Path) -> None:
+    """verl's default agent (`single_turn_agent`), and empty or absent tool arguments (a struct
+    column gives None, or all-None fields, where a row lacks them), are single-turn."""
+    rows = [_row(0, agent_name="single_turn_agent", extra_info={"index": 0, "tools_kwargs": None}),
+            _row(1, agent_name=None, extra_info={"index": 1, "tools_kwargs": None})]
+    path = _write(tmp_path / "t.parquet", rows)
+    assert agent_loop_file_refusal(path) is None
+    assert agent_loop_file_refusal(_write(tmp_path / "e.parquet", [_row(0, extra_info={"tools_kwargs": {"a": None}})])) is None
+    assert [r["reward_model"]["ground_truth"] for r in read_rows([path])] == ["0", "1"]
+    mixed = _write(tmp_path / "m.parquet", [
+        _row(0, extra_info={"tools_kwargs": {"calc": {"x": None}}}),
+        _row(1, extra_info={"tools_kwargs": {"calc": {"x": 1}}})])
+    assert "1 of 2 rows (the first: row 1" in (agent_loop_file_refusal(mixed) or "")
+
+
+def test_hpcrl_preflight_refuses_them_before_the_queue(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"torch_dtype": "float32"}')
+    (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    path = _write(tmp_path / "train.parquet", [_tool_agent_row(0)])
+    problems = pf.check_trainer_job([f"actor_rollout_ref.model.path={model}", f"data.train_files={path}",
+                                     "trainer.val_before_train=false"], tmp_path / "run")
+    assert problems == [f"`data.train_files`: {agent_loop_file_refusal(path)}"]
+    good = _write(tmp_path / "good.parquet", [_row(0)])
+    assert pf.check_trainer_job([f"actor_rollout_ref.model.path={model}", f"data.train_files={good}",
+                                 "trainer.val_before_train=false"], tmp_path / "run") == []
+
+
+# ------------------------------------------------------------------------ settings
+
+
+@pytest.mark.parametrize(("item", "feature"), [
+    ("data.tool_config_path=/cfg/tools.yaml", "tool schemas in the prompts' chat template"),
+    (f"{ROLLOUT}.multi_turn.tool_config_path=/cfg/tools.yaml", "tool calling: verl's agent loops"),
+    (f"{ROLLOUT}.multi_turn.interaction_config_path=/cfg/i.yaml", "interactions: verl's agent loops"),
+    (f"{ROLLOUT}.agent.default_agent_loop=tool_agent", "verl's agent loops"),
+    (f"{ROLLOUT}.agent.agent_loop_config_path=/cfg/loops.yaml", "custom agent loops"),
+    (f"{ROLLOUT}.agent.custom_async_server.path=/srv.py", "custom async rollout servers"),
+    (f"{ROLLOUT}.trace.backend=mlflow", "rollout tracing"),
+])
+def test_settings_that_act_only_in_agent_loops_are_refused_by_name(item: str, feature: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config([item])
+    msg = str(err.value)
+    assert "not supported yet" in msg and feature in msg and "unknown key" not in msg, msg
+    key = item.split("=", 1)[0]
+    default = "single_turn_agent" if key.endswith("default_agent_loop") else "null"
+    load_config([f"{key}={default}"])  # verl's default: what runs here
+
+
+def test_an_unknown_agent_key_is_still_unknown() -> None:
+    with pytest.raises(ConfigError, match="unknown key `actor_rollout_ref.rollout.agent.num_workerz`"):
+        load_config([f"{ROLLOUT}.agent.num_workerz=2"])
+
+
+def test_rollout_mode_async_is_verls_default_and_sync_is_noted() -> None:
+    assert load_config([HF]).actor_rollout_ref.rollout.mode == "async"
+    items = [HF, f"{ROLLOUT}.mode=async", f"{ROLLOUT}.multi_turn.enable=false"]
+    assert compat_notes(items, load_config(items)) == []
+    items = [HF, f"{ROLLOUT}.mode=sync"]
+    [note] = compat_notes(items, load_config(items))
+    assert "single-turn agent loop" in note and "refused when the data is read" in note
+
+
+def test_multi_turn_notes_say_the_data_chooses_the_loop() -> None:
+    items = [HF, f"{ROLLOUT}.multi_turn.enable=true", f"{ROLLOUT}.multi_turn.max_user_turns=3"]
+    notes = compat_notes(items, load_config(items))
+    assert len(notes) == 2
+    assert "`agent_name`" in notes[0] and "acts only with `multi_turn.enable=true`" not in notes[0]
+    assert "agent_name=tool_agent" in notes[1]
+
+
+def test_sglang_refusal_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match="Fix: set `actor_rollout_ref.rollout.name=vllm`"):
+        load_config([f"{ROLLOUT}.name=sglang"])
+
+
+def test_a_later_override_replaces_a_refused_value_as_in_hydra() -> None:
+    """The value a key ends with is checked: a refused value that a later override replaces is
+    not refused (the fix appended to a verl script's line), its key still is checked."""
+    cfg = load_config([f"{ROLLOUT}.name=sglang", f"{ROLLOUT}.name=hf",
+                       "actor_rollout_ref.actor.use_kl_loss=", "actor_rollout_ref.actor.use_kl_loss=true"])
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.actor.use_kl_loss
+    with pytest.raises(ConfigError, match="unknown key `data.nope`"):
+        load_config(["data.nope=1", "data.nope=2"])
+    with pytest.raises(ConfigError, match="SGLang"):
+        load_config([f"{ROLLOUT}.name=hf", f"{ROLLOUT}.name=sglang"])
+
+
+# ------------------------------------------------------------------------ --config-path / --config-name
+
+
+def _user_config(tmp_path: Path, body: dict[str, Any], name: str = "my_grpo") -> Path:
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(body))
+    return tmp_path
+
+
+VERL_STYLE = {  # as verl's examples/sglang_multiturn/config/*.yaml are written
+    "hydra": {"searchpath": ["file://verl/trainer/config"]},
+    "defaults": ["ppo_trainer", "_self_"],
+    "data": {"max_prompt_length": 256, "train_batch_size": 32, "return_raw_chat": True},
+    "algorithm": {"adv_estimator": "grpo"},
+    "actor_rollout_ref": {"hybrid_engine": True, "actor": {"ppo_mini_batch_size": 16}, "rollout": {
+        "name": "sglang", "n": 4, "multi_turn": {"enable": True, "max_assistant_turns": 5,
+                                                 "_target_": "verl.workers.config.MultiTurnConfig"}}},
+}
+
+
+def test_config_file_keys_apply_over_the_defaults_and_the_command_line_over_them(tmp_path: Path) -> None:
+    folder = _user_config(tmp_path, VERL_STYLE)
+    args = [f"--config-path={folder}", "--config-name=my_grpo", HF, "data.train_batch_size=64"]
+    cfg = load_config(expand_args(args))
+    assert cfg.data.max_prompt_length == 256 and cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.data.train_batch_size == 64  # the command line wins
+    assert cfg.actor_rollout_ref.rollout.name == "hf"  # the file's sglang replaced: not refused
+    assert cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns == 5
+    assert override_values(args)["data.max_prompt_length"] == 256  # the launcher reads it too
+    assert check_overrides(args).actor_rollout_ref.rollout.n == 4
+    with pytest.raises(ConfigError, match="SGLang rollout is not supported"):
+        load_config(expand_args([f"--config-path={folder}", "--config-name=my_grpo.yaml"]))
+
+
+def test_the_file_s_refusals_name_the_file(tmp_path: Path) -> None:
+    body = {"defaults": ["ppo_trainer", "_self_"], "actor_rollout_ref": {"rollout": {"multi_turn": {
+        "tool_config_path": "/cfg/tools.yaml"}}}}
+    folder = _user_config(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_config(file_overrides(str(folder), "my_grpo"))
+    assert "tool calling" in str(err.value) and str(folder / "my_grpo.yaml") in str(err.value)
+
+
+def test_defaults_compose_in_order_and_refuse_what_is_not_here(tmp_path: Path) -> None:
+    _user_config(tmp_path, {"defaults": ["ppo_trainer", "_self_"], "data": {"max_prompt_length": 100,
+                                                                           "seed": 3}}, "base")
+    _user_config(tmp_path, {"defaults": ["base", "_self_"], "data": {"max_prompt_length": 200}}, "top")
+    _user_config(tmp_path, {"defaults": ["_self_", "base"], "data": {"max_prompt_length": 300}}, "under")
+    read = lambda name: load_config(file_overrides(str(tmp_path), name)).data  # noqa: E731
+    assert (read("top").max_prompt_length, read("top").seed) == (200, 3)
+    assert read("under").max_prompt_length == 100  # `_self_` first: the defaults after it win
+    _user_config(tmp_path, {"defaults": ["ppo_megatron_trainer", "_self_"]}, "mega")
+    with pytest.raises(ConfigError, match="Megatron-LM training is not supported"):
+        file_overrides(str(tmp_path), "mega")
+    _user_config(tmp_path, {"defaults": [{"actor@actor_rollout_ref.actor": "dp_actor"}, "_self_"]}, "group")
+    with pytest.raises(ConfigError, match="selects a config group"):
+        file_overrides(str(tmp_path), "group")
+    with pytest.raises(ConfigError, match="does not exist"):
+        file_overrides(str(tmp_path), "nope")
+    with pytest.raises(ConfigError, match="without `--config-path`"):
+        file_overrides(None, "top")
+    assert file_overrides(None, "ppo_trainer") == []  # verl's own: the defaults here
+
+
+def test_config_flags_in_every_spelling() -> None:
+    for words in (["--config-path=/c", "--config-name=x", "a.b=1"], ["--config-path", "/c", "--config-name", "x", "a.b=1"],
+                  ["-cp", "/c", "-cn=x", "a.b=1"], ["--config-path='/c'", "--config-name='x'", "a.b=1"]):
+        assert split_config_flags(words) == ("/c", "x", ["a.b=1"])
+
+
+def test_python_m_trainer_takes_config_path_and_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _user_config(tmp_path, VERL_STYLE)
+    assert main(["--print-config", "--config-path", str(folder), "--config-name", "my_grpo", HF]) == 0
+    out = capsys.readouterr()
+    printed = yaml.safe_load(out.out)
+    assert printed["data"]["max_prompt_length"] == 256
+    assert "multi_turn.enable" in out.err and "agent_name" in out.err  # the file's no-op, noted
+    run = subprocess.run([sys.executable, "-m", "trainer", "--print-config", f"--config-path={folder}",
+                          "--config-name=my_grpo"], capture_output=True, text=True, check=False)
+    assert run.returncode == 2 and "set `actor_rollout_ref.rollout.name=vllm`" in run.stderr

@@ -1,0 +1,75 @@
+"""The rollout stage: `n` responses per prompt from the actor group's rollout engines, rows
+prompt-major, each engine answering its part of the prompts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from trainer import models as M
+from trainer.batch import StepBatch, step_seed
+from trainer.config import Config
+from trainer.data import Example
+from trainer.parallel import split_rows
+from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.stages.logprobs import Note
+from trainer.workers.group import WorkerGroup
+
+__all__ = ["SALT", "Rollout", "sampling_params"]
+
+#: Seed salts: the training rollout, validation and ReMax's greedy baseline draw apart.
+SALT = {"train": 1000, "validate": 2000, "greedy": 3000}
+
+
+def sampling_params(cfg: Config, validate: bool) -> SamplingParams:
+    """The rollout's sampling (`rollout.*`), or validation's (`rollout.val_kwargs.*`)."""
+    r = cfg.actor_rollout_ref.rollout
+    src: Any = r.val_kwargs if validate else r
+    return SamplingParams(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k,
+                          max_response_length=cfg.data.max_response_length, do_sample=src.do_sample)
+
+
+class Rollout:
+    """Generation on the actor group: the ranks of one engine (`tensor_model_parallel_size`
+    consecutive ranks) get the same prompts and seed, the engines split the prompts."""
+
+    def __init__(self, cfg: Config, actor: WorkerGroup, pad_token_id: int) -> None:
+        self.cfg, self.actor, self.pad_token_id = cfg, actor, pad_token_id
+        self.world = actor.world_size
+        self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+
+    def generate(self, examples: list[Example], step: int, note: Note, validate: bool = False,
+                 greedy: bool = False) -> StepBatch:
+        """`n` responses per prompt of `examples`, seeded by `step`; `greedy`: one greedy response
+        per prompt (ReMax's baseline). The training rollout notes each rank's rows, tokens and
+        seconds."""
+        ids, mask = M.left_pad([e.prompt_ids for e in examples], self.pad_token_id)
+        tp = self.tp
+        parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
+        salt = SALT["validate" if validate else "greedy" if greedy else "train"]
+        sampling = sampling_params(self.cfg, validate)
+        if greedy:
+            sampling = replace(sampling, n=1, do_sample=False)
+        args = [(ids[p], mask[p], sampling,
+                 step_seed(self.cfg.trainer.seed, step, salt + rank // tp)) for rank, p in enumerate(parts)]
+        results = self.actor.run_each("generate", args)
+        outs: list[RolloutBatch] = []
+        for rank, (part, (out, _info)) in enumerate(zip(parts, results, strict=True)):
+            if out is not None and rank % tp == 0:  # one answer per engine
+                out.prompt_index = out.prompt_index + part[0]
+                outs.append(out)
+        if not validate and not greedy:
+            note("gen_rows", [len(p) for p in parts])
+            note("gen_tokens", [info["gen_tokens"] for _, info in results])
+            note("gen_s", [info["gen"] for _, info in results])
+        rows = torch.cat([o.prompt_index for o in outs]).tolist()  # prompts share one padded width
+        entropy = [o.entropy for o in outs]
+        keep = self.cfg.actor_rollout_ref.rollout.calculate_log_probs and not validate
+        return StepBatch(examples=[examples[i] for i in rows], uids=rows,
+                         rollout_log_probs=torch.cat([o.log_probs for o in outs]) if keep else None,
+                         input_ids=torch.cat([o.input_ids for o in outs]),
+                         attention_mask=torch.cat([o.attention_mask for o in outs]),
+                         response_mask=torch.cat([o.response_mask for o in outs]).float(),
+                         entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
