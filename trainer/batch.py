@@ -26,6 +26,8 @@ class StepBatch:
     old_log_probs: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
     """The engine's log-probs of the sampled tokens (`rollout.calculate_log_probs`)."""
+    rollout_is_weights: torch.Tensor | None = None
+    """The rollout correction's importance weights (`algorithm.rollout_correction.rollout_is`)."""
     ref_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None

@@ -268,11 +268,14 @@ def test_calculate_log_probs_reports_how_far_the_sampler_is_from_the_actor(
         tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
     """verl's `rollout.calculate_log_probs`: the engine's log-probs of the sampled tokens are kept
     and compared with the actor's. The HF engine samples with the actor's own weights, so the two
-    agree; the on-policy update then recomputes the old log-probs (their own phase)."""
+    agree; the on-policy update then recomputes the old log-probs (their own phase). verl's rollout
+    correction runs on them (token importance weights here): its weights are about 1, and its
+    off-policy metrics are logged under verl's names."""
     over = [o for o in _small(tiny_model_dir, toy_data, tmp_path)
             if not o.startswith(("algorithm.use_kl_in_reward", "actor_rollout_ref.actor.ppo_mini_batch_size"))]
     t = PPODriver(load_config([*over, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                                 "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                                "algorithm.rollout_correction.rollout_is=token",
                                 "trainer.total_training_steps=1", "trainer.test_freq=-1"]))
     assert t.fit() == 0
     row = read_jsonl(tmp_path / "metrics.jsonl")[0]
@@ -280,6 +283,8 @@ def test_calculate_log_probs_reports_how_far_the_sampler_is_from_the_actor(
     assert row["training/rollout_probs_diff_valid"] == 1.0
     assert 0.0 <= row["training/rollout_probs_diff_mean"] <= row["training/rollout_probs_diff_max"] < 1e-3, row
     assert row["training/rollout_actor_probs_pearson_corr"] > 0.999
+    assert abs(row["rollout_corr/kl"]) < 1e-3 and abs(row["rollout_corr/rollout_is_mean"] - 1.0) < 1e-3
+    assert row["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0, abs=1e-3)
 
 
 @pytest.mark.parametrize("score", ["float(len(solution_str.split()) % 2)", "0.5"], ids=["some", "all"])

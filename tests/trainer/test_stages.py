@@ -101,6 +101,33 @@ def test_advantage_grpo_normalises_within_each_prompt_group() -> None:
     assert torch.equal(batch.token_rewards, batch.token_scores)  # type: ignore[arg-type]
 
 
+def test_rollout_correction_rejects_before_the_advantages_and_weighs_the_loss() -> None:
+    """verl's decoupled rollout correction sits between the KL penalty and the estimator: a token
+    rejected by `token_k1` leaves the response mask the advantages see, and the truncated token
+    weights go to the batch for the policy loss. Row 1's second token: log r = old - rollout = 1,
+    -log r = -1 < ln 0.5, so it is rejected; its weight exp(1) is truncated at 2."""
+    batch = _batch([2, 2], uids=[0, 0])
+    batch.token_scores = core_algos.scores_to_token_level(torch.tensor([1.0, 0.0]), batch.response_mask)
+    batch.old_log_probs = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-1.0, -1.0, 0.0, 0.0]])
+    batch.rollout_log_probs = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-1.0, -2.0, 0.0, 0.0]])
+    cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                       "actor_rollout_ref.rollout.calculate_log_probs=true",
+                       "algorithm.rollout_correction.rollout_is=token",
+                       "algorithm.rollout_correction.rollout_rs=token_k1",
+                       "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"])
+    metrics = compute_advantages(batch, cfg.algorithm, core_algos.make_kl_controller("fixed", 0.1, 0.1, 1))
+    assert batch.response_mask.tolist() == [[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    assert batch.rollout_is_weights is not None
+    assert batch.rollout_is_weights[1, :2].tolist() == pytest.approx([1.0, 2.0])
+    assert batch.advantages is not None and batch.advantages[1, 1].item() == 0.0  # rejected: no advantage
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.25)
+    assert metrics["rollout_corr/kl"] == pytest.approx(-0.25)  # mean(rollout - old) over the 4 tokens
+    plain = _batch([2, 2], uids=[0, 0])  # no rollout log-probs: nothing is corrected or logged
+    plain.token_scores = batch.token_scores
+    assert compute_advantages(plain, cfg.algorithm, core_algos.make_kl_controller("fixed", 0.1, 0.1, 1)) == {}
+    assert plain.rollout_is_weights is None
+
+
 def test_advantage_kl_in_reward_subtracts_the_penalty_and_updates_the_controller() -> None:
     batch = _batch([2, 2], uids=[0, 0])
     batch.token_scores = core_algos.scores_to_token_level(torch.tensor([1.0, 0.0]), batch.response_mask)

@@ -5,7 +5,7 @@ read from the scripts by `python -m tests.trainer.verl_examples extract` into
 
 Refused on purpose: Megatron-LM training, model-based reward models (and sandbox-fusion
 scoring), multimodal data, SGLang / TensorRT-LLM rollout, Ulysses sequence
-parallelism, PF-PPO, rollout importance-sampling correction, LoRA from a saved adapter and
+parallelism, PF-PPO, rollout correction's bypass mode, LoRA from a saved adapter and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
 
@@ -64,7 +64,7 @@ EXPECTED = {
     "examples/grpo_trainer/run_qwen2-7b_math_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2-7b_math_megatron_trtllm.sh": "Megatron-LM",
-    "examples/grpo_trainer/run_qwen2-7b_math_trtllm.sh": "rollout importance-sampling correction",
+    "examples/grpo_trainer/run_qwen2-7b_math_trtllm.sh": "TensorRT-LLM",
     "examples/grpo_trainer/run_qwen2-7b_seq_balance.sh": "SGLang rollout",
     "examples/grpo_trainer/run_qwen2-7b_seq_balance_math_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2-7b_sgl_megatron.sh": "Megatron-LM",

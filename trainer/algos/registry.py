@@ -22,6 +22,10 @@ from typing import Any, TypeVar
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_OPTIONS",
+    "parse_rs_thresholds",
+    "rs_options",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AdvEstimator",
@@ -148,3 +152,53 @@ def policy_loss(name: str) -> Callable[..., Any]:
         raise ValueError(f"policy loss `{name}` is declared but no function is registered for it "
                          "(import trainer.algos.core_algos)")
     return _POLICY_LOSS_FNS[name]
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+"""verl's `algorithm.rollout_correction.rollout_is` levels (:mod:`trainer.algos.rollout_corr`)."""
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+"""verl's `rollout_rs` options: the divergence estimate (k1, k2, k3) per token or per sequence."""
+
+
+def parse_rs_thresholds(options: list[str], spec: str | float | None) -> dict[str, tuple[float | None, float]]:
+    """Option -> (lower, upper): k1 options take ``lower_upper`` ratio bounds (a single value is the
+    upper, its reciprocal the lower), the others one positive upper bound; one value serves all."""
+    if spec is None:
+        raise ValueError("`algorithm.rollout_correction.rollout_rs_threshold` must be set with `rollout_rs`. "
+                         "Fix: give one threshold, or one per option (comma-separated).")
+    raw = [str(spec)] if isinstance(spec, int | float) else [p.strip() for p in str(spec).split(",") if p.strip()]
+    if len(raw) not in (1, len(options)):
+        raise ValueError(f"`rollout_rs_threshold` has {len(raw)} values for {len(options)} `rollout_rs` options. "
+                         "Fix: one threshold shared by all options, or exactly one per option.")
+    raw = raw * len(options) if len(raw) == 1 else raw
+    out: dict[str, tuple[float | None, float]] = {}
+    for option, text in zip(options, raw, strict=True):
+        if option.endswith("k1"):
+            low, _, up = text.partition("_") if "_" in text else (str(1.0 / float(text)), "", text)
+            lower, upper = float(low), float(up)
+            if lower <= 0 or upper <= 0:
+                raise ValueError(f"the thresholds of `{option}` must be positive, got `{text}`")
+            out[option] = (lower, upper)
+        else:
+            if "_" in text:
+                raise ValueError(f"`{option}` takes one upper bound, without `_`; got `{text}`")
+            if float(text) <= 0:
+                raise ValueError(f"the threshold of `{option}` must be positive, got `{text}`")
+            out[option] = (None, float(text))
+    return out
+
+
+def rs_options(rollout_rs: str) -> list[str]:
+    """The options of `rollout_rs` (comma-separated), each once, in order; an unknown one is refused."""
+    seen: list[str] = []
+    for opt in (o.strip() for o in rollout_rs.split(",")):
+        if opt and opt not in ROLLOUT_RS_OPTIONS:
+            raise ValueError(f"unknown `rollout_rs` option `{opt}`. Fix: one or more of {', '.join(ROLLOUT_RS_OPTIONS)}")
+        if opt and opt not in seen:
+            seen.append(opt)
+    if not seen:
+        raise ValueError("`rollout_rs` names no option. Fix: e.g. `token_k1` or `seq_mean_k3`")
+    return seen

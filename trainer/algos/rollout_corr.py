@@ -27,14 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from trainer.algos.core_algos import masked_mean, masked_sum
+from trainer.algos.registry import ROLLOUT_IS_LEVELS, parse_rs_thresholds, rs_options
 
-__all__ = ["RS_OPTIONS", "SAFETY_BOUND", "RolloutCorrection", "correct", "is_weights", "offpolicy_metrics",
-           "parse_rs_thresholds", "rejection_mask"]
+__all__ = ["SAFETY_BOUND", "RolloutCorrection", "correct", "is_weights", "offpolicy_metrics", "rejection_mask"]
 
 SAFETY_BOUND = 20.0
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
-              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-IS_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -46,46 +43,6 @@ class RolloutCorrection:
     rollout_is_batch_normalize: bool = False
     rollout_rs: str | None = None
     rollout_rs_threshold: str | float | None = None
-
-
-def parse_rs_thresholds(options: list[str], spec: str | float | None) -> dict[str, tuple[float | None, float]]:
-    """Option -> (lower, upper): k1 options take ``lower_upper`` ratio bounds (a single value is the
-    upper, its reciprocal the lower), the others one positive upper bound; one value serves all."""
-    if spec is None:
-        raise ValueError("`algorithm.rollout_correction.rollout_rs_threshold` must be set with `rollout_rs`. "
-                         "Fix: give one threshold, or one per option (comma-separated).")
-    raw = [str(spec)] if isinstance(spec, int | float) else [p.strip() for p in str(spec).split(",") if p.strip()]
-    if len(raw) not in (1, len(options)):
-        raise ValueError(f"`rollout_rs_threshold` has {len(raw)} values for {len(options)} `rollout_rs` options. "
-                         "Fix: one threshold shared by all options, or exactly one per option.")
-    raw = raw * len(options) if len(raw) == 1 else raw
-    out: dict[str, tuple[float | None, float]] = {}
-    for option, text in zip(options, raw, strict=True):
-        if option.endswith("k1"):
-            low, _, up = text.partition("_") if "_" in text else (str(1.0 / float(text)), "", text)
-            lower, upper = float(low), float(up)
-            if lower <= 0 or upper <= 0:
-                raise ValueError(f"the thresholds of `{option}` must be positive, got `{text}`")
-            out[option] = (lower, upper)
-        else:
-            if "_" in text:
-                raise ValueError(f"`{option}` takes one upper bound, without `_`; got `{text}`")
-            if float(text) <= 0:
-                raise ValueError(f"the threshold of `{option}` must be positive, got `{text}`")
-            out[option] = (None, float(text))
-    return out
-
-
-def _options(rollout_rs: str) -> list[str]:
-    seen: list[str] = []
-    for opt in (o.strip() for o in rollout_rs.split(",")):
-        if opt and opt not in RS_OPTIONS:
-            raise ValueError(f"unknown `rollout_rs` option `{opt}`. Fix: one or more of {', '.join(RS_OPTIONS)}")
-        if opt and opt not in seen:
-            seen.append(opt)
-    if not seen:
-        raise ValueError("`rollout_rs` names no option. Fix: e.g. `token_k1` or `seq_mean_k3`")
-    return seen
 
 
 def _seq_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -146,7 +103,7 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, rollout_rs: str,
                    threshold: str | float | None) -> tuple[torch.Tensor, dict[str, float]]:
     """The response mask with rejected tokens (or sequences) at 0, and verl's ``rollout_rs_*``
     metrics (``compute_rollout_rejection_mask``)."""
-    options = _options(rollout_rs)
+    options = rs_options(rollout_rs)
     bounds = parse_rs_thresholds(options, threshold)
     if log_ratio.shape[0] == 0:
         return mask, {}
@@ -219,7 +176,7 @@ def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshol
                batch_normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance weights and verl's ``rollout_is_*`` metrics
     (``compute_rollout_correction_weights``), on one process's whole batch."""
-    if level not in IS_LEVELS:
+    if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"`rollout_is` must be `token` or `sequence` (or null), got `{level}`")
     if threshold <= 0:
         raise ValueError(f"`rollout_is_threshold` must be positive, got {threshold}")

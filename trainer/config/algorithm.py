@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.algos import registry
-from trainer.config.base import ConfigError, h
+from trainer.config.base import ConfigError, h, require
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,20 @@ class KLCtrlConfig:
     kl_coef: float = h("initial KL coefficient")
     horizon: int = h("adaptive controller horizon")
     target_kl: float = h("adaptive controller target KL")
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    rollout_is: str | None = h("importance weights between the rollout's and the trainer's log-probs: `token`, "
+                               "`sequence`, or null for none (needs `rollout.calculate_log_probs=true`)")
+    rollout_is_threshold: float = h("upper bound the importance weights are truncated at")
+    rollout_is_batch_normalize: bool = h("divide the importance weights by their batch mean")
+    rollout_rs: str | None = h("rejection options, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
+                               "seq_max_k2..3): responses outside `rollout_rs_threshold` leave the loss")
+    rollout_rs_threshold: str | None = h("per option (comma-separated): `lower_upper` ratio bounds for k1 "
+                                         "options, one upper bound for the others")
+    bypass_mode: bool = h("verl's bypass mode (rollout log-probs as the old ones): not supported, false only")
+    loss_type: str = h("the loss of bypass mode (see COMPAT)")
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = h("subtract a KL penalty from the token rewards")
     kl_penalty: str = h("KL estimator of the in-reward penalty (the names of `actor.kl_loss_type`)")
     kl_ctrl: KLCtrlConfig = h("KL controller")
+    rollout_correction: RolloutCorrectionConfig = h(
+        "verl's rollout correction, decoupled mode (`trainer.algos.rollout_corr`): importance weights and "
+        "rejection between the rollout's and the trainer's log-probs of the sampled tokens")
 
 
 #: verl's `algorithm.*` keys this trainer does not implement.
@@ -36,12 +53,19 @@ NOT_SUPPORTED: dict[str, str] = {
     "algorithm.use_pf_ppo": "",
     "algorithm.pf_ppo": "",
     "algorithm.filter_groups": "DAPO group filtering",
-    "algorithm.rollout_correction": "rollout importance-sampling correction",
+    "algorithm.rollout_correction.bypass_mode": "rollout correction's bypass mode",
+}
+
+#: verl keys accepted that change nothing here, and why.
+COMPAT: dict[str, str] = {
+    "algorithm.rollout_correction.loss_type": ("verl reads it only in bypass mode "
+                                               "(`rollout_correction.bypass_mode=true`, refused here)"),
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "algorithm.use_pf_ppo": False,
+    "algorithm.rollout_correction.bypass_mode": False,
 }
 
 
@@ -51,3 +75,22 @@ def estimator(name: str) -> Any:
         return registry.adv_estimator(name)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def validate_rollout_correction(algorithm: AlgorithmConfig, calculate_log_probs: bool) -> None:
+    """verl's rules for `algorithm.rollout_correction`; and, stricter than verl (which then does
+    nothing without a word), weights or rejection need the rollout's log-probs."""
+    rc = algorithm.rollout_correction
+    require(rc.rollout_is is None or rc.rollout_is in registry.ROLLOUT_IS_LEVELS,
+            f"`algorithm.rollout_correction.rollout_is={rc.rollout_is}` must be `token`, `sequence` or null")
+    require(rc.rollout_is_threshold > 0,
+            f"`algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold}` must be positive")
+    if rc.rollout_rs is not None:
+        try:
+            registry.parse_rs_thresholds(registry.rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
+        except ValueError as err:
+            raise ConfigError(f"`algorithm.rollout_correction`: {err}") from None
+    require(calculate_log_probs or (rc.rollout_is is None and rc.rollout_rs is None),
+            "`algorithm.rollout_correction` weighs or rejects by the rollout's own log-probs of the sampled "
+            "tokens, which the rollout returns only with `actor_rollout_ref.rollout.calculate_log_probs=true`; "
+            "set it")

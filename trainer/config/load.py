@@ -13,7 +13,7 @@ import yaml
 
 from trainer.algos import registry
 from trainer.config.actor import validate_lora
-from trainer.config.algorithm import estimator
+from trainer.config.algorithm import estimator, validate_rollout_correction
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.compose import expand_args
 from trainer.config.overrides import (
@@ -236,6 +236,7 @@ def validate(cfg: Config) -> None:
         "Fix: remove the override",
     )
     validate_lora(arr)
+    validate_rollout_correction(cfg.algorithm, rollout.calculate_log_probs)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(
         keep is None or keep == cfg.trainer.max_actor_ckpt_to_keep,

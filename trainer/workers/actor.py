@@ -229,7 +229,8 @@ class ActorRolloutRefWorker(Worker):
             mb.entropy = need(entropy, "entropy").detach()
         old = log_prob.detach() if mb.old_log_probs is None else mb.old_log_probs
         pg_loss, info = self.policy_loss(old, log_prob, need(mb.advantages, "advantages"), mb.response_mask,
-                                         a.loss_agg_mode, self.loss_params, **agg)
+                                         a.loss_agg_mode, self.loss_params,
+                                         rollout_is_weights=mb.rollout_is_weights, **agg)
         loss, kl_loss = pg_loss, None
         if a.entropy_coeff != 0 and entropy is not None:
             loss = loss - a.entropy_coeff * core_algos.agg_loss(entropy, mb.response_mask, a.loss_agg_mode, **agg)

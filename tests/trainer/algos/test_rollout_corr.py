@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
+from trainer.algos.registry import parse_rs_thresholds
 from trainer.algos.rollout_corr import (
     RolloutCorrection,
     correct,
     is_weights,
-    parse_rs_thresholds,
     rejection_mask,
 )
 
