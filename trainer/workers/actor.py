@@ -132,7 +132,13 @@ class ActorRolloutRefWorker(Worker):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
-        last sync; the engine sleeps after it and the cache is emptied (verl's ``trainer_mode``)."""
+        last sync; the engine sleeps after it and the cache is emptied (verl's ``trainer_mode``).
+        An engine whose weights were discarded since (vLLM's level-2 sleep after a rollout with
+        no update behind it, `trainer.critic_warmup`, validation, or a checkpoint) gets them
+        again first: every rank's engine sleeps at the same points, so every rank syncs (the
+        gathers are collectives), as verl syncs before every rollout."""
+        if self.rollout.needs_sync:
+            self.sync_rollout_weights()
         if prompt_ids.shape[0] == 0 and not self.rollout.collective:
             self._sleep_rollout()  # awake since the weight sync
             return None, {"gen": 0.0, "gen_tokens": 0.0}
