@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.devices import WorkerDevice, worker_device
+from hpcrl.devices import DEVICE_VARS, WorkerDevice, id_list, worker_device
 from hpcrl.runtimes import running_in
 from trainer import models as M
 from trainer import parallel as P
@@ -32,7 +32,8 @@ from trainer.checkpoint.hf_export import write_hf_export
 from trainer.config import Config, ConfigError
 from trainer.phases import Phases
 
-__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device", "take_ray_device"]
+__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "require_visible_gpu", "resolve_device",
+           "take_ray_device"]
 
 #: Environment every worker process sets before heavy imports (vLLM's engine stays in-process).
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -79,6 +80,31 @@ def take_ray_device(environ: dict[str, str] | None = None) -> WorkerDevice | Non
     return device
 
 
+def require_visible_gpu(gpu: WorkerDevice | None, device: str, environ: dict[str, str] | os._Environ[str],
+                        cuda_available: bool) -> None:
+    """Refuse to go on when this worker was given a GPU that torch cannot see: Ray granted it
+    one (`gpu`), a visible-device variable names one, or `trainer.device=cuda`. The process
+    group would otherwise pick gloo and the worker train on the CPU, slowly and silently
+    (a container started without its GPU flags, or a CPU build of torch in the image).
+    `trainer.device=cpu` asks for the CPU on purpose and is let through."""
+    if cuda_available or device == "cpu":
+        return
+    seen = [f"`{k}={environ[k]}`" for k in DEVICE_VARS if id_list(environ, k)]
+    given = ([f"Ray granted GPU `{gpu.ray_id}`"] if gpu is not None else []) + seen + (
+        ["`trainer.device=cuda`"] if device == "cuda" else [])
+    if not given:
+        return
+    build = (f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+             if torch.version.hip else "CPU only")
+    raise ConfigError(
+        f"this worker was given a GPU ({', '.join(given)}) but torch cannot see one (torch "
+        f"{torch.__version__}, built for {build}; `torch.cuda.is_available()` is false), so it would "
+        "train on the CPU. Fix: start the container with the GPUs passed in (the site profile's "
+        "`container` settings: `--gpus`/`--device nvidia.com/gpu=all` or `--nv` on NVIDIA, `devices: "
+        "[/dev/kfd, /dev/dri]` with `group_add: [video]` on AMD), use an image whose torch is built "
+        "for the node's GPUs, or train on the CPU on purpose with `trainer.device=cpu`")
+
+
 def resolve_device(name: str) -> torch.device:
     """`trainer.device` of a single rank: `auto` is the GPU when torch sees one."""
     if name == "auto":
@@ -97,6 +123,7 @@ class Worker:
         for key, value in WORKER_ENV.items():
             os.environ.setdefault(key, value)
         self.gpu = take_ray_device()  # first: before anything starts CUDA in this process
+        require_visible_gpu(self.gpu, cfg.trainer.device, os.environ, torch.cuda.is_available())
         self.cfg, self.rank, self.world_size, self.total_steps = cfg, rank, world_size, total_steps
         self.ctx: P.DistContext | None = None
         self.model: Any = None

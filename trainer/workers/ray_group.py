@@ -226,6 +226,10 @@ def _describe_error(err: BaseException) -> str:
         cause = err.as_instanceof_cause()
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
         return "raised " + (lines[-1] if lines else type(cause).__name__)
+    if isinstance(err, ray.exceptions.RayActorError) and getattr(err, "actor_init_failed", False):
+        # the worker's constructor raised (Ray keeps the cause's text in `error_msg`)
+        lines = [line for line in str(getattr(err, "error_msg", "")).strip().splitlines() if line.strip()]
+        return "failed to start: " + (lines[-1].strip() if lines else type(err).__name__)
     if isinstance(err, ray.exceptions.RayActorError):
         return f"died ({type(err).__name__}: the worker process or its node is gone)"
     return f"failed ({type(err).__name__}: {err})"
