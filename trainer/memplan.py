@@ -146,6 +146,7 @@ class TrainSide:
     param_offload: bool
     optimizer_offload: bool
     grad_ckpt: bool
+    remove_padding: bool = False  # packed micro-batches (`use_remove_padding`), traced as such
 
 
 @dataclass(frozen=True)
@@ -201,13 +202,13 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
     mini_rows = max(1, a.ppo_mini_batch_size * r.n // world)
     actor = TrainSide(_rows(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, seq,
                             mini_rows), seq, a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload,
-                      arr.model.enable_gradient_checkpointing)
+                      arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding)
     critic = None
     if cfg.derived.use_critic:
         dyn = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
         critic = TrainSide(_rows(dyn, c.ppo_max_token_len_per_gpu, c.ppo_micro_batch_size_per_gpu, seq, mini_rows),
                            seq, c.model.fsdp_config.param_offload, c.model.fsdp_config.optimizer_offload,
-                           c.model.enable_gradient_checkpointing)
+                           c.model.enable_gradient_checkpointing, c.model.use_remove_padding)
     return Settings(
         world=world, device_bytes=int(device_gib * GIB), response_len=d.max_response_length, actor=actor,
         critic=critic, ref_resident=cfg.derived.use_reference and arr.model.lora_rank == 0
@@ -288,6 +289,7 @@ class Plan:
 def _trace_spec(shape: ModelShape, s: Settings, side: TrainSide, critic: bool, layers: int) -> dict[str, Any]:
     return {"config": shape.with_layers(layers), "world": s.world, "rows": side.rows, "seq_len": side.seq_len,
             "response_len": s.response_len, "critic": critic, "grad_ckpt": side.grad_ckpt,
+            "remove_padding": side.remove_padding,
             "entropy_grad": s.entropy_grad,
             "param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
 

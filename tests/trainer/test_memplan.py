@@ -165,3 +165,19 @@ def test_a_node_too_small_for_its_host_memory_is_refused_with_the_fix() -> None:
     assert refusal.startswith("the host memory phase needs 108.3 GiB per node but 96.0 GiB are available "
                               "(`slurm.mem`); its largest term is 8 x offloaded AdamW moments")
     assert "Fix: a larger `slurm.mem`" in refusal and "optimizer_offload=false" in refusal
+
+
+def test_the_plan_traces_the_packed_path_when_it_runs() -> None:
+    """`use_remove_padding` packs a micro-batch into one row: the trace runs that path with the
+    workers' attention (no dense (T, T) mask), and its activations are no larger than the padded
+    path's for the same real tokens."""
+    from trainer.memplan import _trace_spec, settings_from_config
+
+    cfg = load_config([*FLAGSHIP, "actor_rollout_ref.model.use_remove_padding=true"])
+    s = settings_from_config(cfg, 80)
+    assert s.actor.remove_padding and _trace_spec(read_model(str(QWEN_7B)), s, s.actor, False, 2)["remove_padding"]
+    shape = read_model(str(CONFIGS / "Qwen2.5-0.5B"))
+    spec = {"config": shape.with_layers(2), "world": 2, "rows": 4, "seq_len": 256, "response_len": 128,
+            "critic": False, "grad_ckpt": False, "param_dtype": "fp32", "reduce_dtype": "fp32"}
+    padded, packed = run_traces([spec, {**spec, "remove_padding": True}])
+    assert packed["ACT"] <= padded["ACT"] and packed["Total"] <= padded["Total"] * 1.01, (packed, padded)

@@ -30,8 +30,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = h("recompute activations in backward to save memory")
     use_remove_padding: bool = h(
         "compute real tokens only: each micro-batch's sequences packed into one row (position ids "
-        "restarting per sequence; flash-attention varlen on GPUs, a block-diagonal SDPA mask on "
-        "CPU); false: the padded rows, cut to their longest real row")
+        "restarting per sequence; flash-attention varlen on GPUs with flash-attn, else SDPA once per "
+        "sequence, never a dense mask); false: the padded rows, cut to their longest real row")
     trust_remote_code: bool = h("allow model code shipped with the checkpoint")
     lora_rank: int = h(
         "LoRA rank (peft); 0 = full fine-tuning. Above 0 only the low-rank adapters train (and "

