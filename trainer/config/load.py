@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from trainer.algos import registry
-from trainer.config.actor import validate_lora
+from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.overrides import _apply, _lookup, _reading_env, apply_overrides, is_override
@@ -232,6 +232,7 @@ def validate(cfg: Config) -> None:
             "rollout): the rollout here is single-turn. Fix: remove `enable` from "
             "`actor_rollout_ref.rollout.multi_turn`")
     validate_lora(arr)
+    validate_checkpoint(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(
         keep is None or keep == cfg.trainer.max_actor_ckpt_to_keep,

@@ -300,8 +300,16 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, tmp: str) -> float:
+        """The actor's checkpoint, taken with the rollout engine asleep: it is awake since the
+        weight sync (its KV cache holds `gpu_memory_utilization` of the device), and the save
+        brings offloaded state back and gathers parameters for the HF export on top of it. The
+        next rollout wakes it (after a level-2 sleep, with a weight sync first:
+        :meth:`generate`). The whole model is exported to `huggingface/` only with `hf_model` in
+        `actor.checkpoint.save_contents` (verl's rule), otherwise its config and tokenizer."""
         arr = self.cfg.actor_rollout_ref
-        return self.save(tmp, "actor", self.cfg.data.tokenizer or arr.model.path)
+        self._sleep_rollout()
+        return self.save(tmp, "actor", self.cfg.data.tokenizer or arr.model.path,
+                         hf_weights="hf_model" in arr.actor.checkpoint.save_contents)
 
     def load_checkpoint(self, path: str) -> float:
         return self.load(path, "actor")

@@ -28,7 +28,7 @@ from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, seed_everything
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
-from trainer.checkpoint.hf_export import write_hf_export
+from trainer.checkpoint.hf_export import write_hf_config, write_hf_export
 from trainer.config import Config, ConfigError
 from trainer.phases import Phases
 
@@ -309,11 +309,12 @@ class Worker:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None) -> float:
+    def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None, hf_weights: bool = True) -> float:
         """Write this rank's shards of the model and optimizer into `tmp/<prefix>/` (a collective,
         :mod:`~trainer.checkpoint.sharded`); rank 0 adds the scheduler (`<prefix>_sched.pt`) and,
-        for the actor (`hf_tokenizer_path` given), every rank takes part in the streamed HF export
-        (`huggingface/`, :mod:`~trainer.checkpoint.hf_export`). Returns seconds."""
+        for the actor (`hf_tokenizer_path` given), `huggingface/` (:mod:`~trainer.checkpoint.hf_export`):
+        with `hf_weights` every rank takes part in the streamed export of the weights, else rank 0
+        writes the config and tokenizer alone. Returns seconds."""
         start = time.perf_counter()
         with self.phases.on_device("checkpoint", self.model, self.optim):  # DCP and the export gather
             sharded.save_group_state(Path(tmp) / prefix, self.model, self.optim)
@@ -321,7 +322,10 @@ class Worker:
                 ckpt.write_states(tmp, {f"{prefix}_sched": self.sched.state_dict()})
             if hf_tokenizer_path is not None:
                 tokenizer = M.load_tokenizer(hf_tokenizer_path) if self.rank == 0 else None
-                write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
+                if hf_weights:
+                    write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
+                elif self.rank == 0:
+                    write_hf_config(Path(tmp) / ckpt.HF_DIR, self.model, tokenizer)
         return time.perf_counter() - start
 
     def load(self, path: str, prefix: str) -> float:
