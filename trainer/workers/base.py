@@ -189,7 +189,17 @@ class Worker:
         mp = fsdp_config.mixed_precision
         param_dtype = M.compute_dtype(mp.param_dtype, self.device)
         mixed = param_dtype != M.resolve_dtype(fsdp_config.model_dtype)
-        model = model.to(self.device)
+        empty = any(p.is_meta for p in model.parameters())
+        if empty and self.ctx.fsdp:
+            # sharded while still on the meta device, then given memory: each rank allocates
+            # its shards only, never the whole model (torchtitan's meta-device init; before,
+            # `to_empty` on the device put the whole fp32 model on every GPU before sharding)
+            placed = P.apply_fsdp2(model, param_dtype=param_dtype if mixed else None,
+                                   reduce_dtype=M.resolve_dtype(mp.reduce_dtype))
+            placed = M.materialize(placed, self.device)
+            self.phases.register(placed, offload_params=bool(fsdp_config.param_offload))
+            return placed
+        model = M.materialize(model, self.device) if empty else model.to(self.device)
         if self.ctx.fsdp:
             placed = P.apply_fsdp2(model, param_dtype=param_dtype if mixed else None,
                                    reduce_dtype=M.resolve_dtype(mp.reduce_dtype))
@@ -212,9 +222,9 @@ class Worker:
                                  gradient_checkpointing=gradient_checkpointing,
                                  trust_remote_code=trust_remote_code)
         else:
-            model = M.materialize(M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
-                                                       gradient_checkpointing=gradient_checkpointing,
-                                                       trust_remote_code=trust_remote_code), self.device)
+            model = M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
+                                         gradient_checkpointing=gradient_checkpointing,
+                                         trust_remote_code=trust_remote_code)
         if frozen:
             model = model.eval().requires_grad_(False)
         placed = self._place(model, fsdp_config, section)
