@@ -130,7 +130,7 @@ def test_a_worker_granted_a_gpu_torch_cannot_see_fails_at_once_naming_it(ray_wit
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}"])
     slot = make_placement_group(1, 2, tp=1)
     try:
-        with pytest.raises(WorkerFailure, match=r"rank 0 .*given a GPU \(Ray granted GPU `\d`, "
+        with pytest.raises(WorkerFailure, match=r"rank [01] .*failed to start: .*given a GPU \(Ray granted GPU `\d`, "
                                                 r"`CUDA_VISIBLE_DEVICES=\d`.*Fix: start the container"):
             start_colocated({"actor": ActorRolloutRefWorker}, cfg, 1, slot=slot, world_size=2)
     finally:
