@@ -1,11 +1,14 @@
 """The memory plan before the queue wait: `hpcrl submit` (dry run included) runs the trainer's
 `python -m trainer --plan-memory` on the job's overrides in a subprocess (torch stays out of
-hpcrl's process) against the profile's `slurm.gpu_memory_gib`, and refuses a configuration
-that cannot fit unless `--force` or `slurm.memory_plan: false` lets it through."""
+hpcrl's process) against the profile's `slurm.gpu_memory_gib` and, when it sets one,
+`slurm.mem` (each node's host memory: offloaded and pinned state, per-process baselines), and
+refuses a configuration that cannot fit unless `--force` or `slurm.memory_plan: false` lets it
+through."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -15,10 +18,22 @@ from typing import Any
 from hpcrl.preflight import PreflightError
 
 MODEL_KEY = "actor_rollout_ref.model.path"
+_MEM_UNITS = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
 
 
-def plan_command(overrides: Sequence[str], device_gib: float) -> list[str]:
-    return [sys.executable, "-m", "trainer", "--plan-memory", "--device-memory", str(device_gib), *overrides]
+def slurm_mem_gib(mem: str | None) -> float:
+    """Slurm's `--mem` (`200G`, `512000` in MiB, `1T`) in GiB; 0 for none or `0` (all of it)."""
+    text = str(mem or "0").strip().upper()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)B?", text)
+    if match is None:
+        raise PreflightError(f"`slurm.mem` is {mem!r}, not a Slurm memory size. Fix: a number with an "
+                             "optional unit K, M, G or T (`200G`; no unit is MiB), or `0` for all of it")
+    return float(match.group(1)) * _MEM_UNITS[match.group(2) or "M"]
+
+
+def plan_command(overrides: Sequence[str], device_gib: float, host_gib: float = 0.0) -> list[str]:
+    return [sys.executable, "-m", "trainer", "--plan-memory", "--device-memory", str(device_gib),
+            "--host-memory", str(host_gib), *overrides]
 
 
 def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any, job_env: Mapping[str, str],
@@ -32,8 +47,9 @@ def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any
         return (f"hpcrl: note: no memory plan: `{MODEL_KEY}={model}` has no `config.json` on this host "
                 "(the plan reads only that file; copy it here to have the job checked before it queues)")
     env = {**os.environ, **job_env}
-    done = subprocess.run(plan_command(overrides, slurm.gpu_memory_gib), env=env, capture_output=True,
-                          text=True, check=False)
+    host_gib = slurm_mem_gib(slurm.mem)
+    done = subprocess.run(plan_command(overrides, slurm.gpu_memory_gib, host_gib), env=env,
+                          capture_output=True, text=True, check=False)
     if done.returncode == 0:
         return done.stdout.rstrip("\n")
     error = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
@@ -41,6 +57,7 @@ def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any
     if force or not slurm.memory_plan:
         why = "`--force`" if force else "`slurm.memory_plan: false`"
         return f"{done.stdout.rstrip()}\nhpcrl: warning: submitted despite the memory plan ({why}): {reason}"
+    host = f", {slurm.mem} per node, `slurm.mem`" if host_gib else ""
     raise PreflightError(f"the memory plan refuses this job before it queues "
-                         f"({slurm.gpu_memory_gib:g} GiB per GPU, `slurm.gpu_memory_gib`): {reason}. "
+                         f"({slurm.gpu_memory_gib:g} GiB per GPU, `slurm.gpu_memory_gib`{host}): {reason}. "
                          "To submit anyway: `hpcrl submit --force`")

@@ -76,14 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config-name", "-cn", metavar="FILE",
                         help="as verl's Hydra entry: a YAML file of keys set over verl's `ppo_trainer` "
                         "(its `defaults: [ppo_trainer, _self_]`); the KEY=VALUE overrides apply over it")
+    parser.add_argument("--host-memory", type=float, default=0.0, metavar="GIB",
+                        help="with --plan-memory: the job's host memory per node in GiB (Slurm's "
+                        "`--mem`); 0 (default) leaves host memory unchecked")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return parser
 
 
-def plan_memory(cfg: object, device_gib: float) -> int:
+def plan_memory(cfg: object, device_gib: float, host_gib: float = 0.0) -> int:
     """`--plan-memory`: print the plan; refuse (status 2) a configuration that cannot fit."""
     try:
-        plan = plan_config(cfg, device_gib)
+        plan = plan_config(cfg, device_gib, host_gib=host_gib)
     except PlanError as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
@@ -122,7 +125,7 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
         print(dump_config(cfg), end="")
         return 0
     if args.plan_memory:
-        return plan_memory(cfg, args.device_memory)
+        return plan_memory(cfg, args.device_memory, args.host_memory)
     try:
         return run_training(cfg, stop)
     except (ConfigError, DataError, RewardError, MetricsError, DeadlineError,

@@ -13,6 +13,14 @@ refusal naming the phase, its largest term and the fix when one cannot fit.
   `max_model_len` sequence.
 - Weight sync: the trainer's resident state, vLLM's weights, and one bucket of
   `update_weights_bucket_megabytes` gathered parameters (or the largest parameter, if larger).
+- Host memory of one node (:func:`host_phase`, against the job's `slurm.mem`): per GPU worker a
+  process baseline, the offloaded parameter shards (pageable: `model.to("cpu")` is blocking),
+  the offloaded AdamW moments and, were vLLM to sleep at level 1, its weight backup. The last two
+  are pinned: `to("cpu", non_blocking=True)` from a GPU and vLLM's `pin_memory=True` backup
+  allocate through torch's caching host allocator, which rounds every block up to the next power
+  of two (`CachingHostAllocator.h`: `c10::llvm::PowerOf2Ceil(size)`, under the default
+  `pinned_max_round_threshold`, unbounded) and keeps it cached for reuse, so each tensor counts
+  at its rounded size.
 
 Precision: the plan is for a GPU, so it takes the dtypes the trainer uses there: the actor's
 `fsdp_config.mixed_precision.param_dtype` / `reduce_dtype` (FSDP2's `MixedPrecisionPolicy`;
@@ -32,10 +40,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.rollout.vllm import SLEEP_LEVEL
+
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CUDA_CONTEXT = 1 * GIB
 """Per-process CUDA/ROCm context and allocator slack, counted once for the trainer."""
+HOST_PROCESS = 3 * GIB
+"""Host memory of one GPU worker process before any model state: the interpreter with torch,
+transformers, Ray's worker and vLLM imported (measured on the CPU: bench/host_memory.py) plus the
+CUDA/ROCm runtime's host side (its libraries' pages and the context's host allocations)."""
+HOST_DRIVER = 2 * GIB
+"""The driver process on the head node (the loop, the dataset, Ray's client)."""
 
 
 class PlanError(ValueError):
@@ -73,6 +89,19 @@ class ModelShape:
         layer = h * q + 2 * h * kv + q * h + bias + 3 * h * i + 2 * h
         embed = v * h * (1 if self.config.get("tie_word_embeddings") else 2)
         return self.layers * layer + embed + h
+
+    def tensors(self, fused: bool = False) -> list[int]:
+        """Elements of each weight tensor, as the HF model holds them or (`fused`) as vLLM fuses
+        them (`qkv_proj`, `gate_up_proj`); sums to :meth:`params`."""
+        h, i, v = self._get("hidden_size"), self._get("intermediate_size"), self._get("vocab_size")
+        q, kv = self._get("num_attention_heads") * self.head_dim, self.kv_heads * self.head_dim
+        bias = self.config.get("model_type") == "qwen2"
+        if fused:
+            layer = [(q + 2 * kv) * h, *([q + 2 * kv] if bias else []), q * h, 2 * i * h, i * h, h, h]
+        else:
+            layer = [q * h, kv * h, kv * h, *([q, kv, kv] if bias else []), q * h, i * h, i * h, i * h, h, h]
+        embed = [v * h] * (1 if self.config.get("tie_word_embeddings") else 2)
+        return layer * self.layers + embed + [h]
 
     def largest_param(self) -> int:
         return self._get("vocab_size") * self._get("hidden_size")
@@ -117,6 +146,7 @@ class TrainSide:
     param_offload: bool
     optimizer_offload: bool
     grad_ckpt: bool
+    remove_padding: bool = False  # packed micro-batches (`use_remove_padding`), traced as such
 
 
 @dataclass(frozen=True)
@@ -139,6 +169,10 @@ class Settings:
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
     rollout_dtype: str = "fp32"
+    gpus_per_node: int = 1
+    node_bytes: int = 0  # the job's host memory per node (`slurm.mem`); 0: not checked
+    sleep_level: int = SLEEP_LEVEL  # vLLM's sleep between rollouts (level 1 backs weights up on the host)
+    ref_offloaded: bool = False  # a reference model's shards live in host memory between phases
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -159,7 +193,7 @@ def _rows(dynamic: bool, max_tokens: int, micro: int | None, seq: int, mini_rows
     return max(1, micro or mini_rows)
 
 
-def settings_from_config(cfg: Any, device_gib: float) -> Settings:
+def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> Settings:
     """The plan's inputs as the trainer resolves them from its configuration."""
     arr, d, c = cfg.actor_rollout_ref, cfg.data, cfg.critic
     a, r = arr.actor, arr.rollout
@@ -168,13 +202,13 @@ def settings_from_config(cfg: Any, device_gib: float) -> Settings:
     mini_rows = max(1, a.ppo_mini_batch_size * r.n // world)
     actor = TrainSide(_rows(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, seq,
                             mini_rows), seq, a.fsdp_config.param_offload, a.fsdp_config.optimizer_offload,
-                      arr.model.enable_gradient_checkpointing)
+                      arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding)
     critic = None
     if cfg.derived.use_critic:
         dyn = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
         critic = TrainSide(_rows(dyn, c.ppo_max_token_len_per_gpu, c.ppo_micro_batch_size_per_gpu, seq, mini_rows),
                            seq, c.model.fsdp_config.param_offload, c.model.fsdp_config.optimizer_offload,
-                           c.model.enable_gradient_checkpointing)
+                           c.model.enable_gradient_checkpointing, c.model.use_remove_padding)
     return Settings(
         world=world, device_bytes=int(device_gib * GIB), response_len=d.max_response_length, actor=actor,
         critic=critic, ref_resident=cfg.derived.use_reference and arr.model.lora_rank == 0
@@ -186,7 +220,9 @@ def settings_from_config(cfg: Any, device_gib: float) -> Settings:
         bucket_bytes=r.update_weights_bucket_megabytes * 2**20, entropy_grad=a.entropy_coeff != 0,
         param_dtype=_plan_dtype(a.fsdp_config.mixed_precision.param_dtype),
         reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
-        rollout_dtype=_plan_dtype(r.dtype))
+        rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
+        node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and arr.model.lora_rank == 0
+        and arr.ref.fsdp_config.param_offload)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -199,6 +235,7 @@ class Phase:
     fix: str
     limit: int = 0  # bytes this phase may use (the device's, unless a share of it)
     note: str = ""
+    unit: str = "per device"
 
     @property
     def peak(self) -> int:
@@ -243,7 +280,7 @@ class Plan:
         for p in self.phases:
             if not p.fits:
                 name, size = p.largest
-                return (f"the {p.name} phase needs {p.peak / GIB:.1f} GiB per device but "
+                return (f"the {p.name} phase needs {p.peak / GIB:.1f} GiB {p.unit} but "
                         f"{p.limit / GIB:.1f} GiB are available{p.note}; its largest term is "
                         f"{name} ({size / GIB:.1f} GiB). Fix: {p.fix}")
         return None
@@ -252,6 +289,7 @@ class Plan:
 def _trace_spec(shape: ModelShape, s: Settings, side: TrainSide, critic: bool, layers: int) -> dict[str, Any]:
     return {"config": shape.with_layers(layers), "world": s.world, "rows": side.rows, "seq_len": side.seq_len,
             "response_len": s.response_len, "critic": critic, "grad_ckpt": side.grad_ckpt,
+            "remove_padding": side.remove_padding,
             "entropy_grad": s.entropy_grad,
             "param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
 
@@ -351,6 +389,44 @@ def _resident(shape: ModelShape, s: Settings, side: TrainSide | None) -> int:
     return per + (0 if side.optimizer_offload else 2 * per)
 
 
+def pinned(nbytes: int) -> int:
+    """A block of `nbytes` as torch's caching host allocator holds it: the next power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def host_terms(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
+    """Host memory of one GPU worker process (see the module's note): `(term, bytes)`."""
+    shard = [-(-n // s.world) * 4 for n in shape.tensors()]  # FSDP2 dim-0 shards of fp32 masters
+    wbytes = DTYPE_BYTES[s.rollout_dtype]
+    backup = 0
+    if s.rollout_name == "vllm" and s.free_cache_engine and s.sleep_level == 1:
+        backup = sum(pinned(-(-n // s.tp) * wbytes) for n in shape.tensors(fused=True))
+    moments = 2 * sum(pinned(b) for b in shard) if s.actor.optimizer_offload else 0
+    # the HF engine's own copy (several ranks) sleeps in host memory (`model.to("cpu")`, pageable)
+    hf_copy = shape.params() * wbytes // s.tp if s.rollout_name == "hf" and s.world > 1 else 0
+    return [("process baseline", HOST_PROCESS), ("HF rollout copy asleep", hf_copy),
+            ("offloaded actor shards", sum(shard) if s.actor.param_offload else 0),
+            ("offloaded reference shards", sum(shard) if s.ref_offloaded else 0),
+            ("offloaded AdamW moments (pinned, power-of-two blocks)", moments),
+            (f"vLLM level-{s.sleep_level} sleep backup (pinned, power-of-two blocks)", backup)]
+
+
+def host_phase(shape: ModelShape, s: Settings) -> Phase:
+    """The host memory of the busiest node (the head: its GPU workers and the driver) against
+    `s.node_bytes`. The critic, when there is one, is counted like the actor."""
+    per_worker = host_terms(shape, s)
+    if s.critic is not None:
+        critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none")
+        per_worker += [(f"critic: {n}", b) for n, b in host_terms(shape, critic)[1:] if b]
+    terms = [(f"{s.gpus_per_node} x {n}", b * s.gpus_per_node) for n, b in per_worker]
+    return Phase("host memory", (*terms, ("driver", HOST_DRIVER)),
+                 "a larger `slurm.mem` in the site profile (`0`: all of the node's memory), or less "
+                 "offload (`actor_rollout_ref.actor.fsdp_config.optimizer_offload=false`, "
+                 "`param_offload=false`, `actor_rollout_ref.ref.fsdp_config.param_offload=false`), or "
+                 "fewer GPUs per node (`trainer.n_gpus_per_node`)", s.node_bytes,
+                 " (`slurm.mem`)", "per node")
+
+
 def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "auto") -> Plan:
     """The per-device plan of every phase for `shape` under `s`."""
     params = shape.params()
@@ -407,14 +483,17 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                         "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
                         "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
                         s.device_bytes))
+    if s.node_bytes > 0:
+        phases.append(host_phase(shape, s))
     return Plan(name, params, s.device_bytes, tuple(phases), tuple(notes))
 
 
 def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtype: str | None = None,
-                reduce_dtype: str | None = None) -> Plan:
+                reduce_dtype: str | None = None, host_gib: float = 0.0) -> Plan:
     """The plan of a loaded trainer configuration (its actor model's `config.json`), in the
-    configuration's precision unless `param_dtype` / `reduce_dtype` say otherwise."""
-    s = settings_from_config(cfg, device_gib)
+    configuration's precision unless `param_dtype` / `reduce_dtype` say otherwise; with
+    `host_gib` (the job's memory per node) the host-memory phase too."""
+    s = settings_from_config(cfg, device_gib, host_gib)
     s = replace(s, param_dtype=param_dtype or s.param_dtype, reduce_dtype=reduce_dtype or s.reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
     made = plan(read_model(path), s, name=Path(path).name or path, layers=layers)

@@ -6,7 +6,8 @@ outside fake mode (inside it fails with `DataDependentOutputException`), the mod
 meta device from its config, sharded unit by unit as :func:`trainer.parallel.apply_fsdp2` does
 (each decoder layer, then the root), `to_empty`, AdamW, and two update steps (the second has the
 optimizer moments) of the trainer's own log-prob path (:func:`trainer.models.compute_log_probs`)
-or value path on a fake micro-batch. Fake tensors hold no memory: the tracker counts what the
+or value path on a fake micro-batch, packed (`use_remove_padding`) or padded as the trainer runs
+it. Fake tensors hold no memory: the tracker counts what the
 real tensors would. Runs in its own process (`python -m trainer.memtrace`, a JSON list of specs in, of peaks out):
 the fake process group is process-wide.
 """
@@ -30,8 +31,10 @@ def _build(config: dict[str, Any], critic: bool, dtype: Any, grad_ckpt: bool, de
 
     cfg = AutoConfig.for_model(**config)
     auto = AutoModel if critic else AutoModelForCausalLM
+    # the workers' attention without flash-attn (which needs a GPU): SDPA, packed sequences apart
+    attention = M.attention_implementation(torch.device("cpu"), dtype)
     with torch.device(device):
-        model = auto.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = auto.from_config(cfg, dtype=dtype, attn_implementation=attention)
         if critic:
             model = M.CriticModel(model)
     if grad_ckpt:
@@ -52,7 +55,8 @@ def _steps(tracker: Any, model: Any, optim: Any, spec: dict[str, Any]) -> Any:
     mode = detect_fake_mode()
     with unset_fake_temporarily():  # which tokens to compute is data-dependent: chosen for real
         ids = torch.randint(0, 100, (rows, seq))
-        real = M.select_tokens(ids, torch.ones(rows, seq, dtype=torch.long), resp, remove_padding=False)
+        real = M.select_tokens(ids, torch.ones(rows, seq, dtype=torch.long), resp,
+                               remove_padding=bool(spec.get("remove_padding")))
     tokens = dataclasses.replace(real, **{f.name: mode.from_tensor(getattr(real, f.name))
                                           for f in dataclasses.fields(real)
                                           if isinstance(getattr(real, f.name), torch.Tensor)})

@@ -81,13 +81,74 @@ def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return resolve_dtype(name)
 
 
+PACKED_SDPA = "hpcrl_packed_sdpa"
+"""transformers' SDPA, with packed sequences (``use_remove_padding``) attended one at a time."""
+
+
 def attention_implementation(device: torch.device, compute: torch.dtype) -> str:
-    """transformers' `flash_attention_2` (varlen kernels: packed sequences computed apart) on a
-    GPU with flash-attn installed and 16-bit compute, else `sdpa` (a block-diagonal mask for
-    packed sequences)."""
+    """transformers' `flash_attention_2` (varlen kernels: packed sequences computed apart, verl's
+    path) on a GPU with flash-attn installed and 16-bit compute, else :data:`PACKED_SDPA`.
+
+    Why not transformers' own `sdpa` or `flex_attention` for packed sequences (transformers 5.24,
+    torch 2.13): under `sdpa` a packed row (no attention mask, position ids restarting at 0) gets
+    a dense ``(1, 1, T, T)`` block-diagonal boolean mask built by `masking_utils.sdpa_mask` from
+    `find_packed_sequence_indices`, quadratic in the micro-batch's tokens (T = 24000: 549 MiB per
+    layer call), and the mask disables SDPA's flash and memory-efficient kernels on GPUs.
+    `flex_attention` (a block mask, no dense mask) raises on the CPU in backward ("FlexAttention
+    does not support backward on CPU") and runs unfused, materialising the scores, when not
+    compiled. :data:`PACKED_SDPA` runs SDPA once per packed sequence, causal, with no mask at all
+    (on GPUs SDPA's flash kernels then apply); with an attention mask (the padded path, HF
+    generate) it is transformers' `sdpa` unchanged."""
     if device.type == "cuda" and compute.itemsize == 2 and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    return "sdpa"
+    _register_packed_sdpa()
+    return PACKED_SDPA
+
+
+def packed_lengths(position_ids: torch.Tensor) -> list[int]:
+    """The lengths of the sequences packed in one row whose position ids restart at 0 for each
+    (as transformers' `find_packed_sequence_indices` reads them)."""
+    starts = (position_ids.reshape(-1) == 0).nonzero().squeeze(-1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    return [b - a for a, b in zip(starts, [*starts[1:], position_ids.numel()], strict=True)]
+
+
+def _packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function (`AttentionInterface`): without a mask, each packed
+    sequence on its own (lengths given as `packed_lengths`, else read from `position_ids`)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    given = kwargs.pop("packed_lengths", None)
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or query.shape[0] != 1 or (given is None and position_ids is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[return-value]
+    lengths = list(given) if given is not None else packed_lengths(position_ids)  # type: ignore[arg-type]
+    if len(lengths) < 2:
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)  # type: ignore[return-value]
+    outs, start = [], 0
+    for n in lengths:
+        part = slice(start, start + n)
+        out, _ = sdpa_attention_forward(module, query[:, :, part], key[:, :, part], value[:, :, part], None, **kwargs)
+        outs.append(out)
+        start += n
+    return torch.cat(outs, dim=1), None
+
+
+def _packed_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' mask function (`AttentionMaskInterface`): no mask for a packed row (the
+    attention function keeps its sequences apart), SDPA's mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
+
+
+def _register_packed_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
+    AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
 
 
 def smollm2_path() -> Path:
@@ -369,14 +430,16 @@ class CriticModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
         """Values of shape ``(batch, seq_len)``, in float32 (``attention_mask`` None with
-        packed ``position_ids``: one row of several sequences)."""
+        packed ``position_ids``: one row of several sequences; `kwargs` go to the attention)."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **kwargs,
         )
         return self.value_head(out.last_hidden_state).squeeze(-1).float()
 
@@ -522,8 +585,8 @@ class Tokens:
     ``(batch, response_length)`` output.
 
     Packed (``use_remove_padding``): the real tokens of every row in one row, ``position_ids``
-    restarting at 0 for each sequence (flash-attention's varlen kernel, or a block-diagonal mask
-    for SDPA, keeps the sequences apart). Padded: the rows cut to their longest real row (the
+    restarting at 0 for each sequence (flash-attention's varlen kernel, or SDPA once per sequence,
+    with no mask, keeps the sequences apart). Padded: the rows cut to their longest real row (the
     columns no row uses are dropped). ``predict_at``: the flat positions (row-major over
     ``input_ids``) whose output predicts a real response token; ``rows``/``cols``: that token's
     place in the output."""
@@ -539,6 +602,14 @@ class Tokens:
     keep: int = 0
     """Padded: the last columns whose logits predict a response token (computed here, from the
     real mask, so that the forward pass holds no data-dependent size)."""
+    lengths: tuple[int, ...] = ()
+    """Packed: each sequence's length, in order (what :data:`PACKED_SDPA` attends apart)."""
+
+    def model_kwargs(self, model: Any) -> dict[str, Any]:
+        """The packed lengths for a model attending with :data:`PACKED_SDPA` (it would read them
+        from the position ids otherwise, a device-to-host copy in every layer)."""
+        packed = self.attention_mask is None and getattr(model.config, "_attn_implementation", None) == PACKED_SDPA
+        return {"packed_lengths": self.lengths} if packed else {}
 
     def labels(self) -> torch.Tensor:
         return self.input_ids.reshape(-1)[self.predict_at + 1]
@@ -561,9 +632,10 @@ def select_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
         packed_at = torch.cumsum(flat.long(), 0) - 1  # each flat position's index once packed
         predict_at = packed_at.view(mask.shape)[rows, cols + width - response_length] - 1
         keep = flat.nonzero().squeeze(-1)
+        lengths = tuple(n for n in mask.sum(1).tolist() if n)
         return Tokens(input_ids.reshape(-1)[keep][None], None,
                       position_ids_from_mask(attention_mask).reshape(-1)[keep][None],
-                      predict_at, rows, cols, response_length, mask.shape[0])
+                      predict_at, rows, cols, response_length, mask.shape[0], lengths=lengths)
     used = mask.any(0).nonzero().squeeze(-1)
     first = int(used[0]) if used.numel() else 0
     last = int(used[-1]) + 1 if used.numel() else width
@@ -582,7 +654,7 @@ def _response_log_probs(model: PreTrainedModel, tokens: Tokens, temperature: flo
     width = tokens.input_ids.shape[1]
     if tokens.attention_mask is None:  # packed: the logits of the predicting positions only
         out = model(input_ids=tokens.input_ids, position_ids=tokens.position_ids, use_cache=False,
-                    logits_to_keep=tokens.predict_at)
+                    logits_to_keep=tokens.predict_at, **tokens.model_kwargs(model))
         logits = out.logits[0]
     else:  # padded: the last columns, then the positions of real response tokens
         keep = tokens.keep
@@ -661,5 +733,5 @@ def compute_values(
 
 def token_values(critic: CriticModel, tokens: Tokens) -> torch.Tensor:
     """The critic's values of `tokens`' response states, in a ``(batch, resp_len)`` tensor."""
-    v = critic(tokens.input_ids, tokens.attention_mask, tokens.position_ids)
+    v = critic(tokens.input_ids, tokens.attention_mask, tokens.position_ids, **tokens.model_kwargs(critic))
     return tokens.scatter(v.reshape(-1)[tokens.predict_at])

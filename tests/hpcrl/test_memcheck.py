@@ -51,3 +51,46 @@ def test_a_model_without_a_local_config_is_noted_not_refused(tmp_path: Path) -> 
     done = submit(["--", "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "hpcrl: note: no memory plan: `actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct`" in done.stderr
+
+
+@pytest.mark.parametrize(("mem", "gib"), [("200G", 200.0), ("512000", 500.0), ("1T", 1024.0), ("0", 0.0),
+                                          (None, 0.0), ("300gb", 300.0)])
+def test_slurm_memory_sizes_read_as_gib(mem: str | None, gib: float) -> None:
+    from hpcrl.memcheck import slurm_mem_gib
+
+    assert slurm_mem_gib(mem) == gib
+
+
+def test_an_unreadable_slurm_memory_size_names_the_fix() -> None:
+    from hpcrl.memcheck import slurm_mem_gib
+    from hpcrl.preflight import PreflightError
+
+    with pytest.raises(PreflightError, match=r"`slurm.mem` is '200 gigs'.*Fix: a number with an optional unit"):
+        slurm_mem_gib("200 gigs")
+
+
+@pytest.mark.slow
+def test_a_node_whose_host_memory_cannot_hold_the_offloaded_state_is_refused_before_it_queues(
+        tmp_path: Path) -> None:
+    """`mi300-cluster` with `slurm.mem: 96G`: the flagship's offloaded shards and pinned AdamW
+    moments of 8 workers need 108 GiB of the node (vLLM sleeps at level 2, no weight backup)."""
+    sites = tmp_path / ".config" / "hpcrl" / "sites"
+    sites.mkdir(parents=True)
+    (sites / "small-mem.yaml").write_text("extends: mi300-cluster\nslurm:\n  mem: 96G\n")
+    offload = [f"actor_rollout_ref.model.path={QWEN_7B}", "algorithm.adv_estimator=grpo",
+               "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+               "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.use_kl_loss=True",
+               "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+               "actor_rollout_ref.ref.fsdp_config.param_offload=True", "data.train_batch_size=1024",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.nnodes=2"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "--dry-run", "--via", "sbatch",
+                           "--site", "small-mem", "--", *offload], env=env, cwd=REPO, text=True,
+                          capture_output=True, timeout=900)
+    assert done.returncode == 2, done.stderr
+    assert ("the memory plan refuses this job before it queues (192 GiB per GPU, `slurm.gpu_memory_gib`, "
+            "96G per node, `slurm.mem`): the host memory phase needs 108.3 GiB per node") in done.stderr
+    assert "its largest term is 8 x offloaded AdamW moments" in done.stderr
+    assert "#SBATCH" not in done.stdout

@@ -38,6 +38,9 @@ def overrides(shared: Path, out: Path, *extra: str) -> list[str]:
         "trainer.val_before_train=false", "trainer.logger=[console,jsonl]",
         f"trainer.default_local_dir={out}", f"trainer.run_dir={out}", "trainer.save_freq=-1",
         f"trainer.nnodes={NODES}", f"trainer.n_gpus_per_node={PER_NODE}", "trainer.total_training_steps=1",
+        # the declared GPUs do not exist: the workers train on the CPU on purpose (without this a
+        # worker granted a GPU that torch cannot see refuses to start)
+        "trainer.device=cpu",
         *extra,
     ]
 

@@ -217,7 +217,8 @@ def test_cli_stop_file_gives_requeue_status_and_resume_continues(
     run.mkdir()
     (run / "STOP").touch()
     args = _small(tiny_model_dir, toy_data, run, "trainer.logger=['console','jsonl']",
-                  "actor_rollout_ref.actor.use_dynamic_bsz=true")
+                  "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                  "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
                           env=env, check=False, timeout=300)

@@ -273,7 +273,8 @@ def test_cli_trains_two_lora_steps(tiny_model_dir: Path, toy_data: Path, tmp_pat
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    args = _driver_overrides(tiny_model_dir, toy_data, run, "trainer.logger=['console','jsonl']")
+    args = _driver_overrides(tiny_model_dir, toy_data, run, "trainer.logger=['console','jsonl']",
+                             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
                           env=env, check=False, timeout=300)
@@ -332,7 +333,8 @@ def test_two_ray_ranks_train_lora_and_resume_on_one(tiny_model_dir: Path, toy_da
     no_ray_address(monkeypatch)
     run = tmp_path / "run"
     two = _driver_overrides(tiny_model_dir, toy_data, run, "trainer.n_gpus_per_node=2",
-                            "trainer.total_training_steps=1")
+                            "trainer.total_training_steps=1",
+                            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
     assert run_training(load_config(two)) == 0
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1] and rows[0]["timing_s/update_weights"] > 0

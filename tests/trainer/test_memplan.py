@@ -126,3 +126,79 @@ def test_offload_lowers_the_rollout_and_sync_but_not_the_update() -> None:
     held = 3 * 7.616e9 * 4 / 8  # fp32 shards and two moments per rank
     assert kept["rollout"].peak - off["rollout"].peak == pytest.approx(held, rel=0.03)
     assert kept["weight sync"].peak - off["weight sync"].peak == pytest.approx(held, rel=0.03)
+
+
+def test_pinned_blocks_round_to_the_next_power_of_two() -> None:
+    """torch's caching host allocator (`CachingHostAllocator.h`, `PowerOf2Ceil`)."""
+    from trainer.memplan import pinned
+
+    gate_up = 2 * 18944 * 3584 * 2 // 2  # Qwen2-7B's gate_up_proj, bf16, half of it at TP=2: 136 MB
+    assert pinned(gate_up) == 256 * 2**20
+    assert [pinned(n) for n in (1, 2, 3, 4096, 4097)] == [1, 2, 4, 4096, 8192]
+
+
+def test_vllm_sees_the_fused_tensors_of_the_same_parameters() -> None:
+    shape = read_model(str(QWEN_7B))
+    assert sum(shape.tensors(fused=True)) == sum(shape.tensors()) == shape.params()
+    assert shape.tensors(fused=True).count(2 * 18944 * 3584) == shape.layers  # gate_up_proj
+
+
+# Qwen2-7B GRPO on MI300X nodes of 8 (the `mi300-cluster` profile: `mem: 200G`), TP=2 vLLM,
+# every offload on: 16 ranks over 2 nodes.
+FLAGSHIP_OFFLOAD = [f"actor_rollout_ref.model.path={QWEN_7B}", "algorithm.adv_estimator=grpo",
+                    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                    "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.actor.use_kl_loss=True",
+                    "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+                    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "data.train_batch_size=1024",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=256", "trainer.n_gpus_per_node=8", "trainer.nnodes=2"]
+
+
+def test_the_host_memory_of_a_node_counts_pinned_blocks_at_their_rounded_size() -> None:
+    """The figures of the 200 GiB node: vLLM's level-1 backup of 7.1 GiB of bf16 weights per rank
+    is 13.4 GiB pinned (107 GiB on 8 ranks), the offloaded moments 3.5 -> 6.7 GiB per rank; at
+    level 1 the node needs 215 GiB and is refused, at level 2 (what the engine does) 108 GiB."""
+    from dataclasses import replace
+
+    from trainer.memplan import host_phase, settings_from_config
+
+    shape = read_model(str(QWEN_7B))
+    s = settings_from_config(load_config(FLAGSHIP_OFFLOAD), 192, host_gib=200)
+    assert (s.gpus_per_node, s.world, s.sleep_level) == (8, 16, 2)
+    level1 = dict(host_phase(shape, replace(s, sleep_level=1)).terms)
+    assert level1["8 x vLLM level-1 sleep backup (pinned, power-of-two blocks)"] / GIB == pytest.approx(107.0, abs=0.1)
+    assert level1["8 x offloaded AdamW moments (pinned, power-of-two blocks)"] / 8 / GIB == pytest.approx(6.74, abs=0.01)
+    assert level1["8 x offloaded actor shards"] / 8 / GIB == pytest.approx(shape.params() * 4 / 16 / GIB, rel=1e-3)
+    refused = replace(host_phase(shape, replace(s, sleep_level=1)))
+    assert not refused.fits and refused.peak / GIB == pytest.approx(215.3, abs=0.1)
+    kept = host_phase(shape, s)
+    assert kept.fits and kept.peak / GIB == pytest.approx(108.3, abs=0.1)
+    assert dict(kept.terms)["8 x vLLM level-2 sleep backup (pinned, power-of-two blocks)"] == 0
+
+
+def test_a_node_too_small_for_its_host_memory_is_refused_with_the_fix() -> None:
+    from trainer.memplan import Plan, host_phase, settings_from_config
+
+    s = settings_from_config(load_config(FLAGSHIP_OFFLOAD), 192, host_gib=96)
+    plan = Plan("Qwen2.5-7B", 0, s.device_bytes, (host_phase(read_model(str(QWEN_7B)), s),), ())
+    refusal = plan.refusal()
+    assert refusal is not None
+    assert refusal.startswith("the host memory phase needs 108.3 GiB per node but 96.0 GiB are available "
+                              "(`slurm.mem`); its largest term is 8 x offloaded AdamW moments")
+    assert "Fix: a larger `slurm.mem`" in refusal and "optimizer_offload=false" in refusal
+
+
+def test_the_plan_traces_the_packed_path_when_it_runs() -> None:
+    """`use_remove_padding` packs a micro-batch into one row: the trace runs that path with the
+    workers' attention (no dense (T, T) mask), and its activations are no larger than the padded
+    path's for the same real tokens."""
+    from trainer.memplan import _trace_spec, settings_from_config
+
+    cfg = load_config([*FLAGSHIP, "actor_rollout_ref.model.use_remove_padding=true"])
+    s = settings_from_config(cfg, 80)
+    assert s.actor.remove_padding and _trace_spec(read_model(str(QWEN_7B)), s, s.actor, False, 2)["remove_padding"]
+    shape = read_model(str(CONFIGS / "Qwen2.5-0.5B"))
+    spec = {"config": shape.with_layers(2), "world": 2, "rows": 4, "seq_len": 256, "response_len": 128,
+            "critic": False, "grad_ckpt": False, "param_dtype": "fp32", "reduce_dtype": "fp32"}
+    padded, packed = run_traces([spec, {**spec, "remove_padding": True}])
+    assert packed["ACT"] <= padded["ACT"] and packed["Total"] <= padded["Total"] * 1.01, (packed, padded)

@@ -103,6 +103,46 @@ def test_remove_padding_gives_the_padded_paths_log_probs_and_values(actor: torch
     assert values[0][2, 1:].abs().sum() == 0  # row 2's response is one token
 
 
+def test_packed_sequences_are_attended_apart_without_a_dense_mask(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention the workers load (`attention_implementation`, on the CPU: SDPA one packed
+    sequence at a time) gives the padded path's log-probs, values and gradients, and no SDPA call
+    of the packed forward gets a mask: transformers' own `sdpa` builds a dense (T, T)
+    block-diagonal mask for a packed row (T = every real token of the micro-batch)."""
+    ids, mask, resp_len = make_batch()
+    attention = models.attention_implementation(torch.device("cpu"), torch.float32)
+    actor = models.load_actor(tiny_model_dir, attn_implementation=attention)
+    masks: list[object] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        given = kwargs.get("attn_mask")
+        masks.append(None if given is None else tuple(given.shape))  # type: ignore[attr-defined]
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    grads: list[torch.Tensor] = []
+    padded = torch.empty(0)
+    for rp in (False, True):
+        actor.zero_grad()
+        masks.clear()
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        lp, _ = models.compute_log_probs(actor, ids, mask, resp_len, temperature=0.7, remove_padding=rp)
+        monkeypatch.undo()
+        if rp:
+            assert masks and all(m is None for m in masks), masks  # no (1, 1, T, T) mask
+            assert len(masks) == 3 * actor.config.num_hidden_layers  # one call per sequence and layer
+            torch.testing.assert_close(lp, padded, atol=1e-5, rtol=0)
+        padded = lp.detach()
+        lp.sum().backward()
+        grads.append(actor.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+    torch.manual_seed(0)
+    critic = models.load_critic(tiny_model_dir, attn_implementation=attention)
+    with torch.no_grad():
+        values = [models.compute_values(critic, ids, mask, resp_len, remove_padding=rp) for rp in (False, True)]
+    torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
+
+
 def test_chunked_log_probs_and_entropy_equal_full_log_softmax() -> None:
     """The gathered log-sum-exp over chunks of 3 positions equals the full `log_softmax`, with
     the same gradient, in fp32 (1e-6) and from bf16 logits (computed in fp32, 1e-6)."""
@@ -177,8 +217,8 @@ def test_dtype_and_path_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert (models.compute_dtype(None, cpu), models.compute_dtype(None, gpu)) == (torch.float32, torch.bfloat16)
     assert models.compute_dtype("bf16", cpu) is torch.bfloat16
-    assert models.attention_implementation(cpu, torch.bfloat16) == "sdpa"
-    assert models.attention_implementation(gpu, torch.float32) == "sdpa"  # flash-attn needs 16 bits
+    assert models.attention_implementation(cpu, torch.bfloat16) == models.PACKED_SDPA
+    assert models.attention_implementation(gpu, torch.float32) == models.PACKED_SDPA  # flash-attn needs 16 bits
     assert models.load_actor(tiny_model_dir, dtype="bfloat16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="Valid values: float32"):
         models.resolve_dtype("float8")

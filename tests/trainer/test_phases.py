@@ -169,3 +169,94 @@ def test_the_worker_syncs_and_rolls_out_in_verls_memory_order(tiny_model_dir: Pa
     metrics = worker.memory_metrics()
     assert {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb",
             "perf/memory/weight_sync/max_allocated_gb", "perf/memory/rollout/max_reserved_gb"} <= set(metrics)
+
+
+def test_an_engine_that_discarded_its_weights_is_synced_before_the_next_rollout(tiny_model_dir: Path) -> None:
+    """vLLM's level-2 sleep discards the weights: a rollout with no update (and so no weight
+    sync) behind it, such as a `critic_warmup` step, validation or the rollout after a checkpoint,
+    gets the actor's weights again first, and generates what the first rollout generated."""
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf import HFRolloutEngine, rollout_copy
+    from trainer.workers.actor import ActorRolloutRefWorker
+
+    class Discarding(HFRolloutEngine):
+        """HF generate whose sleep loses the weights, as vLLM's level 2 does."""
+
+        def sleep(self) -> None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.zero_()
+            self.needs_sync = True
+
+        def sync_weights(self, buckets: Any) -> None:
+            super().sync_weights(buckets)
+            self.needs_sync = False
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_response_length=4"])
+    worker = ActorRolloutRefWorker(cfg, 0, 1, total_steps=1)
+    worker.init_dist(None, None)
+    log: list[Any] = []
+    worker.phases.memory = RecordingMemory(log)
+    engine = Discarding(rollout_copy(str(tiny_model_dir), 1, 1, worker.device), worker.tokenizer.pad_token_id,
+                        worker.tokenizer.eos_token_id)
+    worker.rollout, worker.shares_weights = Spy(engine, log), False
+    worker.sync_rollout_weights()
+    prompts = torch.tensor([[1, 2, 3]])
+    greedy = SamplingParams(n=1, max_response_length=4, do_sample=False)
+    first, _ = worker.generate(prompts, torch.ones_like(prompts), greedy, seed=0)
+    log.clear()
+    second, _ = worker.generate(prompts, torch.ones_like(prompts), greedy, seed=0)
+    assert log[:2] == ["empty_cache", "wake_up:weights"] and "wake_up:all" in log  # synced, then rolled out
+    assert first is not None and second is not None
+    torch.testing.assert_close(second.response_ids, first.response_ids, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hf_model", [False, True])
+def test_a_checkpoint_is_taken_with_the_engine_asleep_and_exports_weights_only_with_hf_model(
+        tiny_model_dir: Path, tmp_path: Path, hf_model: bool) -> None:
+    """The engine is awake after the weight sync (vLLM: its KV cache); the save first sleeps it,
+    then brings the offloaded state in. `huggingface/` holds the config and tokenizer, and the
+    weights only with `hf_model` in `actor.checkpoint.save_contents` (verl's rule); the rollout
+    after the checkpoint generates with the actor's weights again."""
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf import HFRolloutEngine, rollout_copy
+    from trainer.workers.actor import ActorRolloutRefWorker
+
+    contents = "[model,optimizer,extra,hf_model]" if hf_model else "[model,optimizer,extra]"
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_response_length=4",
+                       "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                       f"actor_rollout_ref.actor.checkpoint.save_contents={contents}"])
+    worker = ActorRolloutRefWorker(cfg, 0, 1, total_steps=1)
+    worker.init_dist(None, None)
+    log: list[Any] = []
+    worker.phases.memory = RecordingMemory(log)
+    worker.phases.moves = log
+    engine = HFRolloutEngine(rollout_copy(str(tiny_model_dir), 1, 1, worker.device), worker.tokenizer.pad_token_id,
+                             worker.tokenizer.eos_token_id, offload=True)
+    worker.rollout, worker.shares_weights = Spy(engine, log), False
+    worker.sync_rollout_weights()
+    log.clear()
+    worker.save_checkpoint(str(tmp_path))
+    assert log.index("sleep") < log.index(Move("checkpoint", "params", "device")), log
+    hf = tmp_path / "huggingface"
+    assert (hf / "config.json").is_file() and (hf / "tokenizer_config.json").is_file()
+    assert [f.name for f in hf.glob("*.safetensors")] == (["model.safetensors"] if hf_model else [])
+    prompts = torch.tensor([[1, 2, 3]])
+    log.clear()
+    out, _ = worker.generate(prompts, torch.ones_like(prompts), SamplingParams(n=1, max_response_length=2), seed=0)
+    assert out is not None and log[0] == "wake_up:all"
+
+
+def test_checkpoint_contents_are_verls_parts_and_partial_ones_are_refused() -> None:
+    from trainer.config import ConfigError
+
+    key = "actor_rollout_ref.actor.checkpoint"
+    assert load_config().actor_rollout_ref.actor.checkpoint.save_contents == ["model", "optimizer", "extra"]
+    assert "hf_model" in load_config([f"{key}.save_contents=[model,optimizer,extra,hf_model]",
+                                      f"{key}.load_contents=[model,optimizer,extra]"]
+                                     ).actor_rollout_ref.actor.checkpoint.save_contents
+    with pytest.raises(ConfigError, match=r"save_contents=\['model'\]` leaves out \['optimizer', 'extra'\]: "
+                                          r"partial checkpoints .* Fix: keep `model`, `optimizer` and `extra`"):
+        load_config([f"{key}.save_contents=[model]"])
+    with pytest.raises(ConfigError, match=r"load_contents` names \['weights'\]; the parts are"):
+        load_config([f"{key}.load_contents=[model,optimizer,extra,weights]"])

@@ -115,3 +115,24 @@ def test_a_tensor_parallel_engine_never_spans_nodes(ray_with_gpus: Any) -> None:
 
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3` does not divide `trainer.n_gpus_per_node=4`"):
         make_placement_group(1, 4, tp=3)
+
+
+def test_a_worker_granted_a_gpu_torch_cannot_see_fails_at_once_naming_it(ray_with_gpus: Any,
+                                                                          tiny_model_dir: Any) -> None:
+    """Ray grants the actor a GPU (declared on this CPU machine, as a container started without
+    its GPU flags would have it): the worker refuses at construction, and the group's failure
+    names the rank, the GPU and the fix, instead of the rank training on the CPU over gloo."""
+    from trainer.config import load_config
+    from trainer.workers.actor import ActorRolloutRefWorker
+    from trainer.workers.group import WorkerFailure
+    from trainer.workers.ray_group import make_placement_group, start_colocated
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    slot = make_placement_group(1, 2, tp=1)
+    try:
+        with pytest.raises(WorkerFailure, match=r"rank [01] .*failed to start: .*given a GPU \(Ray granted GPU `\d`, "
+                                                r"`CUDA_VISIBLE_DEVICES=\d`.*Fix: start the container"):
+            start_colocated({"actor": ActorRolloutRefWorker}, cfg, 1, slot=slot, world_size=2)
+    finally:
+        for pg in slot.placement_groups:
+            ray_with_gpus.util.remove_placement_group(pg)

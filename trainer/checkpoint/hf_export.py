@@ -25,7 +25,7 @@ from trainer.parallel import state_entries
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["HF_SHARD_BYTES", "INDEX_FILE", "plan_shards", "shard_names", "write_hf_export"]
+__all__ = ["HF_SHARD_BYTES", "INDEX_FILE", "plan_shards", "shard_names", "write_hf_config", "write_hf_export"]
 
 #: Largest safetensors shard of the export (transformers' own default is 5 GB).
 HF_SHARD_BYTES = 2 * 2**30
@@ -93,8 +93,7 @@ def write_hf_export(directory: str | Path, model: torch.nn.Module, rank: int, *,
     out_dir = Path(directory)
     writing = rank == 0
     if writing:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _write_config(out_dir, model, tokenizer)
+        write_hf_config(out_dir, model, tokenizer)
     tensors = ((e.name, e.gather()) for e in entries)
     for file, shard in zip(files, shards, strict=True):
         handle = open(out_dir / file, "wb") if writing else None  # noqa: SIM115 - closed below
@@ -119,8 +118,12 @@ def write_hf_export(directory: str | Path, model: torch.nn.Module, rank: int, *,
     return files
 
 
-def _write_config(out_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
-    """`config.json`, `generation_config.json` (when the model has one) and the tokenizer."""
+def write_hf_config(out_dir: str | Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """`config.json`, `generation_config.json` (when the model has one) and the tokenizer: what
+    verl's `huggingface/` holds on every save, the weights only with `hf_model` in
+    `checkpoint.save_contents`. One rank writes it; no collective."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"HF export: `{type(model).__name__}` has no `config`; export a transformers model")

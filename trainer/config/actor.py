@@ -30,8 +30,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = h("recompute activations in backward to save memory")
     use_remove_padding: bool = h(
         "compute real tokens only: each micro-batch's sequences packed into one row (position ids "
-        "restarting per sequence; flash-attention varlen on GPUs, a block-diagonal SDPA mask on "
-        "CPU); false: the padded rows, cut to their longest real row")
+        "restarting per sequence; flash-attention varlen on GPUs with flash-attn, else SDPA once per "
+        "sequence, never a dense mask); false: the padded rows, cut to their longest real row")
     trust_remote_code: bool = h("allow model code shipped with the checkpoint")
     lora_rank: int = h(
         "LoRA rank (peft); 0 = full fine-tuning. Above 0 only the low-rank adapters train (and "
@@ -69,6 +69,38 @@ class PolicyLossConfig:
     ppo_kl_coef: float = h("kl_cov: coefficient of the |log ratio| penalty")
 
 
+CHECKPOINT_PARTS = ("model", "optimizer", "extra")
+"""What every checkpoint holds here (the sharded model, optimizer, scheduler and loop state)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_contents: list[str] = h(
+        "verl's checkpoint contents: `model`, `optimizer`, `extra` (always all three here: a "
+        "checkpoint resumes completely) and, optionally, `hf_model`: the whole model in HF "
+        "safetensors under `huggingface/` (gathered on every save; without it `huggingface/` holds "
+        "the config, generation config and tokenizer, as in verl)")
+    load_contents: list[str] | None = h("what a resume loads; null = `save_contents` (verl: "
+                                        "`${.save_contents}`); all of `model`, `optimizer`, `extra`")
+    async_save: bool = h("verl: asynchronous saves, Megatron only (compatibility only)")
+
+
+def validate_checkpoint(arr: Any) -> None:
+    """`actor.checkpoint`: the parts verl names, all of model/optimizer/extra saved and loaded."""
+    c = arr.actor.checkpoint
+    for key, given in (("save_contents", c.save_contents), ("load_contents", c.load_contents)):
+        if given is None:
+            continue
+        unknown = sorted(set(given) - {*CHECKPOINT_PARTS, "hf_model"})
+        require(not unknown, f"`actor_rollout_ref.actor.checkpoint.{key}` names {unknown}; the parts are "
+                f"{', '.join(f'`{p}`' for p in (*CHECKPOINT_PARTS, 'hf_model'))}")
+        missing = [p for p in CHECKPOINT_PARTS if p not in given]
+        require(not missing, f"`actor_rollout_ref.actor.checkpoint.{key}={list(given)}` leaves out "
+                f"{missing}: partial checkpoints (saving or loading only some parts) are not supported; "
+                "every checkpoint here holds and resumes the model, optimizer and loop state. Fix: "
+                "keep `model`, `optimizer` and `extra` (add `hf_model` for a full HF export)")
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     strategy: Literal["fsdp", "fsdp2"] = h("parallel strategy of the actor workers")
@@ -99,6 +131,7 @@ class ActorConfig:
     shuffle: bool = h("permute each rank's rows every epoch under `trainer.use_legacy_worker_impl=disable`; verl's default worker ignores it, and so does this one then")
     optim: OptimConfig = h("actor optimizer")
     fsdp_config: FsdpConfig = h("actor FSDP options")
+    checkpoint: CheckpointConfig = h("what a checkpoint holds (verl's `checkpoint` section)")
     use_torch_compile: bool = h("verl: torch.compile the entropy and log-prob helpers (compatibility only)")
     entropy_from_logits_with_chunking: bool = h("verl: the entropy in chunks (compatibility only, see COMPAT)")
     profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
@@ -144,7 +177,6 @@ NOT_SUPPORTED: dict[str, str] = {
         "deprecated in verl; use `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"
     ),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "sequence parallelism",
-    "actor_rollout_ref.actor.checkpoint": "checkpoint contents are fixed",
     "actor_rollout_ref.actor.fsdp_config.wrap_policy": "",
     "actor_rollout_ref.actor.fsdp_config.offload_policy": "",
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": "",
@@ -178,6 +210,8 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.actor.use_torch_compile": TORCH_COMPILE,
     "actor_rollout_ref.ref.use_torch_compile": TORCH_COMPILE,
     "actor_rollout_ref.actor.profiler": PROFILER,
+    "actor_rollout_ref.actor.checkpoint.async_save": ("verl saves asynchronously with Megatron only; its "
+                                                      "FSDP saves are synchronous, as here: the same files"),
     "actor_rollout_ref.actor.fsdp_config.forward_prefetch": PREFETCH,
     "actor_rollout_ref.ref.fsdp_config.forward_prefetch": PREFETCH,
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": CHUNKED_ENTROPY,

@@ -25,8 +25,8 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = h("recompute activations in backward")
     use_remove_padding: bool = h(
         "compute real tokens only: each micro-batch's sequences packed into one row (position ids "
-        "restarting per sequence; flash-attention varlen on GPUs, a block-diagonal SDPA mask on "
-        "CPU); false: the padded rows, cut to their longest real row")
+        "restarting per sequence; flash-attention varlen on GPUs with flash-attn, else SDPA once per "
+        "sequence, never a dense mask); false: the padded rows, cut to their longest real row")
     trust_remote_code: bool = h("allow model code shipped with the checkpoint")
     fsdp_config: FsdpConfig = h("critic FSDP options")
 

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from trainer.algos import registry
-from trainer.config.actor import validate_lora
+from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_rollout_correction
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.compose import expand_args
@@ -237,6 +237,7 @@ def validate(cfg: Config) -> None:
     )
     validate_lora(arr)
     validate_rollout_correction(cfg.algorithm, rollout.calculate_log_probs)
+    validate_checkpoint(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(
         keep is None or keep == cfg.trainer.max_actor_ckpt_to_keep,

@@ -81,7 +81,8 @@ class RolloutConfig:
         "ranks per rollout engine: k consecutive ranks shard one engine (vLLM's tensor "
         "parallelism; for `hf`, the decoder's projections split over them) and get the same "
         "prompts, the groups split the prompts data-parallel; must divide the world size")
-    enforce_eager: bool = h("vLLM: no CUDA graphs")
+    enforce_eager: bool = h("vLLM: no CUDA graphs (verl's default false captures them on GPUs; the CPU "
+                            "backend always runs eagerly)")
     free_cache_engine: bool = h("vLLM on GPUs: release the KV cache (sleep) between rollouts")
     max_num_batched_tokens: int = h("vLLM: tokens per scheduler step")
     max_num_seqs: int = h("vLLM: sequences per scheduler step")

@@ -36,7 +36,10 @@ class TrainerConfig:
         "`nnodes` x `n_gpus_per_node` > 1. Ray is joined at `RAY_ADDRESS` (never `auto`), "
         "or a private local cluster is started when it is unset"
     )
-    device: Literal["auto", "cpu", "cuda"] = h("torch device of a run on one rank (several ranks: one GPU per rank, or CPUs)")
+    device: Literal["auto", "cpu", "cuda"] = h(
+        "torch device of a run on one rank (several ranks: one GPU per rank, or CPUs); a worker given "
+        "a GPU (by Ray, a visible-device variable or `cuda`) that torch cannot see refuses to start "
+        "unless this is `cpu`")
     save_freq: int = h("checkpoint every N steps; -1 = only on stop and at the end")
     resume_mode: Literal["auto", "disable", "resume_path"] = h(
         "auto: newest complete checkpoint; disable: start fresh; resume_path: `resume_from_path`"

@@ -136,6 +136,12 @@ class RolloutEngine(Protocol):
     """Several ranks form one engine (tensor-parallel vLLM): every rank of the group calls
     :meth:`generate` each time, with its prompts or none."""
 
+    @property
+    def needs_sync(self) -> bool:
+        """The engine holds no valid weights (discarded while asleep): :meth:`sync_weights`
+        must run before the next :meth:`generate`."""
+        ...
+
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> RolloutBatch:

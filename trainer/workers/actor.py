@@ -132,7 +132,13 @@ class ActorRolloutRefWorker(Worker):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
-        last sync; the engine sleeps after it and the cache is emptied (verl's ``trainer_mode``)."""
+        last sync; the engine sleeps after it and the cache is emptied (verl's ``trainer_mode``).
+        An engine whose weights were discarded since (vLLM's level-2 sleep after a rollout with
+        no update behind it, `trainer.critic_warmup`, validation, or a checkpoint) gets them
+        again first: every rank's engine sleeps at the same points, so every rank syncs (the
+        gathers are collectives), as verl syncs before every rollout."""
+        if self.rollout.needs_sync:
+            self.sync_rollout_weights()
         if prompt_ids.shape[0] == 0 and not self.rollout.collective:
             self._sleep_rollout()  # awake since the weight sync
             return None, {"gen": 0.0, "gen_tokens": 0.0}
@@ -295,8 +301,16 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, tmp: str) -> float:
+        """The actor's checkpoint, taken with the rollout engine asleep: it is awake since the
+        weight sync (its KV cache holds `gpu_memory_utilization` of the device), and the save
+        brings offloaded state back and gathers parameters for the HF export on top of it. The
+        next rollout wakes it (after a level-2 sleep, with a weight sync first:
+        :meth:`generate`). The whole model is exported to `huggingface/` only with `hf_model` in
+        `actor.checkpoint.save_contents` (verl's rule), otherwise its config and tokenizer."""
         arr = self.cfg.actor_rollout_ref
-        return self.save(tmp, "actor", self.cfg.data.tokenizer or arr.model.path)
+        self._sleep_rollout()
+        return self.save(tmp, "actor", self.cfg.data.tokenizer or arr.model.path,
+                         hf_weights="hf_model" in arr.actor.checkpoint.save_contents)
 
     def load_checkpoint(self, path: str) -> float:
         return self.load(path, "actor")

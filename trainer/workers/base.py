@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.devices import WorkerDevice, worker_device
+from hpcrl.devices import DEVICE_VARS, WorkerDevice, id_list, worker_device
 from hpcrl.runtimes import running_in
 from trainer import models as M
 from trainer import parallel as P
@@ -28,11 +28,12 @@ from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, seed_everything
 from trainer.checkpoint import full_state as ckpt
 from trainer.checkpoint import sharded
-from trainer.checkpoint.hf_export import write_hf_export
+from trainer.checkpoint.hf_export import write_hf_config, write_hf_export
 from trainer.config import Config, ConfigError
 from trainer.phases import Phases
 
-__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "resolve_device", "take_ray_device"]
+__all__ = ["WORKER_ENV", "Worker", "container_runtime", "node_ip", "require_visible_gpu", "resolve_device",
+           "take_ray_device"]
 
 #: Environment every worker process sets before heavy imports (vLLM's engine stays in-process).
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -79,6 +80,31 @@ def take_ray_device(environ: dict[str, str] | None = None) -> WorkerDevice | Non
     return device
 
 
+def require_visible_gpu(gpu: WorkerDevice | None, device: str, environ: dict[str, str] | os._Environ[str],
+                        cuda_available: bool) -> None:
+    """Refuse to go on when this worker was given a GPU that torch cannot see: Ray granted it
+    one (`gpu`), a visible-device variable names one, or `trainer.device=cuda`. The process
+    group would otherwise pick gloo and the worker train on the CPU, slowly and silently
+    (a container started without its GPU flags, or a CPU build of torch in the image).
+    `trainer.device=cpu` asks for the CPU on purpose and is let through."""
+    if cuda_available or device == "cpu":
+        return
+    seen = [f"`{k}={environ[k]}`" for k in DEVICE_VARS if id_list(environ, k)]
+    given = ([f"Ray granted GPU `{gpu.ray_id}`"] if gpu is not None else []) + seen + (
+        ["`trainer.device=cuda`"] if device == "cuda" else [])
+    if not given:
+        return
+    build = (f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+             if torch.version.hip else "CPU only")
+    raise ConfigError(
+        f"this worker was given a GPU ({', '.join(given)}) but torch cannot see one (torch "
+        f"{torch.__version__}, built for {build}; `torch.cuda.is_available()` is false), so it would "
+        "train on the CPU. Fix: start the container with the GPUs passed in (the site profile's "
+        "`container` settings: `--gpus`/`--device nvidia.com/gpu=all` or `--nv` on NVIDIA, `devices: "
+        "[/dev/kfd, /dev/dri]` with `group_add: [video]` on AMD), use an image whose torch is built "
+        "for the node's GPUs, or train on the CPU on purpose with `trainer.device=cpu`")
+
+
 def resolve_device(name: str) -> torch.device:
     """`trainer.device` of a single rank: `auto` is the GPU when torch sees one."""
     if name == "auto":
@@ -97,6 +123,7 @@ class Worker:
         for key, value in WORKER_ENV.items():
             os.environ.setdefault(key, value)
         self.gpu = take_ray_device()  # first: before anything starts CUDA in this process
+        require_visible_gpu(self.gpu, cfg.trainer.device, os.environ, torch.cuda.is_available())
         self.cfg, self.rank, self.world_size, self.total_steps = cfg, rank, world_size, total_steps
         self.ctx: P.DistContext | None = None
         self.model: Any = None
@@ -166,7 +193,17 @@ class Worker:
         mp = fsdp_config.mixed_precision
         param_dtype = M.compute_dtype(mp.param_dtype, self.device)
         mixed = param_dtype != M.resolve_dtype(fsdp_config.model_dtype)
-        model = model.to(self.device)
+        empty = any(p.is_meta for p in model.parameters())
+        if empty and self.ctx.fsdp:
+            # sharded while still on the meta device, then given memory: each rank allocates
+            # its shards only, never the whole model (torchtitan's meta-device init; before,
+            # `to_empty` on the device put the whole fp32 model on every GPU before sharding)
+            placed = P.apply_fsdp2(model, param_dtype=param_dtype if mixed else None,
+                                   reduce_dtype=M.resolve_dtype(mp.reduce_dtype))
+            placed = M.materialize(placed, self.device)
+            self.phases.register(placed, offload_params=bool(fsdp_config.param_offload))
+            return placed
+        model = M.materialize(model, self.device) if empty else model.to(self.device)
         if self.ctx.fsdp:
             placed = P.apply_fsdp2(model, param_dtype=param_dtype if mixed else None,
                                    reduce_dtype=M.resolve_dtype(mp.reduce_dtype))
@@ -189,9 +226,9 @@ class Worker:
                                  gradient_checkpointing=gradient_checkpointing,
                                  trust_remote_code=trust_remote_code)
         else:
-            model = M.materialize(M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
-                                                       gradient_checkpointing=gradient_checkpointing,
-                                                       trust_remote_code=trust_remote_code), self.device)
+            model = M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
+                                         gradient_checkpointing=gradient_checkpointing,
+                                         trust_remote_code=trust_remote_code)
         if frozen:
             model = model.eval().requires_grad_(False)
         placed = self._place(model, fsdp_config, section)
@@ -286,11 +323,12 @@ class Worker:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None) -> float:
+    def save(self, tmp: str, prefix: str, hf_tokenizer_path: str | None = None, hf_weights: bool = True) -> float:
         """Write this rank's shards of the model and optimizer into `tmp/<prefix>/` (a collective,
         :mod:`~trainer.checkpoint.sharded`); rank 0 adds the scheduler (`<prefix>_sched.pt`) and,
-        for the actor (`hf_tokenizer_path` given), every rank takes part in the streamed HF export
-        (`huggingface/`, :mod:`~trainer.checkpoint.hf_export`). Returns seconds."""
+        for the actor (`hf_tokenizer_path` given), `huggingface/` (:mod:`~trainer.checkpoint.hf_export`):
+        with `hf_weights` every rank takes part in the streamed export of the weights, else rank 0
+        writes the config and tokenizer alone. Returns seconds."""
         start = time.perf_counter()
         with self.phases.on_device("checkpoint", self.model, self.optim):  # DCP and the export gather
             sharded.save_group_state(Path(tmp) / prefix, self.model, self.optim)
@@ -298,7 +336,10 @@ class Worker:
                 ckpt.write_states(tmp, {f"{prefix}_sched": self.sched.state_dict()})
             if hf_tokenizer_path is not None:
                 tokenizer = M.load_tokenizer(hf_tokenizer_path) if self.rank == 0 else None
-                write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
+                if hf_weights:
+                    write_hf_export(Path(tmp) / ckpt.HF_DIR, self.model, self.rank, tokenizer=tokenizer)
+                elif self.rank == 0:
+                    write_hf_config(Path(tmp) / ckpt.HF_DIR, self.model, tokenizer)
         return time.perf_counter() - start
 
     def load(self, path: str, prefix: str) -> float:

@@ -226,6 +226,10 @@ def _describe_error(err: BaseException) -> str:
         cause = err.as_instanceof_cause()
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
         return "raised " + (lines[-1] if lines else type(cause).__name__)
+    if isinstance(err, ray.exceptions.RayActorError) and getattr(err, "actor_init_failed", False):
+        # the worker's constructor raised (Ray keeps the cause's text in `error_msg`)
+        lines = [line for line in str(getattr(err, "error_msg", "")).strip().splitlines() if line.strip()]
+        return "failed to start: " + (lines[-1].strip() if lines else type(err).__name__)
     if isinstance(err, ray.exceptions.RayActorError):
         return f"died ({type(err).__name__}: the worker process or its node is gone)"
     return f"failed ({type(err).__name__}: {err})"
@@ -268,8 +272,13 @@ class RayWorkerGroup(WorkerGroup):
         return self._gather(method, [ref], ranks=[rank])[0]
 
     def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
-        """Wait for all `refs`; the first failure raises at once (other ranks may be stuck in a
-        collective waiting for the failed one)."""
+        """Wait for all `refs`; the first failure raises at once, and every rank of the group is
+        killed first: the others may be blocked in a collective the failed rank will never join
+        (vLLM's data-parallel engines all-reduce at every engine step; a tensor-parallel engine's
+        ranks, FSDP's gathers), and would otherwise hold their GPUs and host memory until the
+        group's timeout (`actor_rollout_ref.nccl_timeout`, 600 s: NCCL's watchdog aborts a
+        blocked collective only then). A failure ends the run (`WorkerFailure`), so no group
+        outlives it; Ray's kill is a signal, which a process blocked in NCCL or gloo receives."""
         import ray
 
         ranks = ranks if ranks is not None else list(range(len(refs)))
@@ -283,6 +292,7 @@ class RayWorkerGroup(WorkerGroup):
             except (ray.exceptions.RayError, OSError) as err:
                 rank, cause = rank_of[ref], err
                 dead = None if isinstance(err, ray.exceptions.RayActorError) else _dead_peer(pending, rank_of)
+                self.kill()  # the peers may be blocked in a collective the failed rank left
                 if dead is None:
                     raise WorkerFailure(f"{self.where(rank)} {_describe_error(err)} during "
                                         f"`{method}`") from err

@@ -37,7 +37,8 @@ def engine(tiny_model_dir: Path):
 
     tok = load_tokenizer(tiny_model_dir)
     engine = VLLMRolloutEngine(tiny_model_dir, pad_token_id=tok.pad_token_id,
-                               eos_token_ids=[tok.eos_token_id], max_model_len=64, seed=0)
+                               eos_token_ids=[tok.eos_token_id], max_model_len=64, seed=0,
+                               calculate_log_probs=True)
     yield engine
     engine.close()
 

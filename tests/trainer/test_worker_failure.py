@@ -1,0 +1,82 @@
+"""One rank's error inside `generate` ends the run at once, naming that rank, while its peers
+are blocked in a collective that rank never joins: vLLM's data-parallel engines
+(`external_launcher`, `data_parallel_size` > 1) all-reduce at every engine step, so a peer of a
+failed engine waits there until the group's timeout (`actor_rollout_ref.nccl_timeout`, 600 s).
+Real Ray actors and a real gloo group; the blocked collective stands in for vLLM's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+class Engine:
+    """A rank whose `generate` is a collective of its group; rank 1's raises first."""
+
+    def __init__(self, cfg: Any, rank: int, world_size: int, total_steps: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def node_info(self) -> dict[str, Any]:
+        import os
+        import socket
+
+        return {"rank": self.rank, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        from trainer.parallel import free_port
+
+        return free_port("127.0.0.1")
+
+    def init_dist(self, master: str, port: int) -> dict[str, Any]:
+        from trainer.parallel import init_process_group
+
+        init_process_group(self.rank, self.world_size, master, port, backend="gloo", timeout_s=600)
+        return {}
+
+    def generate(self) -> int:
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == 1:
+            raise RuntimeError("engine step failed: CUDA error: an illegal memory access")
+        value = torch.ones(1)
+        dist.all_reduce(value)  # vLLM's data-parallel all-reduce: rank 1 never joins
+        return int(value.item())
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[Any]:
+    import ray
+
+    from trainer.workers.ray_group import private_token_auth
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAY_ADDRESS", raising=False)
+        private_token_auth()
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def test_one_engines_error_fails_the_run_at_once_naming_its_rank(ray_cluster: Any) -> None:
+    from trainer.workers.group import WorkerFailure
+    from trainer.workers.ray_group import make_placement_group, start_colocated
+
+    slot = make_placement_group(1, 2)
+    group = start_colocated({"actor": Engine}, None, 1, slot=slot, world_size=2)["actor"]
+    group.init_dist()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"worker group `actor` rank 1 .* raised RuntimeError: engine step "
+                                            r"failed: CUDA error: an illegal memory access during `generate`"):
+        group.run("generate")
+    assert time.monotonic() - start < 60  # the group's timeout is 600 s
+    for actor in group.actors:  # every rank is gone, the blocked one too: nothing waits 600 s
+        with pytest.raises(ray_cluster.exceptions.RayActorError):
+            ray_cluster.get(actor.call.remote("actor", "node_info"), timeout=30)
