@@ -104,11 +104,19 @@ if os.environ.get("PAYLOAD_LIST_LISTENERS") == "1":  # where each port of the bl
     with open(os.path.join(run, "rendezvous.json")) as f:
         ports = json.load(f)["ports"]
     names = {p: n for n, p in ports.items() if not n.endswith("worker_port")}
-    out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout.split()
-    for local in out[3::5]:
-        host, _, port = local.rpartition(":")
-        if port.isdigit() and int(port) in names:
-            print(f"payload: listener {names[int(port)]} {host}:{port}", flush=True)
+    # Ray opens some ports after the cluster is up (the dashboard's metrics port among them):
+    # wait, bounded, until every port named in PAYLOAD_LIST_LISTENERS_AWAIT listens, then list.
+    awaited = {n for n in os.environ.get("PAYLOAD_LIST_LISTENERS_AWAIT", "").split(",") if n}
+    deadline = time.monotonic() + 120
+    while True:
+        out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout.split()
+        found = [(names[int(port)], host, port) for host, _, port in (x.rpartition(":") for x in out[3::5])
+                 if port.isdigit() and int(port) in names]
+        if awaited <= {n for n, _, _ in found} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # pacing the poll
+    for name, host, port in found:
+        print(f"payload: listener {name} {host}:{port}", flush=True)
 
 ray.shutdown()
 if os.environ.get("PAYLOAD_WAIT_USR1") == "1":

@@ -148,7 +148,10 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
     from hpcrl.agent.core import Agent
     from hpcrl.slurm_env import job_context
 
-    run = make_run(tmp_path, f"jc{os.getpid()}", {"PAYLOAD_EXIT": "5", "PAYLOAD_CHECK_JOB_TOKEN": "1", "PAYLOAD_LIST_LISTENERS": "1"})
+    everywhere_expected = {"gcs", "node_manager", "object_manager", "dashboard_agent_grpc", "autoscaler_metric",
+                           "dashboard_metric"}
+    run = make_run(tmp_path, f"jc{os.getpid()}", {"PAYLOAD_EXIT": "5", "PAYLOAD_CHECK_JOB_TOKEN": "1", "PAYLOAD_LIST_LISTENERS": "1",
+                                                  "PAYLOAD_LIST_LISTENERS_AWAIT": ",".join(sorted(everywhere_expected))})
     job = json.loads((run / "job.json").read_text())
     job["profile"]["container"] = {"runtime": "podman", "image": "img", "binary": "true"}
     (run / "job.json").write_text(json.dumps(job))
@@ -193,7 +196,6 @@ def test_every_process_goes_through_the_container_seam(tmp_path: Path) -> None:
     # The reach of the job's ports, as `hpcrl.agent.launch.NO_METRICS_ENV` states it.
     listeners = set(re.findall(r"payload: listener (\w+) (\S+):\d+", log))
     everywhere = {name for name, host in listeners if host in ("*", "0.0.0.0", "[::]")}
-    assert everywhere == {"gcs", "node_manager", "object_manager", "dashboard_agent_grpc",
-                          "autoscaler_metric", "dashboard_metric"}, listeners
+    assert everywhere == everywhere_expected, listeners
     assert "metrics_export" not in {name for name, _ in listeners}
     assert leftovers(run) == []
