@@ -27,6 +27,7 @@ import pytest
 
 from tests.conftest import REPO, run_hpcrl
 from tests.lab import FINISHED
+from tests.lab.test_requeue import finished, logs
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 STANDIN = REPO / "tests" / "payloads" / "verl_standin"
@@ -78,15 +79,6 @@ def resumed_from(run_dir: Path, restart: int) -> int | None:
     return found[0] if found else None
 
 
-def logs(run_dir: Path) -> str:
-    parts = []
-    for f in sorted(run_dir.rglob("*")):
-        if f.is_file() and f.suffix in (".out", ".log", ".txt") and "ray-" not in str(f):
-            parts.append(f"==> {f} <==\n" + "\n".join(f.read_text(errors="replace")
-                                                      .splitlines()[-25:]))
-    return "\n".join(parts)
-
-
 def summary(run_dir: Path, restart: int) -> str:
     path = run_dir / str(restart) / "summary.txt"
     return path.read_text() if path.exists() else ""
@@ -115,13 +107,6 @@ def wait_for_step(lab, job: int, run_dir: Path, restart: int, step: int,
         assert state not in FINISHED and time.monotonic() < deadline, (
             f"step {step} of run {restart} not reached (job {state})\n{logs(run_dir)}")
         time.sleep(0.2)
-
-
-def finished(lab, job: int, run_dir: Path, timeout: float = 400) -> dict[str, str]:
-    try:
-        return lab.wait_done(job, timeout=timeout)
-    except Exception as e:
-        raise AssertionError(f"{e}\n\nrun directory logs:\n{logs(run_dir)}") from None
 
 
 def test_verl_time_limit_cancel_resume_and_preemption(lab_manager, tmp_path):
