@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.agent import requeue as rq
-from hpcrl.rundir import CHECKPOINTS, RunPaths, restart_indices, tracked_checkpoint
+from hpcrl.rundir import CHECKPOINTS, RunPaths, parse_metrics, restart_indices, tracked_checkpoint
 from hpcrl.slurm import SlurmError, kill_wait_s, parse_slurm_time, show_job
 from trainer.metrics import METRICS_FILE
 
@@ -224,16 +224,8 @@ def checkpoint_root(payload_argv: Sequence[str], run_dir: Path) -> Path:
 def flat_records(text: str, restart: int) -> list[dict[str, Any]]:
     """verl's `{step, data}` lines as hpcrl's flat records (`training/restart` added); a line
     cut short is skipped."""
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) \
-                and isinstance(rec.get("data"), dict):
-            out.append({**rec["data"], "step": rec["step"], "training/restart": restart})
-    return out
+    return [{**rec["data"], "step": rec["step"], "training/restart": restart}
+            for rec in parse_metrics(text) if isinstance(rec.get("data"), dict)]
 
 
 def merge_metrics(run_dir: Path) -> int:
