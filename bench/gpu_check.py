@@ -18,8 +18,9 @@ Sections, each timed; one that raises is reported and the next runs:
   offload beside the bytes it holds (torch rounds each pinned block up to a power of two).
 - `attention`: one forward and backward of the decoder stack (no head) over 16K and 32K tokens
   of 1K-token sequences: packed in one row (`position_ids` restarting, as `use_remove_padding`
-  computes) against one row per sequence, for each attention implementation present; time and
-  peak memory.
+  computes) against one row per sequence, for transformers' `sdpa`, the trainer's own packed path
+  (`trainer.models.PACKED_SDPA`), flash-attn where installed and `flex_attention`; time and peak
+  memory.
 - `trainer`: `python -m trainer`'s loop on one rank, GRPO with the HF rollout, offload on, in
   bf16: tokens/s (verl's `perf/throughput`), step time, the actor update's MFU (verl's FLOPs
   count, `perf/mfu/actor`) and each phase's peak.
@@ -296,7 +297,9 @@ def attention(check: Check) -> dict[str, Any]:
     model_dir = write_model(check.root, check.dry)
     lengths = (128,) if check.dry else (16384, 32768)
     seq = 32 if check.dry else 1024
-    impls = ["sdpa"]
+    from trainer.models import PACKED_SDPA  # registered with transformers on import
+
+    impls = ["sdpa", PACKED_SDPA]  # transformers' own, and the trainer's packed path without flash-attn
     if importlib.util.find_spec("flash_attn"):
         impls.append("flash_attention_2")
     impls.append("flex_attention")

@@ -35,6 +35,8 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
         for phase in ("build", "update", "update again", "dcp save", "weight sync"):
             assert run[phase]["s"] > 0, (precision, phase)
     assert {"sdpa 128 tokens per-row", "sdpa 128 tokens packed"} <= set(figures["attention"])
+    packed = figures["attention"]["hpcrl_packed_sdpa 128 tokens packed"]  # the trainer's path runs
+    assert isinstance(packed, dict) and packed["s"] > 0, packed
     assert figures["trainer"]["steps"] == 2 and figures["trainer"]["tokens/s/GPU"] > 0
     rows = read_jsonl(tmp_path / "trainer-bf16" / "metrics.jsonl")
     assert len(rows) == 2 and rows[-1]["perf/max_memory_allocated_gb"] == 0.0  # the CPU reads 0
