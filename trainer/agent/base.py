@@ -1,0 +1,123 @@
+"""The seams of the agent-loop rollout, in verl's shapes (`verl/experimental/agent_loop/`,
+`verl/tools/base_tool.py`, `verl/interactions/base.py`).
+
+A :class:`TokenServer` turns prompt token ids into response token ids (one turn). An
+:class:`AgentLoop` runs one trajectory against a server: it builds the prompt with the chat
+template, asks for turns, calls :class:`Tool` s or an :class:`Interaction` between them, and
+returns an :class:`AgentOutput`: the prompt, then every token after it (the model's turns and
+the tool/user turns between them, in order) with `response_mask` 1 only on the model's tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from trainer.rollout.base import SamplingParams
+
+__all__ = ["AgentOutput", "FinishReason", "Interaction", "TokenOutput", "TokenServer", "Tool",
+           "ToolResponse"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class TokenOutput:
+    """One turn a server generated."""
+
+    token_ids: list[int]
+    """The sampled tokens, up to and including the stop token when there is one."""
+    log_probs: list[float] | None = None
+    """The sampling log-prob of each token (after temperature), when the server was asked for them."""
+    finish_reason: FinishReason = "stop"
+    """`stop`: a stop token; `length`: `max_tokens` reached; `abort`: the request was aborted."""
+
+
+@runtime_checkable
+class TokenServer(Protocol):
+    """Token-in/token-out generation of one turn (verl's `AsyncLLMServerManager.generate`).
+    `request_id` names the trajectory: every turn of one trajectory carries the same id, so a
+    server pool can keep them on one server, whose prefix cache holds the conversation so far."""
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       max_tokens: int) -> TokenOutput:
+        """Sample one response (`params.n` is ignored: one sample) of at most `max_tokens` tokens."""
+        ...
+
+
+@dataclass
+class AgentOutput:
+    """One finished trajectory (verl's `AgentLoopOutput`)."""
+
+    prompt_ids: list[int]
+    """The prompt the first turn saw (chat template applied, with the tool schemas when tools are on)."""
+    response_ids: list[int]
+    """Everything after the prompt: model turns and tool/user turns, at most the response length."""
+    response_mask: list[int]
+    """1 on the model's tokens, 0 on tool and user tokens; as long as `response_ids`."""
+    response_logprobs: list[float] | None = None
+    """Sampling log-probs of `response_ids`, 0.0 on tool and user tokens; None when not asked."""
+    num_turns: int = 2
+    """verl's `__num_turns__`: user turns + assistant turns + 1 (the prompt)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Seconds in `generate_sequences` and `tool_calls`, and counts (`tool_calls_made`,
+    `tool_calls_malformed`): verl's `agent_loop/*` metrics are their min/max/mean over rows."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """`turn_scores` (interaction rewards) and `tool_rewards`, as verl's `extra_fields`."""
+
+
+@dataclass
+class ToolResponse:
+    """What a tool gives back to the conversation (verl's `ToolResponse`, text only here)."""
+
+    text: str | None = None
+
+
+class Tool(ABC):
+    """verl's `BaseTool`: one tool the model may call, with its OpenAI function schema. A tool
+    keeps per-trajectory state under an instance id from :meth:`create` until :meth:`release`."""
+
+    def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any]) -> None:
+        self.config = config
+        self.tool_schema = tool_schema
+        self.name: str = tool_schema["function"]["name"]
+
+    @abstractmethod
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        """Open an instance for one trajectory (`kwargs`: the row's `create_kwargs`)."""
+
+    @abstractmethod
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+                      ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
+        """Run one call: the response text, a step reward (or None) and metrics."""
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        return None
+
+
+class Interaction(ABC):
+    """verl's `BaseInteraction`: a simulated user that answers the model between turns."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.name: str = config.get("name", "interaction_agent")
+
+    @abstractmethod
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        """Open an instance for one trajectory (`kwargs`: the row's `interaction_kwargs`)."""
+
+    @abstractmethod
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
+                                ) -> tuple[bool, str, float, dict[str, Any]]:
+        """(stop the trajectory, the user's reply, a turn score, metrics)."""
+
+    async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.0
+
+    async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
+        return None
