@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from uuid import uuid4
 
 if TYPE_CHECKING:
     from trainer.rollout.base import SamplingParams
@@ -84,14 +85,16 @@ class Tool(ABC):
         self.tool_schema = tool_schema
         self.name: str = tool_schema["function"]["name"]
 
-    @abstractmethod
-    async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
-        """Open an instance for one trajectory (`kwargs`: the row's `create_kwargs`)."""
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
+        """Open an instance for one trajectory. The loop passes the row's
+        `tools_kwargs[name]["create_kwargs"]` as `create_kwargs=` (verl's call)."""
+        return instance_id or uuid4().hex, ToolResponse()
 
     @abstractmethod
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
                       ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
-        """Run one call: the response text, a step reward (or None) and metrics."""
+        """Run one call with the parsed JSON arguments: the response text, a step reward (or
+        None) and metrics. An exception becomes the tool's text (`Error when executing tool: ...`)."""
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
         return 0.0
@@ -107,9 +110,9 @@ class Interaction(ABC):
         self.config = config
         self.name: str = config.get("name", "interaction_agent")
 
-    @abstractmethod
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Open an instance for one trajectory (`kwargs`: the row's `interaction_kwargs`)."""
+        return instance_id or uuid4().hex
 
     @abstractmethod
     async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
