@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from uuid import uuid4
 
 if TYPE_CHECKING:
+    from trainer.data import Example
     from trainer.rollout.base import SamplingParams
 
-__all__ = ["AgentOutput", "FinishReason", "Interaction", "TokenOutput", "TokenServer", "Tool",
+__all__ = ["AgentContext", "AgentLoop", "AgentOutput", "FinishReason", "Interaction", "TokenOutput", "TokenServer", "Tool",
            "ToolResponse"]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -124,3 +125,37 @@ class Interaction(ABC):
 
     async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
         return None
+
+
+@dataclass
+class AgentContext:
+    """What every agent loop of a rollout shares (verl's `AgentLoopBase.__init__` arguments)."""
+
+    tokenizer: Any
+    """The actor's tokenizer (its chat template builds every turn's tokens)."""
+    server: TokenServer
+    """Where turns are generated."""
+    response_length: int
+    """`data.max_response_length`: the budget of every token after the prompt, tool turns included."""
+    multi_turn: Any
+    """`actor_rollout_ref.rollout.multi_turn` (:class:`trainer.config.rollout.MultiTurnConfig`):
+    turn limits, parallel calls, tool response length and truncation side, parser format."""
+    tools: dict[str, Tool] = field(default_factory=dict)
+    """Tools by name, from `multi_turn.tool_config_path`."""
+    interactions: dict[str, Interaction] = field(default_factory=dict)
+    """Interactions by name, from `multi_turn.interaction_config_path`."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """`data.apply_chat_template_kwargs` (e.g. `enable_thinking`)."""
+
+
+class AgentLoop(ABC):
+    """One kind of trajectory, registered by verl's name (`agent_name` of a data row)."""
+
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    async def run(self, example: Example, params: SamplingParams, request_id: str) -> AgentOutput:
+        """Run one trajectory for `example` (its `prompt` messages, `prompt_ids` after the data's
+        chat template, `extra_info.tools_kwargs` / `interaction_kwargs`); `request_id` is unique
+        per trajectory and goes with every turn to the server."""
