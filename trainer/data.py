@@ -43,6 +43,8 @@ class Example:
     reward_model: dict[str, Any]
     extra_info: dict[str, Any]
     prompt_ids: list[int]
+    agent_name: str = SINGLE_TURN_AGENT
+    """verl's `agent_name` column: the agent loop that runs this row."""
 
     @property
     def ground_truth(self) -> Any:
