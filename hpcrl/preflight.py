@@ -19,7 +19,7 @@ from hpcrl.rundir import reading_env, trainer_dirs
 from trainer import hub
 from trainer.algos import registry
 from trainer.config import ConfigError, check_overrides, load_defaults, override_values
-from trainer.data import AGENT_LOOP_COLUMNS, agent_loop_file_refusal
+from trainer.data import configured_tool_names, tools_file_refusal
 
 GIB = 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -172,6 +172,8 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
               for k, d in (("prompt_key", "prompt"), ("reward_fn_key", "data_source"))]
     needed.append("reward_model")
     problems: list[str] = []
+    tool_config, _ = setting("actor_rollout_ref.rollout.multi_turn.tool_config_path", overrides, defaults)
+    tools = configured_tool_names(Path(str(tool_config)).expanduser()) if tool_config else set()
     for key in keys:
         value, given = setting(key, overrides, defaults)
         for name in as_list(value):
@@ -185,8 +187,8 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
                 problems.append(f"`{key}`: `{path}` cannot be read as parquet ({exc}). Fix: "
                                 "write it with `python -m trainer.preprocess`")
                 continue
-            if columns is not None and any(c in columns for c in AGENT_LOOP_COLUMNS):
-                refusal = agent_loop_file_refusal(path)
+            if columns is not None and "extra_info" in columns and tools is not None:
+                refusal = tools_file_refusal(path, tools)
                 if refusal is not None:
                     problems.append(f"`{key}`: {refusal}")
             missing = [c for c in needed if columns is not None and c not in columns]

@@ -40,10 +40,19 @@ class StepBatch:
     token_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    num_turns: torch.Tensor | None = None
+    """verl's `__num_turns__` per row (agent-loop rollouts)."""
 
     @property
     def response_length(self) -> int:
         return int(self.response_mask.shape[1])
+
+    @property
+    def response_attention(self) -> torch.Tensor:
+        """1 on every response token attended to: the model's and, in multi-turn rows, the tool
+        and user turns' (`response_mask` is 1 on the model's only). verl's reward managers and
+        length metrics read the response from this (`attention_mask[:, -response_length:]`)."""
+        return self.attention_mask[:, -self.response_length:]
 
     @property
     def responses(self) -> torch.Tensor:

@@ -6,14 +6,15 @@ A row holds `data_source` (selects the reward function; another column with
 `{"role", "content"}`), `ability`, `reward_model` (`{"style", "ground_truth"}`) and
 `extra_info` (free-form).
 
-Rows made for verl's agent loops (an `agent_name` other than the single-turn default, or
-`extra_info.tools_kwargs` / `extra_info.interaction_kwargs`) are refused: the rollout here is
-single-turn, and training them single-turn would not be what they were made for.
+Each row runs through the agent loop its `agent_name` column names (`single_turn_agent` by
+default, `tool_agent`, or a registered custom loop; :mod:`trainer.agent`), with its
+`extra_info.tools_kwargs` and `interaction_kwargs`. A row giving arguments to a tool the tool
+config does not define is refused: it would be trained without the tool it was made for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -51,13 +52,6 @@ class Example:
         return self.reward_model.get("ground_truth")
 
 
-#: verl's per-row arguments of its tool agent loop, under `extra_info` (verl's `RLHFDataset`
-#: hands them to the agent loop as `tools_kwargs` and `interaction_kwargs`).
-AGENT_LOOP_EXTRA = ("tools_kwargs", "interaction_kwargs")
-#: The columns `agent_loop_refusal` reads.
-AGENT_LOOP_COLUMNS = ("agent_name", "extra_info")
-
-
 def _given(value: Any) -> bool:
     """Whether a parquet cell holds something (a struct column gives None, or a dict of Nones,
     for a row that lacks the entry other rows have)."""
@@ -66,52 +60,67 @@ def _given(value: Any) -> bool:
     return value not in (None, "", [])
 
 
-def agent_loop_use(row: Mapping[str, Any]) -> str | None:
-    """What a data row asks of verl's agent loops (`agent_name=tool_agent`, `extra_info.tools_kwargs`),
-    or None for a single-turn row. verl picks each row's loop by `agent_name`, default
-    `single_turn_agent` (`rollout.agent.default_agent_loop`)."""
+def row_agent_name(row: Mapping[str, Any], default: str = SINGLE_TURN_AGENT) -> str:
+    """The agent loop of a data row: its `agent_name`, or `default` without one (verl's
+    `rollout.agent.default_agent_loop`, `AgentLoopWorker.generate_sequences`)."""
     agent = row.get("agent_name")
-    if agent is not None and agent != SINGLE_TURN_AGENT:
-        return f"`agent_name={agent}`"
+    return str(agent) if _given(agent) else default
+
+
+def row_tools(row: Mapping[str, Any]) -> list[str]:
+    """The tools a row's `extra_info.tools_kwargs` gives arguments to (verl's tool agent loop
+    passes `tools_kwargs[name]["create_kwargs"]` to the tool `name`)."""
     extra = row.get("extra_info")
-    for key in AGENT_LOOP_EXTRA:
-        if isinstance(extra, Mapping) and _given(extra.get(key)):
-            return f"`extra_info.{key}`"
-    return None
+    kwargs = extra.get("tools_kwargs") if isinstance(extra, Mapping) else None
+    return sorted(k for k, v in kwargs.items() if _given(v)) if isinstance(kwargs, Mapping) else []
 
 
-def agent_loop_refusal(rows: Sequence[Mapping[str, Any]], path: str | Path) -> str | None:
-    """The refusal of the agent-loop rows among `rows` of the parquet file `path`, or None when
-    every row is single-turn. One message for the trainer's load and the launcher's preflight."""
-    uses = [(i, use) for i, use in enumerate(agent_loop_use(r) for r in rows) if use is not None]
-    if not uses:
+def tools_refusal(rows: Sequence[Mapping[str, Any]], path: str | Path, tools: Collection[str]) -> str | None:
+    """The refusal of rows of the parquet file `path` whose `tools_kwargs` name a tool that is not
+    among `tools` (those of `multi_turn.tool_config_path`), or None. Such a row would run without
+    the tool it was made for (verl's loop only logs a warning when the model calls it). One
+    message for the trainer's load and the launcher's preflight."""
+    missing = [(i, [t for t in row_tools(r) if t not in tools]) for i, r in enumerate(rows)]
+    missing = [(i, names) for i, names in missing if names]
+    if not missing:
         return None
-    first, what = uses[0]
-    return (f"`{path}`: {len(uses)} of {len(rows)} rows (the first: row {first}, {what}) are made for "
-            "verl's agent loops (multi-turn rollout with tools or interactions), which this trainer "
-            "does not have yet: its rollout is single-turn (verl's `single_turn_agent`), and these rows "
-            "would be trained single-turn without their tools. Fix: train on single-turn data (e.g. "
-            "`python -m trainer.preprocess gsm8k`, or verl's `examples/data_preprocess/gsm8k.py`), or "
-            "drop the `agent_name` column and `extra_info.tools_kwargs`/`interaction_kwargs` to train "
-            "these prompts single-turn")
+    first, names = missing[0]
+    have = ", ".join(f"`{t}`" for t in sorted(tools)) or "none"
+    return (f"`{path}`: {len(missing)} of {len(rows)} rows (the first: row {first}) give arguments to "
+            f"the tool(s) {', '.join(f'`{t}`' for t in names)} in `extra_info.tools_kwargs`, which the "
+            f"tool config does not define (tools configured: {have}); they would be trained without "
+            "their tool. Fix: set `actor_rollout_ref.rollout.multi_turn.tool_config_path` to the tool "
+            "config that defines them (verl's `gsm8k_tool_config.yaml` defines `calc_gsm8k_reward`)")
 
 
-def agent_loop_file_refusal(path: str | Path) -> str | None:
-    """`agent_loop_refusal` of a parquet file, reading only the columns it needs (the launcher's
+def configured_tool_names(path: Path) -> set[str] | None:
+    """The tool names a verl tool config file defines, read from its YAML alone (the launcher
+    imports no tool); None when that cannot tell (no such file, or an entry without
+    `tool_schema.function.name`, whose class gives its own schema): the trainer checks then."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(path.read_text())
+        names = {entry["tool_schema"]["function"]["name"] for entry in tree["tools"]}
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return {str(n) for n in names}
+
+
+def tools_file_refusal(path: str | Path, tools: Collection[str]) -> str | None:
+    """`tools_refusal` of a parquet file, reading only the columns it needs (the launcher's
     preflight)."""
     import pyarrow.parquet as pq
 
-    names = pq.read_schema(path).names
-    columns = [c for c in AGENT_LOOP_COLUMNS if c in names]
-    if not columns:
+    if "extra_info" not in pq.read_schema(path).names:
         return None
-    return agent_loop_refusal(pq.read_table(path, columns=columns).to_pylist(), path)
+    return tools_refusal(pq.read_table(path, columns=["extra_info"]).to_pylist(), path, tools)
 
 
 def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt",
-              reward_fn_key: str = "data_source") -> list[dict[str, Any]]:
-    """All rows of the parquet `files`, in order; fail naming a missing file or column, or rows
-    made for verl's agent loops (`agent_loop_refusal`)."""
+              reward_fn_key: str = "data_source", tools: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """All rows of the parquet `files`, in order; fail naming a missing file or column, or (given
+    the configured `tools`) rows whose tools are not configured (`tools_refusal`)."""
     import pyarrow.parquet as pq
 
     rows: list[dict[str, Any]] = []
@@ -132,7 +141,7 @@ def read_rows(files: Sequence[str | Path], prompt_key: str = "prompt",
                 f"needs {', '.join(f'`{c}`' for c in required)} (has: {', '.join(table.column_names)})"
             )
         found = table.to_pylist()
-        refusal = agent_loop_refusal(found, path)
+        refusal = None if tools is None else tools_refusal(found, path, tools)
         if refusal is not None:
             raise DataError(refusal)
         rows.extend(found)
@@ -217,14 +226,32 @@ class PromptDataset:
         filter_overlong_prompts: bool = False,
         truncation: Truncation = "error",
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tool_schemas: Sequence[Mapping[str, Any]] | None = None,
+        tools: Collection[str] | None = None,
+        default_agent: str = SINGLE_TURN_AGENT,
+        agents: Collection[str] | None = None,
     ) -> None:
+        """`tool_schemas`: rendered into every prompt (`tools=`, verl's `data.tool_config_path`);
+        `tools`: the tool names rows may give arguments to (None: not checked); `default_agent`:
+        the loop of a row without `agent_name`; `agents`: the loops a row may name (None: not
+        checked)."""
         self.files = [str(f) for f in files]
         self.num_filtered = 0
         self.examples: list[Example] = []
-        for index, row in enumerate(read_rows(files, prompt_key, reward_fn_key)):
+        template = dict(chat_template_kwargs or {})
+        if tool_schemas:
+            template["tools"] = [dict(t) for t in tool_schemas]
+        for index, row in enumerate(read_rows(files, prompt_key, reward_fn_key, tools)):
             where = f"row {index} of {', '.join(self.files)}"
+            agent = row_agent_name(row, default_agent)
+            if agents is not None and agent not in agents:
+                known = ", ".join(f"`{a}`" for a in sorted(agents))
+                raise DataError(
+                    f"{where}: `agent_name={agent}` is not an agent loop here (known: {known}). Fix: name "
+                    "one of them, or register yours in the file of "
+                    "`actor_rollout_ref.rollout.agent.agent_loop_config_path`")
             messages = _check_messages(row[prompt_key], where)
-            ids = chat_prompt_ids(tokenizer, messages, chat_template_kwargs)
+            ids = chat_prompt_ids(tokenizer, messages, template)
             if filter_overlong_prompts and len(ids) > max_prompt_length:
                 self.num_filtered += 1
                 continue
@@ -236,6 +263,7 @@ class PromptDataset:
                 reward_model=dict(row["reward_model"] or {}),
                 extra_info=dict(row.get("extra_info") or {}),
                 prompt_ids=truncate(ids, max_prompt_length, truncation, where),
+                agent_name=agent,
             ))
         if not self.examples:
             raise DataError(

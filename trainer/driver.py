@@ -34,6 +34,7 @@ import torch
 
 from trainer import models as M
 from trainer import startup
+from trainer.agent.manager import agent_data_args, refuse_collective_engines
 from trainer.algos import core_algos, registry
 from trainer.batch import StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
@@ -159,12 +160,16 @@ class PPODriver:
                                   "reward_fn_key": data.reward_fn_key,
                                   "filter_overlong_prompts": data.filter_overlong_prompts,
                                   "truncation": data.truncation,
-                                  "chat_template_kwargs": data.apply_chat_template_kwargs}
+                                  "chat_template_kwargs": data.apply_chat_template_kwargs,
+                                  **agent_data_args(self.cfg)}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
         t = self.cfg.trainer
         needs_val = t.val_before_train or t.test_freq > 0 or t.val_only
         self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
+        for dataset in (self.train_set, self.val_set):
+            if dataset is not None:
+                refuse_collective_engines(self.cfg, dataset.examples)
         per_epoch = self.loader.batches_per_epoch * t.total_epochs
         self.total_steps = t.total_training_steps or per_epoch
 
@@ -318,6 +323,7 @@ class PPODriver:
     def _step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
         """The metrics stage's step metrics, the ranks' figures and the run's progress."""
         metrics = step_metrics(batch, timer.seconds, self.cfg.data, self.world)
+        metrics.update(self.rollout.agent_metrics)
         metrics.update(self.rank_metrics)
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
                         "training/total_steps": self.total_steps, "training/restart": launcher_restart()})

@@ -189,14 +189,17 @@ def data_metrics(
     max_response_length: int,
     max_prompt_length: int,
     values: torch.Tensor | None = None,
+    response_attention: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """verl's `compute_data_metrics`: score, reward, advantage, return, value and length stats.
 
     Scores and rewards are over the rows with a response (verl leaves out aborted, empty ones);
     a prompt counts as clipped at `data.max_prompt_length` tokens, a response at
-    `data.max_response_length`."""
+    `data.max_response_length`. Advantages, returns and values are over `response_mask` (the
+    model's tokens); lengths count every attended response token, `response_attention` (tool
+    turns included, verl's `_compute_response_info`), the same as `response_mask` by default."""
     mask = response_mask.bool()
-    response_length = response_mask.sum(-1).float()
+    response_length = (response_mask if response_attention is None else response_attention).sum(-1).float()
     prompt_length = prompt_mask.sum(-1).float()
     answered = response_length > 0
     if not answered.any():

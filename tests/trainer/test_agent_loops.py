@@ -1,7 +1,8 @@
-"""verl's agent loops (multi-turn rollout with tools or interactions) are not built here: data
-made for them and the settings that would act only in them are refused by name, the settings
-that change no number are accepted with a note, and verl's `--config-path`/`--config-name`
-entry reads a user's config file over verl's `ppo_trainer`."""
+"""The data and settings of verl's agent loops: rows keep their `agent_name` and tool arguments,
+a row whose tool is not configured is refused (by the trainer and before the queue), the agent
+loops' settings are accepted with their values, those not built are refused by name, the ones
+that change no number are noted, and verl's `--config-path`/`--config-name` entry reads a
+user's config file over verl's `ppo_trainer`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,13 @@ from trainer.config import (
     override_values,
     split_config_flags,
 )
-from trainer.data import DataError, PromptDataset, agent_loop_file_refusal, read_rows
+from trainer.data import (
+    DataError,
+    PromptDataset,
+    configured_tool_names,
+    tools_file_refusal,
+    tools_refusal,
+)
 
 HF = "actor_rollout_ref.rollout.name=hf"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -54,17 +61,35 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
 # ------------------------------------------------------------------------ data rows
 
 
-def test_verl_tool_agent_rows_are_refused_when_read(tmp_path: Path) -> None:
-    path = _write(tmp_path / "train.parquet", [_tool_agent_row(i) for i in range(3)])
-    with pytest.raises(DataError) as err:
-        read_rows([path])
-    msg = str(err.value)
-    assert f"`{path}`: 3 of 3 rows (the first: row 0, `agent_name=tool_agent`)" in msg
-    assert "verl's agent loops" in msg and "single-turn" in msg and "Fix:" in msg
+class _Words:
+    """A tokenizer seam: one id per character of the rendered text (what the data loader
+    needs of a tokenizer); it records the keyword arguments of each rendering."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict[str, Any]] = []
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+        self.kwargs.append(kwargs)
+        tools = "".join(t["function"]["name"] for t in kwargs.get("tools") or [])
+        return tools + "|".join(m["content"] for m in messages)
+
+    def __call__(self, text: str, **kwargs: Any) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
 
 
-def test_the_dataset_refuses_them_before_tokenizing(tmp_path: Path) -> None:
-    """The trainer's load (PromptDataset) refuses them: the tokenizer is never called."""
+def test_verl_tool_agent_rows_keep_their_agent_and_tool_arguments(tmp_path: Path) -> None:
+    path = _write(tmp_path / "train.parquet", [_tool_agent_row(i) for i in range(3)]
+                  + [_row(3, agent_name=None, extra_info={"index": 3, "tools_kwargs": None})])
+    data = PromptDataset([path], _Words(), max_prompt_length=64, tools={"calc_gsm8k_reward"},
+                         agents={"single_turn_agent", "tool_agent"})
+    assert [e.agent_name for e in data.examples] == ["tool_agent"] * 3 + ["single_turn_agent"]
+    assert data[1].extra_info["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"] == {"ground_truth": "1"}
+    other = PromptDataset([path], _Words(), max_prompt_length=64, default_agent="tool_agent")
+    assert other[3].agent_name == "tool_agent"  # `rollout.agent.default_agent_loop` for rows without one
+
+
+def test_rows_whose_tool_is_not_configured_are_refused_before_tokenizing(tmp_path: Path) -> None:
+    """Trained without the tool they were made for, they would be silently single-turn."""
     plain = _row(0, agent_name=None, extra_info={"split": "train", "index": 0, "need_tools_kwargs": None,
                                                  "tools_kwargs": None, "interaction_kwargs": None})
     path = _write(tmp_path / "train.parquet", [plain, _tool_agent_row(1)])
@@ -76,71 +101,85 @@ def test_the_dataset_refuses_them_before_tokenizing(tmp_path: Path) -> None:
         def __call__(self, *a: Any, **k: Any) -> Any:
             raise AssertionError("tokenized a refused file")
 
-    with pytest.raises(DataError, match="1 of 2 rows \\(the first: row 1, `agent_name=tool_agent`\\)"):
-        PromptDataset([path], Untouchable(), max_prompt_length=64)
+    with pytest.raises(DataError) as err:
+        PromptDataset([path], Untouchable(), max_prompt_length=64, tools=set())
+    msg = str(err.value)
+    assert "1 of 2 rows (the first: row 1)" in msg and "`calc_gsm8k_reward`" in msg
+    assert "tools configured: none" in msg and "multi_turn.tool_config_path" in msg
+    assert tools_refusal([_tool_agent_row(0)], path, {"calc_gsm8k_reward"}) is None
+    assert "`other`" in (tools_refusal([_row(0, extra_info={"tools_kwargs": {"other": {"x": 1}}})], path,
+                                       {"calc_gsm8k_reward"}) or "")
+    empty = _row(0, extra_info={"tools_kwargs": {"calc": {"x": None}}})  # a struct column's blank
+    assert tools_refusal([empty], path, set()) is None
 
 
-@pytest.mark.parametrize(("extra", "named"), [
-    ({"extra_info": {"index": 0, "tools_kwargs": {"calc": {"create_kwargs": {"x": 1}}}}},
-     "`extra_info.tools_kwargs`"),
-    ({"extra_info": {"index": 0, "interaction_kwargs": {"name": "gsm8k", "query": "q"}}},
-     "`extra_info.interaction_kwargs`"),
-    ({"agent_name": "react_agent"}, "`agent_name=react_agent`"),
-])
-def test_each_agent_loop_marker_is_refused(tmp_path: Path, extra: dict[str, Any], named: str) -> None:
-    path = _write(tmp_path / "t.parquet", [_row(0, **extra)])
-    assert named in (agent_loop_file_refusal(path) or "")
+def test_an_unknown_agent_name_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.parquet", [_row(0, agent_name="react_agent")])
+    with pytest.raises(DataError, match="`agent_name=react_agent` is not an agent loop here .*`tool_agent`"):
+        PromptDataset([path], _Words(), max_prompt_length=64, agents={"single_turn_agent", "tool_agent"})
 
 
-def test_single_turn_rows_are_read(tmp_path: Path) -> None:
-    """verl's default agent (`single_turn_agent`), and empty or absent tool arguments (a struct
-    column gives None, or all-None fields, where a row lacks them), are single-turn."""
-    rows = [_row(0, agent_name="single_turn_agent", extra_info={"index": 0, "tools_kwargs": None}),
-            _row(1, agent_name=None, extra_info={"index": 1, "tools_kwargs": None})]
-    path = _write(tmp_path / "t.parquet", rows)
-    assert agent_loop_file_refusal(path) is None
-    assert agent_loop_file_refusal(_write(tmp_path / "e.parquet", [_row(0, extra_info={"tools_kwargs": {"a": None}})])) is None
-    assert [r["reward_model"]["ground_truth"] for r in read_rows([path])] == ["0", "1"]
-    mixed = _write(tmp_path / "m.parquet", [
-        _row(0, extra_info={"tools_kwargs": {"calc": {"x": None}}}),
-        _row(1, extra_info={"tools_kwargs": {"calc": {"x": 1}}})])
-    assert "1 of 2 rows (the first: row 1" in (agent_loop_file_refusal(mixed) or "")
+def test_data_tool_config_renders_every_prompt_with_the_tools(tmp_path: Path) -> None:
+    """verl's `data.tool_config_path`: its dataset and single-turn loop pass `tools=`."""
+    words = _Words()
+    schema = {"type": "function", "function": {"name": "calc", "description": "d", "parameters": {}}}
+    data = PromptDataset([_write(tmp_path / "t.parquet", [_row(0)])], words, max_prompt_length=64,
+                         tool_schemas=[schema])
+    assert words.kwargs[0]["tools"] == [schema]
+    assert "".join(map(chr, data[0].prompt_ids)) == "calcq0"
 
 
-def test_hpcrl_preflight_refuses_them_before_the_queue(tmp_path: Path) -> None:
+def _tool_config(tmp_path: Path, name: str = "calc_gsm8k_reward") -> Path:
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool",
+                                               "config": {"type": "native"},
+                                               "tool_schema": {"type": "function", "function": {"name": name}}}]}))
+    return path
+
+
+def test_hpcrl_preflight_refuses_rows_without_their_tool_before_the_queue(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"torch_dtype": "float32"}')
     (model / "model.safetensors").write_bytes(b"\0" * 1000)
     path = _write(tmp_path / "train.parquet", [_tool_agent_row(0)])
-    problems = pf.check_trainer_job([f"actor_rollout_ref.model.path={model}", f"data.train_files={path}",
-                                     "trainer.val_before_train=false"], tmp_path / "run")
-    assert problems == [f"`data.train_files`: {agent_loop_file_refusal(path)}"]
-    good = _write(tmp_path / "good.parquet", [_row(0)])
-    assert pf.check_trainer_job([f"actor_rollout_ref.model.path={model}", f"data.train_files={good}",
-                                 "trainer.val_before_train=false"], tmp_path / "run") == []
+    base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={path}", "trainer.val_before_train=false"]
+    problems = pf.check_trainer_job(base, tmp_path / "run")
+    assert problems == [f"`data.train_files`: {tools_file_refusal(path, set())}"]
+    assert configured_tool_names(_tool_config(tmp_path)) == {"calc_gsm8k_reward"}
+    tools = f"{ROLLOUT}.multi_turn.tool_config_path={_tool_config(tmp_path)}"
+    assert pf.check_trainer_job([*base, tools], tmp_path / "run") == []
+    wrong = f"{ROLLOUT}.multi_turn.tool_config_path={_tool_config(tmp_path, 'calculator')}"
+    assert "`calc_gsm8k_reward`" in pf.check_trainer_job([*base, wrong], tmp_path / "run")[0]
 
 
 # ------------------------------------------------------------------------ settings
 
 
 @pytest.mark.parametrize(("item", "feature"), [
-    ("data.tool_config_path=/cfg/tools.yaml", "tool schemas in the prompts' chat template"),
-    (f"{ROLLOUT}.multi_turn.tool_config_path=/cfg/tools.yaml", "tool calling: verl's agent loops"),
-    (f"{ROLLOUT}.multi_turn.interaction_config_path=/cfg/i.yaml", "interactions: verl's agent loops"),
-    (f"{ROLLOUT}.agent.default_agent_loop=tool_agent", "verl's agent loops"),
-    (f"{ROLLOUT}.agent.agent_loop_config_path=/cfg/loops.yaml", "custom agent loops"),
     (f"{ROLLOUT}.agent.custom_async_server.path=/srv.py", "custom async rollout servers"),
+    (f"{ROLLOUT}.agent.agent_loop_manager_class=my.Manager", "custom agent-loop manager"),
     (f"{ROLLOUT}.trace.backend=mlflow", "rollout tracing"),
 ])
-def test_settings_that_act_only_in_agent_loops_are_refused_by_name(item: str, feature: str) -> None:
+def test_settings_not_built_are_refused_by_name(item: str, feature: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config([item])
     msg = str(err.value)
     assert "not supported yet" in msg and feature in msg and "unknown key" not in msg, msg
-    key = item.split("=", 1)[0]
-    default = "single_turn_agent" if key.endswith("default_agent_loop") else "null"
-    load_config([f"{key}={default}"])  # verl's default: what runs here
+    load_config([f"{item.split('=', 1)[0]}=null"])  # verl's default: what runs here
+
+
+def test_agent_loop_settings_are_accepted_with_their_values() -> None:
+    cfg = load_config([HF, "data.tool_config_path=/cfg/tools.yaml", f"{ROLLOUT}.multi_turn.tool_config_path=/t.yaml",
+                       f"{ROLLOUT}.multi_turn.interaction_config_path=/i.yaml", f"{ROLLOUT}.multi_turn.max_user_turns=3",
+                       f"{ROLLOUT}.agent.default_agent_loop=tool_agent", f"{ROLLOUT}.agent.agent_loop_config_path=/l.yaml",
+                       f"{ROLLOUT}.multi_turn.tool_response_truncate_side=left"])
+    r = cfg.actor_rollout_ref.rollout
+    assert cfg.data.tool_config_path == "/cfg/tools.yaml" and r.multi_turn.tool_config_path == "/t.yaml"
+    assert r.multi_turn.interaction_config_path == "/i.yaml" and r.multi_turn.max_user_turns == 3
+    assert r.agent.default_agent_loop == "tool_agent" and r.agent.agent_loop_config_path == "/l.yaml"
+    with pytest.raises(ConfigError, match="tool_response_truncate_side"):
+        load_config([HF, f"{ROLLOUT}.multi_turn.tool_response_truncate_side=top"])
 
 
 def test_an_unknown_agent_key_is_still_unknown() -> None:
@@ -154,15 +193,15 @@ def test_rollout_mode_async_is_verls_default_and_sync_is_noted() -> None:
     assert compat_notes(items, load_config(items)) == []
     items = [HF, f"{ROLLOUT}.mode=sync"]
     [note] = compat_notes(items, load_config(items))
-    assert "single-turn agent loop" in note and "refused when the data is read" in note
+    assert "every row runs through its agent loop" in note
 
 
 def test_multi_turn_notes_say_the_data_chooses_the_loop() -> None:
-    items = [HF, f"{ROLLOUT}.multi_turn.enable=true", f"{ROLLOUT}.multi_turn.max_user_turns=3"]
+    items = [HF, f"{ROLLOUT}.multi_turn.enable=true", f"{ROLLOUT}.multi_turn.max_user_turns=3",
+             f"{ROLLOUT}.multi_turn.tokenization_sanity_check_mode=disable"]
     notes = compat_notes(items, load_config(items))
-    assert len(notes) == 2
-    assert "`agent_name`" in notes[0] and "acts only with `multi_turn.enable=true`" not in notes[0]
-    assert "agent_name=tool_agent" in notes[1]
+    assert len(notes) == 2  # max_user_turns acts: no note
+    assert "`agent_name`" in notes[0] and "SGLang multi-turn rollout only" in notes[1]
 
 
 def test_sglang_refusal_names_the_fix() -> None:
@@ -216,12 +255,12 @@ def test_config_file_keys_apply_over_the_defaults_and_the_command_line_over_them
 
 
 def test_the_file_s_refusals_name_the_file(tmp_path: Path) -> None:
-    body = {"defaults": ["ppo_trainer", "_self_"], "actor_rollout_ref": {"rollout": {"multi_turn": {
-        "tool_config_path": "/cfg/tools.yaml"}}}}
+    body = {"defaults": ["ppo_trainer", "_self_"], "actor_rollout_ref": {"rollout": {"trace": {
+        "backend": "mlflow"}}}}
     folder = _user_config(tmp_path, body)
     with pytest.raises(ConfigError) as err:
         load_config(file_overrides(str(folder), "my_grpo"))
-    assert "tool calling" in str(err.value) and str(folder / "my_grpo.yaml") in str(err.value)
+    assert "rollout tracing" in str(err.value) and str(folder / "my_grpo.yaml") in str(err.value)
 
 
 def test_defaults_compose_in_order_and_refuse_what_is_not_here(tmp_path: Path) -> None:

@@ -108,22 +108,17 @@ EXPECTED = {
 }
 
 _VLLM = "actor_rollout_ref.rollout.name=vllm"
-#: The multi-turn examples with the fixes their earlier refusals name (the script's empty
-#: `${use_kl_loss}` given the value it sets a line before; vLLM for SGLang; the actor in fp32; no
-#: MLflow logger, nor MLflow tracing of agent loops, `trace.backend`, itself refused naming rollout
-#: tracing):
-#: each is then refused for the agent loops (tools, interactions) it needs. When verl's agent loops
-#: land here, the expectation becomes ACCEPTED.
+#: The multi-turn examples with the one fix their refusal names: vLLM for SGLang; the script's
+#: empty `${use_kl_loss}` given the value it sets a line before; no MLflow tracing of the agent
+#: loops (`trace.backend`, refused naming rollout tracing) nor MLflow logger. Each is then
+#: accepted, its tool or interaction config read through verl's `--config-path` files.
 AGENT_LOOPS = {
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh": (
-        ["actor_rollout_ref.actor.use_kl_loss=True"], "tool calling: verl's agent loops"),
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh": ([_VLLM], "tool calling: verl's agent loops"),
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh": ([_VLLM], "tool calling: verl's agent loops"),
-    "examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh": (
-        [_VLLM, "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"], "interactions: verl's agent loops"),
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh": (
-        [_VLLM, "actor_rollout_ref.rollout.trace.backend=null", "trainer.logger=[console]"],
-        "tool calling: verl's agent loops"),
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh": ["actor_rollout_ref.actor.use_kl_loss=True"],
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh": [_VLLM],
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh": [_VLLM],
+    "examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh": [_VLLM],
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh": [
+        _VLLM, "actor_rollout_ref.rollout.trace.backend=null", "trainer.logger=[console]"],
 }
 
 _FIXTURE = json.loads(FIXTURE.read_text())
@@ -147,15 +142,13 @@ def test_verl_example_is_accepted_or_refused_naming_the_feature(name: str) -> No
 
 
 @pytest.mark.parametrize("name", sorted(AGENT_LOOPS), ids=lambda n: n.split("/")[-1])
-def test_multi_turn_examples_are_refused_for_the_agent_loops_they_need(name: str) -> None:
-    """With the fixes their other refusals name, verl's multi-turn examples (their config file
-    read from `--config-path`/`--config-name`) are refused for agent loops alone, never an
-    unknown key: the file's `multi_turn.enable: True`, `multi_turn.max_assistant_turns` and the
-    scripts' `rollout.mode=async`, `over_sample_rate`, `multi_stage_wake_up` are accepted."""
-    fixes, refusal = AGENT_LOOPS[name]
-    result = outcome([*EXAMPLES[name], *fixes], CONFIGS)
-    assert result.startswith("refused: ") and refusal in result and "not supported yet" in result, result
-    assert "unknown key" not in result
+def test_multi_turn_examples_are_accepted_with_the_fix_their_refusal_names(name: str) -> None:
+    """With the fix their refusal names, verl's multi-turn examples (their config file read from
+    `--config-path`/`--config-name`) are accepted: the file's tool or interaction config,
+    `multi_turn.enable: True`, `multi_turn.max_assistant_turns` and the scripts'
+    `rollout.mode=async`, `over_sample_rate`, `multi_stage_wake_up`."""
+    args = [*EXAMPLES[name], *AGENT_LOOPS[name]]
+    assert outcome(args, CONFIGS) == ACCEPTED
 
 
 def test_accepted_examples_print_their_settings_and_note_the_no_ops() -> None:

@@ -35,6 +35,9 @@ class DataConfig:
         "extra keyword arguments of the tokenizer's `apply_chat_template` when the prompts are "
         "rendered, as verl passes them (e.g. `data.apply_chat_template_kwargs.enable_thinking=false`); "
         "they change the prompt text")
+    tool_config_path: str | None = h(
+        "verl's tool config YAML whose tool schemas every prompt is rendered with (`tools=` of the "
+        "chat template), as verl's dataset and single-turn agent loop render them; null = none")
 
 
 #: verl's `data.*` keys this trainer does not implement (the reason, when there is more to say).
@@ -48,15 +51,10 @@ NOT_SUPPORTED: dict[str, str] = {
     "data.filter_overlong_prompts_workers": "",
     "data.sampler": "custom samplers",
     "data.datagen": "",
-    "data.tool_config_path": (
-        "tool schemas in the prompts' chat template (verl renders every prompt with `tools=` from "
-        "this file, and its tool agent loop calls them); the prompts here are rendered without tools"),
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
-ACCEPTED_ONLY_AS: dict[str, Any] = {
-    "data.tool_config_path": None,
-}
+ACCEPTED_ONLY_AS: dict[str, Any] = {}
 
 #: `data.*` keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {

@@ -23,38 +23,44 @@ class ValKwargs:
 #: generation per prompt, the rollout this trainer runs.
 SINGLE_TURN_AGENT = "single_turn_agent"
 
-_AGENT_LOOPS = ("verl's agent loops (multi-turn rollout with tools or interactions); the rollout here "
-                "is single-turn, verl's `single_turn_agent`")
-_TOOL_LOOP = ("acts only in verl's tool agent loop, which a data row chooses with `agent_name=tool_agent`; "
-              "such rows are refused here when the data is read, so for every row trained here it "
-              "changes nothing (verl's single-turn agent loop does not read it either)")
+_UNUSED_HERE = ("read by verl's SGLang multi-turn rollout only (`verl/workers/rollout/schemas.py`), "
+                "not by its agent loops, which are the rollout here (compatibility only, see COMPAT)")
 
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    """verl's `rollout.multi_turn.*`: settings of its tool agent loop."""
+    """verl's `rollout.multi_turn.*`: settings of its tool agent loop (`trainer.agent.loops`)."""
 
-    enable: bool = h("verl: tags the batch as multi-turn; no longer chooses the rollout (compatibility only)")
-    max_assistant_turns: int | None = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    tool_config_path: str | None = h(f"verl: tools of the tool agent loop; only null is accepted ({_AGENT_LOOPS})")
-    max_user_turns: int | None = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    max_parallel_calls: int = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    max_tool_response_length: int = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    tool_response_truncate_side: str = h("verl's tool agent loop (compatibility only, see COMPAT)")
+    enable: bool = h("verl: tags the batch as multi-turn; the loop is chosen per row by `agent_name` "
+                     "(compatibility only, see COMPAT)")
+    max_assistant_turns: int | None = h("tool agent loop: stop after this many model turns; null = no limit")
+    tool_config_path: str | None = h("tool agent loop: verl's tool config YAML (`tools: [{class_name, config, "
+                                     "tool_schema}]`, see `trainer.agent.tools`); null = no tools")
+    max_user_turns: int | None = h("tool agent loop: stop after this many tool/user turns; null = no limit")
+    max_parallel_calls: int = h("tool agent loop: tool calls of one model turn that run (the rest are dropped)")
+    max_tool_response_length: int = h("tool agent loop: characters of a tool's reply kept")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = h(
+        "tool agent loop: where a long tool reply is cut (verl's names: `left` keeps the start)")
     interaction_config_path: str | None = h(
-        f"verl: interactions of the tool agent loop; only null is accepted ({_AGENT_LOOPS})")
-    use_inference_chat_template: bool = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    tokenization_sanity_check_mode: str = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    format: str = h("verl's tool agent loop (compatibility only, see COMPAT)")
-    num_repeat_rollouts: int | None = h("verl's tool agent loop (compatibility only, see COMPAT)")
+        "tool agent loop: verl's interaction config YAML (`interaction: [{name, class_name, config}]`); "
+        "rows choose one by `extra_info.interaction_kwargs.name`; null = none")
+    use_inference_chat_template: bool = h(_UNUSED_HERE)
+    tokenization_sanity_check_mode: str = h(_UNUSED_HERE)
+    format: str = h("tool agent loop: the tool-call format the parser reads (`hermes`)")
+    num_repeat_rollouts: int | None = h(_UNUSED_HERE)
 
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """verl's `rollout.agent.*`; its other keys are accepted only at their defaults."""
+    """verl's `rollout.agent.*`; `agent_loop_manager_class` and `custom_async_server` are
+    accepted only at their defaults."""
 
     num_workers: int = h("verl: agent-loop workers the rollout's requests are spread over "
                          "(compatibility only, see COMPAT)")
+    default_agent_loop: str = h("the agent loop of a data row without `agent_name`")
+    agent_loop_config_path: str | None = h(
+        "custom agent loops: a YAML list of `{name, _target_: package.module.Class}` (subclasses of "
+        "`trainer.agent.base.AgentLoop`); rows choose them by `agent_name`")
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,8 @@ class RolloutConfig:
         "the sampler's probabilities are from the actor's); the old log-probs then get their own "
         "forward pass even where the on-policy update would supply them")
     mode: Literal["sync", "async"] = h("verl: the rollout's scheduling; `async` (verl's default and only "
-                                       "mode) and `sync` both run the single-turn rollout (compatibility "
-                                       "only, see COMPAT)")
+                                       "mode) and `sync` both run each row through its agent loop "
+                                       "(compatibility only, see COMPAT)")
     load_format: str = h("verl: how the rollout engine loads its first weights (compatibility only, see COMPAT)")
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
     enable_prefix_caching: bool = h("vLLM's prefix cache (compatibility only, see COMPAT)")
@@ -138,11 +144,9 @@ NOT_SUPPORTED: dict[str, str] = {
         "size `checkpoint_engine.update_weights_bucket_megabytes` is read as "
         "`actor_rollout_ref.rollout.update_weights_bucket_megabytes`"),
     "actor_rollout_ref.rollout.engine_kwargs": "",
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": f"tool calling: {_AGENT_LOOPS}",
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": f"interactions: {_AGENT_LOOPS}",
-    "actor_rollout_ref.rollout.agent.default_agent_loop": _AGENT_LOOPS,
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": f"custom agent loops: {_AGENT_LOOPS}",
-    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": f"custom agent loops: {_AGENT_LOOPS}",
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": (
+        "a custom agent-loop manager (the rollout's rows run through `trainer.agent.manager` here); "
+        "custom loops go in `actor_rollout_ref.rollout.agent.agent_loop_config_path`"),
     "actor_rollout_ref.rollout.agent.custom_async_server": (
         "custom async rollout servers (the rollout engine runs inside the trainer's workers here)"),
     "actor_rollout_ref.rollout.trace.backend": (
@@ -158,10 +162,6 @@ NOT_SUPPORTED: dict[str, str] = {
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.rollout.ignore_eos": False,
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": None,
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": None,
-    "actor_rollout_ref.rollout.agent.default_agent_loop": SINGLE_TURN_AGENT,
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": None,
     "actor_rollout_ref.rollout.agent.agent_loop_manager_class": None,
     "actor_rollout_ref.rollout.agent.custom_async_server.path": None,
     "actor_rollout_ref.rollout.agent.custom_async_server.name": None,
@@ -171,10 +171,8 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
     "actor_rollout_ref.rollout.mode": (
-        "verl runs every rollout through its agent loops (`async`, its default; it refuses `sync`), "
-        "and for a row without `agent_name` that is the single-turn agent loop: each prompt's "
-        "responses sampled once with the current weights, as this trainer's one batched generate per "
-        "step samples them; rows naming another agent loop are refused when the data is read"),
+        "verl runs every rollout through its agent loops (`async`, its default; it refuses `sync`); "
+        "here too every row runs through its agent loop (`trainer.agent.manager`), whatever the mode"),
     "actor_rollout_ref.rollout.load_format": ("the rollout engine gets the actor's weights at every "
                                               "sync here, whatever it loaded first"),
     "actor_rollout_ref.rollout.layered_summon": ("LoRA weights are merged and synced in buckets here; "
@@ -185,12 +183,9 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.rollout.profiler": PROFILER,
     "actor_rollout_ref.rollout.multi_turn.enable": (
         "verl chooses the agent loop by each data row's `agent_name`, not by this key, which only "
-        "tags the batch (no loss reads the tag); rows naming a multi-turn agent loop are refused here "
-        "when the data is read"),
-    **{f"actor_rollout_ref.rollout.multi_turn.{name}": _TOOL_LOOP
-       for name in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
-                    "tool_response_truncate_side", "use_inference_chat_template",
-                    "tokenization_sanity_check_mode", "format", "num_repeat_rollouts")},
+        "tags the batch (no loss reads the tag); so does this trainer"),
+    **{f"actor_rollout_ref.rollout.multi_turn.{name}": _UNUSED_HERE
+       for name in ("use_inference_chat_template", "tokenization_sanity_check_mode", "num_repeat_rollouts")},
     "actor_rollout_ref.rollout.agent.num_workers": (
         "verl's agent-loop workers only share out the rollout's requests; which worker generates a "
         "response changes no number"),

@@ -106,6 +106,12 @@ class RolloutBatch:
     entropy: torch.Tensor | None = None
     """``(rows, max_response_length)`` float32 entropy of ``softmax(logits / temperature)`` at
     each response position, 0 where masked; None when the engine does not see full logits."""
+    response_attention: torch.Tensor | None = None
+    """``(rows, max_response_length)`` 1 on every response token the model attends to: the
+    model's tokens and, in a multi-turn row, the tool and user turns between them (where
+    ``response_mask`` is 0). None: the same as ``response_mask`` (a single-turn row)."""
+    num_turns: torch.Tensor | None = None
+    """``(rows,)`` verl's ``__num_turns__`` (user + assistant turns + 1) of agent-loop rows."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -114,7 +120,8 @@ class RolloutBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        response = self.response_mask if self.response_attention is None else self.response_attention
+        return torch.cat([self.prompt_mask, response.to(self.prompt_mask.dtype)], dim=1)
 
     @property
     def response_length(self) -> int:

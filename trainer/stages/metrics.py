@@ -37,9 +37,13 @@ def step_metrics(batch: StepBatch, seconds: Mapping[str, float], data: DataConfi
         sequence_score=need(batch.sequence_scores, "scores"),
         sequence_reward=need(batch.token_rewards, "token_rewards").sum(-1),
         advantages=need(batch.advantages, "advantages"), returns=need(batch.returns, "returns"),
-        values=batch.values, response_mask=batch.response_mask,
+        values=batch.values, response_mask=batch.response_mask, response_attention=batch.response_attention,
         prompt_mask=batch.attention_mask[:, :-batch.response_length],
         max_response_length=data.max_response_length, max_prompt_length=data.max_prompt_length)
+    if batch.num_turns is not None:  # verl's `num_turns/*` of agent-loop rows
+        turns = batch.num_turns.float()
+        metrics.update({"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
+                        "num_turns/mean": float(turns.mean())})
     response_tokens = float(batch.response_mask.sum())
     metrics.update(timing_metrics(dict(seconds), response_tokens=response_tokens,
                                   all_tokens=float(batch.attention_mask.sum())))

@@ -36,8 +36,12 @@ def load_reward(cfg: Config) -> Callable[..., Any]:
 def score_rollouts(batch: StepBatch, tokenizer: Any, reward_fn: Callable[..., Any], rm: RewardModelConfig,
                    max_response_length: int) -> dict[str, float]:
     """Fill `batch.sequence_scores`, `reward_extras` and `token_scores`; return the means of the
-    numeric extras (`reward_extra/<name>/mean`)."""
-    lengths = batch.response_mask.sum(-1).long().tolist()
+    numeric extras (`reward_extra/<name>/mean`). A response is what the model attends to after
+    the prompt (`batch.response_attention`: in a multi-turn row the tool turns too), decoded and
+    scored whole, its score on its last attended token (verl's reward managers and its agent
+    loop's `rm_scores`: `valid_response_length = attention_mask[prompt_length:].sum()`)."""
+    attended = batch.response_attention
+    lengths = attended.sum(-1).long().tolist()
     texts = [str(tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
              for row, n in zip(batch.responses, lengths, strict=True)]
     args = (reward_fn, [e.data_source for e in batch.examples], texts,
@@ -59,7 +63,7 @@ def score_rollouts(batch: StepBatch, tokenizer: Any, reward_fn: Callable[..., An
                 extras["overlong"] = [float(p < 0) for p in penalties]
     batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
     batch.reward_extras = extras
-    batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, batch.response_mask)
+    batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
     return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
             if not any(isinstance(x, str) for x in v)}
 

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from trainer import models as M
-from trainer.batch import StepBatch, step_seed
+from trainer.agent.manager import agent_loop_metrics
+from trainer.batch import StepBatch, need, step_seed
 from trainer.config import Config
+from trainer.config.rollout import SINGLE_TURN_AGENT
 from trainer.data import Example
 from trainer.parallel import split_rows
 from trainer.rollout.base import RolloutBatch, SamplingParams
@@ -39,22 +41,31 @@ class Rollout:
         self.cfg, self.actor, self.pad_token_id = cfg, actor, pad_token_id
         self.world = actor.world_size
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.agent_metrics: dict[str, float] = {}
+        """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
 
     def generate(self, examples: list[Example], step: int, note: Note, validate: bool = False,
                  greedy: bool = False) -> StepBatch:
         """`n` responses per prompt of `examples`, seeded by `step`; `greedy`: one greedy response
         per prompt (ReMax's baseline). The training rollout notes each rank's rows, tokens and
         seconds."""
-        ids, mask = M.left_pad([e.prompt_ids for e in examples], self.pad_token_id)
         tp = self.tp
         parts = [split_rows(len(examples), self.world // tp)[rank // tp] for rank in range(self.world)]
         salt = SALT["validate" if validate else "greedy" if greedy else "train"]
         sampling = sampling_params(self.cfg, validate)
         if greedy:
             sampling = replace(sampling, n=1, do_sample=False)
-        args = [(ids[p], mask[p], sampling,
-                 step_seed(self.cfg.trainer.seed, step, salt + rank // tp)) for rank, p in enumerate(parts)]
-        results = self.actor.run_each("generate", args)
+        seeds = [step_seed(self.cfg.trainer.seed, step, salt + rank // tp) for rank in range(self.world)]
+        agentic = any(e.agent_name != SINGLE_TURN_AGENT for e in examples)
+        if not validate and not greedy:
+            self.agent_metrics = {}
+        if agentic:  # every row through its agent loop, turn by turn
+            results = self.actor.run_each("generate_agent", [([examples[i] for i in p], sampling, seed)
+                                                             for p, seed in zip(parts, seeds, strict=True)])
+        else:  # single-turn rows only: verl's `single_turn_agent`, as one batched generate per engine
+            ids, mask = M.left_pad([e.prompt_ids for e in examples], self.pad_token_id)
+            results = self.actor.run_each("generate", [(ids[p], mask[p], sampling, seed)
+                                                       for p, seed in zip(parts, seeds, strict=True)])
         outs: list[RolloutBatch] = []
         for rank, (part, (out, _info)) in enumerate(zip(parts, results, strict=True)):
             if out is not None and rank % tp == 0:  # one answer per engine
@@ -64,12 +75,36 @@ class Rollout:
             note("gen_rows", [len(p) for p in parts])
             note("gen_tokens", [info["gen_tokens"] for _, info in results])
             note("gen_s", [info["gen"] for _, info in results])
-        rows = torch.cat([o.prompt_index for o in outs]).tolist()  # prompts share one padded width
+        rows = torch.cat([o.prompt_index for o in outs]).tolist()
+        if agentic:  # engines' prompts differ in width: one left-padded width for the batch
+            outs = same_prompt_width(outs, self.pad_token_id)
         entropy = [o.entropy for o in outs]
         keep = self.cfg.actor_rollout_ref.rollout.calculate_log_probs and not validate
-        return StepBatch(examples=[examples[i] for i in rows], uids=rows,
-                         rollout_log_probs=torch.cat([o.log_probs for o in outs]) if keep else None,
-                         input_ids=torch.cat([o.input_ids for o in outs]),
-                         attention_mask=torch.cat([o.attention_mask for o in outs]),
-                         response_mask=torch.cat([o.response_mask for o in outs]).float(),
-                         entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
+        batch = StepBatch(examples=[examples[i] for i in rows], uids=rows,
+                          rollout_log_probs=torch.cat([o.log_probs for o in outs]) if keep else None,
+                          input_ids=torch.cat([o.input_ids for o in outs]),
+                          attention_mask=torch.cat([o.attention_mask for o in outs]),
+                          response_mask=torch.cat([o.response_mask for o in outs]).float(),
+                          entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
+        if agentic:
+            batch.num_turns = torch.cat([need(o.num_turns, "num_turns") for o in outs])
+            per_row = [row for rank, (_, info) in enumerate(results) if rank % tp == 0 for row in info["rows"]]
+            if not validate and not greedy:
+                self.agent_metrics = agent_loop_metrics(per_row, batch.attention_mask[:, :-batch.response_length].sum(-1),
+                                                        batch.response_attention.sum(-1))
+        return batch
+
+
+def same_prompt_width(outs: list[RolloutBatch], pad_token_id: int) -> list[RolloutBatch]:
+    """`outs` with their prompts left-padded to the widest one's width."""
+    width = max(o.prompt_ids.shape[1] for o in outs)
+
+    def widen(o: RolloutBatch) -> RolloutBatch:
+        extra = width - o.prompt_ids.shape[1]
+        if not extra:
+            return o
+        pad = torch.full((o.prompt_ids.shape[0], extra), pad_token_id, dtype=o.prompt_ids.dtype)
+        return replace(o, prompt_ids=torch.cat([pad, o.prompt_ids], 1),
+                       prompt_mask=torch.cat([torch.zeros_like(pad, dtype=o.prompt_mask.dtype), o.prompt_mask], 1))
+
+    return [widen(o) for o in outs]

@@ -59,7 +59,7 @@ def generations(batch: StepBatch, scores: list[float], count: int, tokenizer: An
     prompt_len = batch.input_ids.shape[1] - batch.response_length
     for i in range(min(max(count, 0), len(batch))):
         prompt = batch.input_ids[i, :prompt_len][batch.attention_mask[i, :prompt_len].bool()]
-        response = batch.responses[i][batch.response_mask[i].bool()]
+        response = batch.responses[i][batch.response_attention[i].bool()]
         rows.append({"step": step, "data_source": batch.examples[i].data_source,
                      "input": tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
                      "output": tokenizer.decode(response.tolist(), skip_special_tokens=True),

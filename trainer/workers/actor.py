@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.data import Example
 from trainer.lora import apply_lora
 from trainer.metrics import flops_fields
 from trainer.rollout.base import RolloutBatch, SamplingParams
@@ -72,6 +74,7 @@ class ActorRolloutRefWorker(Worker):
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
         self.loss_params = self._loss_params()
         self.rollout, self.shares_weights = self._build_rollout()
+        self.agents: Any = None  # trainer.agent.manager.AgentRollout, on the first agent-loop rollout
         for model in (self.model, self.ref):  # offloaded ones go to the host until their phase
             if model is not None:
                 self.phases.home(model, self.optim if model is self.model else None)
@@ -132,14 +135,43 @@ class ActorRolloutRefWorker(Worker):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
-        last sync; the engine sleeps after it and the cache is emptied (verl's ``trainer_mode``).
-        An engine whose weights were discarded since (vLLM's level-2 sleep after a rollout with
-        no update behind it, `trainer.critic_warmup`, validation, or a checkpoint) gets them
-        again first: every rank's engine sleeps at the same points, so every rank syncs (the
-        gathers are collectives), as verl syncs before every rollout."""
+        last sync (see :meth:`_rolling_out`)."""
+        def run() -> RolloutBatch:
+            return self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+
+        return self._rolling_out(run, prompt_ids.shape[0] > 0, seed)
+
+    def generate_agent(self, examples: list[Example], params: SamplingParams, seed: int
+                       ) -> tuple[RolloutBatch | None, dict[str, Any]]:
+        """`params.n` trajectories per example (rows may be none) through each row's agent loop
+        (:mod:`trainer.agent.manager`), their turns batched into this rank's engine
+        (:class:`trainer.agent.servers.BatchedServer`); the info carries each row's agent-loop
+        metrics (`rows`)."""
+        from trainer.agent.manager import AgentRollout
+        from trainer.agent.servers import BatchedServer
+
+        if self.agents is None:  # tools and interactions load once per process
+            self.agents = AgentRollout(self.cfg, self.tokenizer)
+        rows: list[dict[str, float]] = []
+
+        def run() -> RolloutBatch:
+            batch, per_row = self.agents.run(examples, params, BatchedServer(self.rollout))
+            rows.extend(per_row)
+            return batch
+
+        out, info = self._rolling_out(run, bool(examples), seed)
+        return out, {**info, "rows": rows}
+
+    def _rolling_out(self, run: Any, has_rows: bool, seed: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
+        """Run `run` (a rollout on this rank's engine) with the weights of the last sync; the
+        engine sleeps after it and the cache is emptied (verl's ``trainer_mode``). An engine
+        whose weights were discarded since (vLLM's level-2 sleep after a rollout with no update
+        behind it, `trainer.critic_warmup`, validation, or a checkpoint) gets them again first:
+        every rank's engine sleeps at the same points, so every rank syncs (the gathers are
+        collectives), as verl syncs before every rollout."""
         if self.rollout.needs_sync:
             self.sync_rollout_weights()
-        if prompt_ids.shape[0] == 0 and not self.rollout.collective:
+        if not has_rows and not self.rollout.collective:
             self._sleep_rollout()  # awake since the weight sync
             return None, {"gen": 0.0, "gen_tokens": 0.0}
         start = time.perf_counter()
@@ -149,16 +181,15 @@ class ActorRolloutRefWorker(Worker):
             try:
                 if self.shares_weights:  # HF generate on the actor itself
                     with self.phases.on_device("rollout", self.model):
-                        out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+                        out = run()
                 else:
-                    out = self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+                    out = run()
             finally:
                 self._sleep_rollout()
         if out.response_ids.shape[0] == 0:  # a rank of a collective engine with no prompts
             return None, {"gen": time.perf_counter() - start, "gen_tokens": 0.0}
-        out = RolloutBatch(*(t.cpu() for t in (out.prompt_ids, out.prompt_mask, out.response_ids,
-                                              out.response_mask, out.log_probs, out.prompt_index)),
-                           entropy=None if out.entropy is None else out.entropy.cpu())
+        out = replace(out, **{f.name: getattr(out, f.name).cpu() for f in fields(out)
+                              if isinstance(getattr(out, f.name), torch.Tensor)})
         return out, {"gen": time.perf_counter() - start, "gen_tokens": float(out.response_mask.sum())}
 
     def _sleep_rollout(self) -> None:

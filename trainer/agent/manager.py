@@ -1,0 +1,210 @@
+"""The agent-loop rollout of one engine: every trajectory of a batch runs as its own loop
+(`single_turn_agent`, `tool_agent`, or a custom one, chosen per row by `agent_name`),
+concurrently against one :class:`~trainer.agent.base.TokenServer`, and the finished trajectories
+are laid out as verl's agent loop lays them out (`AgentLoopWorker._agent_loop_postprocess`):
+
+- prompts left-padded, responses right-padded to `data.max_response_length`;
+- `response_mask` 1 on the model's tokens only, the attention (`response_attention`) 1 on every
+  response token, tool and user turns included;
+- `log_probs` 0 on tool and user tokens;
+- `num_turns` per row (verl's `__num_turns__`), and verl's `agent_loop/*` timing metrics.
+
+Rows are prompt-major as the batched rollout's: the `n` trajectories of prompt `i` are rows
+`i*n .. i*n+n-1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from uuid import uuid4
+
+import torch
+
+from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, TokenServer
+from trainer.rollout.base import RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+    from trainer.data import Example
+
+__all__ = ["AgentRollout", "agent_loop_metrics", "pack_outputs"]
+
+
+class AgentRollout:
+    """The tools, interactions and loop classes of a run, loaded once per process from the
+    config (`multi_turn.tool_config_path`, `multi_turn.interaction_config_path`,
+    `rollout.agent.agent_loop_config_path`), and the rollout of a batch through them."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        from trainer.agent.loops import loop_registry
+
+        r = cfg.actor_rollout_ref.rollout
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.tools = load_configured_tools(r.multi_turn.tool_config_path)
+        self.interactions = load_configured_interactions(r.multi_turn.interaction_config_path)
+        self.loops = loop_registry(r.agent.agent_loop_config_path)
+
+    def context(self, server: TokenServer) -> AgentContext:
+        cfg = self.cfg
+        return AgentContext(tokenizer=self.tokenizer, server=server,
+                            response_length=cfg.data.max_response_length,
+                            multi_turn=cfg.actor_rollout_ref.rollout.multi_turn, tools=self.tools,
+                            interactions=self.interactions,
+                            chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
+
+    def loop_for(self, example: Example, ctx: AgentContext) -> AgentLoop:
+        try:
+            cls = self.loops[example.agent_name]
+        except KeyError:
+            known = ", ".join(f"`{n}`" for n in sorted(self.loops))
+            raise ValueError(
+                f"data row {example.index} asks for the agent loop `{example.agent_name}` (its "
+                f"`agent_name`), which is not registered; known: {known}. Fix: name one of them, or "
+                "register yours in the file of `actor_rollout_ref.rollout.agent.agent_loop_config_path` "
+                "(`- name: ...` / `_target_: package.module.Class`)") from None
+        return cls(ctx)
+
+    def run(self, examples: Sequence[Example], params: SamplingParams, server: TokenServer
+            ) -> tuple[RolloutBatch, list[dict[str, float]]]:
+        """`params.n` trajectories per example, all concurrently; the rows and each row's
+        metrics (seconds in generation and tool calls, tool-call counts)."""
+        ctx = self.context(server)
+        outputs = asyncio.run(self._run_all(examples, params, ctx))
+        prompt_index = torch.arange(len(examples)).repeat_interleave(params.n)
+        pad = self.tokenizer.pad_token_id
+        batch = pack_outputs(outputs, prompt_index, pad, self.cfg.data.max_response_length,
+                             want_log_probs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
+        return batch, [o.metrics for o in outputs]
+
+    async def _run_all(self, examples: Sequence[Example], params: SamplingParams, ctx: AgentContext
+                       ) -> list[AgentOutput]:
+        one = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                             max_response_length=params.max_response_length, do_sample=params.do_sample)
+        tasks = [self._one(self.loop_for(e, ctx), e, one, ctx.server)
+                 for e in examples for _ in range(params.n)]
+        return list(await asyncio.gather(*tasks))
+
+    async def _one(self, loop: AgentLoop, example: Example, params: SamplingParams, server: TokenServer
+                   ) -> AgentOutput:
+        """One trajectory; a server that batches turns (`trainer.agent.servers.BatchedServer`)
+        is told when it starts and ends, so it waits for the live ones only."""
+        start = time.perf_counter()
+        track = getattr(server, "trajectory", None)
+        if track is None:
+            out = await loop.run(example, params, uuid4().hex)
+        else:
+            async with track():
+                out = await loop.run(example, params, uuid4().hex)
+        out.metrics.setdefault("seconds", time.perf_counter() - start)
+        return out
+
+
+def agent_data_args(cfg: Config) -> dict[str, Any]:
+    """The data loader's arguments from the agent loops' settings (:class:`trainer.data.PromptDataset`):
+    the tool schemas every prompt is rendered with (`data.tool_config_path`), the tools rows may
+    give arguments to (`multi_turn.tool_config_path`), the default loop and the known loops."""
+    from trainer.agent.loops import loop_registry
+
+    r = cfg.actor_rollout_ref.rollout
+    schemas = [tool.tool_schema for tool in load_configured_tools(cfg.data.tool_config_path).values()]
+    return {"tool_schemas": schemas or None, "tools": set(load_configured_tools(r.multi_turn.tool_config_path)),
+            "default_agent": r.agent.default_agent_loop,
+            "agents": set(loop_registry(r.agent.agent_loop_config_path))}
+
+
+def refuse_collective_engines(cfg: Config, examples: Sequence[Example]) -> None:
+    """Agent loops on a tensor-parallel in-process engine are refused: every rank of such an
+    engine must send the same requests at the same time, and tool calls (a timeout, a sandboxed
+    program) need not end alike on every rank."""
+    from trainer.config.rollout import SINGLE_TURN_AGENT
+
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    agentic = [e for e in examples if e.agent_name != SINGLE_TURN_AGENT]
+    if tp > 1 and agentic:
+        raise ValueError(
+            f"{len(agentic)} data rows run through agent loops (the first: row {agentic[0].index}, "
+            f"`agent_name={agentic[0].agent_name}`), which the in-process rollout engine runs only with "
+            f"one rank per engine; `actor_rollout_ref.rollout.tensor_model_parallel_size` is {tp}. Fix: "
+            "set `actor_rollout_ref.rollout.tensor_model_parallel_size=1`")
+
+
+def load_configured_tools(path: str | None) -> dict[str, Any]:
+    """The tools of `multi_turn.tool_config_path` by name (none without a file)."""
+    if not path:
+        return {}
+    from trainer.agent.tools import load_tools
+
+    return {tool.name: tool for tool in load_tools(path)}
+
+
+def load_configured_interactions(path: str | None) -> dict[str, Any]:
+    """The interactions of `multi_turn.interaction_config_path` by name (none without a file)."""
+    if not path:
+        return {}
+    from trainer.agent.interactions import load_interactions
+
+    return dict(load_interactions(path))
+
+
+def pack_outputs(outputs: Sequence[AgentOutput], prompt_index: torch.Tensor, pad_token_id: int,
+                 response_length: int, *, want_log_probs: bool) -> RolloutBatch:
+    """Finished trajectories as one :class:`RolloutBatch` in verl's agent-loop layout."""
+    from trainer.models import left_pad
+
+    for i, o in enumerate(outputs):
+        if len(o.response_mask) != len(o.response_ids) or len(o.response_ids) > response_length:
+            raise ValueError(
+                f"agent loop output {i}: {len(o.response_ids)} response tokens, a mask of "
+                f"{len(o.response_mask)}, a budget of {response_length}; an agent loop must return "
+                "a mask as long as its response, cut to `data.max_response_length`")
+    prompt_ids, prompt_mask = left_pad([list(o.prompt_ids) for o in outputs], pad_token_id)
+    rows = len(outputs)
+    response = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, response_length), dtype=torch.long)
+    attention = torch.zeros((rows, response_length), dtype=torch.long)
+    log_probs = torch.zeros((rows, response_length), dtype=torch.float32)
+    for i, o in enumerate(outputs):
+        n = len(o.response_ids)
+        response[i, :n] = torch.as_tensor(o.response_ids, dtype=torch.long)
+        mask[i, :n] = torch.as_tensor(o.response_mask, dtype=torch.long)
+        attention[i, :n] = 1
+        if want_log_probs and o.response_logprobs is not None:
+            log_probs[i, :n] = torch.as_tensor(o.response_logprobs[:n], dtype=torch.float32)
+    return RolloutBatch(prompt_ids, prompt_mask, response, mask, log_probs * mask, prompt_index,
+                        response_attention=attention,
+                        num_turns=torch.tensor([o.num_turns for o in outputs], dtype=torch.long))
+
+
+#: verl's per-row agent-loop timings (`AgentLoopManager._performance_metrics`).
+TIMED = ("generate_sequences", "tool_calls")
+
+
+def agent_loop_metrics(rows: Sequence[dict[str, float]], prompt_lengths: torch.Tensor,
+                       response_lengths: torch.Tensor) -> dict[str, float]:
+    """verl's `agent_loop/*` metrics over every row's metrics (all engines' rows): min/max/mean
+    of the seconds in generation and in tool calls, the slowest row's (by the two together)
+    seconds and lengths (`prompt_lengths`, `response_lengths`: attended tokens per row); and this
+    trainer's tool-call figures: calls per row, the share of rows with a call, the malformed
+    share of calls."""
+    out: dict[str, float] = {}
+    if not rows:
+        return out
+    for name in TIMED:
+        values = torch.tensor([float(r.get(name, 0.0)) for r in rows])
+        out.update({f"agent_loop/{name}/min": float(values.min()), f"agent_loop/{name}/max": float(values.max()),
+                    f"agent_loop/{name}/mean": float(values.mean())})
+    total = [float(r.get("generate_sequences", 0.0)) + float(r.get("tool_calls", 0.0)) for r in rows]
+    slowest = max(range(len(rows)), key=total.__getitem__)
+    out["agent_loop/slowest/generate_sequences"] = float(rows[slowest].get("generate_sequences", 0.0))
+    out["agent_loop/slowest/tool_calls"] = float(rows[slowest].get("tool_calls", 0.0))
+    out["agent_loop/slowest/prompt_length"] = float(prompt_lengths[slowest])
+    out["agent_loop/slowest/response_length"] = float(response_lengths[slowest])
+    made = [float(r.get("tool_calls_made", 0.0)) for r in rows]
+    malformed = sum(float(r.get("tool_calls_malformed", 0.0)) for r in rows)
+    out["agent_loop/tool_calls_made/mean"] = sum(made) / len(rows)
+    out["agent_loop/tool_call_rate"] = sum(m > 0 for m in made) / len(rows)
+    out["agent_loop/tool_calls_malformed/ratio"] = malformed / (sum(made) + malformed) if sum(made) + malformed else 0.0
+    return out
