@@ -96,7 +96,7 @@ class AgentRollout:
         if track is None:
             out = await loop.run(example, params, uuid4().hex)
         else:
-            async with track():
+            with track():
                 out = await loop.run(example, params, uuid4().hex)
         out.metrics.setdefault("seconds", time.perf_counter() - start)
         return out
