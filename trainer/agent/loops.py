@@ -9,41 +9,48 @@
 and 0.0 on tool/user tokens. The manager pads (prompts left, responses right) as verl's
 `_agent_loop_postprocess` does.
 
-**Token equality with the full conversation.** A tool/user turn's tokens are the chat template's
-rendering of the new messages with the generation prompt, minus the tokens of the template's
-default system prompt (verl's `apply_chat_template(..., remove_system_prompt=True)`,
-`agent_loop.py:232-301`, system prompt from `verl/utils/chat_template.py:9-27`), preceded by the
-template's turn separator (the tokens after the closing token of a turn, ChatML's `\\n` after
-`<|im_end|>`), which the model does not generate since it stops at the closing token. With that,
-for a trajectory ending on a model turn that stopped at EOS, `prompt_ids + response_ids` equals
-`apply_chat_template(messages, tools=..., tokenize=True)` of the whole conversation (assistant
-messages as their text, then tool/user messages) except for one thing: the full rendering has
-the separator after the last EOS too (ChatML: a final `\\n`), which no turn generated. A
-trajectory ending on a user turn (an interaction said stop) equals the full rendering with
-`add_generation_prompt=True`. This holds where the model's tokens are the tokenizer's own
-encoding of its text (a model may sample another tokenization of the same text: then only the
-model's tokens differ, and they are what it sampled).
+**Token equality with the full conversation.** A tool/user turn's tokens are the chat
+template's rendering of the new messages with the generation prompt, minus the tokens of the
+template's default system prompt (verl's `apply_chat_template(..., remove_system_prompt=True)`,
+`agent_loop.py:247-310`; its system prompt: `agent_loop.py:223`,
+`verl/utils/chat_template.py:9-28`), preceded by the template's turn separator (the tokens after
+a turn's closing token: ChatML's `\\n` after `<|im_end|>`), which the model does not generate
+since it stops at the closing token. With that, for a trajectory ending on a model turn that
+stopped at EOS, `prompt_ids + response_ids` equals `apply_chat_template(messages, tools=...,
+tokenize=True)` of the whole conversation (assistant messages as their text, then the tool/user
+messages) but for one thing: the full rendering also has the separator after the last EOS
+(ChatML: a final `\\n`), which no turn generated. A trajectory ending on a user turn (an
+interaction said stop) equals the full rendering with `add_generation_prompt=True`. This holds
+where the model's tokens are the tokenizer's own encoding of its text (a model may sample another
+tokenization of the same text: then only the model's tokens differ, and they are what it sampled).
 
 verl b178a3cd (and v0.7.x) drops the separator at every assistant->tool and assistant->user
-boundary (verl#6501): its sequences lack one `\\n` per tool/user turn against the full
-rendering. verl v0.9.0 restores it at tool turns (#6921, `initialize_turn_separator`, computed
-as ported in :func:`turn_separator_ids`); v0.9.0 no longer has interactions. Here the separator is
-restored at both, by the one helper that renders tool and user turns (:class:`ChatTurns`).
+boundary (verl#6501): one `\\n` fewer than the full rendering per tool/user turn. verl v0.9.0
+restores it at tool turns (#6921: `initialize_turn_separator`,
+`verl/utils/tokenizer/chat_template.py:42-111`, prepended at `tool_agent_loop.py:431`; ported as
+:func:`turn_separator_ids`); v0.9.0 has no interactions any more. Here it is restored at both, by
+the one helper that renders tool and user turns (:meth:`ChatTurns.turn`).
 
-**Other differences from verl b178a3cd**, none changing a sampled token's distribution:
+**Other differences from verl b178a3cd.** These change no sampled token's distribution:
 - each turn asks the server for at most the response budget left (`response_length -
   len(response_mask)`); verl passes its full sampling parameters and cuts at the end, so the
-  tokens past the budget it sampled were dropped anyway. A turn reached with no budget left (after
+  tokens it sampled past the budget were dropped anyway. A turn reached with no budget left (after
   an interaction turn filled it; verl checks no budget there) is counted as verl counts it, without
   asking the server for tokens the cut would drop;
-- the system prompt is rendered with `data.apply_chat_template_kwargs` (verl v0.9.0 passes them,
-  b178a3cd takes and ignores them), and a tool/user rendering that does not start with the system
-  prompt is refused instead of being cut blindly;
 - `finalize_interaction` is called when a trajectory ends (verl's loop never calls it);
-- `tool_calls_made` and `tool_calls_malformed` are counted (verl only logs malformed calls);
+- `tool_calls_made` and `tool_calls_malformed` are counted (verl only logs malformed calls); verl's
+  `num_preempted` is not reported (the servers here give no such count);
+- the template is rendered and the turn parsed in the event loop's thread (verl uses an executor).
+These refuse what verl would do silently wrong, or fix an edge verl gets wrong:
+- the system prompt is rendered with `data.apply_chat_template_kwargs` (as verl v0.9.0; b178a3cd
+  takes them and ignores them), and a tool/user rendering that does not start with it is refused
+  instead of being cut blindly;
 - a trajectory with no response token gives an empty response (verl's
   `prompt_ids[-len(response_mask):]` would give the whole prompt);
-- `tool_response_truncate_side` other than left/right/middle is refused (verl treats it as middle).
+- `tool_response_truncate_side` other than left/right/middle is refused (verl treats it as middle);
+  left/right keep b178a3cd's meaning (left keeps the head), which verl v0.8.0 swapped (#6313).
+Not built: multimodal inputs and tool responses (images, videos), verl's `gpt-oss` tool format,
+constructor arguments in `agent_loop_config_path` entries.
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ _LOOPS: dict[str, type[AgentLoop]] = {}
 
 
 def register(name: str) -> Any:
-    """Register an agent loop class under verl's `agent_name` (verl's `register`, `agent_loop.py:323-333`)."""
+    """Register an agent loop class under verl's `agent_name` (verl's `register`, `agent_loop.py:334-342`)."""
     def decorator(cls: type[AgentLoop]) -> type[AgentLoop]:
         _LOOPS[name] = cls
         return cls
@@ -99,7 +106,7 @@ def registered() -> list[str]:
 
 
 def loop_class(name: str) -> type[AgentLoop]:
-    """The loop a row's `agent_name` names (verl asserts it is registered, `agent_loop.py:503`)."""
+    """The loop a row's `agent_name` names (verl asserts it is registered, `agent_loop.py:504`)."""
     if name not in _LOOPS:
         raise AgentLoopError(
             f"`agent_name={name}` names no agent loop; registered: {registered()}. A row's "
@@ -121,7 +128,7 @@ def _rendered_ids(tokenizer: Any, messages: list[dict[str, Any]], template_kwarg
 
 def system_prompt_ids(tokenizer: Any, template_kwargs: Mapping[str, Any]) -> list[int]:
     """The tokens a template puts before the first message of any conversation (a default system
-    prompt): verl's `initialize_system_prompt` (`verl/utils/chat_template.py:9-27`), one empty
+    prompt): verl's `initialize_system_prompt` (`verl/utils/chat_template.py:9-28`), one empty
     user turn rendered, minus the length one more adds."""
     one = _rendered_ids(tokenizer, [{"role": "user", "content": ""}], template_kwargs)
     two = _rendered_ids(tokenizer, [{"role": "user", "content": ""}] * 2, template_kwargs)
@@ -160,7 +167,7 @@ class ChatTurns:
         self.separator = turn_separator_ids(tokenizer, self.template_kwargs)
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        """verl's `_handle_pending_state` (`tool_agent_loop.py:224-233`): `tools=[schemas]` (an
+        """verl's `_handle_pending_state` (`tool_agent_loop.py:211-220`): `tools=[schemas]` (an
         empty list when no tool is configured, as verl passes it) and the generation prompt."""
         return chat_prompt_ids(self.tokenizer, messages, {**self.template_kwargs, "tools": tools})
 
@@ -183,7 +190,7 @@ class ChatTurns:
 
 
 def _new_metrics() -> dict[str, float]:
-    """verl's `AgentLoopMetrics` defaults (`agent_loop.py:123-128`) and the counts added here."""
+    """verl's `AgentLoopMetrics` defaults (`agent_loop.py:125-130`) and the counts added here."""
     return {"generate_sequences": 0.0, "tool_calls": 0.0, "tool_calls_made": 0, "tool_calls_malformed": 0}
 
 
@@ -202,7 +209,7 @@ def _timed(name: str, metrics: dict[str, float]) -> Iterator[None]:
 
 @register("single_turn_agent")
 class SingleTurnAgentLoop(AgentLoop):
-    """verl's `SingleTurnAgentLoop` (`single_turn_agent_loop.py:27-81`): one generation of at most
+    """verl's `SingleTurnAgentLoop` (`single_turn_agent_loop.py:27-84`): one generation of at most
     `response_length` tokens, every response token the model's (mask 1), `num_turns` 2.
 
     The prompt is the row's `prompt_ids` (the data's chat template and truncation); verl renders
@@ -234,7 +241,7 @@ class _State(Enum):
 
 @dataclass
 class AgentData:
-    """One trajectory's state (verl's `AgentData`, `tool_agent_loop.py:54-94`); tools get it as
+    """One trajectory's state (verl's `AgentData`, `tool_agent_loop.py:54-92`); tools get it as
     `agent_data=` in `execute`. `prompt_ids` grows with every turn; the response is its tail,
     as long as `response_mask`."""
 
@@ -261,7 +268,7 @@ _TRUNCATE_SIDES = ("left", "right", "middle")
 
 
 def truncate_tool_text(text: str | None, max_length: int, side: str) -> str | None:
-    """verl's cut of a long tool response (`tool_agent_loop.py:436-446`), in characters: `left`
+    """verl's cut of a long tool response (`tool_agent_loop.py:444-452`), in characters: `left`
     keeps the head, `right` the tail, `middle` half of each (verl v0.8.0+ swapped left and right,
     #6313; this is b178a3cd's). `max_length // 2 == 0` keeps the whole tail, as verl's
     `text[-0:]` does."""
@@ -277,7 +284,7 @@ def truncate_tool_text(text: str | None, max_length: int, side: str) -> str | No
 
 @register("tool_agent")
 class ToolAgentLoop(AgentLoop):
-    """verl's `ToolAgentLoop` (`tool_agent_loop.py:97-467`): a state machine PENDING ->
+    """verl's `ToolAgentLoop` (`tool_agent_loop.py:95-475`): a state machine PENDING ->
     GENERATING -> (PROCESSING_TOOLS | INTERACTING) -> GENERATING ... -> TERMINATED.
 
     - PENDING: the row's messages through the chat template with the tool schemas.
@@ -336,7 +343,7 @@ class ToolAgentLoop(AgentLoop):
 
     async def _start_interaction(self, example: Example, request_id: str
                                  ) -> tuple[Interaction | None, dict[str, Any]]:
-        """verl's interaction lookup (`tool_agent_loop.py:138-151`): with interactions configured,
+        """verl's interaction lookup (`tool_agent_loop.py:145-160`): with interactions configured,
         each row names its own in `extra_info.interaction_kwargs.name`."""
         if not self.ctx.interactions:
             return None, {}
@@ -357,7 +364,7 @@ class ToolAgentLoop(AgentLoop):
         return interaction, kwargs
 
     async def _generate(self, data: AgentData, params: SamplingParams) -> _State:
-        """verl's `_handle_generating_state` (`tool_agent_loop.py:236-292`)."""
+        """verl's `_handle_generating_state` (`tool_agent_loop.py:222-278`)."""
         budget = self.ctx.response_length - len(data.response_mask)
         if budget <= 0:
             # Only after an interaction turn filled the budget: verl generates this turn and its
@@ -391,7 +398,7 @@ class ToolAgentLoop(AgentLoop):
         return _State.INTERACTING if data.interaction is not None else _State.TERMINATED
 
     async def _process_tools(self, data: AgentData) -> _State:
-        """verl's `_handle_processing_tools_state` (`tool_agent_loop.py:294-387`), text tools."""
+        """verl's `_handle_processing_tools_state` (`tool_agent_loop.py:280-377`), text tools."""
         calls = data.tool_calls[: self.max_parallel_calls]
         with _timed("tool_calls", data.metrics):
             responses = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
@@ -410,7 +417,7 @@ class ToolAgentLoop(AgentLoop):
         return _State.GENERATING
 
     async def _interact(self, data: AgentData) -> _State:
-        """verl's `_handle_interacting_state` (`tool_agent_loop.py:389-422`)."""
+        """verl's `_handle_interacting_state` (`tool_agent_loop.py:379-414`)."""
         assert data.interaction is not None
         stop, text, reward, _ = await data.interaction.generate_response(
             data.request_id, data.messages, **data.interaction_kwargs)
@@ -423,7 +430,7 @@ class ToolAgentLoop(AgentLoop):
         return _State.TERMINATED if stop else _State.GENERATING
 
     async def _call_tool(self, call: FunctionCall, data: AgentData) -> tuple[ToolResponse, float | None, dict[str, Any]]:
-        """verl's `_call_tool` (`tool_agent_loop.py:424-456`): arguments decoded, then the tool looked
+        """verl's `_call_tool` (`tool_agent_loop.py:416-464`): arguments decoded, then the tool looked
         up, created with the row's `tools_kwargs[name].create_kwargs`, executed, released; any
         exception there becomes the tool's text, with reward 0.0."""
         tool, instance_id = None, None
@@ -443,7 +450,7 @@ class ToolAgentLoop(AgentLoop):
         return ToolResponse(text=text), reward, metrics
 
     def _output(self, data: AgentData) -> AgentOutput:
-        """verl's final cut (`tool_agent_loop.py:185-212`): the response is the tail of
+        """verl's final cut (`tool_agent_loop.py:188-209`): the response is the tail of
         `prompt_ids` as long as the mask, everything cut to `response_length`."""
         length = self.ctx.response_length
         split = len(data.prompt_ids) - len(data.response_mask)
@@ -476,7 +483,7 @@ _KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 
 
 def load_agent_loops(path: str | Path) -> dict[str, type[AgentLoop]]:
-    """Register the loops of verl's `agent_loop_config_path` file (`agent_loop.py:381-386`): a
+    """Register the loops of verl's `agent_loop_config_path` file (`agent_loop.py:375-380`): a
     YAML list of `{name, _target_}`, `_target_` the dotted path of an :class:`AgentLoop`
     subclass; a name already registered is replaced, as in verl. verl's own two loops map to
     theirs here; any other `verl.*` class is refused. The whole file is checked before anything

@@ -69,7 +69,7 @@ class ToolParser(ABC):
 
 @ToolParser.register("hermes")
 class HermesToolParser(ToolParser):
-    """verl's `HermesToolParser` (`tool_parser.py:74-108`, itself from vLLM 0.9.1's hermes parser):
+    """verl's `HermesToolParser` (`tool_parser.py:75-106`, itself from vLLM 0.9.1's hermes parser):
     decode the turn (special tokens kept), take every `<tool_call>...</tool_call>` (non-greedy,
     across lines), JSON-decode each into `{"name": str, "arguments": ...}`; a block that fails
     (bad JSON, no `name`/`arguments`, a name that is not a string) is skipped. Nothing is parsed
@@ -107,7 +107,7 @@ def _decode_call(block: str) -> FunctionCall | None:
         return None
 
 
-# verl also registers `gpt-oss` (`tool_parser.py:111-160`), whose tool turns the loop formats by
+# verl also registers `gpt-oss` (`tool_parser.py:109-161`), whose tool turns the loop formats by
 # hand (`build_gpt_oss_tool_response_text`); not built here.
 _REFUSED = {
     "gpt-oss": ("verl's `gpt-oss` tool format (harmony channels and hand-formatted tool turns) is not "

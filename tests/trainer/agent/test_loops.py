@@ -121,7 +121,7 @@ def ids(text: str) -> list[int]:
 def prompt_with_tools(tools: tuple[Tool, ...]) -> list[int]:
     text = TOK.apply_chat_template(QUESTION, tools=[t.tool_schema for t in tools], add_generation_prompt=True,
                                    tokenize=False)
-    return ids(text)
+    return ids(str(text))
 
 
 # ----------------------------------------------------------------------------- single turn

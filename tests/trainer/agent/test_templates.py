@@ -69,7 +69,8 @@ def token_list(encoded: Any) -> list[int]:
 
 
 def trajectory(tok: Any, turns: list[str], interactions: dict[str, Interaction] | None = None,
-               extra: dict[str, Any] | None = None) -> tuple[list[int], list[int], list[dict[str, Any]]]:
+               extra: dict[str, Any] | None = None
+               ) -> tuple[list[int], list[dict[str, Any]], list[list[dict[str, Any]]]]:
     """Run the tool loop; return its `prompt_ids + response_ids`, the tool schemas and the tool
     messages it added (in order)."""
     tools: dict[str, Tool] = {n: Calc({}, schema(n)) for n in ("calc", "echo")}
@@ -82,7 +83,7 @@ def trajectory(tok: Any, turns: list[str], interactions: dict[str, Interaction] 
                                       tools=tools, interactions=interactions or {}))
     ex = Example(index=0, data_source="t", prompt=QUESTION, ability="", reward_model={}, extra_info=extra or {},
                  prompt_ids=chat_prompt_ids(tok, QUESTION), agent_name="tool_agent")
-    data_messages: list[dict[str, Any]] = []
+    data_messages: list[list[dict[str, Any]]] = []
     original = loop.turns.turn
 
     def spy(messages: list[dict[str, Any]]) -> list[int]:
@@ -166,7 +167,8 @@ def test_without_the_separator_each_boundary_loses_one_newline(monkeypatch: pyte
     monkeypatch.setattr(loops, "turn_separator_ids", lambda tokenizer, kwargs: [])
     tok = tiny.build_tokenizer(tools=True)
     ids, schemas, added = trajectory(tok, TURNS)
-    full = token_list(tok.apply_chat_template(full_conversation(TURNS, added), tools=schemas, tokenize=True))
+    full = token_list(tok.apply_chat_template(full_conversation(TURNS, added), tools=list(schemas),
+                                              tokenize=True))
     newline, eos = tok.encode("\n", add_special_tokens=False), tok.eos_token_id
     dropped, i = [], 0  # positions of `full` missing from `ids`, aligned greedily
     for j, token in enumerate(full):
