@@ -6,6 +6,13 @@ gives head_dim 32, which vLLM's CPU attention backend accepts.
 
 ``python -m trainer.tiny OUTDIR`` writes a directory that ``AutoModelForCausalLM`` and
 ``AutoTokenizer`` load with ``from_pretrained``.
+
+``tools=True`` (``--tools``) gives the tools variant for the agent loops: the same ids for every
+token above, new tokens appended after them (a ``tool`` role, ``<tool_call>``/``</tool_call>``,
+JSON punctuation, spaces and newlines, the words of tool schemas), whitespace kept as tokens so
+that decoding gives the text back (the hermes parser JSON-decodes it), and a ChatML-like chat
+template that renders ``tools`` and separates turns with ``\n`` after ``</s>`` (the separator a
+model does not generate, as ChatML's ``\n`` after ``<|im_end|>``).
 """
 
 from __future__ import annotations
@@ -41,39 +48,68 @@ CHAT_TEMPLATE = (
 # Whole words, single digits, `####` and single punctuation marks are the units.
 _SPLIT_PATTERN = r"####|[0-9]|[^\W\d_]+|[^\w\s]|_"
 
+# The tools variant: appended after the tokens above, whose ids stay as they are.
+TOOL_ROLE = "<|tool|>"
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+TOOL_TOKENS = (
+    TOOL_ROLE, *TOOL_CALL_TOKENS, " ", "\n", "{", "}", "[", "]", '"', "'", "(", ")", "_",
+    "name", "arguments", "tool", "tools", "calc", "add", "echo", "text", "result", "error",
+    "when", "executing", "truncated", "type", "function", "description", "parameters",
+    "properties", "object", "required", "integer", "string", "x", "y",
+)  # fmt: skip
+# As `_SPLIT_PATTERN`, with the tool-call markers whole and each whitespace character a token.
+_TOOLS_SPLIT_PATTERN = r"<tool_call>|</tool_call>|####|[0-9]|[^\W\d_]+|[^\w\s]|_|\s"
+# `<|role|>\n content </s>\n` per turn (ChatML's shape); `tools` as JSON lines in a system turn.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>\ntools:\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '</s>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '</s>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
-def vocabulary() -> dict[str, int]:
-    """Token -> id; the special tokens come first so that pad is 0 and eos is 3."""
+
+def vocabulary(tools: bool = False) -> dict[str, int]:
+    """Token -> id; the special tokens come first so that pad is 0 and eos is 3. `tools` appends
+    :data:`TOOL_TOKENS` (those not already there) after the default vocabulary."""
     tokens = [*SPECIAL_TOKENS, *DIGITS, *PUNCTUATION, *WORDS]
+    if tools:
+        tokens += [t for t in dict.fromkeys(TOOL_TOKENS) if t not in tokens]
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A lower-casing word-level tokenizer with a whitespace pre-tokenizer and a chat template."""
-    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+def build_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
+    """A lower-casing word-level tokenizer with a whitespace pre-tokenizer and a chat template;
+    `tools` gives the tools variant (see the module's docstring)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(WordLevel(vocab=vocabulary(), unk_token=UNK))
+    tok = Tokenizer(WordLevel(vocab=vocabulary(tools), unk_token=UNK))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
-        ]
-    )
+    if tools:
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(_TOOLS_SPLIT_PATTERN), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.WhitespaceSplit(),
+                pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            ]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
         pad_token=PAD,
-        additional_special_tokens=list(ROLES),
+        additional_special_tokens=[*ROLES, TOOL_ROLE] if tools else list(ROLES),
         model_input_names=["input_ids", "attention_mask"],
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return fast
 
 
@@ -114,11 +150,12 @@ def build_model(
     return model
 
 
-def save_tiny(outdir: str | Path, *, seed: int = 0, **model_kwargs: int) -> Path:
-    """Write the tiny model and its tokenizer to ``outdir`` (created if missing)."""
+def save_tiny(outdir: str | Path, *, seed: int = 0, tools: bool = False, **model_kwargs: int) -> Path:
+    """Write the tiny model and its tokenizer (the tools variant with `tools`) to ``outdir``
+    (created if missing)."""
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tools)
     model = build_model(len(tokenizer), seed=seed, **model_kwargs)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -133,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("outdir", help="directory to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--layers", type=int, default=2, help="number of decoder layers")
+    parser.add_argument("--tools", action="store_true", help="the tools variant of the tokenizer")
     args = parser.parse_args(argv)
-    out = save_tiny(args.outdir, seed=args.seed, num_hidden_layers=args.layers)
+    out = save_tiny(args.outdir, seed=args.seed, tools=args.tools, num_hidden_layers=args.layers)
     print(out)
     return 0
 
