@@ -27,6 +27,7 @@ from tests.lab import FINISHED
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 SLOW_REWARD = REPO / "tests" / "payloads" / "slow_reward.py"
+CALCULATOR = REPO / "trainer" / "agent" / "configs" / "calculator_tool_config.yaml"
 STEP_RE = re.compile(r"^step:(\d+) ")
 SAVED_RE = re.compile(r"^trainer: saved .*/global_step_(\d+) in ")
 RESUMED_RE = re.compile(r"^trainer: resumed from .*/global_step_(\d+) \(step (\d+)\)")
@@ -42,6 +43,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "trainer.preprocess", "toy_digits", "--output",
                     str(root / "data"), "--train-size", "128", "--val-size", "8"],
                    check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    from trainer.data import read_rows, write_split
+
+    for split in ("train", "test"):  # the same prompts for verl's tool agent loop, with the calculator
+        rows = read_rows([root / "data" / f"{split}.parquet"])
+        write_split([{**r, "agent_name": "tool_agent"} for r in rows], root / "data-tools", split)
     return root
 
 
@@ -286,7 +292,11 @@ def test_scontrol_requeue_from_outside_saves_at_the_stop_on_two_nodes(lab, sites
     write_site(sites, "rq-ext", tmp_path / "runs", nodes=2, slow_s=0.25)
     run_dir = tmp_path / "runs" / "ext"
     args = [*overrides(assets, steps=16, save_freq=5), "trainer.nnodes=2",
-            "trainer.n_gpus_per_node=1"]  # a rank on each node, in Ray's worker processes
+            "trainer.n_gpus_per_node=1",  # a rank on each node, in Ray's worker processes
+            # every row through verl's tool agent loop, with the calculator tool
+            f"data.train_files={assets / 'data-tools' / 'train.parquet'}",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={CALCULATOR}",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"]
     job = submit(lab, sites, "rq-ext", run_dir, args, via="submitit")
     wait_for_step(lab, job, run_dir, 0, 8)
     lab.run("scontrol", "requeue", str(job))
@@ -299,6 +309,10 @@ def test_scontrol_requeue_from_outside_saves_at_the_stop_on_two_nodes(lab, sites
     assert any("Ray's processes block SIGTERM" in p.read_text() for p in head_log), logs(run_dir)
     assert "Slurm ended the job" in summary(run_dir, 0), logs(run_dir)
     check_metrics(run_dir, 16)
+    from trainer.metrics import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")  # the agent loops ran in both runs
+    assert all(r["num_turns/min"] >= 2 and "agent_loop/generate_sequences/mean" in r for r in rows), rows[-1]
 
 
 def test_three_nodes_requeue_in_grace_then_past_it_then_hpcrl_cancel(lab, sites, assets, tmp_path):

@@ -39,8 +39,6 @@ class AgentRollout:
     `rollout.agent.agent_loop_config_path`), and the rollout of a batch through them."""
 
     def __init__(self, cfg: Config, tokenizer: Any) -> None:
-        from trainer.agent.loops import loop_registry
-
         r = cfg.actor_rollout_ref.rollout
         self.cfg, self.tokenizer = cfg, tokenizer
         self.tools = load_configured_tools(r.multi_turn.tool_config_path)
@@ -55,17 +53,17 @@ class AgentRollout:
                             interactions=self.interactions,
                             chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
 
-    def loop_for(self, example: Example, ctx: AgentContext) -> AgentLoop:
-        try:
-            cls = self.loops[example.agent_name]
-        except KeyError:
-            known = ", ".join(f"`{n}`" for n in sorted(self.loops))
-            raise ValueError(
-                f"data row {example.index} asks for the agent loop `{example.agent_name}` (its "
-                f"`agent_name`), which is not registered; known: {known}. Fix: name one of them, or "
-                "register yours in the file of `actor_rollout_ref.rollout.agent.agent_loop_config_path` "
-                "(`- name: ...` / `_target_: package.module.Class`)") from None
-        return cls(ctx)
+    def loop_for(self, example: Example, ctx: AgentContext, built: dict[str, AgentLoop]) -> AgentLoop:
+        """The loop of `example` (one instance per loop name and rollout: a loop keeps a
+        trajectory's state in its `run`, and its constructor renders the chat template's probes)."""
+        name = example.agent_name
+        if name not in built:
+            if name not in self.loops:
+                from trainer.agent.loops import loop_class
+
+                loop_class(name)  # raises, naming the registered loops and the fix
+            built[name] = self.loops[name](ctx)
+        return built[name]
 
     def run(self, examples: Sequence[Example], params: SamplingParams, server: TokenServer
             ) -> tuple[RolloutBatch, list[dict[str, float]]]:
@@ -83,7 +81,8 @@ class AgentRollout:
                        ) -> list[AgentOutput]:
         one = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                              max_response_length=params.max_response_length, do_sample=params.do_sample)
-        tasks = [self._one(self.loop_for(e, ctx), e, one, ctx.server)
+        built: dict[str, AgentLoop] = {}
+        tasks = [self._one(self.loop_for(e, ctx, built), e, one, ctx.server)
                  for e in examples for _ in range(params.n)]
         return list(await asyncio.gather(*tasks))
 
@@ -102,12 +101,19 @@ class AgentRollout:
         return out
 
 
+def loop_registry(path: str | None) -> dict[str, type[AgentLoop]]:
+    """Every registered agent loop by name, those of verl's `agent_loop_config_path` file added."""
+    from trainer.agent import loops
+
+    if path:
+        loops.load_agent_loops(path)
+    return {name: loops.loop_class(name) for name in loops.registered()}
+
+
 def agent_data_args(cfg: Config) -> dict[str, Any]:
     """The data loader's arguments from the agent loops' settings (:class:`trainer.data.PromptDataset`):
     the tool schemas every prompt is rendered with (`data.tool_config_path`), the tools rows may
     give arguments to (`multi_turn.tool_config_path`), the default loop and the known loops."""
-    from trainer.agent.loops import loop_registry
-
     r = cfg.actor_rollout_ref.rollout
     schemas = [tool.tool_schema for tool in load_configured_tools(cfg.data.tool_config_path).values()]
     return {"tool_schemas": schemas or None, "tools": set(load_configured_tools(r.multi_turn.tool_config_path)),
