@@ -142,7 +142,7 @@ def test_unknown_key_lists_valid_keys_at_that_level() -> None:
 def test_unsupported_verl_keys_say_not_supported_yet() -> None:
     for item in ("critic.model.lora_rank=8",
                  "trainer.default_hdfs_dir=hdfs://x",
-                 "actor_rollout_ref.rollout.multi_turn.tool_config_path=/tools.yaml"):
+                 "actor_rollout_ref.rollout.trace.backend=mlflow"):
         with pytest.raises(ConfigError, match="not supported yet"):
             load_config([item])
     # The verl defaults of those keys are accepted: that is what this trainer does.
@@ -414,7 +414,7 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
     ("actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.rollout.layered_summon", "buckets"),
     ("actor_rollout_ref.rollout.enable_prefix_caching=False",
      "actor_rollout_ref.rollout.enable_prefix_caching", "always on"),
-    ("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.mode", "batched generate"),
+    ("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.mode", "its agent loop"),
     ("actor_rollout_ref.actor.profiler.enable=True", "actor_rollout_ref.actor.profiler", "nothing is profiled"),
     ("actor_rollout_ref.ref.profiler.tool_config.npu.contents=[npu,cpu]", "actor_rollout_ref.ref.profiler",
      "nothing is profiled"),
@@ -424,10 +424,8 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
     ("actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.use_torch_compile", "eagerly"),
     ("actor_rollout_ref.ref.use_torch_compile=False", "actor_rollout_ref.ref.use_torch_compile", "eagerly"),
     ("actor_rollout_ref.ref.strategy=fsdp2", "actor_rollout_ref.ref.strategy", "FSDP2"),
-    ("actor_rollout_ref.rollout.multi_turn.format=llama3_json", "actor_rollout_ref.rollout.multi_turn.format",
-     "tool agent loop"),
-    ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
-     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "tool agent loop"),
+    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=disable",
+     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "SGLang multi-turn rollout only"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable", "agent_name"),
     ("actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.agent.num_workers", "which worker"),
     ("actor_rollout_ref.rollout.trace.token2text=true", "actor_rollout_ref.rollout.trace.token2text", "no tracing"),
