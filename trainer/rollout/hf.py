@@ -4,11 +4,13 @@ the one tests use; it samples with the training model itself unless given a copy
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.models import compute_log_probs, empty_actor, materialize
+from trainer.agent.base import TokenOutput
+from trainer.models import compute_log_probs, empty_actor, left_pad, materialize
 from trainer.rollout.base import (
     RolloutBatch,
     SamplingParams,
@@ -230,3 +232,22 @@ class HFRolloutEngine:
         finally:
             self.model.train(was_training)
         return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index, entropy)
+
+    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int]
+                        ) -> list[TokenOutput]:
+        """One response per prompt (token ids, no padding), at most `max_tokens[i]` tokens for
+        prompt `i`: one :meth:`generate` of the longest limit, each row cut at its own. Greedy
+        rows equal what a per-row limit gives; sampled rows follow the same distribution, from
+        other draws of the generator. Log-probs come with every row (the engine computes them)."""
+        if len(max_tokens) != len(prompts) or not prompts:
+            raise ValueError(f"generate_tokens: {len(prompts)} prompts and {len(max_tokens)} `max_tokens`; "
+                             "give at least one prompt and one limit per prompt")
+        ids, mask = left_pad(prompts, self.pad_token_id)
+        batch = self.generate(ids, mask, replace(params, n=1, max_response_length=max(max_tokens)))
+        outputs = []
+        for row, limit in enumerate(max_tokens):
+            length = min(int(batch.response_mask[row].sum()), limit)
+            tokens = batch.response_ids[row, :length].tolist()
+            reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+            outputs.append(TokenOutput(tokens, batch.log_probs[row, :length].tolist(), reason))
+        return outputs

