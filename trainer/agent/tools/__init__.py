@@ -11,8 +11,9 @@ The file is verl's, unchanged (`examples/sglang_multiturn/config/tool_config/*.y
 as the dict given, which the loop passes to the chat template (`tools=`). Only `native` tools
 exist here: verl's `mcp` type is refused.
 
-Shipped: :class:`~trainer.agent.tools.gsm8k.Gsm8kTool` (verl's, ported) and
-:class:`~trainer.agent.tools.calculator.CalculatorTool` (`calculator`).
+Shipped: :class:`~trainer.agent.tools.gsm8k.Gsm8kTool` (verl's, ported),
+:class:`~trainer.agent.tools.calculator.CalculatorTool` (`calculator`) and
+:class:`~trainer.agent.tools.python_tool.PythonTool` (`python`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from trainer.agent.base import Tool
 from trainer.agent.tools.calculator import CalculatorTool
 from trainer.agent.tools.gsm8k import Gsm8kTool
 from trainer.agent.tools.loading import AgentConfigError, check_schema, read_entries, resolve_class
+from trainer.agent.tools.python_tool import PythonTool
 
-__all__ = ["PORTED_TOOLS", "AgentConfigError", "CalculatorTool", "Gsm8kTool", "load_tools"]
+__all__ = ["PORTED_TOOLS", "AgentConfigError", "CalculatorTool", "Gsm8kTool", "PythonTool", "load_tools"]
 
 PORTED_TOOLS: dict[str, type[Tool]] = {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool}
 """verl's tool classes by verl's `class_name`, and their ports here."""
