@@ -137,6 +137,8 @@ def test_a_daemon_that_leaves_the_session_is_killed(tmp_path: Path) -> None:
     res = run(code, tmp_path)
     assert out(res) == "parent done\n"
     if not isolation(False).pid_namespace:
+        for pid in processes_mentioning(res.workdir):  # the daemon this test started
+            os.kill(pid, signal.SIGKILL)
         pytest.skip(f"no pid namespace on this node ({isolation(False).note}): a process that "
                     f"left the session outlives the run")
     assert wait_until(lambda: processes_mentioning(res.workdir) == [])

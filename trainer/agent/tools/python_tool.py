@@ -14,7 +14,13 @@ from typing import Any, ClassVar
 
 from trainer.agent.base import Tool, ToolResponse
 from trainer.agent.tools.loading import AgentConfigError, check_config_keys, function_schema
-from trainer.agent.tools.sandbox import SandboxLimits, SandboxResult, check_interpreter, run_python
+from trainer.agent.tools.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    check_interpreter,
+    isolation,
+    run_python,
+)
 
 __all__ = ["PythonTool", "describe"]
 
@@ -74,6 +80,7 @@ class PythonTool(Tool):
         super().__init__(config, tool_schema or self.default_schema)
         self.limits = _limits(config)
         check_interpreter(self.limits.python, self.limits.uid, self.limits.gid)
+        isolation(self.limits.allow_network)  # probed here, at load, not inside the event loop
         self.max_concurrency = int(config.get("max_concurrency") or KEYS["max_concurrency"])
         self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 

@@ -20,6 +20,10 @@ The child is `python -I` (this interpreter, isolated mode) started through a sma
 - a private working directory (removed afterwards), stdin closed, stdout/stderr read as they
   come and capped: past `max_output_bytes` on either, the process is stopped;
 - a wall-clock timeout kills the whole process group (the child is a session leader).
+
+Without a pid namespace (no `unshare`), what the code starts in a new session outlives the run,
+and a child that keeps stdout open makes the run last until the timeout; the result's
+`isolation.note` says so.
 """
 
 from __future__ import annotations
