@@ -107,6 +107,7 @@ def test_another_verl_class_is_refused_by_name_with_the_fix(tmp_path: Path) -> N
     assert "`verl.tools.search_tool.SearchTool` has no port here" in msg
     assert "`verl.tools.gsm8k_tool.Gsm8kTool`" in msg and "trainer.agent.tools.gsm8k.Gsm8kTool" in msg
     assert "subclass of `trainer.agent.base.Tool`" in msg
+    assert "`trainer.agent.tools.python_tool.PythonTool`" in msg and "SandboxFusionTool" in msg
     assert str(tmp_path / "tools.yaml") in msg and "tools[0]" in msg
 
 

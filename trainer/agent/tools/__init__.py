@@ -33,9 +33,14 @@ __all__ = ["PORTED_TOOLS", "AgentConfigError", "CalculatorTool", "Gsm8kTool", "P
 PORTED_TOOLS: dict[str, type[Tool]] = {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool}
 """verl's tool classes by verl's `class_name`, and their ports here."""
 
+OWN_TOOLS = ("`trainer.agent.tools.calculator.CalculatorTool` (`calculator`), "
+             "`trainer.agent.tools.python_tool.PythonTool` (`python`: code run on the trainer's "
+             "node, in place of verl's `SandboxFusionTool` service)")
+"""The tools of this project with no verl counterpart, as the refusal of a verl tool names them."""
+
 
 def _build(entry: Mapping[str, Any], where: str) -> Tool:
-    cls = resolve_class(entry["class_name"], PORTED_TOOLS, Tool, where)
+    cls = resolve_class(entry["class_name"], PORTED_TOOLS, Tool, where, OWN_TOOLS)
     config = entry.get("config")
     if not isinstance(config, Mapping):
         raise AgentConfigError(f"{where}: needs a `config` mapping with `type: native` (verl's "

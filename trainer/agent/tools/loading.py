@@ -53,9 +53,11 @@ def read_entries(path: str | Path, list_key: str) -> list[dict[str, Any]]:
     return entries
 
 
-def resolve_class(class_name: str, ported: Mapping[str, type], base: type, where: str) -> type:
+def resolve_class(class_name: str, ported: Mapping[str, type], base: type, where: str,
+                  own: str = "") -> type:
     """The class `class_name` names: verl's ported classes map to `ported[class_name]`; another
-    `verl.*` name is refused; any other dotted path is imported and must subclass `base`."""
+    `verl.*` name is refused (`own`: this project's other classes, for the message); any other
+    dotted path is imported and must subclass `base`."""
     if class_name in ported:
         return ported[class_name]
     kind = base.__name__
@@ -63,8 +65,9 @@ def resolve_class(class_name: str, ported: Mapping[str, type], base: type, where
         have = ", ".join(f"`{name}` (-> `{cls.__module__}.{cls.__qualname__}`)"
                          for name, cls in ported.items())
         raise AgentConfigError(
-            f"{where}: verl's `{class_name}` has no port here; the ported ones are {have}. "
-            f"Use one of those (or one of this project's own), or port it as a subclass of "
+            f"{where}: verl's `{class_name}` has no port here; the ported ones are {have}"
+            f"{'; this project' + chr(39) + 's own: ' + own if own else ''}. "
+            f"Use one of those, or port it as a subclass of "
             f"`trainer.agent.base.{kind}` and give its dotted path as `class_name`")
     module_name, _, attr = class_name.rpartition(".")
     try:

@@ -57,8 +57,10 @@ def describe(res: SandboxResult, limits: SandboxLimits) -> str:
     elif res.returncode is None:
         why = "the process could not be collected"
     elif res.signal is not None:
-        name = signal.Signals(res.signal).name if res.signal in signal.Signals._value2member_map_ \
-            else f"signal {res.signal}"
+        try:
+            name = signal.Signals(res.signal).name
+        except ValueError:
+            name = f"signal {res.signal}"
         why = f"the process was killed by {name}" + (
             f" (CPU time limit of {limits.cpu_time} s)" if res.signal == signal.SIGXCPU else "")
     else:
