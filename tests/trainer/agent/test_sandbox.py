@@ -19,6 +19,15 @@ from trainer.agent.tools import sandbox
 from trainer.agent.tools.sandbox import SandboxResult, isolation, run_python
 
 
+@pytest.fixture(params=["namespaces", "without-unshare"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The node as it is, and the node without `unshare` (no pid or network namespace)."""
+    if request.param == "without-unshare":
+        monkeypatch.setattr(sandbox, "_ISOLATION", {})
+        monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    return str(request.param)
+
+
 def run(code: str, tmp_path: Path, **limits: object) -> SandboxResult:
     return asyncio.run(run_python(code, small_limits(tmp_path, **limits)))
 
@@ -27,7 +36,7 @@ def out(res: SandboxResult) -> str:
     return res.stdout.decode()
 
 
-def test_plain_code_runs_in_a_private_directory_that_is_removed(tmp_path: Path) -> None:
+def test_plain_code_runs_in_a_private_directory_that_is_removed(tmp_path: Path, mode: str) -> None:
     res = run("import os\nprint('hi', os.getcwd())\nopen('left.txt', 'w').write('x')", tmp_path)
     assert res.returncode == 0 and not res.timed_out, res
     word, cwd = out(res).split()
@@ -52,7 +61,7 @@ def test_stdin_is_closed(tmp_path: Path) -> None:
     assert out(res) == "''\n"
 
 
-def test_an_infinite_loop_ends_at_the_timeout(tmp_path: Path) -> None:
+def test_an_infinite_loop_ends_at_the_timeout(tmp_path: Path, mode: str) -> None:
     res = run("while True:\n    pass", tmp_path, timeout=1.0)
     assert res.timed_out and res.signal == signal.SIGKILL, res
     assert res.wall_s < 10
@@ -83,7 +92,7 @@ def test_open_files_are_limited(tmp_path: Path) -> None:
     assert int(count) < 16 and int(errno) == 24, res  # EMFILE
 
 
-def test_huge_stdout_is_capped_and_stops_the_process(tmp_path: Path) -> None:
+def test_huge_stdout_is_capped_and_stops_the_process(tmp_path: Path, mode: str) -> None:
     res = run("while True:\n    print('x' * 1000)", tmp_path, max_output_bytes=10_000, timeout=60)
     assert res.output_truncated and not res.timed_out, res
     assert len(res.stdout) == 10_000
@@ -112,7 +121,7 @@ print('forked', n, flush=True)
 """
 
 
-def test_a_fork_bomb_is_bounded_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_fork_bomb_is_bounded_and_leaves_nothing(tmp_path: Path, mode: str) -> None:
     res = run(FORK_BOMB, tmp_path, max_processes=8)
     assert res.returncode == 0 and not res.timed_out, res
     assert wait_until(lambda: processes_mentioning(res.workdir) == []), \
@@ -123,7 +132,7 @@ def test_a_fork_bomb_is_bounded_and_leaves_nothing(tmp_path: Path) -> None:
     assert forked < 8, forked
 
 
-def test_a_resilient_fork_bomb_ends_at_the_timeout(tmp_path: Path) -> None:
+def test_a_resilient_fork_bomb_ends_at_the_timeout(tmp_path: Path, mode: str) -> None:
     code = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
     res = run(code, tmp_path, max_processes=8, timeout=2.0)
     assert res.timed_out, res
@@ -131,20 +140,18 @@ def test_a_resilient_fork_bomb_ends_at_the_timeout(tmp_path: Path) -> None:
         f"processes of the run are left: {processes_mentioning(res.workdir)}"
 
 
-def test_a_daemon_that_leaves_the_session_is_killed(tmp_path: Path) -> None:
+def test_a_daemon_that_leaves_the_session_is_killed(tmp_path: Path, mode: str) -> None:
+    # in a pid namespace the kernel ends it; without one, it is found by its command line
     code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             "        time.sleep(600)\n    os._exit(0)\nprint('parent done')")
     res = run(code, tmp_path)
     assert out(res) == "parent done\n"
-    if not isolation(False).pid_namespace:
-        for pid in processes_mentioning(res.workdir):  # the daemon this test started
-            os.kill(pid, signal.SIGKILL)
-        pytest.skip(f"no pid namespace on this node ({isolation(False).note}): a process that "
-                    f"left the session outlives the run")
-    assert wait_until(lambda: processes_mentioning(res.workdir) == [])
+    assert res.wall_s < 10  # the daemon holds stdout open: the run still ends when its code does
+    assert wait_until(lambda: processes_mentioning(res.workdir) == []), \
+        f"processes of the run are left: {processes_mentioning(res.workdir)}"
 
 
-def test_killing_its_parent_does_not_reach_the_trainer(tmp_path: Path) -> None:
+def test_killing_its_parent_does_not_reach_the_trainer(tmp_path: Path, mode: str) -> None:
     res = run("import os, signal\nprint(os.getppid(), flush=True)\n"
               "os.kill(os.getppid(), signal.SIGKILL)\nos.kill(os.getppid(), signal.SIGTERM)", tmp_path)
     assert int(out(res).split()[0]) != os.getpid()
@@ -167,7 +174,7 @@ def test_network_is_unreachable_where_isolated(tmp_path: Path) -> None:
     assert out(res).startswith("refused"), res
 
 
-def test_writes_outside_the_directory_are_refused(tmp_path: Path) -> None:
+def test_writes_outside_the_directory_are_refused(tmp_path: Path, mode: str) -> None:
     outside = tmp_path / "trainer-files"
     outside.mkdir()
     code = ("open('inside.txt', 'w').write('x')\n"

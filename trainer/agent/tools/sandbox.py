@@ -21,9 +21,9 @@ The child is `python -I` (this interpreter, isolated mode) started through a sma
   come and capped: past `max_output_bytes` on either, the process is stopped;
 - a wall-clock timeout kills the whole process group (the child is a session leader).
 
-Without a pid namespace (no `unshare`), what the code starts in a new session outlives the run,
-and a child that keeps stdout open makes the run last until the timeout; the result's
-`isolation.note` says so.
+Without a pid namespace (no `unshare`), what escaped the process group is looked for by its
+command line (the launcher's forks) and killed; a program the code started with `exec` in a new
+session is not found, and outlives the run. The result's `isolation.note` says when this holds.
 """
 
 from __future__ import annotations
@@ -265,12 +265,41 @@ def _spec(limits: SandboxLimits, workdir: str, iso: Isolation) -> str:
                        "userns": "--user" in iso.prefix})
 
 
-async def _read(stream: asyncio.StreamReader, keep: bytearray, cap: int, full: asyncio.Event) -> None:
-    while chunk := await stream.read(1 << 16):
-        room = max(0, cap - len(keep))
-        keep += chunk[:room]
-        if len(chunk) > room:
-            full.set()
+class _Collect(asyncio.SubprocessProtocol):
+    """Keeps up to `cap` bytes of stdout (fd 1) and of stderr (fd 2), and tells when the process
+    exited (`exited`, even while a process it left holds the pipes), when a stream passed `cap`
+    (`full`) and when every pipe closed (`closed`)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = {1: bytearray(), 2: bytearray()}
+        self.exited, self.full, self.closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        keep = self.kept[fd]
+        room = max(0, self.cap - len(keep))
+        keep += data[:room]
+        if len(data) > room:
+            self.full.set()
+
+    def process_exited(self) -> None:
+        self.exited.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set()
+
+
+def _kill_leftovers(workdir: str) -> None:
+    """Kill what a run left that escaped its process group (a new session), where no pid
+    namespace ends it: the launcher's forks, which all carry `workdir` in their command line."""
+    mark = workdir.encode()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _killpg(pgid: int) -> None:
@@ -293,26 +322,26 @@ async def run_python(code: str, limits: SandboxLimits) -> SandboxResult:
 
 async def _run(iso: Isolation, workdir: str, limits: SandboxLimits) -> SandboxResult:
     start = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *iso.prefix, limits.python, "-I", "-c", LAUNCHER, _spec(limits, workdir, iso), cwd=workdir, env={},
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    out, err, full = bytearray(), bytearray(), asyncio.Event()
-    readers = [asyncio.create_task(_read(s, b, limits.max_output_bytes, full))
-               for s, b in ((proc.stdout, out), (proc.stderr, err))]
-    exited, overflow = asyncio.create_task(proc.wait()), asyncio.create_task(full.wait())
-    done, _ = await asyncio.wait({exited, overflow}, timeout=limits.timeout,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    overflow.cancel()
-    _killpg(proc.pid)  # what the code left running, or all of it on timeout/overflow
+    transport, proto = await asyncio.get_running_loop().subprocess_exec(
+        lambda: _Collect(limits.max_output_bytes),
+        *iso.prefix, limits.python, "-I", "-c", LAUNCHER, _spec(limits, workdir, iso), cwd=workdir,
+        env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True)
     try:
-        returncode: int | None = await asyncio.wait_for(exited, 10)
-    except TimeoutError:
-        returncode = None
-    _, pending = await asyncio.wait(readers, timeout=2)
-    for task in pending:
-        task.cancel()
-    return SandboxResult(bytes(out), bytes(err), returncode, timed_out=not done,
-                         output_truncated=full.is_set(), wall_s=time.monotonic() - start,
-                         isolation=iso, workdir=workdir)
+        waits = [asyncio.create_task(proto.exited.wait()), asyncio.create_task(proto.full.wait())]
+        done, _ = await asyncio.wait(waits, timeout=limits.timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
+        _killpg(transport.get_pid())  # what the code left running, or all of it on timeout/overflow
+        if not iso.pid_namespace:
+            await asyncio.to_thread(_kill_leftovers, workdir)
+        for event, bound in ((proto.exited, 10), (proto.closed, 2)):
+            try:
+                await asyncio.wait_for(event.wait(), bound)
+            except TimeoutError:
+                pass
+        return SandboxResult(bytes(proto.kept[1]), bytes(proto.kept[2]), transport.get_returncode(),
+                             timed_out=not done, output_truncated=proto.full.is_set(),
+                             wall_s=time.monotonic() - start, isolation=iso, workdir=workdir)
+    finally:
+        transport.close()
