@@ -96,6 +96,23 @@ def test_unknown_config_keys_are_refused_listing_the_valid_ones(tmp_path: Path) 
         tool(tmp_path, timout=3)
 
 
+@pytest.mark.parametrize(("key", "value", "want"), [
+    ("timeout", "30", "a positive number"), ("timeout", 0, "a positive number"),
+    ("cpu_time", 1.5, "a positive integer"), ("max_processes", -1, "a positive integer"),
+    ("allow_network", "no", "true or false"), ("memory_limit_mb", True, "a positive integer"),
+    ("python", "", "a non-empty string"),
+])
+def test_config_values_of_the_wrong_kind_are_refused(tmp_path: Path, key: str, value: Any, want: str) -> None:
+    with pytest.raises(AgentConfigError, match=rf"`{key}: {value!r}` must be {want}"):
+        tool(tmp_path, **{key: value})
+
+
+def test_config_values_reach_the_limits(tmp_path: Path) -> None:
+    t = tool(tmp_path, timeout=2, cpu_time=3, max_processes=4, allow_network=True, max_concurrency=2)
+    assert (t.limits.timeout, t.limits.cpu_time, t.limits.max_processes) == (2, 3, 4)
+    assert t.limits.allow_network and t.max_concurrency == 2
+
+
 @pytest.mark.skipif(not ROOT, reason="`user` applies only when the trainer runs as root")
 def test_an_unknown_user_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AgentConfigError, match=r"`user: no-such-user-x` is not a user of this node"):

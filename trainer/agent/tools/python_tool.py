@@ -32,8 +32,25 @@ fields (`timeout` seconds of wall clock, `cpu_time` seconds, `memory_limit_mb`, 
 (runs at once in one process)."""
 
 
+def _checked(key: str, value: Any) -> Any:
+    """`value` of config key `key`, of its default's type (a positive number for a number)."""
+    default = _LIMIT_KEYS[key]
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int | float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0 \
+            and (isinstance(default, float) or float(value).is_integer())
+    else:
+        ok = isinstance(value, str) and bool(value)
+    if not ok:
+        want = {bool: "true or false", int: "a positive integer", float: "a positive number"}.get(
+            type(default), "a non-empty string")
+        raise AgentConfigError(f"`PythonTool` config: `{key}: {value!r}` must be {want}")
+    return int(value) if type(default) is int else value
+
+
 def _limits(config: dict[str, Any]) -> SandboxLimits:
-    values = {k: config[k] for k in _LIMIT_KEYS if config.get(k) is not None}
+    values = {k: _checked(k, config[k]) for k in _LIMIT_KEYS if config.get(k) is not None}
     user = config.get("user", KEYS["user"])
     if os.geteuid() == 0 and user is not None:
         try:

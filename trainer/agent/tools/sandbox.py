@@ -1,6 +1,7 @@
 """Running untrusted Python code in a bounded child process, without blocking the event loop.
 
-The child is `python -I` (this interpreter, isolated mode) started through a small launcher:
+The child is `python -I` (the configured interpreter, by default the trainer's, in isolated
+mode) started through a small launcher:
 
 - **namespaces**: through `unshare --pid --fork --kill-child` and, unless the network is allowed,
   `--net` (a network namespace holds only a downed loopback: nothing is reachable). As root
@@ -8,17 +9,18 @@ The child is `python -I` (this interpreter, isolated mode) started through a sma
   of these worked is probed once per process and reported with every result: no isolation is
   claimed that was not obtained. In a pid namespace the launcher is pid 1: when it ends, the
   kernel kills everything the code started, daemons included;
-- **a lower user**: when the trainer runs as root, the launcher drops to `user` (`nobody`) before
-  the code runs, so that the code cannot touch the trainer's files or processes, and so that
-  `RLIMIT_NPROC` (which root ignores) binds;
+- **a lower user**: when the trainer runs as root, the launcher drops to `uid` (the python
+  tool's `user`, `nobody`) before the code runs, so that the code cannot touch the trainer's
+  files or processes, and so that `RLIMIT_NPROC` (which root ignores) binds; that user must be
+  able to read the interpreter (:func:`check_interpreter`);
 - **rlimits**: CPU seconds (SIGXCPU, then SIGKILL a second later), address space, file size,
   open files, no core files, and tasks (`RLIMIT_NPROC` counts every task of the user on the
   node, so the limit is the user's tasks at start plus `max_processes`; in a user namespace,
   where Linux >= 5.14 counts that namespace's tasks alone, `max_processes` itself);
 - **the launcher forks** and the code runs in the child, so the code's parent is the launcher,
   never the trainer; the environment is cleared before the code runs (`os.environ` is empty);
-- a private working directory (removed afterwards), stdin closed, stdout/stderr read as they
-  come and capped: past `max_output_bytes` on either, the process is stopped;
+- a private working directory (removed afterwards), stdin empty (`/dev/null`), stdout and
+  stderr read as they come and capped: past `max_output_bytes` on either, the process is stopped;
 - a wall-clock timeout kills the whole process group (the child is a session leader).
 
 Without a pid namespace (no `unshare`), what escaped the process group is looked for by its
