@@ -45,6 +45,15 @@ def test_plain_code_runs_in_a_private_directory_that_is_removed(tmp_path: Path, 
     assert list((tmp_path / "work").iterdir()) == []
 
 
+def test_a_strict_umask_of_the_trainer_does_not_lock_the_code_out(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        res = run("print('read')", tmp_path)
+    finally:
+        os.umask(old)
+    assert out(res) == "read\n", res
+
+
 def test_the_environment_is_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPCRL_TEST_SECRET", "s3cret")
     res = run("import os, json\nprint(json.dumps(dict(os.environ)))\n"

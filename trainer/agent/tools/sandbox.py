@@ -240,9 +240,11 @@ def check_interpreter(python: str, uid: int | None, gid: int | None) -> None:
 
 def _make_workdir(code: str, limits: SandboxLimits) -> str:
     workdir = tempfile.mkdtemp(prefix="hpcrl-python-", dir=limits.tmp_dir)
-    Path(workdir, "main.py").write_text(code, encoding="utf-8")
-    if limits.uid is not None:
-        os.chown(workdir, limits.uid, limits.gid if limits.gid is not None else -1)
+    main = Path(workdir, "main.py")
+    main.write_text(code, encoding="utf-8")
+    if limits.uid is not None:  # the code's user owns both, whatever the trainer's umask
+        for path in (workdir, main):
+            os.chown(path, limits.uid, limits.gid if limits.gid is not None else -1)
     return workdir
 
 
