@@ -6,14 +6,18 @@ is skipped with the reason; the rest still runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from tests.trainer.agent.sandbox_support import ROOT, processes_mentioning, small_limits, wait_until
 from trainer.agent.tools import sandbox
 from trainer.agent.tools.sandbox import SandboxResult, isolation, run_python
@@ -63,6 +67,22 @@ def test_the_environment_is_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     first, second = out(res).splitlines()
     assert json.loads(first) == {}
     assert second == "[]"  # a child of the code inherits nothing either (bar its own locale)
+
+
+def test_limits_stay_under_the_hard_limits_the_node_set(tmp_path: Path) -> None:
+    # a trainer under a hard RLIMIT_NOFILE of 200 (set in a child process of the test) asks for 500
+    limits = small_limits(tmp_path, max_open_files=500)
+    script = (
+        "import asyncio, resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))\n"
+        "from trainer.agent.tools.sandbox import SandboxLimits, run_python\n"
+        f"limits = SandboxLimits(**{dataclasses.asdict(limits)!r})\n"
+        "code = 'import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))'\n"
+        "res = asyncio.run(run_python(code, limits))\n"
+        "sys.stdout.write(res.stdout.decode() + res.stderr.decode())\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout == "200 200\n", proc.stdout + proc.stderr
 
 
 def test_stdin_is_closed(tmp_path: Path) -> None:

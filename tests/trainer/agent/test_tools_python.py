@@ -51,6 +51,17 @@ def test_an_exception_is_its_traceback(tmp_path: Path) -> None:
     assert text.endswith("ZeroDivisionError: division by zero\n") and metrics["exit_code"] == 1
 
 
+def test_a_syntax_error_is_told_as_python_tells_it(tmp_path: Path) -> None:
+    text, _, metrics = call(tool(tmp_path), code="print('ok')\ndef (:\n")
+    assert 'File "main.py", line 2' in text and "SyntaxError" in text, text
+    assert "ok" not in text and metrics["exit_code"] == 1
+
+
+def test_sys_exit_gives_its_code(tmp_path: Path) -> None:
+    text, _, metrics = call(tool(tmp_path), code="import sys\nprint('bye')\nsys.exit(3)")
+    assert (text, metrics["exit_code"]) == ("bye\n", 3)
+
+
 def test_a_timeout_is_told(tmp_path: Path) -> None:
     text, _, metrics = call(tool(tmp_path, timeout=1), code="print('started', flush=True)\nwhile True:\n    pass")
     assert text == "started\nerror: timed out after 1 s; the process was stopped"

@@ -61,15 +61,21 @@ def user_tasks(uid):
                 pass
     return n
 
+def limit(res, soft, hard):  # never above the hard limit the node already set
+    now = resource.getrlimit(res)[1]
+    if now != resource.RLIM_INFINITY:
+        soft, hard = min(soft, now), min(hard, now)
+    resource.setrlimit(res, (soft, hard))
+
 uid = os.getuid() if spec["uid"] is None else spec["uid"]
 for name, (soft, hard) in spec["rlimits"].items():
-    resource.setrlimit(getattr(resource, "RLIMIT_" + name), (soft, hard))
+    limit(getattr(resource, "RLIMIT_" + name), soft, hard)
 # RLIMIT_NPROC counts the user's tasks; in a new user namespace (Linux >= 5.14) only those of
 # that namespace, none yet: try that bound first, and if even the launcher cannot fork (an older
 # kernel counting every task of the user), count the user's tasks on the node
 loose = user_tasks(uid) + 1 + spec["max_processes"]
 strict = 1 + spec["max_processes"] if spec["userns"] else loose
-resource.setrlimit(resource.RLIMIT_NPROC, (strict, max(strict, loose)))
+limit(resource.RLIMIT_NPROC, strict, max(strict, loose))
 if spec["uid"] is not None:
     os.setgroups([])
     os.setgid(spec["gid"])
@@ -78,11 +84,11 @@ os.umask(0o077)
 try:
     pid = os.fork()
 except BlockingIOError:
-    resource.setrlimit(resource.RLIMIT_NPROC, (loose, loose))
+    limit(resource.RLIMIT_NPROC, loose, loose)
     pid = os.fork()
 else:
     if pid == 0:
-        resource.setrlimit(resource.RLIMIT_NPROC, (strict, strict))
+        limit(resource.RLIMIT_NPROC, strict, strict)
 if pid:
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     os._exit(code if code >= 0 else 128 - code)
