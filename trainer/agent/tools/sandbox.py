@@ -70,11 +70,12 @@ def limit(res, soft, hard):  # never above the hard limit the node already set
 uid = os.getuid() if spec["uid"] is None else spec["uid"]
 for name, (soft, hard) in spec["rlimits"].items():
     limit(getattr(resource, "RLIMIT_" + name), soft, hard)
-# RLIMIT_NPROC counts the user's tasks; in a new user namespace (Linux >= 5.14) only those of
-# that namespace, none yet: try that bound first, and if even the launcher cannot fork (an older
-# kernel counting every task of the user), count the user's tasks on the node
-loose = user_tasks(uid) + 1 + spec["max_processes"]
-strict = 1 + spec["max_processes"] if spec["userns"] else loose
+# RLIMIT_NPROC counts the user's tasks (the launcher's among them once it runs as that user);
+# in a new user namespace (Linux >= 5.14) only those of that namespace, `unshare` and the
+# launcher: try that bound first, and if even the launcher cannot fork (an older kernel counting
+# every task of the user), count the user's tasks on the node
+loose = user_tasks(uid) + (spec["uid"] is not None) + spec["max_processes"]
+strict = 2 + spec["max_processes"] if spec["userns"] else loose
 limit(resource.RLIMIT_NPROC, strict, max(strict, loose))
 if spec["uid"] is not None:
     os.setgroups([])
@@ -255,13 +256,23 @@ def _make_workdir(code: str, limits: SandboxLimits) -> str:
 
 
 def _remove(workdir: str) -> None:
-    def make_writable(func, path, _exc):  # noqa: ANN001 (shutil's onerror signature)
-        os.chmod(os.path.dirname(path), stat.S_IRWXU)
-        if os.path.isdir(path):
-            os.chmod(path, stat.S_IRWXU)
-        func(path)
-
-    shutil.rmtree(workdir, onerror=make_writable)
+    """Remove `workdir`, also where the code took away its own permissions (a user other than
+    root cannot enter a directory it locked). Links are never followed."""
+    try:
+        shutil.rmtree(workdir)
+        return
+    except OSError:
+        pass
+    os.chmod(workdir, stat.S_IRWXU)
+    for root, dirs, _ in os.walk(workdir):  # top-down: a directory is opened before walked into
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                try:
+                    os.chmod(path, stat.S_IRWXU)
+                except OSError:
+                    pass
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _spec(limits: SandboxLimits, workdir: str, iso: Isolation) -> str:
