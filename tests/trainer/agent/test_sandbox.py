@@ -247,3 +247,16 @@ def test_without_unshare_the_result_says_so(tmp_path: Path, monkeypatch: pytest.
     assert out(res) == "ran\n"
     assert res.isolation.prefix == () and not res.isolation.network
     assert "`unshare` (util-linux) is not installed" in res.isolation.note
+
+
+def test_removal_never_follows_a_link_out(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    outside.chmod(0o755)
+    work = tmp_path / "run"
+    (work / "locked" / "deep").mkdir(parents=True)
+    (work / "link").symlink_to(outside)
+    (work / "locked").chmod(0)
+    sandbox._remove(str(work))
+    assert not work.exists()
+    assert (outside / "keep").is_dir() and outside.stat().st_mode & 0o777 == 0o755
