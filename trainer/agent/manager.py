@@ -23,7 +23,12 @@ from uuid import uuid4
 
 import torch
 
+from trainer.agent import loops
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, TokenServer
+from trainer.agent.interactions import load_interactions
+from trainer.agent.tools import load_tools
+from trainer.config.rollout import SINGLE_TURN_AGENT
+from trainer.models import left_pad
 from trainer.rollout.base import RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
@@ -59,9 +64,7 @@ class AgentRollout:
         name = example.agent_name
         if name not in built:
             if name not in self.loops:
-                from trainer.agent.loops import loop_class
-
-                loop_class(name)  # raises, naming the registered loops and the fix
+                        loops.loop_class(name)  # raises, naming the registered loops and the fix
             built[name] = self.loops[name](ctx)
         return built[name]
 
@@ -103,8 +106,6 @@ class AgentRollout:
 
 def loop_registry(path: str | None) -> dict[str, type[AgentLoop]]:
     """Every registered agent loop by name, those of verl's `agent_loop_config_path` file added."""
-    from trainer.agent import loops
-
     if path:
         loops.load_agent_loops(path)
     return {name: loops.loop_class(name) for name in loops.registered()}
@@ -125,8 +126,6 @@ def refuse_collective_engines(cfg: Config, examples: Sequence[Example]) -> None:
     """Agent loops on a tensor-parallel in-process engine are refused: every rank of such an
     engine must send the same requests at the same time, and tool calls (a timeout, a sandboxed
     program) need not end alike on every rank."""
-    from trainer.config.rollout import SINGLE_TURN_AGENT
-
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     agentic = [e for e in examples if e.agent_name != SINGLE_TURN_AGENT]
     if tp > 1 and agentic:
@@ -141,8 +140,6 @@ def load_configured_tools(path: str | None) -> dict[str, Any]:
     """The tools of `multi_turn.tool_config_path` by name (none without a file)."""
     if not path:
         return {}
-    from trainer.agent.tools import load_tools
-
     return {tool.name: tool for tool in load_tools(path)}
 
 
@@ -150,16 +147,12 @@ def load_configured_interactions(path: str | None) -> dict[str, Any]:
     """The interactions of `multi_turn.interaction_config_path` by name (none without a file)."""
     if not path:
         return {}
-    from trainer.agent.interactions import load_interactions
-
     return dict(load_interactions(path))
 
 
 def pack_outputs(outputs: Sequence[AgentOutput], prompt_index: torch.Tensor, pad_token_id: int,
                  response_length: int, *, want_log_probs: bool) -> RolloutBatch:
     """Finished trajectories as one :class:`RolloutBatch` in verl's agent-loop layout."""
-    from trainer.models import left_pad
-
     for i, o in enumerate(outputs):
         if len(o.response_mask) != len(o.response_ids) or len(o.response_ids) > response_length:
             raise ValueError(

@@ -30,6 +30,8 @@ import torch
 
 from trainer import models as M
 from trainer import parallel as P
+from trainer.agent.manager import AgentRollout
+from trainer.agent.servers import BatchedServer
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.data import Example
@@ -147,9 +149,6 @@ class ActorRolloutRefWorker(Worker):
         (:mod:`trainer.agent.manager`), their turns batched into this rank's engine
         (:class:`trainer.agent.servers.BatchedServer`); the info carries each row's agent-loop
         metrics (`rows`)."""
-        from trainer.agent.manager import AgentRollout
-        from trainer.agent.servers import BatchedServer
-
         if self.agents is None:  # tools and interactions load once per process
             self.agents = AgentRollout(self.cfg, self.tokenizer)
         rows: list[dict[str, float]] = []
