@@ -1,0 +1,60 @@
+"""The trainer on multi-turn rows end to end (the tiny model with the tools tokenizer, HF
+rollout on the actor's own weights): verl's tool agent loop with verl's gsm8k interaction, so every
+trajectory has user turns between the model's; the engine's log-probs of the model's tokens equal
+the actor's recomputation over the whole conversation (the tokens line up), and the steps log
+`num_turns/*` and `agent_loop/*`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import load_config
+from trainer.data import read_rows, write_split
+from trainer.driver import PPODriver
+from trainer.metrics import read_jsonl
+from trainer.rewards.toy import write_toy_digits
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.tiny import save_tiny
+
+    root = tmp_path_factory.mktemp("multi_turn")
+    save_tiny(root / "model", seed=0, tools=True)
+    write_toy_digits(root / "toy", train_size=16, val_size=4, seed=0)
+    for split in ("train", "test"):  # as verl's gsm8k_multiturn_w_interaction data: a user answers
+        rows = read_rows([root / "toy" / f"{split}.parquet"])
+        write_split([{**r, "agent_name": "tool_agent", "extra_info": {
+            "index": i, "interaction_kwargs": {"name": "gsm8k", "query": r["prompt"][-1]["content"],
+                                               "ground_truth": str(r["reward_model"]["ground_truth"])}}}
+                     for i, r in enumerate(rows)], root / "data", split)
+    (root / "interaction.yaml").write_text(yaml.safe_dump({"interaction": [{
+        "name": "gsm8k", "class_name": "verl.interactions.gsm8k_interaction.Gsm8kInteraction", "config": {}}]}))
+    return root
+
+
+def test_multi_turn_rows_train_and_the_engine_s_log_probs_equal_the_actor_s(assets: Path, tmp_path: Path) -> None:
+    data = assets / "data"
+    cfg = load_config([
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=24", "data.max_response_length=24", f"actor_rollout_ref.model.path={assets / 'model'}",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.calculate_log_probs=true",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={assets / 'interaction.yaml'}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.n=2",
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={tmp_path}", "trainer.logger=jsonl", "trainer.seed=3",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1"])
+    assert PPODriver(cfg).fit() == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["num_turns/max"] > 2, row  # the interaction's user turns between the model's
+        assert "agent_loop/generate_sequences/mean" in row and "agent_loop/slowest/response_length" in row
+        # the engine sampled each turn from the conversation so far; the actor recomputes over the
+        # packed rows: equal probabilities only if every turn's tokens are where generation put them
+        assert row["training/rollout_probs_diff_max"] < 1e-3, row
+        assert row["training/rollout_actor_probs_pearson_corr"] > 0.999, row
