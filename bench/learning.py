@@ -50,6 +50,7 @@ ACC_SEM = f"val-aux/{SOURCE}/acc/sem@1"
 VAL_REWARD = f"val-aux/{SOURCE}/reward/mean@1"  # verl's layout: `acc` is the core number
 FORMATTED = f"val-aux/{SOURCE}/formatted/mean@1"
 CORES = 2
+CALCULATOR = REPO / "trainer" / "agent" / "configs" / "calculator_tool_config.yaml"
 """The machine's cores, all busy during a run: CPU-hours = CORES x wall hours."""
 
 
@@ -62,11 +63,38 @@ def prepare(root: Path) -> tuple[Path, Path]:
     if not (data / "test.parquet").is_file():
         subprocess.run([sys.executable, "-m", "trainer.preprocess", "arith", "--output", str(data),
                         "--train-size", "4096", "--val-size", "256", "--seed", "0"], check=True, cwd=REPO)
+    if not (root / "data-tools" / "test.parquet").is_file():
+        tool_rows(data, root / "data-tools")
     return model, data
 
 
+#: The calculator's description for a model whose chat template does not render `tools=`
+#: (SmolLM2's does not): the same call format the hermes parser reads.
+TOOL_SYSTEM = (
+    "You can use a calculator. To call it, write exactly\n<tool_call>\n"
+    '{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}\n</tool_call>\n'
+    "and stop: the result comes back in the next message. Then continue, and write the final "
+    "answer after ####.")
+
+
+def tool_rows(data: Path, out: Path) -> None:
+    """The same questions for verl's tool agent loop with the `calculator` tool: `agent_name`,
+    and a system message that describes the tool."""
+    from trainer.data import read_rows, write_split
+
+    for split in ("train", "test"):
+        rows = read_rows([data / f"{split}.parquet"])
+        write_split([{**r, "agent_name": "tool_agent",
+                      "prompt": [{"role": "system", "content": TOOL_SYSTEM}, *r["prompt"]]} for r in rows], out, split)
+
+
 def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> list[str]:
-    """The trainer's command line, verl's keys: GRPO, vLLM rollout, one rank per node."""
+    """The trainer's command line, verl's keys: GRPO, vLLM rollout, one rank per node; with
+    `--tools`, verl's tool agent loop with the calculator (up to 3 model turns)."""
+    tools = [f"data.train_files={data.parent / 'data-tools' / 'train.parquet'}",
+             f"data.val_files={data.parent / 'data-tools' / 'test.parquet'}",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={CALCULATOR}",
+             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3"] if args.tools else []
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
@@ -86,7 +114,7 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
         "trainer.log_val_generations=4", "trainer.logger=[console,jsonl]",
         "trainer.project_name=hpcrl-bench", "trainer.experiment_name=arith-smollm2-grpo",
         f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
-        *args.extra,
+        *tools, *args.extra,
     ]
 
 
@@ -259,8 +287,8 @@ def report(root: Path) -> int:
     print(f"training steps logged: {len(steps)} (repeated: {repeated or 'none'}, "
           f"missing: {missing or 'none'})")
     print("| step | training min | CPU-h | val accuracy | +- SE | val reward | `####` used | train reward | "
-          "KL loss | response length |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "KL loss | response length | tool-call rate | malformed | mean turns |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     train = {r["step"]: r for r in rows if "actor/pg_loss" in r}
     for r in rows:
         if ACC not in r:
@@ -271,7 +299,8 @@ def report(root: Path) -> int:
               f"{r[VAL_REWARD]:.3f} | "
               f"{r[FORMATTED]:.2f} | "
               f"{_fmt(t.get('critic/score/mean'))} | {_fmt(t.get('actor/kl_loss'), 4)} | "
-              f"{_fmt(t.get('response_length/mean'), 1)} |")
+              f"{_fmt(t.get('response_length/mean'), 1)} | {_fmt(t.get('agent_loop/tool_call_rate'), 2)} | "
+              f"{_fmt(t.get('agent_loop/tool_calls_malformed/ratio'), 2)} | {_fmt(t.get('num_turns/mean'), 2)} |")
     vals = [r for r in rows if ACC in r]
     if len(vals) >= 2:
         first, last = vals[0], vals[-1]
@@ -307,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5, help="actor learning rate")
     p.add_argument("--time", default="01:30:00", help="the job's Slurm time limit")
     p.add_argument("--minutes", type=float, default=40.0, help="trl: wall-time budget")
+    p.add_argument("--tools", action="store_true",
+                   help="every question through verl's tool agent loop with the calculator tool")
     p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
                    help="more trainer overrides (verl's keys), after the bench's own, e.g. "
                         "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
