@@ -37,6 +37,12 @@ trainer recomputes ``old_log_prob`` with the actor either way and reports how fa
 apart (verl's ``training/rollout_probs_diff_*``). ``enforce_eager`` is verl's (false: CUDA
 graphs); the CPU backend has none to capture and always runs eagerly.
 
+:meth:`VLLMRolloutEngine.generate_tokens` takes token lists (no padding) with a `max_tokens` per
+request and returns one :class:`~trainer.agent.base.TokenOutput` each: the agent loops' batched
+turns (:class:`trainer.agent.servers.BatchedServer`); :meth:`~VLLMRolloutEngine.generate` builds
+its batch on it. The server-mode replica (:mod:`trainer.rollout.vllm_server`) shares the knobs
+(:func:`engine_args`), the request and output code and the weight-sync calls.
+
 vLLM reads these environment variables when imported; :func:`engine_env` gives the defaults used
 here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statistics).
 """
@@ -44,7 +50,7 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +110,21 @@ def _end_reload(worker: Any) -> None:
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         if hasattr(runner, reset):
             getattr(runner, reset)()
+
+
+def reload_calls(buckets: Iterable[WeightBucket], load: Callable[..., None],
+                 prepare: Callable[[WeightBucket], Any]) -> Iterator[tuple[Callable[..., None], tuple[Any, ...]]]:
+    """The worker calls of a streamed weight sync, for `collective_rpc`: :func:`_begin_reload`,
+    then `load` with `prepare(bucket)` for each bucket as it arrives (the next bucket is asked
+    for once the caller has run this call); it fails at the end unless the buckets held every
+    parameter once (:class:`WeightTally`). The caller runs :func:`_end_reload` after it, also
+    when a call failed: the layers go back to their kernel tensors."""
+    tally = WeightTally()
+    yield _begin_reload, ()
+    for bucket in buckets:
+        tally.add(bucket)
+        yield load, (prepare(bucket),)
+    tally.check()
 
 
 def vllm_available() -> bool:
@@ -284,17 +305,15 @@ class VLLMRolloutEngine:
     def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
         """Load the actor's weights (HF names) bucket by bucket and drop stale prefix KV."""
         device = None if self.gpu else torch.device("cpu")
-        tally = WeightTally()
-        self.llm.collective_rpc(_begin_reload)
+
+        def prepare(bucket: WeightBucket) -> list[tuple[str, torch.Tensor]]:
+            return [(name, t.detach() if device is None else t.detach().to(device)) for name, t in bucket]
+
         try:
-            for bucket in buckets:
-                tally.add(bucket)
-                weights = [(name, t.detach() if device is None else t.detach().to(device)) for name, t in bucket]
-                self.llm.collective_rpc(_load_bucket, args=(weights,))
-                del weights
+            for fn, args in reload_calls(buckets, _load_bucket, prepare):
+                self.llm.collective_rpc(fn, args=args)
         finally:  # the layers go back to their kernel tensors even when the sync failed
             self.llm.collective_rpc(_end_reload)
-        tally.check()
         self.weights_discarded = False
         self.llm.reset_prefix_cache()
 
