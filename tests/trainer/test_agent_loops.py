@@ -187,13 +187,25 @@ def test_an_unknown_agent_key_is_still_unknown() -> None:
         load_config([f"{ROLLOUT}.agent.num_workerz=2"])
 
 
-def test_rollout_mode_async_is_verls_default_and_sync_is_noted() -> None:
-    assert load_config([HF]).actor_rollout_ref.rollout.mode == "async"
-    items = [HF, f"{ROLLOUT}.mode=async", f"{ROLLOUT}.multi_turn.enable=false"]
+def test_rollout_mode_chooses_vllm_s_engine_and_is_noted_where_it_changes_nothing() -> None:
+    """`sync` (the default here: faster for single-turn rows) is the in-process engine; `async`
+    a server-mode replica per rank, on vLLM with one rank per engine only: elsewhere it is
+    accepted with a note saying what runs."""
+    from trainer.rollout.vllm_server import server_mode
+
+    vllm = f"{ROLLOUT}.name=vllm"
+    assert load_config([HF]).actor_rollout_ref.rollout.mode == "sync"
+    assert server_mode(load_config([vllm, f"{ROLLOUT}.mode=async"]))
+    assert not server_mode(load_config([vllm])) and not server_mode(load_config([HF, f"{ROLLOUT}.mode=async"]))
+    items = [vllm, f"{ROLLOUT}.mode=async", f"{ROLLOUT}.multi_turn.enable=false"]
     assert compat_notes(items, load_config(items)) == []
-    items = [HF, f"{ROLLOUT}.mode=sync"]
+    items = [HF, f"{ROLLOUT}.mode=async"]
     [note] = compat_notes(items, load_config(items))
-    assert "every row runs through its agent loop" in note
+    assert "changes nothing with `rollout.name=hf`" in note
+    items = [vllm, f"{ROLLOUT}.mode=async", f"{ROLLOUT}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]
+    cfg = load_config(items)
+    [note] = compat_notes(items, cfg)
+    assert "the in-process engine runs" in note and not server_mode(cfg)
 
 
 def test_multi_turn_notes_say_the_data_chooses_the_loop() -> None:

@@ -414,7 +414,6 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
     ("actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.rollout.layered_summon", "buckets"),
     ("actor_rollout_ref.rollout.enable_prefix_caching=False",
      "actor_rollout_ref.rollout.enable_prefix_caching", "always on"),
-    ("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.mode", "its agent loop"),
     ("actor_rollout_ref.actor.profiler.enable=True", "actor_rollout_ref.actor.profiler", "nothing is profiled"),
     ("actor_rollout_ref.ref.profiler.tool_config.npu.contents=[npu,cpu]", "actor_rollout_ref.ref.profiler",
      "nothing is profiled"),
@@ -449,7 +448,7 @@ def test_verl_keys_that_change_no_number_are_accepted_with_one_note(item: str, k
 
 def test_no_note_for_acting_keys_or_verl_defaults() -> None:
     items = ["data.train_batch_size=512", "actor_rollout_ref.model.use_fused_kernels=false",
-             "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.actor.use_torch_compile=true", HF]
+             "actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.actor.use_torch_compile=true", HF]
     assert C.compat_notes(items, load_config(items)) == []
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
@@ -68,12 +68,13 @@ class AgentRollout:
             built[name] = self.loops[name](ctx)
         return built[name]
 
-    def run(self, examples: Sequence[Example], params: SamplingParams, server: TokenServer
-            ) -> tuple[RolloutBatch, list[dict[str, float]]]:
-        """`params.n` trajectories per example, all concurrently; the rows and each row's
-        metrics (seconds in generation and tool calls, tool-call counts)."""
+    def run(self, examples: Sequence[Example], params: SamplingParams, server: TokenServer,
+            runner: Callable[[Any], Any] = asyncio.run) -> tuple[RolloutBatch, list[dict[str, float]]]:
+        """`params.n` trajectories per example, all concurrently (on a new event loop, or by
+        `runner`: a server-mode replica's own loop); the rows and each row's metrics (seconds in
+        generation and tool calls, tool-call counts)."""
         ctx = self.context(server)
-        outputs = asyncio.run(self._run_all(examples, params, ctx))
+        outputs = runner(self._run_all(examples, params, ctx))
         prompt_index = torch.arange(len(examples)).repeat_interleave(params.n)
         pad = self.tokenizer.pad_token_id
         batch = pack_outputs(outputs, prompt_index, pad, self.cfg.data.max_response_length,

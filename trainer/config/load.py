@@ -342,6 +342,16 @@ def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
     arr = cfg.actor_rollout_ref
     if "actor_rollout_ref.rollout.name" not in keys and arr.rollout.name == "hf":
         lines.append(NO_VLLM_NOTE)
+    r = arr.rollout
+    if r.mode == "async" and r.name != "vllm":
+        lines.append(f"`actor_rollout_ref.rollout.mode=async` changes nothing with `rollout.name={r.name}`: "
+                     "server-mode replicas are vLLM's; the in-process engine batches every live "
+                     "trajectory's turn, sampling the same distribution; the numbers are the same")
+    elif r.mode == "async" and r.tensor_model_parallel_size > 1:
+        lines.append(f"`actor_rollout_ref.rollout.mode=async` with `tensor_model_parallel_size`="
+                     f"{r.tensor_model_parallel_size}: a server-mode replica over several GPUs is not placed "
+                     "here yet, so the in-process engine runs, tensor-parallel over the ranks (`mode=sync`), "
+                     "sampling the same distribution (agent-loop rows need `tensor_model_parallel_size=1`)")
     if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
         lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
                      "the reference policy is the actor with its adapters disabled (as in verl), with no "

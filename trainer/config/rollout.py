@@ -107,9 +107,12 @@ class RolloutConfig:
         "`training/rollout_probs_diff_*` and `training/rollout_actor_probs_pearson_corr` (how far "
         "the sampler's probabilities are from the actor's); the old log-probs then get their own "
         "forward pass even where the on-policy update would supply them")
-    mode: Literal["sync", "async"] = h("verl: the rollout's scheduling; `async` (verl's default and only "
-                                       "mode) and `sync` both run each row through its agent loop "
-                                       "(compatibility only, see COMPAT)")
+    mode: Literal["sync", "async"] = h(
+        "vLLM's engine: `sync` (default here, the faster for single-turn rows) one in-process engine per "
+        "rank, every live trajectory's turn batched into one call; `async` (verl's default) a "
+        "server-mode replica per rank (AsyncLLM, its engine core in a process of its own) serving "
+        "turns as they come, the faster for multi-turn rows (`bench/README.md`). Every row runs through "
+        "its agent loop either way")
     load_format: str = h("verl: how the rollout engine loads its first weights (compatibility only, see COMPAT)")
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
     enable_prefix_caching: bool = h("vLLM's prefix cache (compatibility only, see COMPAT)")
@@ -170,9 +173,6 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
-    "actor_rollout_ref.rollout.mode": (
-        "verl runs every rollout through its agent loops (`async`, its default; it refuses `sync`); "
-        "here too every row runs through its agent loop (`trainer.agent.manager`), whatever the mode"),
     "actor_rollout_ref.rollout.load_format": ("the rollout engine gets the actor's weights at every "
                                               "sync here, whatever it loaded first"),
     "actor_rollout_ref.rollout.layered_summon": ("LoRA weights are merged and synced in buckets here; "

@@ -53,7 +53,7 @@ from trainer.rollout.vllm import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["VLLMServer", "server_env"]
+__all__ = ["ServerEngine", "VLLMServer", "server_env", "server_mode"]
 
 PackedBucket = list[tuple[str, str, list[int], bytes]]
 
@@ -271,3 +271,54 @@ class VLLMServer:
         engine.shutdown()  # vLLM's executor removes its workers' shared memory (none is left on the CPU)
         if loop is not None and not loop.is_closed() and not loop.is_running():
             loop.run_until_complete(asyncio.sleep(0))
+
+
+def server_mode(cfg: Config) -> bool:
+    """Whether the rollout runs server-mode replicas (`rollout.mode=async` on vLLM, one rank per
+    engine); a tensor-parallel `async` runs the in-process engine, with a note
+    (:func:`trainer.config.load.compat_notes`)."""
+    r = cfg.actor_rollout_ref.rollout
+    return r.name == "vllm" and r.mode == "async" and r.tensor_model_parallel_size == 1
+
+
+class ServerEngine:
+    """A :class:`VLLMServer` behind the worker's synchronous engine calls (`rollout.mode=async`):
+    one event loop of its own, kept for the replica's life, runs every call (vLLM's output
+    handler stays a task of that loop), and the agent loops run on it too (:meth:`run`). Every
+    row then goes through its agent loop, served as it comes (no turn-synchronous batches).
+
+    Sampling draws from the engine core's generator, seeded once when the replica starts (verl
+    sends no seed per request either): a resumed run samples other tokens than an unbroken one
+    would, from the same distribution."""
+
+    collective = False
+    """A replica is one engine of its own: no other rank joins its calls."""
+
+    def __init__(self, server: VLLMServer) -> None:
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0) -> ServerEngine:
+        return cls(VLLMServer.from_config(cfg, tokenizer, eos_token_ids, seed))
+
+    def run(self, work: Any) -> Any:
+        """Run the coroutine `work` on the replica's loop and return its result."""
+        return self.loop.run_until_complete(work)
+
+    @property
+    def needs_sync(self) -> bool:
+        return self.server.needs_sync
+
+    def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        self.run(self.server.sync_weights(buckets))
+
+    def sleep(self) -> None:
+        self.run(self.server.sleep())
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.run(self.server.wake_up(tags))
+
+    def close(self) -> None:
+        self.server.close()
+        self.loop.close()

@@ -16,6 +16,7 @@ from trainer.config.rollout import SINGLE_TURN_AGENT
 from trainer.data import Example
 from trainer.parallel import split_rows
 from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.rollout.vllm_server import server_mode
 from trainer.stages.logprobs import Note
 from trainer.workers.group import WorkerGroup
 
@@ -42,6 +43,8 @@ class Rollout:
         self.world = actor.world_size
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.agent_metrics: dict[str, float] = {}
+        self.server_mode = server_mode(cfg)
+        """Server-mode replicas (`rollout.mode=async`): every row through its agent loop."""
         """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
 
     def generate(self, examples: list[Example], step: int, note: Note, validate: bool = False,
@@ -56,7 +59,7 @@ class Rollout:
         if greedy:
             sampling = replace(sampling, n=1, do_sample=False)
         seeds = [step_seed(self.cfg.trainer.seed, step, salt + rank // tp) for rank in range(self.world)]
-        agentic = any(e.agent_name != SINGLE_TURN_AGENT for e in examples)
+        agentic = self.server_mode or any(e.agent_name != SINGLE_TURN_AGENT for e in examples)
         if not validate and not greedy:
             self.agent_metrics = {}
         if agentic:  # every row through its agent loop, turn by turn

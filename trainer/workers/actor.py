@@ -40,6 +40,7 @@ from trainer.metrics import flops_fields
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
+from trainer.rollout.vllm_server import ServerEngine, server_mode
 from trainer.workers.base import Worker
 
 __all__ = ["ActorRolloutRefWorker"]
@@ -94,6 +95,8 @@ class ActorRolloutRefWorker(Worker):
         arr = self.cfg.actor_rollout_ref
         pad = self.tokenizer.pad_token_id
         eos = M.eos_token_ids(arr.model.path, self.tokenizer, trust_remote_code=arr.model.trust_remote_code)
+        if server_mode(self.cfg):  # a server-mode replica per rank
+            return ServerEngine.from_config(self.cfg, self.tokenizer, eos, seed=self.cfg.trainer.seed + self.rank), False
         if arr.rollout.name == "vllm":
             tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
             return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, eos,
@@ -154,7 +157,10 @@ class ActorRolloutRefWorker(Worker):
         rows: list[dict[str, float]] = []
 
         def run() -> RolloutBatch:
-            batch, per_row = self.agents.run(examples, params, BatchedServer(self.rollout))
+            if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
+                batch, per_row = self.agents.run(examples, params, self.rollout.server, self.rollout.run)
+            else:  # an in-process engine: every live trajectory's turn in one engine call
+                batch, per_row = self.agents.run(examples, params, BatchedServer(self.rollout))
             rows.extend(per_row)
             return batch
 
