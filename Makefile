@@ -90,7 +90,7 @@ test: lab-packages
 	status=0; \
 	$(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
 	[ -z "$$images" ] || wait $$images || true; \
-	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
+	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py $(PYTEST_ARGS) \
 		|| status=$$?; \

@@ -197,6 +197,10 @@ class ActorRolloutRefWorker(Worker):
                               if isinstance(getattr(out, f.name), torch.Tensor)})
         return out, {"gen": time.perf_counter() - start, "gen_tokens": float(out.response_mask.sum())}
 
+    def rollout_kind(self) -> str:
+        """The class of this rank's rollout engine (for tests and logs)."""
+        return type(self.rollout).__name__
+
     def _sleep_rollout(self) -> None:
         self.rollout.sleep()
         self.phases.memory.empty_cache()

@@ -58,3 +58,37 @@ def test_multi_turn_rows_train_and_the_engine_s_log_probs_equal_the_actor_s(asse
         # packed rows: equal probabilities only if every turn's tokens are where generation put them
         assert row["training/rollout_probs_diff_max"] < 1e-3, row
         assert row["training/rollout_actor_probs_pearson_corr"] > 0.999, row
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_vllm_engines_train_multi_turn_rows_whose_tokens_line_up(assets: Path, tmp_path: Path, mode: str) -> None:
+    """On vLLM (the CPU build): `sync`, the in-process engine with every live trajectory's turn
+    batched; `async`, a server-mode replica (its engine core in a process of its own) serving
+    turns as they come, synced from the actor by the streamed buckets before each rollout. Either
+    way vLLM's log-probs of the model's tokens equal the actor's recomputation over the whole
+    conversation (fp32: rounding apart)."""
+    from tests.trainer.rollout.vllm_support import require_vllm
+
+    require_vllm()
+    data = assets / "data"
+    cfg = load_config([
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=24", "data.max_response_length=24", f"actor_rollout_ref.model.path={assets / 'model'}",
+        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.mode={mode}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={assets / 'interaction.yaml'}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.n=2",
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={tmp_path}", "trainer.logger=jsonl", "trainer.seed=3", "trainer.save_freq=-1",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1"])
+    driver = PPODriver(cfg)
+    engine = driver.actor_group.run_rank(0, "rollout_kind")
+    assert engine == ("ServerEngine" if mode == "async" else "VLLMRolloutEngine")
+    assert driver.fit() == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]  # step 2 sampled with the weights step 1 trained
+    for row in rows:
+        assert row["num_turns/max"] > 2, row
+        assert row["training/rollout_probs_diff_max"] < 1e-4, row
