@@ -25,6 +25,7 @@ memory (verl ships CUDA IPC handles over ZMQ instead, `vllm_rollout/utils.py`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -297,6 +298,9 @@ class ServerEngine:
     def __init__(self, server: VLLMServer) -> None:
         self.server = server
         self.loop = asyncio.new_event_loop()
+        # a replica left open blocks the interpreter's exit (its ZMQ context waits on sockets that
+        # only its loop closes, see `VLLMServer.close`): close it at exit if nothing did before
+        atexit.register(self.close)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0) -> ServerEngine:
@@ -320,5 +324,8 @@ class ServerEngine:
         self.run(self.server.wake_up(tags))
 
     def close(self) -> None:
-        self.server.close()
-        self.loop.close()
+        """Shut the replica down (idempotent)."""
+        if not self.loop.is_closed():
+            self.server.close()
+            self.loop.close()
+        atexit.unregister(self.close)
