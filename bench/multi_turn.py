@@ -33,6 +33,7 @@ KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
 
 
 def assets(root: Path) -> Path:
+    from trainer.agent.interactions import GSM8K_INTERACTION_CONFIG, with_gsm8k_interaction
     from trainer.data import read_rows, write_split
     from trainer.rewards.toy import write_toy_digits
     from trainer.tiny import save_tiny
@@ -42,12 +43,8 @@ def assets(root: Path) -> Path:
     for split in ("train", "test"):
         rows = read_rows([root / "toy" / f"{split}.parquet"])
         write_split(rows, root / "single", split)
-        write_split([{**r, "agent_name": "tool_agent", "extra_info": {
-            "index": i, "interaction_kwargs": {"name": "gsm8k", "query": r["prompt"][-1]["content"],
-                                               "ground_truth": str(r["reward_model"]["ground_truth"])}}}
-                     for i, r in enumerate(rows)], root / "multi", split)
-    (root / "interaction.yaml").write_text(yaml.safe_dump({"interaction": [{
-        "name": "gsm8k", "class_name": "verl.interactions.gsm8k_interaction.Gsm8kInteraction", "config": {}}]}))
+        write_split(with_gsm8k_interaction(rows), root / "multi", split)
+    (root / "interaction.yaml").write_text(yaml.safe_dump(GSM8K_INTERACTION_CONFIG))
     return root
 
 

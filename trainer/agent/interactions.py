@@ -21,7 +21,8 @@ from trainer.agent.base import Interaction
 from trainer.agent.tools.loading import AgentConfigError, read_entries, resolve_class
 from trainer.rewards.gsm8k import compute_score
 
-__all__ = ["CORRECT", "INCORRECT", "PORTED_INTERACTIONS", "Gsm8kInteraction", "load_interactions"]
+__all__ = ["CORRECT", "GSM8K_INTERACTION_CONFIG", "INCORRECT", "PORTED_INTERACTIONS", "Gsm8kInteraction",
+           "load_interactions", "with_gsm8k_interaction"]
 
 CORRECT = "Your response is correct!"
 INCORRECT = "Your response is incorrect! You need to reflect on your answer and try again."
@@ -105,3 +106,20 @@ def load_interactions(path: str | Path) -> dict[str, Interaction]:
                                    f"`interaction_kwargs.name`)")
         out[name] = cls(config={**config, "name": name})
     return out
+
+
+def with_gsm8k_interaction(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` (verl's format) made for verl's tool agent loop with its gsm8k interaction, as
+    verl's `examples/data_preprocess/gsm8k_multiturn_w_interaction.py` writes them:
+    `agent_name=tool_agent` and `extra_info.interaction_kwargs` (`name`, the question, the ground
+    truth), so a user answers each model turn until the answer is right."""
+    return [{**r, "agent_name": "tool_agent", "extra_info": {
+        **dict(r.get("extra_info") or {}), "index": i,
+        "interaction_kwargs": {"name": "gsm8k", "query": r["prompt"][-1]["content"],
+                               "ground_truth": str(r["reward_model"]["ground_truth"])}}}
+            for i, r in enumerate(rows)]
+
+
+#: An interaction config file (`multi_turn.interaction_config_path`) with verl's gsm8k interaction.
+GSM8K_INTERACTION_CONFIG = {"interaction": [{
+    "name": "gsm8k", "class_name": "verl.interactions.gsm8k_interaction.Gsm8kInteraction", "config": {}}]}

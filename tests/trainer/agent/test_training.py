@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainer.agent.interactions import GSM8K_INTERACTION_CONFIG, with_gsm8k_interaction
 from trainer.config import load_config
 from trainer.data import read_rows, write_split
 from trainer.driver import PPODriver
@@ -27,12 +28,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_toy_digits(root / "toy", train_size=16, val_size=4, seed=0)
     for split in ("train", "test"):  # as verl's gsm8k_multiturn_w_interaction data: a user answers
         rows = read_rows([root / "toy" / f"{split}.parquet"])
-        write_split([{**r, "agent_name": "tool_agent", "extra_info": {
-            "index": i, "interaction_kwargs": {"name": "gsm8k", "query": r["prompt"][-1]["content"],
-                                               "ground_truth": str(r["reward_model"]["ground_truth"])}}}
-                     for i, r in enumerate(rows)], root / "data", split)
-    (root / "interaction.yaml").write_text(yaml.safe_dump({"interaction": [{
-        "name": "gsm8k", "class_name": "verl.interactions.gsm8k_interaction.Gsm8kInteraction", "config": {}}]}))
+        write_split(with_gsm8k_interaction(rows), root / "data", split)
+    (root / "interaction.yaml").write_text(yaml.safe_dump(GSM8K_INTERACTION_CONFIG))
     return root
 
 
