@@ -27,7 +27,7 @@ from trainer.agent import loops
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, TokenServer
 from trainer.agent.interactions import load_interactions
 from trainer.agent.tools import load_tools
-from trainer.config.rollout import SINGLE_TURN_AGENT
+from trainer.data import tensor_parallel_refusal
 from trainer.models import left_pad
 from trainer.rollout.base import RolloutBatch, SamplingParams
 
@@ -124,17 +124,12 @@ def agent_data_args(cfg: Config) -> dict[str, Any]:
 
 
 def refuse_collective_engines(cfg: Config, examples: Sequence[Example]) -> None:
-    """Agent loops on a tensor-parallel in-process engine are refused: every rank of such an
-    engine must send the same requests at the same time, and tool calls (a timeout, a sandboxed
-    program) need not end alike on every rank."""
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    agentic = [e for e in examples if e.agent_name != SINGLE_TURN_AGENT]
-    if tp > 1 and agentic:
-        raise ValueError(
-            f"{len(agentic)} data rows run through agent loops (the first: row {agentic[0].index}, "
-            f"`agent_name={agentic[0].agent_name}`), which the in-process rollout engine runs only with "
-            f"one rank per engine; `actor_rollout_ref.rollout.tensor_model_parallel_size` is {tp}. Fix: "
-            "set `actor_rollout_ref.rollout.tensor_model_parallel_size=1`")
+    """Agent-loop rows on a tensor-parallel in-process engine are refused
+    (:func:`trainer.data.tensor_parallel_refusal`)."""
+    refusal = tensor_parallel_refusal([e.agent_name for e in examples],
+                                      cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, "the data")
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def load_configured_tools(path: str | None) -> dict[str, Any]:
