@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
@@ -83,8 +84,7 @@ class AgentRollout:
 
     async def _run_all(self, examples: Sequence[Example], params: SamplingParams, ctx: AgentContext
                        ) -> list[AgentOutput]:
-        one = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                             max_response_length=params.max_response_length, do_sample=params.do_sample)
+        one = replace(params, n=1)  # each trajectory is one sample
         built: dict[str, AgentLoop] = {}
         tasks = [self._one(self.loop_for(e, ctx, built), e, one, ctx.server)
                  for e in examples for _ in range(params.n)]
@@ -143,7 +143,7 @@ def load_configured_interactions(path: str | None) -> dict[str, Any]:
     """The interactions of `multi_turn.interaction_config_path` by name (none without a file)."""
     if not path:
         return {}
-    return dict(load_interactions(path))
+    return load_interactions(path)
 
 
 def pack_outputs(outputs: Sequence[AgentOutput], prompt_index: torch.Tensor, pad_token_id: int,
