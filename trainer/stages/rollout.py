@@ -43,9 +43,9 @@ class Rollout:
         self.world = actor.world_size
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.agent_metrics: dict[str, float] = {}
+        """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
         self.server_mode = server_mode(cfg)
         """Server-mode replicas (`rollout.mode=async`): every row through its agent loop."""
-        """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
 
     def generate(self, examples: list[Example], step: int, note: Note, validate: bool = False,
                  greedy: bool = False) -> StepBatch:
