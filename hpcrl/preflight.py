@@ -21,8 +21,6 @@ from trainer.algos import registry
 from trainer.config import ConfigError, check_overrides, load_defaults, override_values
 from trainer.data import (
     configured_tool_names,
-    file_agent_names,
-    tensor_parallel_refusal,
     tools_file_refusal,
 )
 
@@ -179,10 +177,6 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
     problems: list[str] = []
     tool_config, _ = setting("actor_rollout_ref.rollout.multi_turn.tool_config_path", overrides, defaults)
     tools = configured_tool_names(Path(str(tool_config)).expanduser()) if tool_config else set()
-    tp_value, _ = setting("actor_rollout_ref.rollout.tensor_model_parallel_size", overrides, defaults)
-    tp = int(str(tp_value)) if str(tp_value).isdigit() else 1
-    default_agent = str(setting("actor_rollout_ref.rollout.agent.default_agent_loop", overrides, defaults)[0]
-                        or "single_turn_agent")
     for key in keys:
         value, given = setting(key, overrides, defaults)
         for name in as_list(value):
@@ -198,10 +192,6 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
                 continue
             if columns is not None and "extra_info" in columns and tools is not None:
                 refusal = tools_file_refusal(path, tools)
-                if refusal is not None:
-                    problems.append(f"`{key}`: {refusal}")
-            if columns is not None and tp > 1:
-                refusal = tensor_parallel_refusal(file_agent_names(path, default_agent), tp, f"`{path}`")
                 if refusal is not None:
                     problems.append(f"`{key}`: {refusal}")
             missing = [c for c in needed if columns is not None and c not in columns]

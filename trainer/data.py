@@ -93,30 +93,6 @@ def tools_refusal(rows: Sequence[Mapping[str, Any]], path: str | Path, tools: Co
             "config that defines them (verl's `gsm8k_tool_config.yaml` defines `calc_gsm8k_reward`)")
 
 
-def tensor_parallel_refusal(agents: Sequence[str], tp: int, where: str) -> str | None:
-    """The refusal of rows run through agent loops (their loop names: `agents`) on a
-    tensor-parallel in-process engine (`tp` ranks), or None. Every rank of such an engine must
-    send the same requests at the same time, and tool calls (a timeout, a sandboxed program) need
-    not end alike on every rank. One message for the trainer's load and the launcher's preflight."""
-    agentic = [(i, a) for i, a in enumerate(agents) if a != SINGLE_TURN_AGENT]
-    if tp <= 1 or not agentic:
-        return None
-    first, agent = agentic[0]
-    return (f"{where}: {len(agentic)} of {len(agents)} rows run through agent loops (the first: row {first}, "
-            f"`agent_name={agent}`), which the in-process rollout engine runs only with one rank per engine; "
-            f"`actor_rollout_ref.rollout.tensor_model_parallel_size` is {tp}. Fix: set "
-            "`actor_rollout_ref.rollout.tensor_model_parallel_size=1`")
-
-
-def file_agent_names(path: str | Path, default: str = SINGLE_TURN_AGENT) -> list[str]:
-    """Each row's agent loop in the parquet file `path` (`row_agent_name`), reading one column."""
-    import pyarrow.parquet as pq
-
-    if "agent_name" not in pq.read_schema(path).names:
-        return [default] * pq.read_metadata(path).num_rows
-    return [row_agent_name(r, default) for r in pq.read_table(path, columns=["agent_name"]).to_pylist()]
-
-
 def configured_tool_names(path: Path) -> set[str] | None:
     """The tool names a verl tool config file defines, read from its YAML alone (the launcher
     imports no tool); None when that cannot tell (no such file, or an entry without

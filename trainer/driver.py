@@ -34,7 +34,7 @@ import torch
 
 from trainer import models as M
 from trainer import startup
-from trainer.agent.manager import agent_data_args, refuse_collective_engines
+from trainer.agent.manager import agent_data_args
 from trainer.algos import core_algos, registry
 from trainer.batch import StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
@@ -167,9 +167,6 @@ class PPODriver:
         t = self.cfg.trainer
         needs_val = t.val_before_train or t.test_freq > 0 or t.val_only
         self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
-        for dataset in (self.train_set, self.val_set):
-            if dataset is not None:
-                refuse_collective_engines(self.cfg, dataset.examples)
         per_epoch = self.loader.batches_per_epoch * t.total_epochs
         self.total_steps = t.total_training_steps or per_epoch
 

@@ -146,6 +146,25 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def consecutive_cpu_group(size: int) -> dist.ProcessGroup | None:
+    """This rank's group of `size` consecutive ranks (ranks 0..size-1, size..2*size-1, ...: a
+    tensor-parallel engine's ranks), on gloo whatever the world's backend: it carries Python
+    objects between the engine's ranks (:mod:`trainer.agent.servers`), never tensors of the
+    model. None with `size` 1 or no process group. A collective over the whole world: every rank
+    creates every group, in the same order, as ``new_group`` requires."""
+    if size <= 1 or not _active():
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"groups of {size} consecutive ranks do not divide the {world} ranks")
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)), backend="gloo")
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
 def all_reduce_max(value: int) -> int:
     """The largest `value` over all ranks."""
     t = torch.tensor([value], dtype=torch.int64)

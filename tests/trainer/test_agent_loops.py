@@ -153,35 +153,18 @@ def test_hpcrl_preflight_refuses_rows_without_their_tool_before_the_queue(tmp_pa
     assert "`calc_gsm8k_reward`" in pf.check_trainer_job([*base, wrong], tmp_path / "run")[0]
 
 
-def test_agent_rows_on_a_tensor_parallel_engine_are_refused_before_the_queue(tmp_path: Path) -> None:
-    """The trainer refuses them when the data is read (`refuse_collective_engines`); `hpcrl submit`
-    refuses them first, with the same message, reading only the `agent_name` column."""
-    from trainer.agent.manager import refuse_collective_engines
-
+def test_agent_rows_on_a_tensor_parallel_engine_pass_the_preflight(tmp_path: Path) -> None:
+    """The first rank of a tensor-parallel engine runs the loops, the others follow it
+    (`tests/trainer/agent/test_training.py::test_a_tensor_parallel_engine_trains_multi_turn_rows`):
+    such rows are no longer refused before the queue."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"torch_dtype": "float32"}')
     (model / "model.safetensors").write_bytes(b"\0" * 1000)
-    plain = _row(0, agent_name="single_turn_agent")
-    path = _write(tmp_path / "train.parquet", [plain, _row(1, agent_name="tool_agent")])
+    path = _write(tmp_path / "train.parquet", [_row(0, agent_name="single_turn_agent"), _row(1, agent_name="tool_agent")])
     base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={path}", "trainer.val_before_train=false",
-            "trainer.n_gpus_per_node=2"]
-    tp2 = f"{ROLLOUT}.tensor_model_parallel_size=2"
-    [problem] = pf.check_trainer_job([*base, tp2], tmp_path / "run")
-    assert "1 of 2 rows run through agent loops (the first: row 1, `agent_name=tool_agent`)" in problem
-    assert "Fix: set `actor_rollout_ref.rollout.tensor_model_parallel_size=1`" in problem
+            "trainer.n_gpus_per_node=2", f"{ROLLOUT}.tensor_model_parallel_size=2"]
     assert pf.check_trainer_job(base, tmp_path / "run") == []
-    single = _write(tmp_path / "single.parquet", [_row(0)])  # no agent_name column: the default loop
-    assert pf.check_trainer_job([*base[:1], f"data.train_files={single}", *base[2:], tp2], tmp_path / "run") == []
-    default_tool = f"{ROLLOUT}.agent.default_agent_loop=tool_agent"
-    [problem] = pf.check_trainer_job([*base[:1], f"data.train_files={single}", *base[2:], tp2, default_tool],
-                                     tmp_path / "run")
-    assert "`agent_name=tool_agent`" in problem
-    data = PromptDataset([path], _Words(), max_prompt_length=64)
-    cfg = load_config([HF, tp2, "trainer.n_gpus_per_node=2"])
-    with pytest.raises(ValueError, match="the data: 1 of 2 rows run through agent loops"):
-        refuse_collective_engines(cfg, data.examples)
-    refuse_collective_engines(load_config([HF]), data.examples)  # one rank per engine: accepted
 
 
 # ------------------------------------------------------------------------ settings

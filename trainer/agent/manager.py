@@ -28,7 +28,6 @@ from trainer.agent import loops
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, TokenServer
 from trainer.agent.interactions import load_interactions
 from trainer.agent.tools import load_tools
-from trainer.data import tensor_parallel_refusal
 from trainer.models import left_pad
 from trainer.rollout.base import RolloutBatch, SamplingParams
 
@@ -121,15 +120,6 @@ def agent_data_args(cfg: Config) -> dict[str, Any]:
     return {"tool_schemas": schemas or None, "tools": set(load_configured_tools(r.multi_turn.tool_config_path)),
             "default_agent": r.agent.default_agent_loop,
             "agents": set(loop_registry(r.agent.agent_loop_config_path))}
-
-
-def refuse_collective_engines(cfg: Config, examples: Sequence[Example]) -> None:
-    """Agent-loop rows on a tensor-parallel in-process engine are refused
-    (:func:`trainer.data.tensor_parallel_refusal`)."""
-    refusal = tensor_parallel_refusal([e.agent_name for e in examples],
-                                      cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, "the data")
-    if refusal is not None:
-        raise ValueError(refusal)
 
 
 def load_configured_tools(path: str | None) -> dict[str, Any]:

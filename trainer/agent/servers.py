@@ -8,6 +8,9 @@
   :class:`trainer.rollout.vllm_server.VLLMServer`): least-loaded choice of a server for a new
   trajectory, and every later turn of that trajectory on the same server (its prefix cache holds
   the conversation so far).
+- :class:`EngineLeader` and :func:`follow_leader`: an in-process engine whose ranks compute
+  together (tensor parallelism): the first rank runs the agent loops and sends each engine call
+  to the others, which make the same call.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.agent.base import TokenOutput, TokenServer
 
 if TYPE_CHECKING:
     from trainer.rollout.base import SamplingParams
 
-__all__ = ["BatchedServer", "ServerPool", "TokenEngine"]
+__all__ = ["BatchedServer", "EngineLeader", "ServerPool", "TokenEngine", "follow_leader"]
 
 
 class TokenEngine(Protocol):
@@ -158,6 +161,70 @@ class BatchedServer:
         for entry, out in zip(entries, outputs, strict=True):
             if not entry.future.done():
                 entry.future.set_result(out)
+
+
+def _broadcast(group: Any, message: Any = None) -> Any:
+    """`message` from the first rank of `group` (a gloo group, :func:`trainer.parallel.consecutive_cpu_group`)
+    to its other ranks; what the first rank sent, on every rank."""
+    import torch.distributed as dist
+
+    box = [message]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+class EngineLeader:
+    """The :class:`TokenEngine` of the first rank of an engine whose ranks compute together: vLLM
+    over `tensor_model_parallel_size` ranks (its external launcher), or the HF engine's
+    tensor-parallel copy. Every rank of such an engine must make the same calls with the same
+    requests, or the engine's collectives hang.
+
+    So only this rank runs the agent loops, their tools and interactions, and each of its engine
+    calls goes first to the group's other ranks, which make the same call
+    (:func:`follow_leader`); their outputs equal this rank's (one engine) and are dropped. The
+    requests of every rank are then the same by construction, whatever a tool does (a timeout,
+    a sandboxed program that ends otherwise on another node), and a tool with effects runs once.
+    verl's agent loops likewise send each request once, to a server that is the whole
+    tensor-parallel group. :meth:`release` (at the end of the rollout, also after an error) lets
+    the followers go."""
+
+    def __init__(self, engine: TokenEngine, group: Any) -> None:
+        self.engine, self.group = engine, group
+
+    def generate_tokens(self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int]
+                        ) -> list[TokenOutput]:
+        _broadcast(self.group, ("generate", prompts, params, max_tokens))
+        return self.engine.generate_tokens(prompts, params, max_tokens)
+
+    def release(self) -> None:
+        _broadcast(self.group, ("release",))
+
+    @contextmanager
+    def leading(self) -> Iterator[EngineLeader]:
+        """``with leader.leading():`` around a rollout: the followers are released at its end."""
+        try:
+            yield self
+        finally:
+            self.release()
+
+
+def follow_leader(engine: TokenEngine, group: Any) -> int:
+    """A later rank of an engine led by :class:`EngineLeader`: make each engine call the first
+    rank makes, until it releases the group; the number of tokens generated. An engine error is
+    raised after the release: leaving before it would leave the first rank's broadcast waiting."""
+    tokens, error = 0, None
+    while True:
+        message = _broadcast(group)
+        if message[0] == "release":
+            break
+        _, prompts, params, max_tokens = message
+        try:
+            tokens += sum(len(o.token_ids) for o in engine.generate_tokens(prompts, params, max_tokens))
+        except Exception as err:
+            error = error or err
+    if error is not None:
+        raise error
+    return tokens
 
 
 class _LRU(OrderedDict[str, int]):

@@ -31,7 +31,7 @@ import torch
 from trainer import models as M
 from trainer import parallel as P
 from trainer.agent.manager import AgentRollout
-from trainer.agent.servers import BatchedServer
+from trainer.agent.servers import BatchedServer, EngineLeader, follow_leader
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.data import Example
@@ -77,6 +77,9 @@ class ActorRolloutRefWorker(Worker):
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
         self.loss_params = self._loss_params()
         self.rollout, self.shares_weights = self._build_rollout()
+        # the ranks of one tensor-parallel engine: its first rank leads the agent loops
+        self.engine_group = None if isinstance(self.rollout, ServerEngine) else \
+            P.consecutive_cpu_group(arr.rollout.tensor_model_parallel_size)
         self.agents: Any = None  # trainer.agent.manager.AgentRollout, on the first agent-loop rollout
         for model in (self.model, self.ref):  # offloaded ones go to the host until their phase
             if model is not None:
@@ -155,16 +158,27 @@ class ActorRolloutRefWorker(Worker):
         if self.agents is None:  # tools and interactions load once per process
             self.agents = AgentRollout(self.cfg, self.tokenizer)
         rows: list[dict[str, float]] = []
+        followed: list[int] = []  # the tokens a later rank of a tensor-parallel engine generated
+        group = self.engine_group
 
-        def run() -> RolloutBatch:
+        def run() -> RolloutBatch | None:
             if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
                 batch, per_row = self.agents.run(examples, params, self.rollout.server, self.rollout.run)
-            else:  # an in-process engine: every live trajectory's turn in one engine call
+            elif group is None:  # an in-process engine: every live trajectory's turn in one engine call
                 batch, per_row = self.agents.run(examples, params, BatchedServer(self.rollout))
+            elif group.rank() == 0:  # the first rank of a tensor-parallel engine runs the loops
+                leader = EngineLeader(self.rollout, group)
+                with leader.leading():
+                    batch, per_row = self.agents.run(examples, params, BatchedServer(leader))
+            else:  # its other ranks make the same engine calls; the first rank's rows stand
+                followed.append(follow_leader(self.rollout, group))
+                return None
             rows.extend(per_row)
             return batch
 
         out, info = self._rolling_out(run, bool(examples), seed)
+        if followed:
+            info["gen_tokens"] = float(followed[0])
         return out, {**info, "rows": rows}
 
     def _rolling_out(self, run: Any, has_rows: bool, seed: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
@@ -191,7 +205,7 @@ class ActorRolloutRefWorker(Worker):
                     out = run()
             finally:
                 self._sleep_rollout()
-        if out.response_ids.shape[0] == 0:  # a rank of a collective engine with no prompts
+        if out is None or out.response_ids.shape[0] == 0:  # a rank of a collective engine with no rows of its own
             return None, {"gen": time.perf_counter() - start, "gen_tokens": 0.0}
         out = replace(out, **{f.name: getattr(out, f.name).cpu() for f in fields(out)
                               if isinstance(getattr(out, f.name), torch.Tensor)})

@@ -305,3 +305,93 @@ def test_the_hf_engine_behind_the_batched_server_answers_each_turn_as_alone(tiny
         assert out.finish_reason == ("stop" if out.token_ids[-1] in engine.eos_token_ids else "length")
         assert out.log_probs is not None and len(out.log_probs) == len(out.token_ids)
         torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(alone.log_probs), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ tensor-parallel engines
+
+
+def _engine_rank(rank: int, port: int, out: str) -> None:
+    """One of four gloo ranks: two tensor-parallel engines of two ranks each. Each engine's
+    first rank runs trajectories of different lengths through a BatchedServer over an
+    EngineLeader; the other follows. Then a leader fails in the middle of its rollout, and a
+    follower's engine fails once: every rank still reaches the end."""
+    import json
+
+    import torch.distributed as dist
+
+    from tests.trainer.ranks import leave_rank
+    from trainer.agent.servers import EngineLeader, follow_leader
+    from trainer.parallel import consecutive_cpu_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        group = consecutive_cpu_group(2)
+        report: dict = {"group_rank": group.rank()}
+        engine = FakeEngine(fail_on=HOT if rank == 3 else None)
+
+        async def trajectory(server: BatchedServer, i: int, turns: int) -> list[int]:
+            with server.trajectory():
+                prompt = [rank, i]
+                for _ in range(turns):
+                    out = await server.generate(f"r{i}", prompt, GREEDY, 2)
+                    prompt = prompt + out.token_ids
+                return prompt
+
+        async def rollout(server: BatchedServer, fail: bool) -> list[list[int]]:
+            rows = [trajectory(server, i, turns) for i, turns in enumerate((1, 3, 2))]
+            if fail:
+                raise RuntimeError("a tool broke the rollout")
+            return list(await asyncio.gather(*rows))
+
+        for attempt, fail in (("ok", False), ("failed", rank == 2)):
+            if group.rank() == 0:
+                leader = EngineLeader(engine, group)
+                try:
+                    with leader.leading():
+                        report[attempt] = asyncio.run(rollout(BatchedServer(leader), fail))
+                except RuntimeError as err:
+                    report[attempt] = str(err)
+            else:
+                try:
+                    report[attempt] = follow_leader(engine, group)
+                except RuntimeError as err:
+                    report[attempt] = str(err)
+        # a follower's failing call: its engine raises, it follows to the release, then raises
+        if group.rank() == 0:
+            with EngineLeader(engine, group).leading() as leader:
+                leader.generate_tokens([[rank]], HOT, [1])
+        else:
+            try:
+                report["hot"] = follow_leader(engine, group)
+            except RuntimeError as err:
+                report["hot"] = str(err)
+        report["calls"] = [[prompts, params == GREEDY, limits] for prompts, params, limits in engine.calls]
+        Path(out, f"{rank}.json").write_text(json.dumps(report))
+    finally:
+        leave_rank()
+
+
+def test_a_tensor_parallel_engine_s_later_ranks_make_its_first_rank_s_calls(tmp_path: Path) -> None:
+    """`consecutive_cpu_group(2)` over four ranks: engines {0, 1} and {2, 3}. Only the first rank of
+    each runs the trajectories; its followers make exactly the same engine calls (the same
+    prompts, sampling and limits, in the same order, three turn-batches for turns of 1, 3 and 2),
+    never the other engine's, and report the tokens they generated. A leader that fails mid-rollout
+    still releases its follower; a follower whose engine fails raises after the release."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from trainer.parallel import free_port
+
+    mp.spawn(_engine_rank, args=(free_port("127.0.0.1"), str(tmp_path)), nprocs=4)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    assert [g["group_rank"] for g in got] == [0, 1, 0, 1]
+    for leader, follower in ((got[0], got[1]), (got[2], got[3])):
+        assert follower["calls"] == leader["calls"]
+    assert [len(p) for p in got[0]["ok"]] == [4, 8, 6]  # 2 prompt tokens + 2 per turn
+    assert [c[0] for c in got[0]["calls"][:3]] == [[[0, 0], [0, 1], [0, 2]], [[0, 1, 1, 1], [0, 2, 2, 2]],
+                                                   [[0, 1, 1, 1, 3, 3]]]
+    assert got[0]["calls"] != got[2]["calls"]  # each engine's own requests
+    assert got[1]["ok"] == 2 * (3 + 2 + 1)  # the tokens of its six calls' requests
+    assert got[2]["failed"] == "a tool broke the rollout" and got[3]["failed"] == 0
+    assert got[3]["hot"] == "engine broke" and got[1]["hot"] == 1

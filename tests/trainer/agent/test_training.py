@@ -89,3 +89,41 @@ def test_vllm_engines_train_multi_turn_rows_whose_tokens_line_up(assets: Path, t
     for row in rows:
         assert row["num_turns/max"] > 2, row
         assert row["training/rollout_probs_diff_max"] < 1e-4, row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path: Path, monkeypatch, name: str) -> None:
+    """Two Ray ranks forming one engine (`tensor_model_parallel_size=2`: the HF engine's split
+    copy, or vLLM's external launcher): the first rank runs every trajectory and its interaction,
+    the second makes the same engine calls (`trainer.agent.servers.EngineLeader`). Both ranks
+    generate the same tokens for the same rows, turns line up, and the run trains."""
+    from tests.trainer.test_distributed import no_ray_address
+    from trainer.driver import run_training
+
+    if name == "vllm":
+        from tests.trainer.rollout.vllm_support import require_vllm
+
+        require_vllm()
+    pytest.importorskip("ray", reason="the distributed trainer needs Ray")
+    no_ray_address(monkeypatch)
+    data = assets / "data"
+    cfg = load_config([
+        f"data.train_files={data / 'train.parquet'}", "data.max_prompt_length=24", "data.max_response_length=24",
+        f"actor_rollout_ref.model.path={assets / 'model'}", f"actor_rollout_ref.rollout.name={name}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={assets / 'interaction.yaml'}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.n=2",
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={tmp_path}", "trainer.logger=jsonl", "trainer.seed=3", "trainer.save_freq=-1",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1"])
+    assert run_training(cfg) == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["num_turns/max"] > 2, row
+        assert row["dp/rank_0/gen_rows"] == row["dp/rank_1/gen_rows"] == 4, row  # one engine: every prompt
+        assert row["dp/rank_0/gen_tokens"] == row["dp/rank_1/gen_tokens"] > 0, row
+        assert row["training/rollout_probs_diff_max"] < 1e-3, row
