@@ -28,6 +28,7 @@ if _STARTUP_STOP is not None:
 from trainer.checkpoint.layout import CheckpointOwnerError, CheckpointPermissionError  # noqa: E402
 from trainer.config import (  # noqa: E402
     ConfigError,
+    check_run,
     compat_notes,
     describe_keys,
     dump_config,
@@ -124,7 +125,12 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    if args.plan_memory:
+    if args.plan_memory:  # what the start would refuse is not planned (a critic sized by nothing)
+        try:
+            check_run(cfg)
+        except ConfigError as err:
+            print(f"python -m trainer: error: {err}", file=sys.stderr)
+            return USAGE_EXIT_CODE
         return plan_memory(cfg, args.device_memory, args.host_memory)
     try:
         return run_training(cfg, stop)

@@ -38,7 +38,7 @@ from trainer.agent.manager import agent_data_args
 from trainer.algos import core_algos, registry
 from trainer.batch import StepBatch, need, seed_everything, step_seed
 from trainer.checkpoint import full_state as ckpt
-from trainer.config import Config, config_to_dict, dump_config
+from trainer.config import Config, check_run, config_to_dict, dump_config
 from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -122,6 +122,7 @@ class PPODriver:
     """The loop, the data and the algorithm state of one run; the models live in worker groups."""
 
     def __init__(self, cfg: Config, stop: StopRequest | None = None) -> None:
+        check_run(cfg)  # verl's start-time checks, before anything is loaded
         self.cfg = cfg
         self.clock = startup.Clock()
         t = cfg.trainer

@@ -156,7 +156,8 @@ def test_memory_plan_row_skips_without_a_command_line_or_a_gpu(tmp_path: Path) -
     assert doctor.memory_plan_row(lab, [], [], 3, tmp_path)["status"] == "SKIP"
     bad = doctor.memory_plan_row(lab, ["data.train_batch_size=8"], [], 3, tmp_path)
     assert bad["status"] == "FAIL" and "multiple of" in bad["detail"]  # the trainer's own refusal
-    cpu = doctor.memory_plan_row(lab, ["trainer.total_training_steps=1"], [], 3, tmp_path)
+    cpu = doctor.memory_plan_row(lab, ["trainer.total_training_steps=1", "critic.ppo_micro_batch_size_per_gpu=4"],
+                                 [], 3, tmp_path)
     assert cpu["status"] == "SKIP" and cpu["detail"] == "no GPU: nothing to plan"
 
 

@@ -31,7 +31,7 @@ print(json.dumps({{"code": code, "heavy": heavy}}), file=sys.stderr)
     ["render", "--site", "mi300-cluster", "--no-prepare", "--", "trainer.nnodes=2"],
     ["render", "--site", "slurmlab-apptainer", "--no-prepare"],
     ["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--",
-     "trainer.nnodes=2"],
+     "trainer.nnodes=2", "critic.ppo_micro_batch_size_per_gpu=4"],
 ])
 def test_no_heavy_imports(argv: list[str], tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}

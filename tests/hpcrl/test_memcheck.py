@@ -48,7 +48,8 @@ def test_an_oversize_configuration_is_refused_before_it_queues_and_force_lets_it
 
 
 def test_a_model_without_a_local_config_is_noted_not_refused(tmp_path: Path) -> None:
-    done = submit(["--", "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], tmp_path)
+    done = submit(["--", "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct",
+                   "critic.ppo_micro_batch_size_per_gpu=4"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "hpcrl: note: no memory plan: `actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct`" in done.stderr
 

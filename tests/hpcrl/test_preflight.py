@@ -35,9 +35,13 @@ def data(tmp_path: Path) -> Path:
     return d
 
 
+#: The critic's micro-batch, which the trainer (as verl) requires of its default estimator, gae.
+CRITIC = "critic.ppo_micro_batch_size_per_gpu=4"
+
+
 def args(model: Path, train: Path, *extra: str) -> list[str]:
     return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
-            "trainer.val_before_train=false", *extra]
+            "trainer.val_before_train=false", CRITIC, *extra]
 
 
 def test_a_good_job_passes(model: Path, data: Path, tmp_path: Path) -> None:
@@ -65,8 +69,10 @@ def test_missing_model_and_default_paths(data: Path, tmp_path: Path) -> None:
     not_a_model.mkdir()
     [msg] = pf.check_trainer_job(args(not_a_model, data / "train.parquet"), tmp_path)
     assert "has no `config.json`" in msg
-    problems = pf.check_trainer_job([], tmp_path)  # nothing given: the trainer's defaults
+    problems = pf.check_trainer_job([CRITIC], tmp_path)  # nothing else given: the trainer's defaults
     assert len(problems) == 3 and all("its default; you did not set it" in p for p in problems)
+    [problem] = pf.check_trainer_job([], tmp_path)  # verl's defaults: gae, and no critic micro-batch
+    assert "`critic.ppo_micro_batch_size_per_gpu`" in problem and "verl's CriticConfig refuses this" in problem
 
 
 def test_relative_paths_are_refused_with_the_absolute_form(model: Path, tmp_path: Path) -> None:
@@ -86,7 +92,7 @@ def test_dataset_columns(model: Path, data: Path, tmp_path: Path) -> None:
         args(model, f"[{data / 'train.parquet'}, {data / 'raw.parquet'}]"), tmp_path)
     assert len(listed) == 1 and "raw.parquet" in listed[0]
     val = [f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
-           f"data.val_files={data / 'raw.parquet'}"]  # validation runs by default
+           f"data.val_files={data / 'raw.parquet'}", CRITIC]  # validation runs by default
     [msg] = pf.check_trainer_job(val, tmp_path)
     assert msg.startswith("`data.val_files`")
     (data / "junk.parquet").write_text("not parquet")
@@ -120,7 +126,7 @@ def test_submit_local_stops_before_creating_anything(tmp_path: Path, data: Path)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = run_hpcrl(["submit", "--site", "local", "--run-dir", str(run), "--",
                       f"actor_rollout_ref.model.path={tmp_path / 'nope'}",
-                      f"data.train_files={data / 'raw.parquet'}", "trainer.val_before_train=false"],
+                      f"data.train_files={data / 'raw.parquet'}", "trainer.val_before_train=false", CRITIC],
                      env)
     assert proc.returncode == 2
     assert proc.stderr.startswith("hpcrl: error: 2 problems:")
@@ -151,7 +157,7 @@ def test_overrides_the_trainer_refuses_stop_the_submission(tmp_path: Path, model
     assert len(problems) == 1 and "the trainer overrides are refused" in problems[0]
     assert "the interpolation cannot be resolved" in problems[0]
     resolved = [f"actor_rollout_ref.model.path={model}", "trainer.experiment_name=" + str(data),
-                "data.train_files=${trainer.experiment_name}/raw.parquet", "trainer.val_before_train=false"]
+                "data.train_files=${trainer.experiment_name}/raw.parquet", "trainer.val_before_train=false", CRITIC]
     assert any("lacks column(s)" in p for p in pf.check_trainer_job(resolved, tmp_path / "run"))
     run = tmp_path / "run"
     proc = run_hpcrl(["submit", "--site", "local", "--run-dir", str(run), "--",
@@ -165,7 +171,7 @@ def test_settings_the_trainer_refuses_at_its_start_are_refused_before_submission
     """Not only the grammar: the trainer's whole check runs at submit time (a refusal after the
     queue wait would cost the user hours), with the nodes the job asks for."""
     tp = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}",
-          "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"]
+          "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6", CRITIC]
     assert pf.parse_overrides(tp, {"HPCRL_NUM_NODES": "2"})[1] == []
     _, [problem] = pf.parse_overrides(tp, {"HPCRL_NUM_NODES": "3"})
     assert "must divide the 3 ranks" in problem

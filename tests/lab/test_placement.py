@@ -40,7 +40,7 @@ def overrides(shared: Path, out: Path, *extra: str) -> list[str]:
         f"trainer.nnodes={NODES}", f"trainer.n_gpus_per_node={PER_NODE}", "trainer.total_training_steps=1",
         # the declared GPUs do not exist: the workers train on the CPU on purpose (without this a
         # worker granted a GPU that torch cannot see refuses to start)
-        "trainer.device=cpu",
+        "trainer.device=cpu", "critic.ppo_micro_batch_size_per_gpu=4",
         *extra,
     ]
 

@@ -143,7 +143,8 @@ def test_hpcrl_preflight_refuses_rows_without_their_tool_before_the_queue(tmp_pa
     (model / "config.json").write_text('{"torch_dtype": "float32"}')
     (model / "model.safetensors").write_bytes(b"\0" * 1000)
     path = _write(tmp_path / "train.parquet", [_tool_agent_row(0)])
-    base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={path}", "trainer.val_before_train=false"]
+    base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={path}", "trainer.val_before_train=false",
+            "critic.ppo_micro_batch_size_per_gpu=4"]
     problems = pf.check_trainer_job(base, tmp_path / "run")
     assert problems == [f"`data.train_files`: {tools_file_refusal(path, set())}"]
     assert configured_tool_names(_tool_config(tmp_path)) == {"calc_gsm8k_reward"}
@@ -163,7 +164,7 @@ def test_agent_rows_on_a_tensor_parallel_engine_pass_the_preflight(tmp_path: Pat
     (model / "model.safetensors").write_bytes(b"\0" * 1000)
     path = _write(tmp_path / "train.parquet", [_row(0, agent_name="single_turn_agent"), _row(1, agent_name="tool_agent")])
     base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={path}", "trainer.val_before_train=false",
-            "trainer.n_gpus_per_node=2", f"{ROLLOUT}.tensor_model_parallel_size=2"]
+            "trainer.n_gpus_per_node=2", f"{ROLLOUT}.tensor_model_parallel_size=2", "critic.ppo_micro_batch_size_per_gpu=4"]
     assert pf.check_trainer_job(base, tmp_path / "run") == []
 
 

@@ -547,3 +547,27 @@ def test_rollout_engine_is_vllm_where_installed_else_hf_with_a_note(tmp_path: Pa
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
     assert C.compat_notes(items, cfg) == []
     assert load_config(["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout.name == "hf"
+
+
+def test_a_critic_without_a_micro_batch_size_is_refused_at_the_start_as_verl_refuses_it() -> None:
+    """verl's `CriticConfig` (built when `validate_config` runs at the trainer's start) refuses a
+    critic with neither `ppo_micro_batch_size_per_gpu` nor dynamic batching. Reading the config
+    does not refuse it (verl's Hydra compose does not); the start does, and so does the
+    launcher's check (`check_overrides`), before the queue."""
+    from trainer.driver import PPODriver
+
+    bare = load_config([])  # verl's defaults: gae, no micro-batch size
+    with pytest.raises(ConfigError, match=r"`critic.ppo_micro_batch_size_per_gpu` \(e.g. 4\)") as err:
+        C.check_run(bare)
+    assert "`algorithm.adv_estimator=gae` trains a critic" in str(err.value)
+    with pytest.raises(ConfigError, match="trains a critic"):
+        C.check_overrides([])
+    with pytest.raises(ConfigError, match="trains a critic"):
+        PPODriver(bare)  # refused before any model or data is read
+    for ok in (["critic.ppo_micro_batch_size_per_gpu=4"], ["critic.use_dynamic_bsz=true"],
+               ["actor_rollout_ref.actor.use_dynamic_bsz=true"],  # the critic follows the actor's
+               ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]):  # no critic
+        C.check_run(load_config(ok))
+        C.check_overrides(ok)
+    with pytest.raises(ConfigError, match="trains a critic"):  # the critic's own setting wins
+        C.check_run(load_config(["actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=false"]))

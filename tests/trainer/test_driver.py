@@ -41,7 +41,8 @@ def toy_overrides(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
         "data.max_prompt_length=16", "data.max_response_length=8",
         f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-3",
         "critic.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
-        f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "trainer.seed=7", *extra,
+        f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "trainer.seed=7",
+        "critic.ppo_micro_batch_size_per_gpu=64", *extra,  # a whole toy mini-batch per critic micro-batch
     ]
 
 

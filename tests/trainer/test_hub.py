@@ -118,7 +118,7 @@ def test_a_run_with_hub_ids_trains_and_checkpoints_offline(offline_cache: Path, 
     cfg = load_config([
         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
         "data.max_prompt_length=16", "data.max_response_length=8", f"actor_rollout_ref.model.path={REPO_ID}",
-        f"critic.model.path={REPO_ID}", "algorithm.adv_estimator=gae", "trainer.val_before_train=false",
+        f"critic.model.path={REPO_ID}", "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.val_before_train=false",
         "trainer.device=cpu", f"trainer.default_local_dir={run}", "trainer.logger=jsonl",
         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "trainer.total_training_steps=1", "trainer.save_freq=1"])

@@ -85,6 +85,17 @@ def test_the_flagship_7b_settings_are_refused_in_the_actor_update(capsys: pytest
     assert rollout["actor shards + AdamW moments"] == pytest.approx(3 * 7.616e9 * 4 / 8, rel=0.03)
 
 
+def test_a_critic_sized_by_nothing_is_refused_rather_than_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    """PPO with a critic and no critic micro-batch size: the plan would put a worker's whole
+    mini-batch in one critic micro-batch (hundreds of GiB of activations for a 7B model); verl
+    refuses the configuration, and so does the plan, naming the key."""
+    ppo = [f"actor_rollout_ref.model.path={QWEN_7B}", f"critic.model.path={QWEN_7B}", "algorithm.adv_estimator=gae",
+           "data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.n_gpus_per_node=8"]
+    assert main(["--plan-memory", *ppo]) == 2
+    assert "`critic.ppo_micro_batch_size_per_gpu` (e.g. 4)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_rollout_share_too_large_for_what_the_trainer_holds_is_refused(
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,7 @@ from trainer.config.load import (
     DEFAULTS_DIR,
     DEFAULTS_FILES,
     check_overrides,
+    check_run,
     compat_notes,
     config_from_dict,
     config_to_dict,
@@ -71,7 +72,7 @@ __all__ = [
     "DerivedConfig", "FsdpConfig", "KLCtrlConfig", "ModelConfig", "OptimConfig",
     "OverlongBufferConfig", "Override", "PolicyLossConfig", "RefConfig", "RefFsdpConfig",
     "RewardModelConfig", "RolloutConfig", "TrainerConfig", "ValKwargs", "_resolve_key",
-    "apply_overrides", "check_overrides", "compat_notes", "config_from_dict", "config_to_dict", "describe_keys",
+    "apply_overrides", "check_overrides", "check_run", "compat_notes", "config_from_dict", "config_to_dict", "describe_keys",
     "dump_config", "expand_args", "file_overrides", "is_override", "load_config", "load_defaults", "override_values",
     "parse_override", "parse_value", "split_config_flags", "typed_value", "validate",
 ]

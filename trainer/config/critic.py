@@ -37,7 +37,9 @@ class CriticConfig:
     optim: OptimConfig = h("critic optimizer")
     model: CriticModelConfig = h("critic model")
     ppo_mini_batch_size: int | None = h("prompts per critic optimizer step; null = actor's")
-    ppo_micro_batch_size_per_gpu: int | None = h("samples per critic forward/backward; null = all")
+    ppo_micro_batch_size_per_gpu: int | None = h(
+        "samples per critic forward/backward; null only with dynamic batching (refused at the start "
+        "otherwise, as verl's CriticConfig refuses it)")
     use_dynamic_bsz: bool | None = h("token-count micro-batches; null = actor's")
     ppo_max_token_len_per_gpu: int = h("token budget of one critic micro-batch")
     forward_max_token_len_per_gpu: int | None = h("token budget of value forwards; null = previous")

@@ -255,6 +255,24 @@ def validate(cfg: Config) -> None:
         )
 
 
+def check_run(cfg: Config) -> None:
+    """The checks verl makes when its trainer starts rather than when the config is composed
+    (`verl/utils/config.py::validate_config`, after `main_ppo` reads the config): the trainer's
+    start (`PPODriver`) and the launcher's preflight (:func:`check_overrides`) run them; reading
+    a config (:func:`load_config`, `--print-config`) does not. Raises ConfigError."""
+    c, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    dynamic = actor.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+    require(
+        not cfg.derived.use_critic or dynamic or c.ppo_micro_batch_size_per_gpu is not None,
+        f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` trains a critic, and it has no "
+        "micro-batch size: neither `critic.ppo_micro_batch_size_per_gpu` nor dynamic batching "
+        "(`critic.use_dynamic_bsz`, which follows `actor_rollout_ref.actor.use_dynamic_bsz`). verl's "
+        "CriticConfig refuses this ('[critic] Please set at least one of ...'); one micro-batch would "
+        "otherwise hold a worker's whole mini-batch (activations of every sample at once). Fix: set "
+        "`critic.ppo_micro_batch_size_per_gpu` (e.g. 4) or `critic.use_dynamic_bsz=true` with "
+        "`critic.ppo_max_token_len_per_gpu`",
+    )
+
 
 def load_config(
     overrides: Sequence[str | Override] = (), env: Mapping[str, str] | None = None
@@ -351,7 +369,7 @@ def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
         lines.append(f"`actor_rollout_ref.rollout.mode=async` with `tensor_model_parallel_size`="
                      f"{r.tensor_model_parallel_size}: a server-mode replica over several GPUs is not placed "
                      "here yet, so the in-process engine runs, tensor-parallel over the ranks (`mode=sync`), "
-                     "sampling the same distribution (agent-loop rows need `tensor_model_parallel_size=1`)")
+                     "sampling the same distribution; agent-loop rows run on its first rank, which leads the others")
     if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
         lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
                      "the reference policy is the actor with its adapters disabled (as in verl), with no "
@@ -382,5 +400,7 @@ def check_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
     refuses), as its start on the job's nodes runs it, with `job_env` as in `override_values`;
     files are not looked at (they may exist only on the compute nodes). Raises ConfigError."""
     with _reading_env(job_env):
-        return load_config(expand_args(args), env=dict(os.environ))
+        cfg = load_config(expand_args(args), env=dict(os.environ))
+        check_run(cfg)
+        return cfg
 

@@ -18,6 +18,8 @@ import pytest
 from hpcrl.jobspec import JobSpec
 from tests.conftest import DATA, run_hpcrl, write_exe
 
+#: The critic's micro-batch, which the trainer (as verl) requires of its default estimator, gae.
+CRITIC = "critic.ppo_micro_batch_size_per_gpu=4"
 SECRET = "wandb-s3cr3t-$(value)"
 
 FAKE_SLURM = """#!{python}
@@ -76,7 +78,7 @@ def all_text_under(path: Path) -> str:
 def test_submit_via_sbatch(tmp_path: Path, slurm: dict[str, str]) -> None:
     run_dir = tmp_path / "runs" / "one"
     proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
-                      str(run_dir), "--", "trainer.total_epochs=1"], slurm)
+                      str(run_dir), "--", CRITIC, "trainer.total_epochs=1"], slurm)
     assert proc.returncode == 0, proc.stderr
     assert "job id: 4" in proc.stdout and f"run directory: {run_dir}" in proc.stdout
     assert f"log (batch): {run_dir}/logs/slurm-4.out" in proc.stdout
@@ -99,7 +101,7 @@ def test_submit_via_submitit_submits_what_dry_run_prints(tmp_path: Path,
                                                         slurm: dict[str, str]) -> None:
     run_dir = tmp_path / "runs" / "two"
     args = ["submit", "--site", "slurmlab-apptainer", "--nodes", "2", "--run-dir", str(run_dir),
-            "--", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+            "--", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", CRITIC]
     dry = run_hpcrl(["submit", "--dry-run", *args[1:]], slurm)
     assert dry.returncode == 0, dry.stderr
     assert not run_dir.exists() and calls(slurm) == []  # a dry run creates and submits nothing
@@ -125,7 +127,7 @@ def test_dry_run_via_sbatch_prints_script_and_command(tmp_path: Path,
                                                       slurm: dict[str, str]) -> None:
     run_dir = tmp_path / "r"
     proc = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "mi300-cluster",
-                      "--run-dir", str(run_dir), "--", "trainer.total_epochs=1"], slurm)
+                      "--run-dir", str(run_dir), "--", CRITIC, "trainer.total_epochs=1"], slurm)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"# command: sbatch --export=WANDB_API_KEY,HF_TOKEN {run_dir}/job.sbatch" in out
@@ -158,10 +160,10 @@ def test_existing_run_dir_refused_then_resumed(tmp_path: Path, slurm: dict[str, 
     run_dir.mkdir()
     (run_dir / "precious.txt").write_text("keep me")
     args = ["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(run_dir)]
-    proc = run_hpcrl(args, slurm)
+    proc = run_hpcrl([*args, "--", CRITIC], slurm)
     assert proc.returncode == 2 and "not empty" in proc.stderr and calls(slurm) == []
     assert (run_dir / "precious.txt").read_text() == "keep me"
-    assert run_hpcrl([*args, "--resume"], slurm).returncode == 0
+    assert run_hpcrl([*args, "--resume", "--", CRITIC], slurm).returncode == 0
     assert len(calls(slurm, "sbatch")) == 1 and (run_dir / "precious.txt").exists()
 
 
@@ -196,13 +198,13 @@ def test_sbatch_failure_is_reported_and_leaves_no_job_to_resume(tmp_path: Path,
     run_dir = tmp_path / "r"
     for via in ("sbatch", "submitit"):
         proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", via, "--run-dir",
-                          str(run_dir), "--", "trainer.total_epochs=1"], failing)
+                          str(run_dir), "--", CRITIC, "trainer.total_epochs=1"], failing)
         assert proc.returncode == 2 and "hpcrl: error:" in proc.stderr, proc.stderr
         assert not run_dir.exists()
     args = ["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(run_dir)]
-    assert run_hpcrl([*args, "--", "trainer.total_epochs=1"], slurm).returncode == 0
+    assert run_hpcrl([*args, "--", CRITIC, "trainer.total_epochs=1"], slurm).returncode == 0
     job = (run_dir / "job.json").read_text()
-    proc = run_hpcrl([*args, "--resume", "--update-spec", "--", "trainer.total_epochs=2"],
+    proc = run_hpcrl([*args, "--resume", "--update-spec", "--", CRITIC, "trainer.total_epochs=2"],
                      failing)
     assert proc.returncode == 2 and "failed with status 1" in proc.stderr, proc.stderr
     assert (run_dir / "job.json").read_text() == job
@@ -215,7 +217,7 @@ def test_resume_is_one_job_per_run_directory_and_keeps_the_jobs_spec(
     given after `--`); other overrides are refused, naming the change, unless `--update-spec`."""
     run_dir = tmp_path / "run"
     args = ["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir", str(run_dir)]
-    assert run_hpcrl([*args, "--", "trainer.total_epochs=1"], slurm).returncode == 0
+    assert run_hpcrl([*args, "--", CRITIC, "trainer.total_epochs=1"], slurm).returncode == 0
     job = (run_dir / "job.json").read_text()
     for fixture, state in (("squeue_running.txt", "RUNNING"), ("squeue_pending.txt", "PENDING")):
         queued = {**slurm, "FAKE_SQUEUE": str(DATA / "slurm" / fixture)}
@@ -227,7 +229,7 @@ def test_resume_is_one_job_per_run_directory_and_keeps_the_jobs_spec(
     assert calls(slurm, "squeue")[0]["argv"][:3] == ["-h", "-j", "4"]
     gone = {**slurm, "FAKE_SQUEUE": str(DATA / "slurm" / "scontrol_unknown.txt"),
             "FAKE_SQUEUE_RC": "1"}
-    changed = run_hpcrl([*args, "--resume", "--", "trainer.total_epochs=5"], gone)
+    changed = run_hpcrl([*args, "--resume", "--", CRITIC, "trainer.total_epochs=5"], gone)
     assert changed.returncode == 2 and len(calls(slurm, "sbatch")) == 1, changed.stderr
     assert ("`payload` drops `trainer.total_epochs=1` and adds `trainer.total_epochs=5`"
             in changed.stderr and "`--update-spec`" in changed.stderr)
@@ -236,7 +238,7 @@ def test_resume_is_one_job_per_run_directory_and_keeps_the_jobs_spec(
     assert (run_dir / "job.json").read_text() == job
     script = calls(slurm, "sbatch")[-1]["script"]
     assert "until mkdir -m 700 " in script and "export HPCRL_RESTART" in script
-    updated = run_hpcrl([*args, "--resume", "--update-spec", "--", "trainer.total_epochs=5"],
+    updated = run_hpcrl([*args, "--resume", "--update-spec", "--", CRITIC, "trainer.total_epochs=5"],
                         gone)
     assert updated.returncode == 0, updated.stderr
     assert JobSpec.from_json((run_dir / "job.json").read_text()).payload[-1] == \
@@ -244,7 +246,7 @@ def test_resume_is_one_job_per_run_directory_and_keeps_the_jobs_spec(
 
 
 def test_default_run_dir_is_new_under_run_root(slurm: dict[str, str]) -> None:
-    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch"], slurm)
+    proc = run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--", CRITIC], slurm)
     assert proc.returncode == 0, proc.stderr
     (made,) = Path(slurm["HPCRL_LAB_RUN_ROOT"]).iterdir()
     assert made.name.startswith("slurmlab-") and (made / "job.json").is_file()
@@ -260,7 +262,7 @@ def test_command_payload(tmp_path: Path, slurm: dict[str, str]) -> None:
 
 def test_local_site_dry_run(tmp_path: Path, slurm: dict[str, str]) -> None:
     proc = run_hpcrl(["submit", "--dry-run", "--run-dir", str(tmp_path / "l"), "--",
-                      "trainer.total_epochs=1"], slurm)
+                      CRITIC, "trainer.total_epochs=1"], slurm)
     assert proc.returncode == 0, proc.stderr
     assert "# via: local" in proc.stdout and "-m hpcrl.agent" in proc.stdout
     assert calls(slurm) == []
@@ -273,7 +275,7 @@ def test_a_dry_run_refuses_what_the_submission_would(tmp_path: Path,
     a data file this host does not have is a warning, since it may exist on the cluster."""
     run_dir = tmp_path / "r"
     base = ["submit", "--dry-run", "--site", "slurmlab", "--nodes", "3", "--run-dir",
-            str(run_dir), "--"]
+            str(run_dir), "--", CRITIC]
     refused = run_hpcrl([*base, "actor_rollout_ref.rollout.name=sglang"], slurm)
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.startswith("hpcrl: error:") and "SGLang rollout" in refused.stderr
@@ -291,7 +293,7 @@ def test_a_dry_run_refuses_what_the_submission_would(tmp_path: Path,
 def submitted_run(tmp_path: Path, slurm: dict[str, str]) -> Path:
     run_dir = tmp_path / "followed"
     assert run_hpcrl(["submit", "--site", "slurmlab", "--via", "sbatch", "--run-dir",
-                      str(run_dir)], slurm).returncode == 0
+                      str(run_dir), "--", CRITIC], slurm).returncode == 0
     (run_dir / "logs" / "slurm-4.out").write_text("batch line\n")
     (run_dir / "logs" / "4-node0.out").write_text("head line\n")
     (run_dir / "logs" / "4-node1.out").write_text("worker line\n")
@@ -388,7 +390,7 @@ def test_slurm_queries_retry_with_back_off(tmp_path: Path, slurm: dict[str, str]
 def test_wrong_but_plausible_flags_are_refused_creating_nothing(
         tmp_path: Path, slurm: dict[str, str], flags: list[str], message: str) -> None:
     for command in (["submit", "--via", "sbatch"], ["render"]):
-        proc = run_hpcrl([*command, "--site", "slurmlab", *flags], slurm)
+        proc = run_hpcrl([*command, "--site", "slurmlab", *flags, "--", CRITIC], slurm)
         assert proc.returncode == 2, proc.stderr
         last = proc.stderr.strip().splitlines()[-1]  # after the preflight's warnings, if any
         assert last.startswith("hpcrl: error: ") and message in last, proc.stderr
