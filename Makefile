@@ -80,20 +80,32 @@ lab-packages: $(STAMP)
 # The lab's container images (about 3 minutes on a fresh machine) are built in the background
 # while .venv-vllm installs: a head start only, since the tests' fixture waits for that build
 # (a lock) and builds whatever is still missing itself. It runs with a HOME of its own, as the
-# tests do, so that nothing it starts writes to the user's home. Both pytest stages run even when the
-# first fails (a failure in one says nothing about the other); the target fails if either did.
+# tests do, so that nothing it starts writes to the user's home. The suite runs as two pytest
+# processes side by side: the lab scenarios (`lab or containers`, on lab instance 0, their output
+# in .venv/lab-stage.log, printed when they end), which spend much of their time waiting on Slurm
+# and Ray, and everything else followed by the vLLM stage (its lab scenarios on lab instance 1)
+# and the verl stage. The node-failure scenario runs last, alone: it checks how fast a dead node
+# is noticed. Every stage runs even when another fails (a failure in one says nothing about the
+# others); the target fails if any did.
 test: lab-packages
 	@images=; if [ "$$(id -u)" = 0 ]; then \
 		mkdir -p $(VENV)/lab-images-home; \
 		HOME=$(CURDIR)/$(VENV)/lab-images-home $(PY) -m tests.lab images > $(VENV)/lab-images.log 2>&1 & images=$$!; fi; \
 	$(MAKE) --no-print-directory -j2 vllm-venv verl-venv || { status=$$?; [ -z "$$images" ] || wait $$images; exit $$status; }; \
-	status=0; \
-	$(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	status=0; rc=$(VENV)/lab-stage.rc; log=$(VENV)/lab-stage.log; rm -f $$rc; \
+	echo "lab scenarios: running beside the rest of the suite; their output is in $$log, printed when they end"; \
+	{ $(PY) -m pytest -m "lab or containers" --deselect tests/lab/test_node_failure.py $(PYTEST_ARGS) > $$log 2>&1; \
+	  echo $$? > $$rc; } & lab=$$!; \
+	$(PY) -m pytest -m "not lab and not containers" $(PYTEST_ARGS) || status=$$?; \
 	[ -z "$$images" ] || wait $$images || true; \
-	HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
+	HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py $(PYTEST_ARGS) \
 		|| status=$$?; \
+	wait $$lab; lab_status=$$(cat $$rc 2>/dev/null || echo missing); \
+	echo "==== lab scenarios (lab instance 0), exit status $$lab_status ===="; cat $$log; \
+	[ "$$lab_status" = 0 ] || status=1; \
+	$(PY) -m pytest tests/lab/test_node_failure.py $(PYTEST_ARGS) || status=$$?; \
 	exit $$status
 
 # The first-run check before a release: `make test` as CI runs it (CI=true, no standard input) in

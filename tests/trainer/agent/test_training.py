@@ -57,6 +57,22 @@ def test_multi_turn_rows_train_and_the_engine_s_log_probs_equal_the_actor_s(asse
         assert row["training/rollout_actor_probs_pearson_corr"] > 0.999, row
 
 
+def interaction_run_overrides(assets: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """Two GRPO steps on the interaction rows, the engine's log-probs kept (fp32), `extra` added."""
+    data = assets / "data"
+    return [
+        f"data.train_files={data / 'train.parquet'}", "data.max_prompt_length=24", "data.max_response_length=24",
+        f"actor_rollout_ref.model.path={assets / 'model'}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={assets / 'interaction.yaml'}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.n=2",
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={tmp_path}", "trainer.logger=jsonl", "trainer.seed=3", "trainer.save_freq=-1",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1", *extra,
+    ]
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_vllm_engines_train_multi_turn_rows_whose_tokens_line_up(assets: Path, tmp_path: Path, mode: str) -> None:
@@ -69,17 +85,9 @@ def test_vllm_engines_train_multi_turn_rows_whose_tokens_line_up(assets: Path, t
 
     require_vllm()
     data = assets / "data"
-    cfg = load_config([
-        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        "data.max_prompt_length=24", "data.max_response_length=24", f"actor_rollout_ref.model.path={assets / 'model'}",
-        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.mode={mode}",
-        "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.dtype=float32",
-        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={assets / 'interaction.yaml'}",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.n=2",
-        "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
-        f"trainer.default_local_dir={tmp_path}", "trainer.logger=jsonl", "trainer.seed=3", "trainer.save_freq=-1",
-        "trainer.total_training_steps=2", "trainer.test_freq=-1"])
+    cfg = load_config(interaction_run_overrides(
+        assets, tmp_path, f"data.val_files={data / 'test.parquet'}", "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.mode={mode}"))
     driver = PPODriver(cfg)
     engine = driver.actor_group.run_rank(0, "rollout_kind")
     assert engine == ("ServerEngine" if mode == "async" else "VLLMRolloutEngine")
@@ -107,18 +115,9 @@ def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path:
         require_vllm()
     pytest.importorskip("ray", reason="the distributed trainer needs Ray")
     no_ray_address(monkeypatch)
-    data = assets / "data"
-    cfg = load_config([
-        f"data.train_files={data / 'train.parquet'}", "data.max_prompt_length=24", "data.max_response_length=24",
-        f"actor_rollout_ref.model.path={assets / 'model'}", f"actor_rollout_ref.rollout.name={name}",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
-        "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.dtype=float32",
-        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={assets / 'interaction.yaml'}",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.n=2",
-        "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.val_before_train=false", "trainer.device=cpu",
-        f"trainer.default_local_dir={tmp_path}", "trainer.logger=jsonl", "trainer.seed=3", "trainer.save_freq=-1",
-        "trainer.total_training_steps=2", "trainer.test_freq=-1"])
+    cfg = load_config(interaction_run_overrides(
+        assets, tmp_path, f"actor_rollout_ref.rollout.name={name}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"))
     assert run_training(cfg) == 0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
