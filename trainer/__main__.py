@@ -117,6 +117,8 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     try:
         overrides = [*file_overrides(args.config_path, args.config_name, args.overrides), *args.overrides]
         cfg = load_config(overrides)
+        if args.plan_memory:  # what the start would refuse is not planned (a critic sized by nothing)
+            check_run(cfg)
     except ConfigError as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
@@ -125,12 +127,7 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    if args.plan_memory:  # what the start would refuse is not planned (a critic sized by nothing)
-        try:
-            check_run(cfg)
-        except ConfigError as err:
-            print(f"python -m trainer: error: {err}", file=sys.stderr)
-            return USAGE_EXIT_CODE
+    if args.plan_memory:
         return plan_memory(cfg, args.device_memory, args.host_memory)
     try:
         return run_training(cfg, stop)

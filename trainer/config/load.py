@@ -258,8 +258,8 @@ def validate(cfg: Config) -> None:
 def check_run(cfg: Config) -> None:
     """The checks verl makes when its trainer starts rather than when the config is composed
     (`verl/utils/config.py::validate_config`, after `main_ppo` reads the config): the trainer's
-    start (`PPODriver`) and the launcher's preflight (:func:`check_overrides`) run them; reading
-    a config (:func:`load_config`, `--print-config`) does not. Raises ConfigError."""
+    start (`PPODriver`), the launcher's preflight (:func:`check_overrides`) and `--plan-memory` run
+    them; reading a config (:func:`load_config`, `--print-config`) does not. Raises ConfigError."""
     c, actor = cfg.critic, cfg.actor_rollout_ref.actor
     dynamic = actor.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     require(
