@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.rollout.vllm import SLEEP_LEVEL
+from trainer.rollout.vllm_server import server_mode
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -173,6 +174,7 @@ class Settings:
     node_bytes: int = 0  # the job's host memory per node (`slurm.mem`); 0: not checked
     sleep_level: int = SLEEP_LEVEL  # vLLM's sleep between rollouts (level 1 backs weights up on the host)
     ref_offloaded: bool = False  # a reference model's shards live in host memory between phases
+    server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -222,7 +224,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
         reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
         rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
         node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and arr.model.lora_rank == 0
-        and arr.ref.fsdp_config.param_offload)
+        and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -419,6 +421,10 @@ def host_phase(shape: ModelShape, s: Settings) -> Phase:
         critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none")
         per_worker += [(f"critic: {n}", b) for n, b in host_terms(shape, critic)[1:] if b]
     terms = [(f"{s.gpus_per_node} x {n}", b * s.gpus_per_node) for n, b in per_worker]
+    if s.server_mode:  # vLLM's worker on each GPU; over several GPUs, each replica's engine core too
+        cores = s.gpus_per_node // s.tp if s.tp > 1 else 0  # with one GPU the engine core is the worker
+        terms += [(f"{s.gpus_per_node} x server-mode vLLM worker process", s.gpus_per_node * HOST_PROCESS),
+                  (f"{cores} x server-mode vLLM engine core", cores * HOST_PROCESS)]
     return Phase("host memory", (*terms, ("driver", HOST_DRIVER)),
                  "a larger `slurm.mem` in the site profile (`0`: all of the node's memory), or less "
                  "offload (`actor_rollout_ref.actor.fsdp_config.optimizer_offload=false`, "
@@ -440,6 +446,9 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
     trainer_held = [("actor shards + AdamW moments", actor_res), ("critic shards + AdamW moments", critic_res),
                     ("reference shards", ref_res), ("CUDA context", CUDA_CONTEXT)]
     engine_idle = 0 if s.free_cache_engine else share  # asleep: weights and KV cache freed
+    # server mode: vLLM's worker on this GPU is a process of its own, whose CUDA context stays while
+    # it sleeps (inside vLLM's share while it generates, so not counted in the rollout phase)
+    replica = [("server-mode vLLM worker's CUDA context", CUDA_CONTEXT if s.server_mode and vllm else 0)]
     notes = [f"trained in {s.param_dtype} (reduce {s.reduce_dtype}); rollout weights {s.rollout_dtype}",
              f"actor micro-batch {s.actor.rows} x {s.actor.seq_len} tokens on {s.world} ranks"]
     logits = s.actor.rows * (s.response_len + 1) * shape._get("vocab_size") * 4
@@ -470,16 +479,16 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
     actor_peak, *critic_peaks = traced_peaks(shape, s, sides, layers)
     phases.append(_update_phase("actor update", actor_peak, s.actor,
                                 [("critic shards + AdamW moments", critic_res), ("reference shards", ref_res),
-                                 ("idle vLLM", engine_idle)], s, "actor_rollout_ref.actor",
+                                 ("idle vLLM", engine_idle), *replica], s, "actor_rollout_ref.actor",
                                 "actor_rollout_ref.model"))
     if s.critic is not None:
         phases.append(_update_phase("critic update", critic_peaks[0], s.critic,
                                     [("actor shards + AdamW moments", actor_res), ("reference shards", ref_res),
-                                     ("idle vLLM", engine_idle)], s, "critic", "critic.model"))
+                                     ("idle vLLM", engine_idle), *replica], s, "critic", "critic.model"))
     bucket = max(s.bucket_bytes, shape.largest_param() * 4)
     sync_engine = engine_weights if vllm else engine_weights  # the HF engine holds its own copy too
     phases.append(Phase("weight sync", (*trainer_held, ("rollout engine weights", sync_engine),
-                                        ("gathered bucket", bucket)),
+                                        ("gathered bucket", bucket), *replica),
                         "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
                         "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
                         s.device_bytes))

@@ -204,8 +204,8 @@ def test_an_unknown_agent_key_is_still_unknown() -> None:
 
 def test_rollout_mode_chooses_vllm_s_engine_and_is_noted_where_it_changes_nothing() -> None:
     """`sync` (the default here: faster for single-turn rows) is the in-process engine; `async`
-    a server-mode replica per rank, on vLLM with one rank per engine only: elsewhere it is
-    accepted with a note saying what runs."""
+    a server-mode replica per engine on vLLM (over its `tensor_model_parallel_size` ranks, which
+    must be one node's); elsewhere it is accepted with a note saying what runs."""
     from trainer.rollout.vllm_server import server_mode
 
     vllm = f"{ROLLOUT}.name=vllm"
@@ -219,8 +219,13 @@ def test_rollout_mode_chooses_vllm_s_engine_and_is_noted_where_it_changes_nothin
     assert "changes nothing with `rollout.name=hf`" in note
     items = [vllm, f"{ROLLOUT}.mode=async", f"{ROLLOUT}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]
     cfg = load_config(items)
-    [note] = compat_notes(items, cfg)
-    assert "the in-process engine runs" in note and not server_mode(cfg)
+    assert compat_notes(items, cfg) == [] and server_mode(cfg)
+    with pytest.raises(ConfigError, match=r"one node's\. Fix: a `tensor_model_parallel_size` that divides"):
+        load_config([vllm, f"{ROLLOUT}.mode=async", f"{ROLLOUT}.tensor_model_parallel_size=2",
+                     "trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
+    # the in-process engine may span nodes (vLLM's external launcher forms its group from torch's)
+    assert not server_mode(load_config([vllm, f"{ROLLOUT}.tensor_model_parallel_size=2", "trainer.nnodes=2",
+                                        "trainer.n_gpus_per_node=1"]))
 
 
 def test_multi_turn_notes_say_the_data_chooses_the_loop() -> None:

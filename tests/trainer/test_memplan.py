@@ -213,3 +213,34 @@ def test_the_plan_traces_the_packed_path_when_it_runs() -> None:
             "critic": False, "grad_ckpt": False, "param_dtype": "fp32", "reduce_dtype": "fp32"}
     padded, packed = run_traces([spec, {**spec, "remove_padding": True}])
     assert packed["ACT"] <= padded["ACT"] and packed["Total"] <= padded["Total"] * 1.01, (packed, padded)
+
+
+def test_server_mode_counts_its_worker_processes_on_the_device_and_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rollout.mode=async`: vLLM's worker on each GPU is a process of its own (the in-process
+    engine lives in the trainer's). Its CUDA context stays while it sleeps, so the update and the
+    weight sync carry one more; the host carries one more process per GPU and, at TP=2, one
+    engine core per replica (4 on a node of 8)."""
+    from dataclasses import replace
+
+    from trainer.memplan import CUDA_CONTEXT, HOST_PROCESS, host_phase, plan, settings_from_config
+
+    shape = read_model(str(QWEN_7B))
+    inproc = settings_from_config(load_config(FLAGSHIP_OFFLOAD), 192, host_gib=200)
+    server = settings_from_config(load_config([*FLAGSHIP_OFFLOAD, "actor_rollout_ref.rollout.mode=async"]), 192,
+                                  host_gib=200)
+    assert (inproc.server_mode, server.server_mode) == (False, True)
+    host = dict(host_phase(shape, server).terms)
+    assert host["8 x server-mode vLLM worker process"] == 8 * HOST_PROCESS
+    assert host["4 x server-mode vLLM engine core"] == 4 * HOST_PROCESS
+    assert host_phase(shape, server).peak - host_phase(shape, inproc).peak == 12 * HOST_PROCESS
+    one = dict(host_phase(shape, replace(server, tp=1)).terms)
+    assert one["0 x server-mode vLLM engine core"] == 0  # one GPU: the engine core runs the worker
+    # the device phases: the update's trace (a subprocess) replaced by a fixed peak; the terms compared are others
+    import trainer.memplan as memplan
+
+    monkeypatch.setattr(memplan, "traced_peaks", lambda shape, s, sides, layers: [{"ACT": GIB}] * len(sides))
+    a = {p.name: p for p in plan(shape, inproc).phases}
+    b = {p.name: p for p in plan(shape, server).phases}
+    for name in ("actor update", "weight sync"):
+        assert b[name].peak - a[name].peak == CUDA_CONTEXT, name
+    assert b["rollout"].peak == a["rollout"].peak  # inside vLLM's share while it generates

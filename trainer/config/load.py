@@ -208,6 +208,14 @@ def validate(cfg: Config) -> None:
         "ranks (`trainer.nnodes` x `trainer.n_gpus_per_node`): each group of that many ranks runs "
         "one rollout engine (verl's rollout mesh, dp x tp). Fix: pick a divisor of the world size",
     )
+    require(
+        not (rollout.name == "vllm" and rollout.mode == "async") or cfg.trainer.n_gpus_per_node % tp == 0,
+        f"`actor_rollout_ref.rollout.mode=async` with `tensor_model_parallel_size={tp}` and "
+        f"`trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}`: a server-mode replica's workers are "
+        "vLLM's processes on one node, so its GPUs must be one node's. Fix: a "
+        "`tensor_model_parallel_size` that divides `trainer.n_gpus_per_node`, or `rollout.mode=sync` "
+        "(the in-process engine, whose ranks may span nodes)",
+    )
     require(not cfg.trainer.val_only or bool(data.val_files),
              "`trainer.val_only=true` validates and exits, and needs a validation set: set "
              "`data.val_files`")
@@ -365,11 +373,6 @@ def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
         lines.append(f"`actor_rollout_ref.rollout.mode=async` changes nothing with `rollout.name={r.name}`: "
                      "server-mode replicas are vLLM's; the in-process engine batches every live "
                      "trajectory's turn, sampling the same distribution; the numbers are the same")
-    elif r.mode == "async" and r.tensor_model_parallel_size > 1:
-        lines.append(f"`actor_rollout_ref.rollout.mode=async` with `tensor_model_parallel_size`="
-                     f"{r.tensor_model_parallel_size}: a server-mode replica over several GPUs is not placed "
-                     "here yet, so the in-process engine runs, tensor-parallel over the ranks (`mode=sync`), "
-                     "sampling the same distribution; agent-loop rows run on its first rank, which leads the others")
     if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
         lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
                      "the reference policy is the actor with its adapters disabled (as in verl), with no "

@@ -28,13 +28,14 @@ import asyncio
 import atexit
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from hpcrl.devices import CUDA, HIP, id_list
 from trainer.agent.base import TokenOutput
 from trainer.rollout.base import SamplingParams, WeightBucket
 from trainer.rollout.vllm import (
@@ -54,7 +55,7 @@ from trainer.rollout.vllm import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["ServerEngine", "VLLMServer", "server_env", "server_mode"]
+__all__ = ["ReplicaMember", "ServerEngine", "VLLMServer", "node_device_id", "replica_devices", "server_env", "server_mode"]
 
 PackedBucket = list[tuple[str, str, list[int], bytes]]
 
@@ -69,27 +70,69 @@ def server_env() -> dict[str, str]:
 
 
 @contextmanager
-def _replica_env() -> Iterator[None]:
+def _replica_env(devices: Sequence[str] | None = None) -> Iterator[None]:
     """Set :func:`server_env` while the engine starts; restore `VLLM_ENABLE_V1_MULTIPROCESSING`
     after. An in-process engine (:class:`~trainer.rollout.vllm.VLLMRolloutEngine`) sets it to 0
     for the whole process, and the engine core caches vLLM's environment once started
-    (`enable_envs_cache`, `vllm/v1/engine/core.py:258`)."""
+    (`enable_envs_cache`, `vllm/v1/engine/core.py:258`).
+
+    `devices` (a replica over several GPUs, :func:`replica_devices`): the visible-device lists
+    (`CUDA_VISIBLE_DEVICES` = `HIP_VISIBLE_DEVICES`, :mod:`hpcrl.devices`'s rule; a
+    `ROCR_VISIBLE_DEVICES` filter stays beneath them) name those GPUs while the engine core and
+    its workers start, and this process's own list comes back after. Worker `i` takes `cuda:i`
+    (vLLM's multiprocessing executor), so the first rank's GPU is the replica's first. The engine
+    core is a spawned process, as vLLM spawns where CUDA is already initialised
+    (`vllm/utils/system_utils.py`, `_maybe_force_spawn`): it reads the lists afresh."""
     env = server_env()
-    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    lists = {} if devices is None else {var: ",".join(devices) for var in (CUDA, HIP)}
+    previous = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", *lists)}
     for key, value in env.items():
         if key != "VLLM_ENABLE_V1_MULTIPROCESSING":
             os.environ.setdefault(key, value)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", **lists)
     from vllm import envs
 
     envs.disable_envs_cache()  # an in-process engine built earlier cached the old values
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def replica_devices(group: Any) -> list[str] | None:
+    """The GPUs of a server-mode replica over the ranks of `group` (the consecutive ranks of a
+    tensor-parallel engine, :func:`trainer.parallel.consecutive_cpu_group`): each rank's own GPU,
+    in rank order, as an entry of the node's visible list (Ray's id; with Ray's `NOSET` the
+    entry at the rank's device index). None on the CPU or without a group. A collective over
+    `group`: every rank of it calls this.
+
+    verl runs such a replica's workers inside the trainer processes themselves (its
+    `ExternalZeroMQDistributedExecutor`, the weights handed over by CUDA IPC); here vLLM's own
+    multiprocessing executor starts them beside the ranks, one on each rank's GPU, which
+    therefore holds two processes' CUDA contexts."""
+    import torch.distributed as dist
+
+    if group is None or not torch.cuda.is_available():
+        return None
+    devices: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(devices, node_device_id(os.environ, torch.cuda.current_device()), group=group)
+    return [str(d) for d in devices]
+
+
+def node_device_id(environ: Mapping[str, str], index: int) -> str:
+    """The entry of the node's visible list for this process's device `cuda:<index>`: the
+    `index`-th entry of its own list (`CUDA_VISIBLE_DEVICES`, equal to HIP's here), or the index
+    itself when no list is set."""
+    listed = id_list(environ, CUDA)
+    if listed is None:
+        return str(index)
+    if not 0 <= index < len(listed):
+        raise ValueError(f"device index {index} is outside `{CUDA}={','.join(listed)}`")
+    return listed[index]
 
 
 def _pack(bucket: WeightBucket) -> PackedBucket:
@@ -114,10 +157,11 @@ class VLLMServer:
     (vLLM's output handler is a task of the loop of the first request)."""
 
     def __init__(self, model_path: str | Path, *, eos_token_ids: list[int], calculate_log_probs: bool = False,
-                 pad_token_id: int | None = None, **engine: Any) -> None:
+                 pad_token_id: int | None = None, devices: Sequence[str] | None = None, **engine: Any) -> None:
         """`engine`: the knobs of :func:`engine_args`; `pad_token_id` is accepted for
         :func:`rollout_knobs` and unused (turns carry no padding). With `tensor_parallel_size`
-        > 1 the replica's workers are vLLM's own processes (its multiprocessing executor)."""
+        > 1 the replica's workers are vLLM's own processes (its multiprocessing executor), on
+        `devices` when given (:func:`replica_devices`)."""
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -134,13 +178,18 @@ class VLLMServer:
         self.sleeping: set[str] = set()
         self.weights_discarded = False
         self.in_flight: Counter[str] = Counter()
-        with _replica_env():
+        if devices is not None and len(devices) != self.tp:
+            raise ValueError(f"a replica of tensor_parallel_size={self.tp} was given {len(devices)} GPUs ({devices})")
+        if self.tp > 1:  # inside a Ray actor vLLM would pick its Ray executor, which places workers itself
+            args["distributed_executor_backend"] = "mp"
+        with _replica_env(devices):
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     @classmethod
-    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0) -> VLLMServer:
+    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0,
+                    devices: Sequence[str] | None = None) -> VLLMServer:
         """A replica with the in-process engine's knobs for `cfg` (:func:`rollout_knobs`)."""
-        return cls(**rollout_knobs(cfg, tokenizer, eos_token_ids, seed))
+        return cls(**rollout_knobs(cfg, tokenizer, eos_token_ids, seed), devices=devices)
 
     @property
     def needs_sync(self) -> bool:
@@ -234,7 +283,7 @@ class VLLMServer:
     async def sleep(self, level: int = SLEEP_LEVEL) -> None:
         """Free the KV cache, and at level 2 discard the weights, between rollouts when
         `rollout.free_cache_engine` asks for it (vLLM sleeps only on GPUs)."""
-        if self.gpu and self.free_cache and not self.sleeping:
+        if sleeps(self.gpu, self.free_cache) and not self.sleeping:
             await self.engine.sleep(level=level)
             self.sleeping = set(SLEEP_TAGS)
             self.weights_discarded = level >= 2
@@ -274,12 +323,54 @@ class VLLMServer:
             loop.run_until_complete(asyncio.sleep(0))
 
 
+def sleeps(gpu: bool, free_cache: bool) -> bool:
+    """Whether a replica sleeps between rollouts: vLLM sleeps only on GPUs, and only when
+    `rollout.free_cache_engine` asks for it."""
+    return gpu and free_cache
+
+
 def server_mode(cfg: Config) -> bool:
-    """Whether the rollout runs server-mode replicas (`rollout.mode=async` on vLLM, one rank per
-    engine); a tensor-parallel `async` runs the in-process engine, with a note
-    (:func:`trainer.config.load.compat_notes`)."""
+    """Whether the rollout runs server-mode replicas (`rollout.mode=async` on vLLM): one per
+    `tensor_model_parallel_size` consecutive ranks, started by the first of them."""
     r = cfg.actor_rollout_ref.rollout
-    return r.name == "vllm" and r.mode == "async" and r.tensor_model_parallel_size == 1
+    return r.name == "vllm" and r.mode == "async"
+
+
+class ReplicaMember:
+    """A later rank of a server-mode replica over `tensor_model_parallel_size` ranks. The
+    replica's worker on this rank's GPU is vLLM's process, started and driven by the first rank
+    (its :class:`ServerEngine`, which runs every trajectory of the engine's prompts), so this
+    rank runs no loops. It takes part in the weight sync, whose gathers are collectives of every
+    rank, and drops the buckets; and it mirrors the first rank's sleep, so that both see a
+    replica whose weights were discarded and sync at the same points."""
+
+    collective = False
+    """Its first rank's replica is the engine; this rank makes no engine calls."""
+
+    def __init__(self, free_cache: bool) -> None:
+        self.free_cache = free_cache
+        self.gpu = torch.cuda.is_available()
+        self.weights_discarded = False
+
+    @property
+    def needs_sync(self) -> bool:
+        return self.weights_discarded
+
+    def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        for _ in buckets:  # each bucket is gathered on every rank; the first rank's replica loads it
+            pass
+        self.weights_discarded = False
+
+    def sleep(self) -> None:
+        """As the first rank's :meth:`VLLMServer.sleep` at level :data:`SLEEP_LEVEL`."""
+        if sleeps(self.gpu, self.free_cache):
+            self.weights_discarded = self.weights_discarded or SLEEP_LEVEL >= 2
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        del tags
+
+    def close(self) -> None:
+        pass
 
 
 class ServerEngine:
@@ -303,8 +394,9 @@ class ServerEngine:
         atexit.register(self.close)
 
     @classmethod
-    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0) -> ServerEngine:
-        return cls(VLLMServer.from_config(cfg, tokenizer, eos_token_ids, seed))
+    def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0,
+                    devices: Sequence[str] | None = None) -> ServerEngine:
+        return cls(VLLMServer.from_config(cfg, tokenizer, eos_token_ids, seed, devices))
 
     def run(self, work: Any) -> Any:
         """Run the coroutine `work` on the replica's loop and return its result."""

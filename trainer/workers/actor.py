@@ -40,7 +40,7 @@ from trainer.metrics import flops_fields
 from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
-from trainer.rollout.vllm_server import ServerEngine, server_mode
+from trainer.rollout.vllm_server import ReplicaMember, ServerEngine, replica_devices, server_mode
 from trainer.workers.base import Worker
 
 __all__ = ["ActorRolloutRefWorker"]
@@ -76,10 +76,10 @@ class ActorRolloutRefWorker(Worker):
         self._optimizer(arr.actor.optim)
         self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
         self.loss_params = self._loss_params()
+        # the ranks of one tensor-parallel engine: its first rank leads the agent loops, or starts
+        # the server-mode replica over their GPUs
+        self.engine_group = P.consecutive_cpu_group(arr.rollout.tensor_model_parallel_size)
         self.rollout, self.shares_weights = self._build_rollout()
-        # the ranks of one tensor-parallel engine: its first rank leads the agent loops
-        self.engine_group = None if isinstance(self.rollout, ServerEngine) else \
-            P.consecutive_cpu_group(arr.rollout.tensor_model_parallel_size)
         self.agents: Any = None  # trainer.agent.manager.AgentRollout, on the first agent-loop rollout
         for model in (self.model, self.ref):  # offloaded ones go to the host until their phase
             if model is not None:
@@ -98,14 +98,17 @@ class ActorRolloutRefWorker(Worker):
         arr = self.cfg.actor_rollout_ref
         pad = self.tokenizer.pad_token_id
         eos = M.eos_token_ids(arr.model.path, self.tokenizer, trust_remote_code=arr.model.trust_remote_code)
-        if server_mode(self.cfg):  # a server-mode replica per rank
-            return ServerEngine.from_config(self.cfg, self.tokenizer, eos, seed=self.cfg.trainer.seed + self.rank), False
+        tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
+        if server_mode(self.cfg):  # a server-mode replica per engine, started by its first rank
+            devices = replica_devices(self.engine_group)
+            if self.engine_group is not None and self.engine_group.rank() > 0:
+                return ReplicaMember(arr.rollout.free_cache_engine), False
+            return ServerEngine.from_config(self.cfg, self.tokenizer, eos, seed=self.cfg.trainer.seed + self.rank // tp,
+                                            devices=devices), False
         if arr.rollout.name == "vllm":
-            tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
             return VLLMRolloutEngine.from_config(self.cfg, self.tokenizer, eos,
                                                  seed=self.cfg.trainer.seed + self.rank // tp), False
         assert self.ctx is not None
-        tp = arr.rollout.tensor_model_parallel_size
         if not self.ctx.fsdp and tp == 1:
             return HFRolloutEngine(self.model, pad, eos), True
         # A sharded model cannot generate rank by rank (its forwards are collectives): keep a
@@ -164,6 +167,8 @@ class ActorRolloutRefWorker(Worker):
         def run() -> RolloutBatch | None:
             if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
                 batch, per_row = self.agents.run(examples, params, self.rollout.server, self.rollout.run)
+            elif isinstance(self.rollout, ReplicaMember):  # the replica's first rank runs this engine's rows
+                return None
             elif group is None:  # an in-process engine: every live trajectory's turn in one engine call
                 batch, per_row = self.agents.run(examples, params, BatchedServer(self.rollout))
             elif group.rank() == 0:  # the first rank of a tensor-parallel engine runs the loops

@@ -100,29 +100,47 @@ def test_vllm_engines_train_multi_turn_rows_whose_tokens_line_up(assets: Path, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path: Path, monkeypatch, name: str) -> None:
-    """Two Ray ranks forming one engine (`tensor_model_parallel_size=2`: the HF engine's split
-    copy, or vLLM's external launcher): the first rank runs every trajectory and its interaction,
-    the second makes the same engine calls (`trainer.agent.servers.EngineLeader`). Both ranks
-    generate the same tokens for the same rows, turns line up, and the run trains."""
+@pytest.mark.parametrize(("name", "mode"), [("hf", "sync"), pytest.param("vllm", "sync", marks=pytest.mark.vllm),
+                                            pytest.param("vllm", "async", marks=pytest.mark.vllm)])
+def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path: Path, monkeypatch, name: str,
+                                                         mode: str) -> None:
+    """Two Ray ranks forming one engine (`tensor_model_parallel_size=2`), every trajectory and its
+    interaction run by the first rank:
+
+    - `sync`: the HF engine's split copy, or vLLM's external launcher; the second rank makes the
+      same engine calls (`trainer.agent.servers.EngineLeader`) and generates the same tokens;
+    - `async`: one server-mode replica whose two workers are vLLM's processes, started by the
+      first rank over both ranks' devices; the second rank only takes part in the weight sync
+      (`trainer.rollout.vllm_server.ReplicaMember`) and generates nothing itself.
+
+    Either way turns line up and the run trains."""
+    import ray
+
     from tests.trainer.test_distributed import no_ray_address
-    from trainer.driver import run_training
 
     if name == "vllm":
         from tests.trainer.rollout.vllm_support import require_vllm
 
         require_vllm()
-    pytest.importorskip("ray", reason="the distributed trainer needs Ray")
     no_ray_address(monkeypatch)
     cfg = load_config(interaction_run_overrides(
-        assets, tmp_path, f"actor_rollout_ref.rollout.name={name}",
+        assets, tmp_path, f"actor_rollout_ref.rollout.name={name}", f"actor_rollout_ref.rollout.mode={mode}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"))
-    assert run_training(cfg) == 0
+    try:
+        driver = PPODriver(cfg)
+        kinds = [driver.actor_group.run_rank(rank, "rollout_kind") for rank in (0, 1)]
+        assert driver.fit() == 0
+    finally:
+        ray.shutdown()
+    server = name == "vllm" and mode == "async"
+    assert kinds == (["ServerEngine", "ReplicaMember"] if server else
+                     ["VLLMRolloutEngine"] * 2 if name == "vllm" else ["HFRolloutEngine"] * 2)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["num_turns/max"] > 2, row
         assert row["dp/rank_0/gen_rows"] == row["dp/rank_1/gen_rows"] == 4, row  # one engine: every prompt
-        assert row["dp/rank_0/gen_tokens"] == row["dp/rank_1/gen_tokens"] > 0, row
+        assert row["dp/rank_0/gen_tokens"] > 0, row
+        # a collective engine's ranks generate alike; a replica's second rank drives no engine
+        assert row["dp/rank_1/gen_tokens"] == (0 if server else row["dp/rank_0/gen_tokens"]), row
         assert row["training/rollout_probs_diff_max"] < 1e-3, row

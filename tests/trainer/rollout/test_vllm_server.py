@@ -40,6 +40,59 @@ def test_a_packed_bucket_is_rebuilt_exactly_on_the_worker() -> None:
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
+def test_a_replica_s_devices_are_each_rank_s_own_entry_of_the_node_s_list() -> None:
+    """Ray's default (one id listed, index 0), Ray's NOSET (the node's list, the rank's index),
+    no list at all (physical indexes); an index outside the list is refused."""
+    from trainer.rollout.vllm_server import node_device_id
+
+    assert node_device_id({"CUDA_VISIBLE_DEVICES": "5"}, 0) == "5"
+    assert node_device_id({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 2) == "6"
+    assert node_device_id({"CUDA_VISIBLE_DEVICES": "GPU-8f2a,GPU-11c0"}, 1) == "GPU-11c0"
+    assert node_device_id({}, 3) == "3"
+    with pytest.raises(ValueError, match="device index 2 is outside `CUDA_VISIBLE_DEVICES=0,1`"):
+        node_device_id({"CUDA_VISIBLE_DEVICES": "0,1"}, 2)
+
+
+@pytest.mark.parametrize("free_cache", [True, False])
+def test_a_replica_s_later_rank_needs_a_sync_exactly_when_its_first_rank_does(free_cache: bool) -> None:
+    """The later rank mirrors the first rank's level-2 sleep (weights discarded: sync before the
+    next rollout) on a GPU, and never on the CPU, where vLLM does not sleep; the sync (whose
+    gathers it takes part in) clears it and consumes every bucket."""
+    from trainer.rollout.vllm import SLEEP_LEVEL
+    from trainer.rollout.vllm_server import ReplicaMember, sleeps
+
+    member = ReplicaMember(free_cache)
+    member.sleep()
+    assert not member.needs_sync  # the CPU
+    member.gpu = True
+    member.wake_up(["weights"])
+    assert not member.needs_sync
+    member.sleep()
+    assert member.needs_sync == (sleeps(True, free_cache) and SLEEP_LEVEL >= 2) == free_cache
+    drawn = []
+    member.sync_weights(drawn.append(i) or [] for i in range(3))
+    assert drawn == [0, 1, 2] and not member.needs_sync
+
+
+@vllm
+def test_a_replica_s_engine_starts_with_its_devices_listed_and_the_process_keeps_its_own(monkeypatch) -> None:
+    from trainer.rollout.vllm_server import _replica_env
+
+    require_vllm()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "5")
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    import os
+
+    with _replica_env(["5", "6"]):
+        seen = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert seen == {"CUDA_VISIBLE_DEVICES": "5,6", "HIP_VISIBLE_DEVICES": "5,6", "ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == os.environ["HIP_VISIBLE_DEVICES"] == "5"
+    with _replica_env():
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+
+
 @pytest.fixture(scope="module")
 def loop():
     loop = asyncio.new_event_loop()
