@@ -115,9 +115,11 @@ def _gpu_rows(r: Mapping[str, Any], vendor: str | None, gpu_gib: float) -> list[
     need = granted * mem
     rows.append(row(f"{host}: host RAM vs the GPUs' memory", None if not granted else host_gib >= need,
                     f"the job's memory here {host_gib:.1f} GiB (Ray's, from Slurm and the cgroup), GPUs "
-                    f"{need:g} GiB" + ("" if granted else ": no GPU"),
+                    f"{need:g} GiB" + ("" if granted else ": no GPU") + " (a rule of thumb; the memory "
+                    "plan row checks a given command line against this memory)",
                     "vLLM's sleep and FSDP's offload keep weights and optimizer state in host RAM: "
-                    "ask Slurm for more (`slurm.mem`, `0` for all) or keep offload off"))
+                    "ask Slurm for more (`slurm.mem`, `0` for all) or keep offload off; give the job's "
+                    "command line after `--` to have its host memory planned"))
     return rows
 
 

@@ -47,25 +47,33 @@ def vendor_of(p: SiteProfile) -> str:
 
 def memory_plan_row(p: SiteProfile, overrides: Sequence[str], reports: Sequence[Mapping[str, Any]],
                     nodes: int, run_dir: Path) -> dict[str, str]:
-    """The memory plan of `overrides` against the smallest GPU the job found (the profile's
-    `slurm.gpu_memory_gib` when it found none), as `hpcrl submit` runs it."""
+    """The memory plan of `overrides`, as `hpcrl submit` runs it, against what the job found:
+    the smallest GPU (the profile's `slurm.gpu_memory_gib` when it found none) and the smallest
+    node's host memory (Ray's, from Slurm and the cgroup; the profile's `slurm.mem` when no node
+    reported one), so the plan's host-memory phase (offloaded and pinned state, per-process
+    baselines) is checked against the nodes the job really gets."""
     name = "memory plan of the given command line"
     if not overrides:
         return row(name, None, "no command line: pass the trainer's overrides after `--`")
     found = [d["memory_gib"] for r in reports for d in r["devices"]]
     gib = min(found) if found else p.slurm.gpu_memory_gib
+    host = min((int(r["memory_bytes"]) for r in reports if r.get("memory_bytes")), default=0)
+    mem = f"{host // 2**20}M" if host else p.slurm.mem
     env = reading_env(nodes, run_dir, profile_to_dict(p))
     values, problems = pf.parse_overrides(list(overrides), env)
     if problems:
         return row(name, False, "; ".join(str(x) for x in problems), "fix the command line")
-    slurm = dataclasses.replace(p.slurm, gpu_memory_gib=gib, memory_plan=True)
+    slurm = dataclasses.replace(p.slurm, gpu_memory_gib=gib, mem=mem, memory_plan=True)
     try:
         text = check_memory(list(overrides), values, slurm, env, force=False)
     except pf.PreflightError as exc:
-        return row(name, False, str(exc), "a smaller micro-batch, offload, or more GPUs (tensor parallel)")
+        return row(name, False, str(exc), "a smaller micro-batch, offload, or more GPUs (tensor parallel); "
+                   "for the host memory, a larger `slurm.mem` or less offload")
     if text is None or text.startswith("hpcrl: note:"):
         return row(name, None, text.removeprefix("hpcrl: note: ") if text else "no GPU: nothing to plan")
-    return row(name, True, f"fits {gib:g} GiB per GPU: " + text.splitlines()[0])
+    where = f" and {host / 2**30:.1f} GiB of host memory per node (found)" if host else \
+        f" and `slurm.mem` {mem} per node" if mem and str(mem) != "0" else ""
+    return row(name, True, f"fits {gib:g} GiB per GPU{where}: " + text.splitlines()[0])
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -174,7 +174,14 @@ def test_memory_plan_row_uses_the_gpus_found(tmp_path: Path) -> None:
     assert refused["status"] == "FAIL" and "79.1 GiB per GPU" in refused["detail"], refused
     big = [dict(report("gpu01", 8, 8), devices=[{"name": "MI300X", "memory_gib": 191.5}] * 8)]
     fits = doctor.memory_plan_row(h100, GRPO, big, 2, tmp_path)
-    assert fits["status"] == "PASS" and "fits 191.5 GiB per GPU" in fits["detail"], fits
+    assert fits["status"] == "PASS", fits
+    assert "fits 191.5 GiB per GPU and 1800.0 GiB of host memory per node (found)" in fits["detail"], fits
+    # the host memory a node reported, not the profile's `slurm.mem`: 8 worker processes and the
+    # driver do not fit in 16 GiB
+    small = [dict(big[0], memory_bytes=16 * 2**30), big[0]]
+    refused = doctor.memory_plan_row(h100, GRPO, small, 2, tmp_path)
+    assert refused["status"] == "FAIL" and "the host memory phase needs" in refused["detail"], refused
+    assert "16384M per node" in refused["detail"] and "larger `slurm.mem`" in refused["fix"], refused
 
 
 @pytest.mark.vllm
