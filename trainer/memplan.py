@@ -53,6 +53,13 @@ transformers, Ray's worker and vLLM imported (measured on the CPU: bench/host_me
 CUDA/ROCm runtime's host side (its libraries' pages and the context's host allocations)."""
 HOST_DRIVER = 2 * GIB
 """The driver process on the head node (the loop, the dataset, Ray's client)."""
+CUDA_GRAPHS = 2 * GIB
+"""vLLM's CUDA graphs (`enforce_eager=false`), per device. Since vLLM 0.21 its worker measures
+them at start and takes them out of the KV cache's room inside `gpu_memory_utilization`
+(`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1`, `vllm/v1/worker/gpu_worker.py`,
+`determine_available_memory`), so they lower the KV cache, not the share. Not measured here (no
+GPU with vLLM): an upper figure from vLLM's own logs, "Estimated CUDA graph memory" 0.36 GiB
+(16 sizes) to 1.62 GiB (51 piecewise sizes up to 512 and 35 full ones, the default capture)."""
 
 
 class PlanError(ValueError):
@@ -175,6 +182,7 @@ class Settings:
     sleep_level: int = SLEEP_LEVEL  # vLLM's sleep between rollouts (level 1 backs weights up on the host)
     ref_offloaded: bool = False  # a reference model's shards live in host memory between phases
     server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
+    enforce_eager: bool = False  # vLLM without CUDA graphs
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -224,7 +232,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
         reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
         rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
         node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and arr.model.lora_rank == 0
-        and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg))
+        and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg), enforce_eager=r.enforce_eager)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -462,13 +470,15 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
         activations = (s.max_num_batched_tokens * (4 * shape._get("hidden_size") + 3 * shape._get(
             "intermediate_size")) // s.tp * wbytes + s.max_num_seqs * shape._get("vocab_size") * 4 * 2)
         kv_needed = shape.kv_bytes_per_token(wbytes) * s.max_model_len // s.tp
-        kv_room = share - engine_weights - activations
+        graphs = 0 if s.enforce_eager else CUDA_GRAPHS
+        kv_room = share - engine_weights - activations - graphs
         phases.append(Phase("rollout", (*trainer_held, ("vLLM share (gpu_memory_utilization x total)", share)),
                             "a lower `actor_rollout_ref.rollout.gpu_memory_utilization`, or offload "
                             "(`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
                             "`optimizer_offload=true`, `actor_rollout_ref.ref.fsdp_config.param_offload=true`)",
                             s.device_bytes))
         phases.append(Phase("vLLM KV cache", (("vLLM weights", engine_weights), ("vLLM activations", activations),
+                                              ("CUDA graphs (`enforce_eager=false`)", graphs),
                                               ("KV cache of one max_model_len sequence", kv_needed)),
                             "a higher `actor_rollout_ref.rollout.tensor_model_parallel_size` or a higher "
                             "`gpu_memory_utilization`", share,

@@ -244,3 +244,30 @@ def test_server_mode_counts_its_worker_processes_on_the_device_and_the_host(monk
     for name in ("actor update", "weight sync"):
         assert b[name].peak - a[name].peak == CUDA_CONTEXT, name
     assert b["rollout"].peak == a["rollout"].peak  # inside vLLM's share while it generates
+
+
+def test_cuda_graphs_take_their_room_from_the_kv_cache_unless_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM >= 0.21 takes its CUDA graphs out of the KV cache's room inside
+    `gpu_memory_utilization`: with graphs (verl's and our default, `enforce_eager=false`) the KV
+    cache phase carries them and the planned KV cache is that much smaller; eager has none; the
+    share the rollout phase reserves is the same either way."""
+    import re
+
+    import trainer.memplan as memplan
+    from trainer.memplan import CUDA_GRAPHS, plan, settings_from_config
+
+    monkeypatch.setattr(memplan, "traced_peaks", lambda shape, s, sides, layers: [{"ACT": GIB}] * len(sides))
+    shape = read_model(str(QWEN_7B))
+    graphs = settings_from_config(load_config(FLAGSHIP), 80)
+    eager = settings_from_config(load_config([*FLAGSHIP, "actor_rollout_ref.rollout.enforce_eager=true"]), 80)
+    a, b = plan(shape, graphs), plan(shape, eager)
+    kv = {p.name: p for p in a.phases}["vLLM KV cache"], {p.name: p for p in b.phases}["vLLM KV cache"]
+    assert dict(kv[0].terms)["CUDA graphs (`enforce_eager=false`)"] == CUDA_GRAPHS
+    assert dict(kv[1].terms)["CUDA graphs (`enforce_eager=false`)"] == 0
+    assert {p.name: p for p in a.phases}["rollout"].peak == {p.name: p for p in b.phases}["rollout"].peak
+
+    def kv_gib(made) -> float:
+        (note,) = [n for n in made.notes if n.startswith("vLLM KV cache:")]
+        return float(re.match(r"vLLM KV cache: ([\d.]+) GiB", note).group(1))
+
+    assert kv_gib(b) - kv_gib(a) == pytest.approx(CUDA_GRAPHS / GIB, abs=0.11)
