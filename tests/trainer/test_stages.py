@@ -361,6 +361,18 @@ def test_validation_scores_every_prompt_and_keeps_the_first_generations(tmp_path
     log_generations(tmp_path, samples, console=False)
     assert [json.loads(line)["output"] for line in (tmp_path / VAL_GENERATIONS_FILE).read_text().splitlines()] == [
         "w0", "w1"]
+    assert not any("num_turns" in k for k in metrics)  # no agent-loop rows
+
+    def agentic(examples: list[Example]) -> StepBatch:  # the second batch's row through an agent loop
+        batch = generate(examples)
+        if examples[0].index == 2:
+            batch.num_turns = torch.tensor([5])
+        return batch
+
+    metrics, _ = validate(val_set, 2, agentic, score, WordTokenizer(), step=7, log_count=0)
+    # verl's `val-aux/num_turns/*`; the first batch's single-turn rows count 2 turns each, as verl's
+    assert {k: v for k, v in metrics.items() if "num_turns" in k} == {
+        "val-aux/num_turns/min": 2.0, "val-aux/num_turns/max": 5.0, "val-aux/num_turns/mean": 3.0}
 
 
 # ------------------------------------------------------------------------ sync, metrics

@@ -33,10 +33,17 @@ def validate(val_set: PromptDataset, batch_size: int | None, generate: Callable[
     uids: list[int] = []
     columns: dict[str, list[Any]] = {"reward": []}
     samples: list[dict[str, Any]] = []
+    turns: list[torch.Tensor] = []
+    agentic = False
     offset = 0
     for examples in batches(val_set, batch_size):
         batch = generate(examples)
         score(batch)
+        # verl's `__num_turns__` (`ray_trainer._validate`): a row outside the agent loops is one
+        # prompt and one answer, 2 turns, as verl's `single_turn_agent` counts it
+        turns.append(batch.num_turns.float() if batch.num_turns is not None
+                     else torch.full((len(batch.examples),), 2.0))
+        agentic = agentic or batch.num_turns is not None
         scores = need(batch.sequence_scores, "scores").tolist()
         before = len(sources)
         sources += [e.data_source for e in batch.examples]
@@ -48,7 +55,12 @@ def validate(val_set: PromptDataset, batch_size: int | None, generate: Callable[
             values.extend([None] * (len(sources) - len(values)))
         samples += generations(batch, scores, log_count - len(samples), tokenizer, step)
     complete = {k: v for k, v in columns.items() if all(x is not None for x in v)}
-    return validation_metrics(sources, uids, complete), samples
+    metrics = validation_metrics(sources, uids, complete)
+    if agentic:  # verl logs them from its agent loops, which every verl rollout goes through
+        every = torch.cat(turns)
+        metrics.update({"val-aux/num_turns/min": float(every.min()), "val-aux/num_turns/max": float(every.max()),
+                        "val-aux/num_turns/mean": float(every.mean())})
+    return metrics, samples
 
 
 def generations(batch: StepBatch, scores: list[float], count: int, tokenizer: Any, step: int
