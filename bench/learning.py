@@ -4,6 +4,7 @@
     python -m bench.learning base    [--dir D]     # the base model's validation accuracy (greedy)
     python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
     python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
+    python -m bench.learning seeds   --dir D       # runs D/<setting>-s<seed> side by side, by setting
     python -m bench.learning trl     [--dir D] [--minutes M]   # TRL's GRPOTrainer, same budget
     python -m bench.learning trl-eval [--dir D]    # TRL's checkpoints scored like ours
 
@@ -318,13 +319,56 @@ def report(root: Path) -> int:
     return 0
 
 
+def seeds(root: Path) -> int:
+    """Runs side by side: every `ROOT/<setting>-s<seed>/run` (one `run --dir ROOT/<setting>-s<seed>`
+    each, `trainer.seed=<seed> data.seed=<seed>`), grouped by setting: each seed's last
+    validation, the settings' mean and spread (the sample standard deviation over seeds), the
+    rise from the base model's accuracy (the first validation any run of the setting logged:
+    greedy, so the same for every seed), and verl's `training/rollout_probs_diff_mean` and
+    `rollout_corr/*` where logged."""
+    import statistics
+
+    groups: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for run_dir in sorted(root.glob("*-s*/run")):
+        setting, _, seed = run_dir.parent.name.rpartition("-s")
+        rows = _rows(run_dir)
+        if seed.isdigit() and any(ACC in r for r in rows):
+            groups.setdefault(setting, {})[int(seed)] = rows
+    if not groups:
+        raise SystemExit(f"bench.learning: no `<setting>-s<seed>/run` with a validation under {root}")
+    print("| setting | seeds | base | last validation per seed | mean | spread (sd) | rise (mean) | "
+          "`####` at the end | median step s | probs diff mean | rollout_corr weights mean |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for setting, runs in groups.items():
+        base = next((r[ACC] for rows in runs.values() for r in rows if ACC in r and r["step"] == 0), None)
+        last = {seed: [r for r in rows if ACC in r and r["step"] > 0][-1:] for seed, rows in runs.items()}
+        finals = {seed: v[0] for seed, v in last.items() if v}
+        accs = [v[ACC] for v in finals.values()]
+        train = [r for rows in runs.values() for r in rows if "actor/pg_loss" in r]
+
+        def mean_of(key: str, digits: int = 4) -> str:
+            values = [r[key] for r in train if key in r]
+            return f"{statistics.fmean(values):.{digits}f}" if values else "-"
+
+        mean = statistics.fmean(accs) if accs else float("nan")
+        spread = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        each = ", ".join(f"s{seed} {v[ACC]:.3f} ± {v[ACC_SEM]:.3f}" for seed, v in sorted(finals.items()))
+        steps = sorted(r["timing_s/step"] for r in train if "timing_s/step" in r)
+        print(f"| {setting} | {len(accs)} | {_fmt(base)} | {each} | {mean:.3f} | {spread:.3f} | "
+              f"{(mean - base) if base is not None else float('nan'):+.3f} | "
+              f"{statistics.fmean(v[FORMATTED] for v in finals.values()) if finals else float('nan'):.2f} | "
+              f"{steps[len(steps) // 2] if steps else float('nan'):.0f} | "
+              f"{mean_of('training/rollout_probs_diff_mean')} | {mean_of('rollout_corr/rollout_is_mean')} |")
+    return 0
+
+
 def _fmt(value: Any, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["prepare", "base", "run", "report", "trl", "trl-eval"])
+    p.add_argument("command", choices=["prepare", "base", "run", "report", "seeds", "trl", "trl-eval"])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"work directory (default {DEFAULT_DIR})")
     p.add_argument("--nodes", type=int, default=2, help="lab nodes, one trainer rank each")
     p.add_argument("--steps", type=int, default=24, help="GRPO steps")
@@ -348,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         model, data = prepare(root)
         print(f"model {model}\ndata {data}")
         return 0
-    commands = {"base": base, "run": run, "report": lambda r, _a: report(r), "trl": trl, "trl-eval": trl_eval}
+    commands = {"base": base, "run": run, "report": lambda r, _a: report(r), "seeds": lambda r, _a: seeds(r),
+                "trl": trl, "trl-eval": trl_eval}
     return commands[args.command](root, args)
 
 
