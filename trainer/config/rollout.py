@@ -110,7 +110,8 @@ class RolloutConfig:
     mode: Literal["sync", "async"] = h(
         "vLLM's engine: `sync` (default here, the faster for single-turn rows) one in-process engine per "
         "rank, every live trajectory's turn batched into one call; `async` (verl's default) a "
-        "server-mode replica per rank (AsyncLLM, its engine core in a process of its own) serving "
+        "server-mode replica per engine (AsyncLLM, its engine core in a process of its own; over "
+        "`tensor_model_parallel_size` GPUs of one node, started by the engine's first rank) serving "
         "turns as they come, the faster for multi-turn rows (`bench/README.md`). Every row runs through "
         "its agent loop either way")
     load_format: str = h("verl: how the rollout engine loads its first weights (compatibility only, see COMPAT)")
