@@ -214,8 +214,40 @@ def test_writes_outside_the_directory_are_refused(tmp_path: Path, mode: str) -> 
     assert not Path(res.workdir).exists()
     if small_limits(tmp_path).uid is None:
         pytest.skip("the code runs as the tests' own user: it may write wherever they may")
-    assert out(res) == "refused PermissionError\nrefused PermissionError\n", res
+    # with private temporary space the trainer's files under /tmp are not even there to refuse
+    hidden = "FileNotFoundError" if res.isolation.private_tmp else "PermissionError"
+    assert out(res) == f"refused PermissionError\nrefused {hidden}\n", res
     assert list(outside.iterdir()) == [] and not (tmp_path / "work" / "escape.txt").exists()
+
+
+def test_temporary_space_is_private_bounded_and_gone_after_the_run(tmp_path: Path, mode: str) -> None:
+    """With a mount namespace: /tmp, /var/tmp, /dev/shm and the working directory are tmpfs of
+    the run's own, `max_tmp_bytes` each. Files written there never reach the node, a file past
+    the bound fails (ENOSPC) rather than filling a disk, and the trainer's files in /tmp are out
+    of sight. Without one (no `unshare`) the note says so."""
+    name = f"hpcrl-sandbox-{os.getpid()}-{tmp_path.name}"
+    mine = Path("/tmp") / f"{name}-trainer"
+    mine.write_text("the trainer's")
+    code = ("import os\n"
+            f"for d in ['/tmp', '/var/tmp', '/dev/shm']:\n"
+            f"    open(os.path.join(d, {name!r}), 'w').write('x')\n"
+            f"print('seen', os.path.exists({str(mine)!r}))\n"
+            "for i in range(3):\n"
+            "    try:\n        open(f'big{i}', 'wb').write(b'x' * (900 << 10))\n        print('wrote', i)\n"
+            "    except OSError as e:\n        print('full', i, e.errno)")
+    try:
+        res = run(code, tmp_path, max_tmp_bytes=2 << 20)
+        for d in ("/tmp", "/var/tmp", "/dev/shm"):
+            assert not (Path(d) / name).exists() or not res.isolation.private_tmp, d
+    finally:
+        mine.unlink()
+        for d in ("/tmp", "/var/tmp", "/dev/shm"):
+            (Path(d) / name).unlink(missing_ok=True)
+    if not res.isolation.private_tmp:
+        assert "mount" in res.isolation.note, res.isolation
+        pytest.skip(f"no mount namespace here: {res.isolation.note}")
+    assert res.returncode == 0, res
+    assert out(res) == "seen False\nwrote 0\nwrote 1\nfull 2 28\n", res  # ENOSPC at the third 900 KiB
 
 
 def test_a_directory_the_code_locked_is_still_removed(tmp_path: Path) -> None:

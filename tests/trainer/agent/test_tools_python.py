@@ -79,7 +79,8 @@ def test_the_metrics_say_which_isolation_held(tmp_path: Path) -> None:
     assert metrics["uid"] == (small_limits(tmp_path).uid if ROOT else os.getuid())
     assert metrics["nproc_enforced"] == float(metrics["uid"] != 0)
     assert metrics["network_isolated"] in (0.0, 1.0) and metrics["pid_namespace"] in (0.0, 1.0)
-    if metrics["network_isolated"] == 0.0:
+    assert metrics["private_tmp"] in (0.0, 1.0)
+    if metrics["network_isolated"] == 0.0 or metrics["private_tmp"] == 0.0:
         assert metrics["isolation_note"]  # never silently missing
     else:
         assert "isolation_note" not in metrics

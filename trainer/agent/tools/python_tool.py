@@ -124,6 +124,7 @@ class PythonTool(Tool):
             "exit_code": res.returncode, "timed_out": float(res.timed_out),
             "output_truncated": float(res.output_truncated), "wall_s": res.wall_s,
             "network_isolated": float(iso.network), "pid_namespace": float(iso.pid_namespace),
+            "private_tmp": float(iso.private_tmp),
             "uid": self.limits.uid if self.limits.uid is not None else os.getuid(),
             "nproc_enforced": float((self.limits.uid or os.getuid()) != 0)}
         if iso.note:

@@ -19,6 +19,11 @@ mode) started through a small launcher:
   where Linux >= 5.14 counts that namespace's tasks alone, `max_processes` itself);
 - **the launcher forks** and the code runs in the child, so the code's parent is the launcher,
   never the trainer; the environment is cleared before the code runs (`os.environ` is empty);
+- **private temporary space**: with a mount namespace too (`--mount`), `/tmp`, `/var/tmp` and
+  `/dev/shm` are fresh tmpfs of `max_tmp_bytes` each, and so is the working directory (its
+  `main.py` copied in at the same path): whatever the code writes there is bounded, never
+  reaches the node's disks or other jobs' files, and vanishes with the run. Without one, the
+  code's user may write where the node lets it (the result's `isolation.note` says so);
 - a private working directory (removed afterwards), stdin empty (`/dev/null`), stdout and
   stderr read as they come and capped: past `max_output_bytes` on either, the process is stopped;
 - a wall-clock timeout kills the whole process group (the child is a session leader).
@@ -68,6 +73,33 @@ def limit(res, soft, hard):  # never above the hard limit the node already set
     resource.setrlimit(res, (soft, hard))
 
 uid = os.getuid() if spec["uid"] is None else spec["uid"]
+if spec["private_tmp"]:  # in our own mount namespace, still root in it: fresh bounded tmpfs
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def tmpfs(target, mode, owner=None):
+        opts = "size=%d,mode=%s" % (spec["tmp_bytes"], mode)
+        if owner is not None:
+            opts += ",uid=%d,gid=%d" % owner
+        if libc.mount(b"tmpfs", target.encode(), b"tmpfs", 2 | 4, opts.encode()):  # nosuid, nodev
+            err = ctypes.get_errno()
+            raise OSError(err, "mount a tmpfs on %s: %s" % (target, os.strerror(err)))
+
+    with open("main.py", "rb") as f:
+        main = f.read()
+    here = os.getcwd()
+    for shared in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(shared) and not os.path.islink(shared):
+            tmpfs(shared, "1777")
+    os.umask(0o022)  # the working directory's parents, recreated in the new /tmp, stay traversable
+    os.makedirs(here, exist_ok=True)
+    tmpfs(here, "0700", None if spec["uid"] is None else (spec["uid"], spec["gid"]))
+    os.chdir(here)
+    with open("main.py", "wb") as f:
+        f.write(main)
+    if spec["uid"] is not None:
+        os.chown("main.py", spec["uid"], spec["gid"])
+    del libc, tmpfs, main, here
 for name, (soft, hard) in spec["rlimits"].items():
     limit(getattr(resource, "RLIMIT_" + name), soft, hard)
 # RLIMIT_NPROC counts the user's tasks (the launcher's among them once it runs as that user);
@@ -130,6 +162,9 @@ class SandboxLimits:
     """Tasks (processes and threads) the code may run at once, itself included."""
     max_open_files: int = 64
     """RLIMIT_NOFILE."""
+    max_tmp_bytes: int = 64 << 20
+    """Size of each private tmpfs (the working directory, `/tmp`, `/var/tmp`, `/dev/shm`) where
+    the node grants a mount namespace."""
     allow_network: bool = False
     """Run without a network namespace."""
     uid: int | None = None
@@ -157,6 +192,12 @@ class Isolation:
     @property
     def pid_namespace(self) -> bool:
         return "--pid" in self.prefix
+
+    @property
+    def private_tmp(self) -> bool:
+        """A mount namespace: the working directory and the temporary directories are tmpfs of
+        the run's own."""
+        return "--mount" in self.prefix
 
 
 @dataclass
@@ -193,31 +234,50 @@ class SandboxError(RuntimeError):
     """The sandbox cannot run code as configured on this node."""
 
 
-def _unshare_words(allow_network: bool) -> tuple[str, ...]:
+def _unshare_words(allow_network: bool, mount: bool = True) -> tuple[str, ...]:
     words = ["unshare"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user"]
-    words += ["--pid", "--fork", "--kill-child"]
+    words += ["--pid", "--fork", "--kill-child"] + (["--mount"] if mount else [])
     if not allow_network:
         words.append("--net")
     return tuple(words)
 
 
+#: The probe of a mount namespace: a tmpfs mounted on /tmp inside it (util-linux's `unshare`
+#: makes the namespace's mounts private: nothing reaches the node's).
+_PROBE_MOUNT = ("import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "if libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 6, b'size=1m'):\n"
+                "    sys.exit('mount: errno %d' % ctypes.get_errno())")
+
+
+def _probe(words: tuple[str, ...], code: str) -> tuple[bool, str]:
+    try:
+        res = subprocess.run([*words, sys.executable, "-I", "-S", "-c", code], env={},
+                             stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        return res.returncode == 0, res.stderr.decode(errors="replace").strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+
+
 def isolation(allow_network: bool) -> Isolation:
-    """The namespaces this node grants (probed once per process for each `allow_network`)."""
+    """The namespaces this node grants (probed once per process for each `allow_network`): pid,
+    network unless allowed, and mount (private temporary space) where a tmpfs can be mounted in
+    it; without the last, the others alone, said in the note."""
     if allow_network in _ISOLATION:
         return _ISOLATION[allow_network]
-    words = _unshare_words(allow_network)
     if shutil.which("unshare") is None:
-        found = Isolation((), "`unshare` (util-linux) is not installed: no pid or network isolation")
+        found = Isolation((), "`unshare` (util-linux) is not installed: no pid, network or mount isolation")
     else:
-        try:
-            res = subprocess.run([*words, sys.executable, "-I", "-S", "-c", "pass"], env={},
-                                 stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-            ok, err = res.returncode == 0, res.stderr
-        except (OSError, subprocess.TimeoutExpired) as e:
-            ok, err = False, str(e).encode()
-        found = Isolation(words) if ok else Isolation((), (
-            f"`{' '.join(words)}` failed on this node ({err.decode(errors='replace').strip()}): "
-            f"no pid or network isolation"))
+        words = _unshare_words(allow_network)
+        ok, err = _probe(words, _PROBE_MOUNT)
+        if ok:
+            found = Isolation(words)
+        else:
+            plain = _unshare_words(allow_network, mount=False)
+            ok, err2 = _probe(plain, "pass")
+            found = Isolation(plain, (
+                f"no mount namespace (`{' '.join(words)}` with a tmpfs: {err}): the code may write to "
+                "the node's temporary directories")) if ok else Isolation((), (
+                f"`{' '.join(plain)}` failed on this node ({err2}): no pid, network or mount isolation"))
     _ISOLATION[allow_network] = found
     return found
 
@@ -283,7 +343,8 @@ def _spec(limits: SandboxLimits, workdir: str, iso: Isolation) -> str:
                "CORE": (0, 0)}
     return json.dumps({"rlimits": rlimits, "max_processes": limits.max_processes,
                        "uid": limits.uid, "gid": limits.gid, "workdir": workdir,
-                       "userns": "--user" in iso.prefix})
+                       "userns": "--user" in iso.prefix, "private_tmp": iso.private_tmp,
+                       "tmp_bytes": limits.max_tmp_bytes})
 
 
 class _Collect(asyncio.SubprocessProtocol):
