@@ -337,8 +337,9 @@ def seeds(root: Path) -> int:
     if not groups:
         raise SystemExit(f"bench.learning: no `<setting>-s<seed>/run` with a validation under {root}")
     print("| setting | seeds | base | last validation per seed | mean | spread (sd) | rise (mean) | "
-          "`####` at the end | median step s | probs diff mean | rollout_corr weights mean |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "`####` at the end | train reward, first half -> second half | median step s | probs diff mean | "
+          "rollout_corr weights mean |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for setting, runs in groups.items():
         base = next((r[ACC] for rows in runs.values() for r in rows if ACC in r and r["step"] == 0), None)
         last = {seed: [r for r in rows if ACC in r and r["step"] > 0][-1:] for seed, rows in runs.items()}
@@ -354,10 +355,14 @@ def seeds(root: Path) -> int:
         spread = statistics.stdev(accs) if len(accs) > 1 else float("nan")
         each = ", ".join(f"s{seed} {v[ACC]:.3f} ± {v[ACC_SEM]:.3f}" for seed, v in sorted(finals.items()))
         steps = sorted(r["timing_s/step"] for r in train if "timing_s/step" in r)
+        last_step = max((r["step"] for r in train), default=0)
+        halves = [[r["critic/score/mean"] for r in train if (r["step"] > last_step // 2) == late]
+                  for late in (False, True)]
+        reward = " -> ".join(f"{statistics.fmean(h):.3f}" if h else "-" for h in halves)
         print(f"| {setting} | {len(accs)} | {_fmt(base)} | {each} | {mean:.3f} | {spread:.3f} | "
               f"{(mean - base) if base is not None else float('nan'):+.3f} | "
               f"{statistics.fmean(v[FORMATTED] for v in finals.values()) if finals else float('nan'):.2f} | "
-              f"{steps[len(steps) // 2] if steps else float('nan'):.0f} | "
+              f"{reward} | {steps[len(steps) // 2] if steps else float('nan'):.0f} | "
               f"{mean_of('training/rollout_probs_diff_mean')} | {mean_of('rollout_corr/rollout_is_mean')} |")
     return 0
 
