@@ -347,7 +347,7 @@ def seeds(root: Path) -> int:
         accs = [v[ACC] for v in finals.values()]
         train = [r for rows in runs.values() for r in rows if "actor/pg_loss" in r]
 
-        def mean_of(key: str, digits: int = 4) -> str:
+        def mean_of(key: str, train: list[dict[str, Any]] = train, digits: int = 4) -> str:
             values = [r[key] for r in train if key in r]
             return f"{statistics.fmean(values):.{digits}f}" if values else "-"
 
