@@ -5,6 +5,8 @@
     python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
     python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
     python -m bench.learning seeds   --dir D       # runs D/<setting>-s<seed> side by side, by setting
+    python -m bench.learning eval    --dir D --checkpoint C [KEY=VALUE ...]  # validate a run's checkpoint
+    python -m bench.learning bf16-reach --dir D    # how much of each run's update a bf16 copy carries
     python -m bench.learning trl     [--dir D] [--minutes M]   # TRL's GRPOTrainer, same budget
     python -m bench.learning trl-eval [--dir D]    # TRL's checkpoints scored like ours
 
@@ -209,6 +211,62 @@ def trl_eval(root: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def bf16_reach(root: Path) -> int:
+    """How much of a run's update a bf16 copy of its weights carries (vLLM's at
+    `rollout.dtype=bfloat16`, fed by the weight sync): for every
+    `ROOT/<setting>-s<seed>/run/checkpoints/global_step_N`, the fp32 master weights against the
+    base model's, cast to bf16 or not: the update's size relative to the weights, the share of
+    elements whose bf16 value moved, and the bf16 update's norm and cosine against the real one."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, _ = prepare(root)
+    base: dict[str, torch.Tensor] = {}
+    for f in sorted(model.glob("*.safetensors")):
+        base.update(load_file(f))
+    print("| run | step | tensors | ‖ΔW‖/‖W‖ | elements whose bf16 value moved | ‖Δbf16(W)‖/‖ΔW‖ | cosine(Δbf16(W), ΔW) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for ckpt in sorted(root.glob("*-s*/run/checkpoints/global_step_*")):
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(ckpt / "actor"), f"{tmp}/actor.pt")
+            trained = torch.load(f"{tmp}/actor.pt", weights_only=False)["model"]
+        sums = dict.fromkeys(("d", "w", "db", "dot", "moved", "n", "tensors"), 0.0)
+        for name, w in trained.items():
+            w0 = base.get(name)
+            if w0 is None or w0.shape != w.shape:
+                continue
+            w, w0 = w.float(), w0.float()
+            d, db = w - w0, w.bfloat16().float() - w0.bfloat16().float()
+            for key, value in (("d", d.pow(2).sum()), ("w", w0.pow(2).sum()), ("db", db.pow(2).sum()),
+                               ("dot", (d * db).sum()), ("moved", (db != 0).sum()), ("n", d.numel())):
+                sums[key] += float(value)
+            sums["tensors"] += 1
+        print(f"| {ckpt.parents[2].name} | {ckpt.name.removeprefix('global_step_')} | {sums['tensors']:.0f} | "
+              f"{(sums['d'] / sums['w']) ** 0.5:.2e} | {sums['moved'] / sums['n']:.3f} | "
+              f"{(sums['db'] / sums['d']) ** 0.5:.2f} | {sums['dot'] / (sums['d'] * sums['db']) ** 0.5:.3f} |")
+    return 0
+
+
+def checkpoint_eval(root: Path, args: argparse.Namespace) -> int:
+    """The validation of a run's own checkpoint (`--checkpoint`, a `global_step_N` directory of
+    `run`): the trained weights loaded (`trainer.resume_mode=resume_path`) into a one-rank
+    trainer that only validates; the trailing overrides may change how, e.g. the rollout's dtype."""
+    if args.checkpoint is None or not (args.checkpoint / "manifest.json").is_file():
+        raise SystemExit(f"bench.learning: `--checkpoint {args.checkpoint}` is not a checkpoint of `run` "
+                         "(a `.../checkpoints/global_step_N` directory with its manifest.json)")
+    model, data = prepare(root)
+    out = root / f"eval-{args.checkpoint.name}"
+    args.extra = [*args.extra, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={args.checkpoint}"]
+    t0 = time.monotonic()
+    row = validate(model, data, out, args)
+    print(f"{args.checkpoint} ({' '.join(args.extra[:-2]) or 'as trained'}): {describe(row)}, "
+          f"{time.monotonic() - t0:.0f} s")
+    return 0
+
+
 def lab_env() -> dict[str, str]:
     from tests.lab import cluster
     from tests.lab.config import Paths
@@ -373,7 +431,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["prepare", "base", "run", "report", "seeds", "trl", "trl-eval"])
+    p.add_argument("command", choices=["prepare", "base", "run", "report", "seeds", "eval", "bf16-reach", "trl",
+                                        "trl-eval"])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"work directory (default {DEFAULT_DIR})")
     p.add_argument("--nodes", type=int, default=2, help="lab nodes, one trainer rank each")
     p.add_argument("--steps", type=int, default=24, help="GRPO steps")
@@ -385,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-5, help="actor learning rate")
     p.add_argument("--time", default="01:30:00", help="the job's Slurm time limit")
     p.add_argument("--minutes", type=float, default=40.0, help="trl: wall-time budget")
+    p.add_argument("--checkpoint", type=Path, help="eval: a checkpoint of `run` (.../global_step_N)")
     p.add_argument("--tools", action="store_true",
                    help="every question through verl's tool agent loop with the calculator tool")
     p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
@@ -398,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {model}\ndata {data}")
         return 0
     commands = {"base": base, "run": run, "report": lambda r, _a: report(r), "seeds": lambda r, _a: seeds(r),
+                "eval": checkpoint_eval, "bf16-reach": lambda r, _a: bf16_reach(r),
                 "trl": trl, "trl-eval": trl_eval}
     return commands[args.command](root, args)
 
