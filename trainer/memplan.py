@@ -40,8 +40,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.config.rollout import server_mode
 from trainer.rollout.vllm import SLEEP_LEVEL
-from trainer.rollout.vllm_server import server_mode
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -25,7 +25,7 @@ from trainer.config.overrides import (
     is_override,
 )
 from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
-from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name
+from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name, server_mode
 from trainer.config.schema import ALIASES, COMPAT, Config
 from trainer.config.trainer import default_gpus_per_node
 from trainer.config.values import _coerce_default, _hints, _is_section, _type_name, _valid_keys
@@ -209,7 +209,7 @@ def validate(cfg: Config) -> None:
         "one rollout engine (verl's rollout mesh, dp x tp). Fix: pick a divisor of the world size",
     )
     require(
-        not (rollout.name == "vllm" and rollout.mode == "async") or cfg.trainer.n_gpus_per_node % tp == 0,
+        not server_mode(cfg) or cfg.trainer.n_gpus_per_node % tp == 0,
         f"`actor_rollout_ref.rollout.mode=async` with `tensor_model_parallel_size={tp}` and "
         f"`trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}`: a server-mode replica's workers are "
         "vLLM's processes on one node, so its GPUs must be one node's. Fix: a "

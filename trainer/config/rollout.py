@@ -23,6 +23,14 @@ class ValKwargs:
 #: generation per prompt, the rollout this trainer runs.
 SINGLE_TURN_AGENT = "single_turn_agent"
 
+def server_mode(cfg: Any) -> bool:
+    """Whether the rollout runs server-mode replicas (`rollout.mode=async` on vLLM): one per
+    `tensor_model_parallel_size` consecutive ranks, started by the first of them
+    (:mod:`trainer.rollout.vllm_server`)."""
+    r = cfg.actor_rollout_ref.rollout
+    return r.name == "vllm" and r.mode == "async"
+
+
 _UNUSED_HERE = ("read by verl's SGLang multi-turn rollout only (`verl/workers/rollout/schemas.py`), "
                 "not by its agent loops, which are the rollout here (compatibility only, see COMPAT)")
 

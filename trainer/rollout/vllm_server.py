@@ -28,15 +28,16 @@ import asyncio
 import atexit
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from hpcrl.devices import CUDA, HIP, id_list
+from hpcrl.devices import CUDA, HIP
 from trainer.agent.base import TokenOutput
+from trainer.config.rollout import server_mode
 from trainer.rollout.base import SamplingParams, WeightBucket
 from trainer.rollout.vllm import (
     SLEEP_LEVEL,
@@ -53,9 +54,10 @@ from trainer.rollout.vllm import (
 )
 
 if TYPE_CHECKING:
+    from hpcrl.devices import WorkerDevice
     from trainer.config import Config
 
-__all__ = ["ReplicaMember", "ServerEngine", "VLLMServer", "node_device_id", "replica_devices", "server_env", "server_mode"]
+__all__ = ["ReplicaMember", "ServerEngine", "VLLMServer", "replica_devices", "server_env", "server_mode"]
 
 PackedBucket = list[tuple[str, str, list[int], bytes]]
 
@@ -103,12 +105,11 @@ def _replica_env(devices: Sequence[str] | None = None) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def replica_devices(group: Any) -> list[str] | None:
+def replica_devices(group: Any, gpu: WorkerDevice | None) -> list[str] | None:
     """The GPUs of a server-mode replica over the ranks of `group` (the consecutive ranks of a
-    tensor-parallel engine, :func:`trainer.parallel.consecutive_cpu_group`): each rank's own GPU,
-    in rank order, as an entry of the node's visible list (Ray's id; with Ray's `NOSET` the
-    entry at the rank's device index). None on the CPU or without a group. A collective over
-    `group`: every rank of it calls this.
+    tensor-parallel engine, :func:`trainer.parallel.consecutive_cpu_group`): each rank's own GPU
+    (`gpu`, Ray's id for it: an entry of the node's visible list), in rank order. None on the CPU
+    or without a group. A collective over `group`: every rank of it calls this.
 
     verl runs such a replica's workers inside the trainer processes themselves (its
     `ExternalZeroMQDistributedExecutor`, the weights handed over by CUDA IPC); here vLLM's own
@@ -116,23 +117,11 @@ def replica_devices(group: Any) -> list[str] | None:
     therefore holds two processes' CUDA contexts."""
     import torch.distributed as dist
 
-    if group is None or not torch.cuda.is_available():
+    if group is None or gpu is None or not torch.cuda.is_available():
         return None
     devices: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(devices, node_device_id(os.environ, torch.cuda.current_device()), group=group)
+    dist.all_gather_object(devices, gpu.ray_id, group=group)
     return [str(d) for d in devices]
-
-
-def node_device_id(environ: Mapping[str, str], index: int) -> str:
-    """The entry of the node's visible list for this process's device `cuda:<index>`: the
-    `index`-th entry of its own list (`CUDA_VISIBLE_DEVICES`, equal to HIP's here), or the index
-    itself when no list is set."""
-    listed = id_list(environ, CUDA)
-    if listed is None:
-        return str(index)
-    if not 0 <= index < len(listed):
-        raise ValueError(f"device index {index} is outside `{CUDA}={','.join(listed)}`")
-    return listed[index]
 
 
 def _pack(bucket: WeightBucket) -> PackedBucket:
@@ -329,13 +318,6 @@ def sleeps(gpu: bool, free_cache: bool) -> bool:
     return gpu and free_cache
 
 
-def server_mode(cfg: Config) -> bool:
-    """Whether the rollout runs server-mode replicas (`rollout.mode=async` on vLLM): one per
-    `tensor_model_parallel_size` consecutive ranks, started by the first of them."""
-    r = cfg.actor_rollout_ref.rollout
-    return r.name == "vllm" and r.mode == "async"
-
-
 class ReplicaMember:
     """A later rank of a server-mode replica over `tensor_model_parallel_size` ranks. The
     replica's worker on this rank's GPU is vLLM's process, started and driven by the first rank
@@ -368,9 +350,6 @@ class ReplicaMember:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         del tags
-
-    def close(self) -> None:
-        pass
 
 
 class ServerEngine:

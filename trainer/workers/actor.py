@@ -100,7 +100,7 @@ class ActorRolloutRefWorker(Worker):
         eos = M.eos_token_ids(arr.model.path, self.tokenizer, trust_remote_code=arr.model.trust_remote_code)
         tp = arr.rollout.tensor_model_parallel_size  # the ranks of one engine share its seed
         if server_mode(self.cfg):  # a server-mode replica per engine, started by its first rank
-            devices = replica_devices(self.engine_group)
+            devices = replica_devices(self.engine_group, self.gpu)
             if self.engine_group is not None and self.engine_group.rank() > 0:
                 return ReplicaMember(arr.rollout.free_cache_engine), False
             return ServerEngine.from_config(self.cfg, self.tokenizer, eos, seed=self.cfg.trainer.seed + self.rank // tp,

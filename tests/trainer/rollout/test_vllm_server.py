@@ -40,17 +40,40 @@ def test_a_packed_bucket_is_rebuilt_exactly_on_the_worker() -> None:
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
-def test_a_replica_s_devices_are_each_rank_s_own_entry_of_the_node_s_list() -> None:
-    """Ray's default (one id listed, index 0), Ray's NOSET (the node's list, the rank's index),
-    no list at all (physical indexes); an index outside the list is refused."""
-    from trainer.rollout.vllm_server import node_device_id
+def _devices_rank(rank: int, port: int, out: str) -> None:
+    """A spawned rank of 4: two TP=2 groups; Ray gave rank r the GPU id `gpu-r`. CUDA's presence
+    is the seam (this machine has none); the gather over each group is real gloo."""
+    import json
 
-    assert node_device_id({"CUDA_VISIBLE_DEVICES": "5"}, 0) == "5"
-    assert node_device_id({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 2) == "6"
-    assert node_device_id({"CUDA_VISIBLE_DEVICES": "GPU-8f2a,GPU-11c0"}, 1) == "GPU-11c0"
-    assert node_device_id({}, 3) == "3"
-    with pytest.raises(ValueError, match="device index 2 is outside `CUDA_VISIBLE_DEVICES=0,1`"):
-        node_device_id({"CUDA_VISIBLE_DEVICES": "0,1"}, 2)
+    import torch.distributed as dist
+
+    from hpcrl.devices import WorkerDevice
+    from tests.trainer.ranks import leave_rank
+    from trainer.parallel import consecutive_cpu_group
+    from trainer.rollout.vllm_server import replica_devices
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    group = consecutive_cpu_group(2)
+    torch.cuda.is_available = lambda: True
+    got = replica_devices(group, WorkerDevice(f"gpu-{rank}", 0))
+    none = [replica_devices(None, WorkerDevice("x", 0)), replica_devices(group, None)]  # every rank: no gather
+    Path(out, f"{rank}.json").write_text(json.dumps({"devices": got, "none": none}))
+    leave_rank()
+
+
+def test_a_replica_s_devices_are_its_ranks_gpus_in_rank_order(tmp_path: Path) -> None:
+    """Each group's ranks learn the same list: Ray's GPU id of each rank of the group, in rank
+    order (the first rank's GPU is the replica's first), never the other group's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from trainer.parallel import free_port
+
+    mp.spawn(_devices_rank, args=(free_port("127.0.0.1"), str(tmp_path)), nprocs=4)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    assert [g["devices"] for g in got] == [["gpu-0", "gpu-1"]] * 2 + [["gpu-2", "gpu-3"]] * 2
+    assert all(g["none"] == [None, None] for g in got)  # no group: nothing to gather
 
 
 @pytest.mark.parametrize("free_cache", [True, False])
