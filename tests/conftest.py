@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,25 @@ class LabManager:
         if self.current is not None:
             self.current.down()
 
+    def sweep(self, test: str) -> None:
+        """After a test: cancel the jobs and kill the processes it left in the lab (a warning
+        names them), so that the next test starts on a clean lab whatever this one did. A lab
+        that cannot be cleaned is taken down; the next test gets a fresh one."""
+        from tests.lab import LabError
+
+        if self.current is None or not self.current.is_up():
+            return
+        try:
+            cleaned = self.current.sweep()
+        except (LabError, OSError, subprocess.SubprocessError) as e:
+            warnings.warn(f"{test} left a lab that could not be cleaned ({e}); it was taken down",
+                          LabLeftovers, stacklevel=1)
+            self.discard()
+            return
+        if cleaned:
+            warnings.warn(f"{test} left in the lab (now cleaned): " + "; ".join(cleaned),
+                          LabLeftovers, stacklevel=1)
+
     def discard(self) -> None:
         """Take the current lab down (a test broke it, e.g. killed its nodes): the next test
         gets a fresh one."""
@@ -222,6 +242,18 @@ def lab_manager():
     manager = LabManager()
     yield manager
     manager.down()
+
+
+class LabLeftovers(UserWarning):
+    """A test left jobs or processes in the lab."""
+
+
+@pytest.fixture(autouse=True)
+def _lab_left_clean(request):
+    """Every test that used a lab leaves it clean for the next (see `LabManager.sweep`)."""
+    yield
+    if "lab_manager" in request.fixturenames:
+        request.getfixturevalue("lab_manager").sweep(request.node.nodeid)
 
 
 @pytest.fixture

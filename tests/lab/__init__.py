@@ -92,5 +92,23 @@ class Lab:
         return subprocess.run(["nsenter", f"--net=/run/netns/{cluster.NETNS_PREFIX}{node}", *argv],
                               text=True, capture_output=True, **kw)  # fmt: skip
 
+    def sweep(self, timeout: float = 60) -> list[str]:
+        """Leave the lab as a fresh one: cancel every job still queued or running, wait until
+        Slurm has none, then kill what finished jobs left running (`cluster.strays`). Returns
+        what it had to clean, empty when the test left nothing."""
+        cleaned = []
+        jobs = self.run("squeue", "-h", "-o", "%i %j %T").stdout.split("\n")
+        jobs = [j for j in jobs if j.strip()]
+        if jobs:
+            cleaned += [f"job {j}" for j in jobs]
+            self.run("scancel", *[j.split()[0] for j in jobs], check=False)
+            deadline = time.monotonic() + timeout
+            while self.run("squeue", "-h", "-o", "%i").stdout.strip():
+                if time.monotonic() > deadline:
+                    raise LabError(f"jobs still in the queue {timeout:.0f} s after scancel\n\n{self.logs()}")
+                time.sleep(0.2)
+        cleaned += [f"process {pid}: {cmd}" for pid, cmd in cluster.kill_strays(self.paths).items()]
+        return cleaned
+
     def logs(self) -> str:
         return cluster.collect_logs(self.paths)

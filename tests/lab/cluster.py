@@ -408,6 +408,55 @@ def leftovers(paths: Paths | None = None) -> list[str]:
     return found
 
 
+SLURM_HELPERS = frozenset({"slurmstepd", "slurmscriptd"})
+"""Processes Slurm's daemons fork (a job step's daemon, which finishes after the job is over;
+slurmctld's script runner); never strays."""
+
+
+def strays(paths: Paths | None = None) -> dict[int, str]:
+    """Processes in the lab other than its daemons and their helpers (`SLURM_HELPERS`), by pid with their
+    command line: what finished jobs left running (Ray daemons outlive a killed agent, since
+    the lab's `proctrack/linuxproc` tracks no daemonized process)."""
+    paths = paths or Paths()
+    daemons = set()
+    for f in paths.pids.glob("*.spawn") if paths.pids.is_dir() else []:
+        try:
+            daemons.add(int(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    found = {}
+    for pid in sorted(lab_pids(paths) - daemons):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if comm not in SLURM_HELPERS:
+            found[pid] = cmd.strip() or comm
+    return found
+
+
+def kill_strays(paths: Paths | None = None, timeout: float = 10) -> dict[int, str]:
+    """SIGKILL every stray (see `strays`) until none is left; returns those found first."""
+    paths = paths or Paths()
+    first = strays(paths)
+    deadline = time.monotonic() + timeout
+    left = first
+    while left and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+        left = strays(paths)
+    if left:
+        raise LabError(f"processes in the lab survived SIGKILL for {timeout:.0f} s: {left}")
+    if first and lab_containers():
+        remove_lab_containers()
+    return first
+
+
 def nodes_idle_or_busy(cfg: LabConfig, paths: Paths) -> bool:
     """True when slurmctld answers and every node is usable (idle, allocated or mixed)."""
     res = sh("sinfo", "-h", "-N", "-o", "%N %t", check=False, env={**os.environ, **paths.env()}, timeout=10)

@@ -231,3 +231,25 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_sweep_leaves_the_next_test_a_clean_lab(lab, tmp_path):
+    """What a test leaves (a job still running, a daemonized process in a node's namespace, as
+    Ray's outlive a killed agent) is cancelled and killed by the sweep after each test, and named;
+    the lab's own daemons stay up."""
+    from tests.lab.cluster import strays
+
+    job = lab.sbatch(f"#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --output={tmp_path}/s-%j.out\nsrun sleep 600\n")
+    lab.wait_state(job, "RUNNING", timeout=30)
+    daemon = subprocess.Popen(["nsenter", f"--net=/run/netns/{NETNS_PREFIX}node2", "setsid", "sleep", "611"],
+                              start_new_session=True)  # fmt: skip
+    daemon.wait()  # setsid forks when it leads a group: `sleep 611` runs on, parent gone
+    _wait_for(lambda: any("sleep 611" in c for c in strays(lab.paths).values()), timeout=10,
+              what="the stray process")
+    cleaned = lab.sweep()
+    assert f"job {job} " in "\n".join(cleaned), cleaned
+    assert any("sleep 611" in c for c in cleaned), cleaned
+    assert strays(lab.paths) == {}
+    assert lab.run("squeue", "-h").stdout.strip() == ""
+    assert lab.is_up()
+    assert lab.sweep() == []  # a clean lab: nothing to do
