@@ -92,6 +92,17 @@ class Lab:
         return subprocess.run(["nsenter", f"--net=/run/netns/{cluster.NETNS_PREFIX}{node}", *argv],
                               text=True, capture_output=True, **kw)  # fmt: skip
 
+    def wait_out_of_queue(self, job_id: int | None = None, timeout: float = 60) -> None:
+        """Wait until Slurm lists the job (or any job) no more: past COMPLETING, when its
+        processes are gone (a cancelled job is CANCELLED at once, while its steps still end)."""
+        argv = ["squeue", "-h", "-o", "%i", *(["-j", str(job_id)] if job_id is not None else [])]
+        deadline = time.monotonic() + timeout
+        while self.run(*argv, check=False).stdout.strip():
+            if time.monotonic() > deadline:
+                raise LabError(f"{f'job {job_id}' if job_id else 'jobs'} still in the queue after "
+                               f"{timeout:.0f} s\n\n{self.logs()}")
+            time.sleep(0.2)
+
     def sweep(self, timeout: float = 60) -> list[str]:
         """Leave the lab as a fresh one: cancel every job still queued or running, wait until
         Slurm has none, then kill what finished jobs left running (`cluster.strays`). Returns
@@ -102,11 +113,7 @@ class Lab:
         if jobs:
             cleaned += [f"job {j}" for j in jobs]
             self.run("scancel", *[j.split()[0] for j in jobs], check=False)
-            deadline = time.monotonic() + timeout
-            while self.run("squeue", "-h", "-o", "%i").stdout.strip():
-                if time.monotonic() > deadline:
-                    raise LabError(f"jobs still in the queue {timeout:.0f} s after scancel\n\n{self.logs()}")
-                time.sleep(0.2)
+            self.wait_out_of_queue(timeout=timeout)
         cleaned += [f"process {pid}: {cmd}" for pid, cmd in cluster.kill_strays(self.paths).items()]
         return cleaned
 

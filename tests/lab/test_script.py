@@ -114,3 +114,4 @@ def test_warning_signal_is_noted_for_the_agents(lab, lab_env: dict[str, str], tm
     time.sleep(2)
     assert list(run_dir.glob("signal-*")) == []  # no task was signalled
     subprocess.run(["scancel", job], check=True, env=lab_env)
+    lab.wait_out_of_queue(int(job))  # its Ray ports and processes gone before the next test
