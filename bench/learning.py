@@ -3,6 +3,7 @@
     python -m bench.learning prepare [--dir D]     # SmolLM2-135M-Instruct (HF) + the task's parquet
     python -m bench.learning base    [--dir D]     # the base model's validation accuracy (greedy)
     python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
+    python -m bench.learning local   [--dir D] [--nodes 2]  # the same run on this machine, no Slurm
     python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
     python -m bench.learning seeds   --dir D       # runs D/<setting>-s<seed> side by side, by setting
     python -m bench.learning eval    --dir D --checkpoint C [KEY=VALUE ...]  # validate a run's checkpoint
@@ -57,12 +58,16 @@ CALCULATOR = REPO / "trainer" / "agent" / "configs" / "calculator_tool_config.ya
 """The machine's cores, all busy during a run: CPU-hours = CORES x wall hours."""
 
 
-def prepare(root: Path) -> tuple[Path, Path]:
-    model, data = root / "smollm2", root / "data"
-    if not (model / "config.json").is_file():
+def prepare(root: Path, model: Path | None = None) -> tuple[Path, Path]:
+    """The base model (or `model`, e.g. a warm start of `bench.tool_sft`) and the task's data."""
+    if model is not None and not (model / "config.json").is_file():
+        raise SystemExit(f"bench.learning: `--model {model}` is not a model directory (no config.json)")
+    data = root / "data"
+    model = model or root / "smollm2"
+    if not (root / "smollm2" / "config.json").is_file():
         code = ("import sys; from trainer.models import convert_to_hf, smollm2_path; "
                 "convert_to_hf(smollm2_path(), sys.argv[1])")
-        subprocess.run([sys.executable, "-c", code, str(model)], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-c", code, str(root / "smollm2")], check=True, cwd=REPO)
     if not (data / "test.parquet").is_file():
         subprocess.run([sys.executable, "-m", "trainer.preprocess", "arith", "--output", str(data),
                         "--train-size", "4096", "--val-size", "256", "--seed", "0"], check=True, cwd=REPO)
@@ -137,7 +142,7 @@ def describe(row: dict[str, Any]) -> str:
 
 def base(root: Path, args: argparse.Namespace) -> int:
     """The untrained model's accuracy."""
-    model, data = prepare(root)
+    model, data = prepare(root, args.model)
     t0 = time.monotonic()
     row = validate(model, data, root / "base", args)
     print(f"base model: {describe(row)}, {time.monotonic() - t0:.0f} s")
@@ -153,7 +158,7 @@ def trl(root: Path, args: argparse.Namespace) -> int:
     from trainer.data import read_rows
     from trainer.rewards.arith import arith_score
 
-    model, data = prepare(root)
+    model, data = prepare(root, args.model)
     out = root / "trl"
     if out.exists():
         raise SystemExit(f"bench.learning: {out} exists; move it away (or pass another --dir)")
@@ -257,7 +262,7 @@ def checkpoint_eval(root: Path, args: argparse.Namespace) -> int:
     if args.checkpoint is None or not (args.checkpoint / "manifest.json").is_file():
         raise SystemExit(f"bench.learning: `--checkpoint {args.checkpoint}` is not a checkpoint of `run` "
                          "(a `.../checkpoints/global_step_N` directory with its manifest.json)")
-    model, data = prepare(root)
+    model, data = prepare(root, args.model)
     out = root / f"eval-{args.checkpoint.name}"
     args.extra = [*args.extra, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={args.checkpoint}"]
     t0 = time.monotonic()
@@ -289,7 +294,7 @@ def job_state(env: dict[str, str], job: int) -> str:
 
 
 def run(root: Path, args: argparse.Namespace) -> int:
-    model, data = prepare(root)
+    model, data = prepare(root, args.model)
     env = lab_env()
     run_dir = root / "run"
     if run_dir.exists():
@@ -328,6 +333,24 @@ def run(root: Path, args: argparse.Namespace) -> int:
     return 0 if state == "COMPLETED" else 1
 
 
+def local(root: Path, args: argparse.Namespace) -> int:
+    """`run` without Slurm: `python -m trainer` with the same overrides on this machine, with
+    `--nodes` ranks on one node (`trainer.n_gpus_per_node`), no requeue; its log in ROOT/run.log."""
+    model, data = prepare(root, args.model)
+    run_dir = root / "run"
+    if run_dir.exists():
+        raise SystemExit(f"bench.learning: {run_dir} exists; move it away (or pass another --dir)")
+    argv = [sys.executable, "-m", "trainer", *overrides(model, data, run_dir, args),
+            "trainer.nnodes=1", f"trainer.n_gpus_per_node={args.nodes}"]
+    print("$ " + shlex.join(["python", *argv[1:]]), flush=True)
+    t0 = time.monotonic()
+    with open(root / "run.log", "w") as log:
+        code = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    print(f"trainer exited {code} after {time.monotonic() - t0:.0f} s (log: {root / 'run.log'})")
+    report(root)
+    return code
+
+
 def _rows(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
     if not path.is_file():
@@ -346,8 +369,8 @@ def report(root: Path) -> int:
     print(f"training steps logged: {len(steps)} (repeated: {repeated or 'none'}, "
           f"missing: {missing or 'none'})")
     print("| step | training min | CPU-h | val accuracy | +- SE | val reward | `####` used | train reward | "
-          "KL loss | response length | tool-call rate | malformed | mean turns |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "KL loss | response length | tool-call rate | malformed | mean turns | val mean turns |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     train = {r["step"]: r for r in rows if "actor/pg_loss" in r}
     for r in rows:
         if ACC not in r:
@@ -359,7 +382,8 @@ def report(root: Path) -> int:
               f"{r[FORMATTED]:.2f} | "
               f"{_fmt(t.get('critic/score/mean'))} | {_fmt(t.get('actor/kl_loss'), 4)} | "
               f"{_fmt(t.get('response_length/mean'), 1)} | {_fmt(t.get('agent_loop/tool_call_rate'), 2)} | "
-              f"{_fmt(t.get('agent_loop/tool_calls_malformed/ratio'), 2)} | {_fmt(t.get('num_turns/mean'), 2)} |")
+              f"{_fmt(t.get('agent_loop/tool_calls_malformed/ratio'), 2)} | {_fmt(t.get('num_turns/mean'), 2)} | "
+              f"{_fmt(r.get('val-aux/num_turns/mean'), 2)} |")
     vals = [r for r in rows if ACC in r]
     if len(vals) >= 2:
         first, last = vals[0], vals[-1]
@@ -431,7 +455,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["prepare", "base", "run", "report", "seeds", "eval", "bf16-reach", "trl",
+    p.add_argument("command", choices=["prepare", "base", "run", "local", "report", "seeds", "eval", "bf16-reach", "trl",
                                         "trl-eval"])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"work directory (default {DEFAULT_DIR})")
     p.add_argument("--nodes", type=int, default=2, help="lab nodes, one trainer rank each")
@@ -445,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time", default="01:30:00", help="the job's Slurm time limit")
     p.add_argument("--minutes", type=float, default=40.0, help="trl: wall-time budget")
     p.add_argument("--checkpoint", type=Path, help="eval: a checkpoint of `run` (.../global_step_N)")
+    p.add_argument("--model", type=Path,
+                   help="start from this HF model directory (e.g. bench.tool_sft's warm start) "
+                        "instead of the base model")
     p.add_argument("--tools", action="store_true",
                    help="every question through verl's tool agent loop with the calculator tool")
     p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
@@ -454,10 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     if args.command == "prepare":
-        model, data = prepare(root)
+        model, data = prepare(root, args.model)
         print(f"model {model}\ndata {data}")
         return 0
-    commands = {"base": base, "run": run, "report": lambda r, _a: report(r), "seeds": lambda r, _a: seeds(r),
+    commands = {"base": base, "run": run, "local": local, "report": lambda r, _a: report(r), "seeds": lambda r, _a: seeds(r),
                 "eval": checkpoint_eval, "bf16-reach": lambda r, _a: bf16_reach(r),
                 "trl": trl, "trl-eval": trl_eval}
     return commands[args.command](root, args)
