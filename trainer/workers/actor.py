@@ -158,23 +158,28 @@ class ActorRolloutRefWorker(Worker):
         (:mod:`trainer.agent.manager`), their turns batched into this rank's engine
         (:class:`trainer.agent.servers.BatchedServer`); the info carries each row's agent-loop
         metrics (`rows`)."""
-        if self.agents is None:  # tools and interactions load once per process
-            self.agents = AgentRollout(self.cfg, self.tokenizer)
         rows: list[dict[str, float]] = []
         followed: list[int] = []  # the tokens a later rank of a tensor-parallel engine generated
         group = self.engine_group
 
+        def agents() -> AgentRollout:
+            """The loops' tools and interactions, loaded once per process, and only on a rank
+            that runs loops (not on the later ranks of an engine or replica)."""
+            if self.agents is None:
+                self.agents = AgentRollout(self.cfg, self.tokenizer)
+            return self.agents
+
         def run() -> RolloutBatch | None:
             if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
-                batch, per_row = self.agents.run(examples, params, self.rollout.server, self.rollout.run)
+                batch, per_row = agents().run(examples, params, self.rollout.server, self.rollout.run)
             elif isinstance(self.rollout, ReplicaMember):  # the replica's first rank runs this engine's rows
                 return None
             elif group is None:  # an in-process engine: every live trajectory's turn in one engine call
-                batch, per_row = self.agents.run(examples, params, BatchedServer(self.rollout))
+                batch, per_row = agents().run(examples, params, BatchedServer(self.rollout))
             elif group.rank() == 0:  # the first rank of a tensor-parallel engine runs the loops
                 leader = EngineLeader(self.rollout, group)
                 with leader.leading():
-                    batch, per_row = self.agents.run(examples, params, BatchedServer(leader))
+                    batch, per_row = agents().run(examples, params, BatchedServer(leader))
             else:  # its other ranks make the same engine calls; the first rank's rows stand
                 followed.append(follow_leader(self.rollout, group))
                 return None
@@ -219,6 +224,11 @@ class ActorRolloutRefWorker(Worker):
     def rollout_kind(self) -> str:
         """The class of this rank's rollout engine (for tests and logs)."""
         return type(self.rollout).__name__
+
+    def runs_agent_loops(self) -> bool:
+        """Whether this rank has loaded the agent loops' tools (for tests): the first rank of
+        each engine or replica does on its first agent rollout, the others never."""
+        return self.agents is not None
 
     def _sleep_rollout(self) -> None:
         self.rollout.sleep()

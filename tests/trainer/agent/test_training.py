@@ -130,8 +130,10 @@ def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path:
         driver = PPODriver(cfg)
         kinds = [driver.actor_group.run_rank(rank, "rollout_kind") for rank in (0, 1)]
         assert driver.fit() == 0
+        loops = [driver.actor_group.run_rank(rank, "runs_agent_loops") for rank in (0, 1)]
     finally:
         ray.shutdown()
+    assert loops == [True, False]  # only the engine's first rank loads the tools and runs loops
     server = name == "vllm" and mode == "async"
     assert kinds == (["ServerEngine", "ReplicaMember"] if server else
                      ["VLLMRolloutEngine"] * 2 if name == "vllm" else ["HFRolloutEngine"] * 2)
