@@ -1,10 +1,12 @@
-"""Metrics with verl's names, to a JSONL file (always), the console, TensorBoard and wandb.
+"""Metrics with verl's names, to a JSONL file (always), the console, TensorBoard, wandb and MLflow.
 
 `<run_dir>/metrics.jsonl` holds one `{"step": N, ...}` object per line. When a run resumes from
 step N the lines after N are dropped first, so the file never has a step missing or twice.
 TensorBoard and wandb are imported only when `trainer.logger` names them; wandb runs offline
 unless `WANDB_MODE` says otherwise (compute nodes often have no network; `wandb sync` later),
 and a missing `wandb` package gives a warning, not a failure (the JSONL file has everything).
+MLflow (`trainer.mlflow_tracking`) logs to `MLFLOW_TRACKING_URI` or a SQLite file in the run
+directory; a missing `mlflow` package stops the run at its start, naming the fix.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
-VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 class MetricsError(ValueError):
@@ -108,6 +110,14 @@ class MetricsLogger:
         self._wandb: Any = (
             self._open_wandb(project, experiment, dict(config or {})) if "wandb" in self.loggers else None
         )
+        self._mlflow: Any = None
+        if "mlflow" in self.loggers:
+            from trainer.mlflow_tracking import MlflowRun, MlflowUnavailable
+
+            try:
+                self._mlflow = MlflowRun(self.run_dir, project, experiment, dict(config or {}))
+            except MlflowUnavailable as err:
+                raise MetricsError(str(err)) from None
 
     def _open_tensorboard(self) -> Any:
         try:
@@ -150,6 +160,8 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log(step, clean)
 
     def close(self) -> None:
         self._file.close()
@@ -157,6 +169,8 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.close()
 
 
 def _plain(value: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,8 +62,8 @@ def test_console_output_and_plain_values(tmp_path: Path) -> None:
 
 
 def test_unknown_logger_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(MetricsError, match="valid: console, jsonl, tensorboard, wandb"):
-        MetricsLogger(tmp_path, ["mlflow"], keep_through=-1)
+    with pytest.raises(MetricsError, match="valid: console, jsonl, tensorboard, wandb, mlflow"):
+        MetricsLogger(tmp_path, ["neptune"], keep_through=-1)
 
 
 def test_tensorboard_writes_event_files(tmp_path: Path) -> None:
@@ -211,3 +212,36 @@ def test_rollout_probs_diff_by_hand() -> None:
     assert got["training/rollout_probs_diff_mean"] == pytest.approx(0.1, abs=1e-6)
     assert got["training/rollout_probs_diff_std"] == pytest.approx(0.1, abs=1e-6)
     assert got["training/rollout_actor_probs_pearson_corr"] == pytest.approx(0.93677, abs=1e-4)
+
+
+def test_mlflow_logs_verl_s_names_into_one_run_across_a_resume(tmp_path: Path, monkeypatch) -> None:
+    """`trainer.logger` with `mlflow`: the experiment is the project and the run the experiment
+    name (as verl), metric names as verl sanitises them, the config as parameters, all in a SQLite
+    store in the run directory; a resumed run logs into the same MLflow run."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    config = {"actor": {"optim": {"lr": 1e-6}}, "logger": ["console", "mlflow"]}
+    logger = MetricsLogger(tmp_path, ["mlflow"], keep_through=-1, project="proj", experiment="exp", config=config)
+    logger.log(1, {"val-core/hpcrl/arith/acc/mean@1": 0.25, "actor/pg_loss": torch.tensor(0.5), "note": "text"})
+    logger.close()
+    run_id = (tmp_path / "mlflow_run_id").read_text()
+    logger = MetricsLogger(tmp_path, ["mlflow"], keep_through=1, project="proj", experiment="exp", config=config)
+    logger.log(2, {"val-core/hpcrl/arith/acc/mean@1": 0.5})
+    logger.close()
+    assert (tmp_path / "mlflow_run_id").read_text() == run_id
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path.resolve() / 'mlruns.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.run_id == run_id and run.info.run_name == "exp"
+    history = client.get_metric_history(run_id, "val-core/hpcrl/arith/acc/mean_at_1")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5)]
+    assert run.data.metrics["actor/pg_loss"] == 0.5 and "note" not in run.data.metrics
+    assert run.data.params["actor/optim/lr"] == "1e-06"
+    assert run.data.params["logger"] == "['console', 'mlflow']"
+
+
+def test_mlflow_missing_stops_the_run_naming_the_install(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` raises ImportError
+    with pytest.raises(MetricsError, match=r"`trainer.logger` with `mlflow` needs the `mlflow` package.*"
+                                           r"pip install mlflow-skinny sqlalchemy alembic"):
+        MetricsLogger(tmp_path, ["console", "mlflow"], keep_through=-1)

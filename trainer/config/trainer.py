@@ -16,8 +16,9 @@ class TrainerConfig:
     total_training_steps: int | None = h("stop after this many steps; null = epochs x batches")
     project_name: str = h("project name for loggers and the default checkpoint directory")
     experiment_name: str = h("experiment name for loggers and the default checkpoint directory")
-    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = h(
-        "metric sinks; the JSONL file in `run_dir` is always written"
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = h(
+        "metric sinks; the JSONL file in `run_dir` is always written; `mlflow` logs to "
+        "`MLFLOW_TRACKING_URI`, else `<run_dir>/mlruns.db` (see trainer.mlflow_tracking)"
     )
     nnodes: int = h("nodes of the Ray cluster")
     use_legacy_worker_impl: Literal["auto", "enable", "disable"] = h(
