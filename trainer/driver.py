@@ -48,6 +48,7 @@ from trainer.metrics import (
     last_step,
     rollout_probs_diff,
 )
+from trainer.mlflow_tracking import tracking_uri
 from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
@@ -147,6 +148,8 @@ class PPODriver:
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
         self.rollout = Rollout(cfg, self.actor_group, self.tokenizer.pad_token_id)
+        if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # the metrics logger's store
+            self.rollout.trace_store = tracking_uri(self.run_dir)
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")

@@ -174,7 +174,6 @@ def test_agent_rows_on_a_tensor_parallel_engine_pass_the_preflight(tmp_path: Pat
 @pytest.mark.parametrize(("item", "feature"), [
     (f"{ROLLOUT}.agent.custom_async_server.path=/srv.py", "custom async rollout servers"),
     (f"{ROLLOUT}.agent.agent_loop_manager_class=my.Manager", "custom agent-loop manager"),
-    (f"{ROLLOUT}.trace.backend=mlflow", "rollout tracing"),
 ])
 def test_settings_not_built_are_refused_by_name(item: str, feature: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -288,11 +287,11 @@ def test_config_file_keys_apply_over_the_defaults_and_the_command_line_over_them
 
 def test_the_file_s_refusals_name_the_file(tmp_path: Path) -> None:
     body = {"defaults": ["ppo_trainer", "_self_"], "actor_rollout_ref": {"rollout": {"trace": {
-        "backend": "mlflow"}}}}
+        "backend": "weave"}}}}
     folder = _user_config(tmp_path, body)
     with pytest.raises(ConfigError) as err:
         load_config(file_overrides(str(folder), "my_grpo"))
-    assert "rollout tracing" in str(err.value) and str(folder / "my_grpo.yaml") in str(err.value)
+    assert "rollout tracing to Weave" in str(err.value) and str(folder / "my_grpo.yaml") in str(err.value)
 
 
 def test_defaults_compose_in_order_and_refuse_what_is_not_here(tmp_path: Path) -> None:

@@ -141,8 +141,7 @@ def test_unknown_key_lists_valid_keys_at_that_level() -> None:
 
 def test_unsupported_verl_keys_say_not_supported_yet() -> None:
     for item in ("critic.model.lora_rank=8",
-                 "trainer.default_hdfs_dir=hdfs://x",
-                 "actor_rollout_ref.rollout.trace.backend=mlflow"):
+                 "trainer.default_hdfs_dir=hdfs://x"):
         with pytest.raises(ConfigError, match="not supported yet"):
             load_config([item])
     # The verl defaults of those keys are accepted: that is what this trainer does.
@@ -427,7 +426,6 @@ NO_OPS = [  # (override, the key --print-config marks, a word of what runs inste
      "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "SGLang multi-turn rollout only"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable", "agent_name"),
     ("actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.rollout.agent.num_workers", "which worker"),
-    ("actor_rollout_ref.rollout.trace.token2text=true", "actor_rollout_ref.rollout.trace.token2text", "no tracing"),
     ("actor_rollout_ref.rollout.over_sample_rate=0.1", "actor_rollout_ref.rollout.over_sample_rate", "no code"),
     ("actor_rollout_ref.rollout.multi_stage_wake_up=true", "actor_rollout_ref.rollout.multi_stage_wake_up",
      "peak memory"),

@@ -109,16 +109,15 @@ EXPECTED = {
 
 _VLLM = "actor_rollout_ref.rollout.name=vllm"
 #: The multi-turn examples with the one fix their refusal names: vLLM for SGLang; the script's
-#: empty `${use_kl_loss}` given the value it sets a line before; no MLflow tracing of the agent
-#: loops (`trace.backend`, refused naming rollout tracing) nor MLflow logger. Each is then
-#: accepted, its tool or interaction config read through verl's `--config-path` files.
+#: empty `${use_kl_loss}` given the value it sets a line before. Each is then accepted (the
+#: MLflow one with its tracing and logger), its tool or interaction config read through verl's
+#: `--config-path` files.
 AGENT_LOOPS = {
     "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh": ["actor_rollout_ref.actor.use_kl_loss=True"],
     "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu.sh": [_VLLM],
     "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh": [_VLLM],
     "examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh": [_VLLM],
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh": [
-        _VLLM, "actor_rollout_ref.rollout.trace.backend=null", "trainer.logger=[console]"],
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh": [_VLLM],
 }
 
 _FIXTURE = json.loads(FIXTURE.read_text())

@@ -16,9 +16,10 @@ Rows are prompt-major as the batched rollout's: the `n` trajectories of prompt `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
@@ -28,6 +29,7 @@ from trainer.agent import loops
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, TokenServer
 from trainer.agent.interactions import load_interactions
 from trainer.agent.tools import load_tools
+from trainer.agent.trace import Tracer
 from trainer.models import left_pad
 from trainer.rollout.base import RolloutBatch, SamplingParams
 
@@ -35,7 +37,18 @@ if TYPE_CHECKING:
     from trainer.config import Config
     from trainer.data import Example
 
-__all__ = ["AgentRollout", "agent_loop_metrics", "pack_outputs"]
+__all__ = ["AgentRollout", "TraceInfo", "agent_loop_metrics", "pack_outputs"]
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """What a rollout's traces are tagged with, and where they go (`rollout.trace.*`)."""
+
+    step: int = -1
+    """The training step (verl: `global_steps`); -1 where none is known."""
+    validate: bool = False
+    store: str | None = None
+    """The tracking URI (the driver's: `MLFLOW_TRACKING_URI` or its run directory's SQLite file)."""
 
 
 class AgentRollout:
@@ -49,12 +62,18 @@ class AgentRollout:
         self.tools = load_configured_tools(r.multi_turn.tool_config_path)
         self.interactions = load_configured_interactions(r.multi_turn.interaction_config_path)
         self.loops = loop_registry(r.agent.agent_loop_config_path)
+        self.tracer: Tracer | None = None
+        """`rollout.trace.*`, set up on the first rollout (the store comes with it)."""
 
     def context(self, server: TokenServer) -> AgentContext:
-        cfg = self.cfg
+        cfg, tracer = self.cfg, self.tracer
+        tools = self.tools
+        if tracer is not None and tracer.on:  # turns and tool calls of traced trajectories as spans
+            server = tracer.server(server)
+            tools = {name: tracer.tool(name, tool) for name, tool in tools.items()}
         return AgentContext(tokenizer=self.tokenizer, server=server,
                             response_length=cfg.data.max_response_length,
-                            multi_turn=cfg.actor_rollout_ref.rollout.multi_turn, tools=self.tools,
+                            multi_turn=cfg.actor_rollout_ref.rollout.multi_turn, tools=tools,
                             interactions=self.interactions,
                             chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
 
@@ -69,37 +88,55 @@ class AgentRollout:
         return built[name]
 
     def run(self, examples: Sequence[Example], params: SamplingParams, server: TokenServer,
-            runner: Callable[[Any], Any] = asyncio.run) -> tuple[RolloutBatch, list[dict[str, float]]]:
+            runner: Callable[[Any], Any] = asyncio.run, trace: TraceInfo | None = None
+            ) -> tuple[RolloutBatch, list[dict[str, float]]]:
         """`params.n` trajectories per example, all concurrently (on a new event loop, or by
         `runner`: a server-mode replica's own loop); the rows and each row's metrics (seconds in
-        generation and tool calls, tool-call counts)."""
+        generation and tool calls, tool-call counts). `trace`: the rollout's step, whether it
+        validates, and the tracking store, for `rollout.trace.*`."""
+        trace = trace or TraceInfo()
+        if self.tracer is None:
+            self.tracer = Tracer(self.cfg, self.tokenizer, trace.store)
         ctx = self.context(server)
-        outputs = runner(self._run_all(examples, params, ctx))
+        outputs = runner(self._run_all(examples, params, ctx, trace))
+        if self.tracer.on:
+            self.tracer.flush()
         prompt_index = torch.arange(len(examples)).repeat_interleave(params.n)
         pad = self.tokenizer.pad_token_id
         batch = pack_outputs(outputs, prompt_index, pad, self.cfg.data.max_response_length,
                              want_log_probs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
         return batch, [o.metrics for o in outputs]
 
-    async def _run_all(self, examples: Sequence[Example], params: SamplingParams, ctx: AgentContext
-                       ) -> list[AgentOutput]:
+    async def _run_all(self, examples: Sequence[Example], params: SamplingParams, ctx: AgentContext,
+                       trace: TraceInfo) -> list[AgentOutput]:
         one = replace(params, n=1)  # each trajectory is one sample
         built: dict[str, AgentLoop] = {}
-        tasks = [self._one(self.loop_for(e, ctx, built), e, one, ctx.server)
-                 for e in examples for _ in range(params.n)]
+        assert self.tracer is not None
+        traced = self.tracer.chosen(len(examples), trace.step)
+        tasks = [self._one(self.loop_for(e, ctx, built), e, one, ctx.server,
+                           (k, trace) if i in traced else None)
+                 for i, e in enumerate(examples) for k in range(params.n)]
         return list(await asyncio.gather(*tasks))
 
-    async def _one(self, loop: AgentLoop, example: Example, params: SamplingParams, server: TokenServer
-                   ) -> AgentOutput:
+    async def _one(self, loop: AgentLoop, example: Example, params: SamplingParams, server: TokenServer,
+                   traced: tuple[int, TraceInfo] | None = None) -> AgentOutput:
         """One trajectory; a server that batches turns (`trainer.agent.servers.BatchedServer`)
-        is told when it starts and ends, so it waits for the live ones only."""
+        is told when it starts and ends, so it waits for the live ones only. `traced`: which of
+        the prompt's samples this is, when the trajectory is traced."""
         start = time.perf_counter()
+        request_id = uuid4().hex
         track = getattr(server, "trajectory", None)
-        if track is None:
-            out = await loop.run(example, params, uuid4().hex)
-        else:
-            with track():
-                out = await loop.run(example, params, uuid4().hex)
+        with contextlib.ExitStack() as stack:
+            if track is not None:
+                stack.enter_context(track())
+            span = None
+            if traced is not None and self.tracer is not None:
+                rollout_n, info = traced
+                span = stack.enter_context(self.tracer.trajectory(example, rollout_n, info.step,
+                                                                  info.validate, request_id))
+            out = await loop.run(example, params, request_id)
+            if span is not None and self.tracer is not None:
+                self.tracer.finish(span, out)
         out.metrics.setdefault("seconds", time.perf_counter() - start)
         return out
 

@@ -47,12 +47,15 @@ def _not_supported(key: str) -> str | None:
     return None
 
 
-def _unsupported_value(key: str, text: str) -> str | None:
+def _unsupported_value(key: str, text: str, item: str | None = None) -> str | None:
+    """The refusal of a value this trainer does not build, naming `item` (the override as given,
+    with the file it came from) when there is one."""
     feature = UNSUPPORTED_VALUES.get(key, {}).get(_unquote(text))
     if feature is None:
         return None
     fix = UNSUPPORTED_VALUE_FIX.get(key)
-    return (f"`{key}={_unquote(text)}`: {feature} is not supported; this trainer runs FSDP2 training "
+    given = item if item and item != f"{key}={text}" else f"{key}={_unquote(text)}"
+    return (f"`{given}`: {feature} is not supported; this trainer runs FSDP2 training "
             f"with HF or vLLM rollout" + (f". Fix: {fix}" if fix else ""))
 
 
@@ -212,7 +215,7 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
         why = _not_supported(o.key)
         if why is not None:
             raise ConfigError(_not_supported_message(o.key, item, why))
-        refused = None if o.op == "delete" else _unsupported_value(o.key, text)
+        refused = None if o.op == "delete" else _unsupported_value(o.key, text, item)
         if refused is not None:
             raise ConfigError(refused)
         parts, tp = _resolve_key(o.key)

@@ -73,10 +73,16 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class TraceConfig:
-    """verl's `rollout.trace.*`; `trace.backend` is accepted only as null."""
+    """verl's `rollout.trace.*` (trainer.agent.trace)."""
 
-    token2text: bool = h("verl: decode traced tokens (compatibility only, see COMPAT)")
-    max_samples_per_step_per_worker: int | None = h("verl: traced samples (compatibility only, see COMPAT)")
+    backend: Literal["mlflow"] | None = h(
+        "trace each agent-loop trajectory (its turns and tool calls as spans) to MLflow, into "
+        "`MLFLOW_TRACKING_URI` or `<run_dir>/mlruns.db`; tracing runs every row through its agent "
+        "loop, as verl does; null = no tracing")
+    token2text: bool = h("traces also carry the decoded text of every token list")
+    max_samples_per_step_per_worker: int | None = h(
+        "each rank traces at most this many prompts per rollout (all their samples), drawn with "
+        "the step as seed; null = all")
 
 
 @dataclass(frozen=True)
@@ -161,9 +167,6 @@ NOT_SUPPORTED: dict[str, str] = {
         "custom loops go in `actor_rollout_ref.rollout.agent.agent_loop_config_path`"),
     "actor_rollout_ref.rollout.agent.custom_async_server": (
         "custom async rollout servers (the rollout engine runs inside the trainer's workers here)"),
-    "actor_rollout_ref.rollout.trace.backend": (
-        "rollout tracing to MLflow or Weave (verl traces each agent loop's turns); log the "
-        "generations with `trainer.log_val_generations` instead"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
         "deprecated in verl; use `actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`"
     ),
@@ -177,7 +180,6 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.rollout.agent.agent_loop_manager_class": None,
     "actor_rollout_ref.rollout.agent.custom_async_server.path": None,
     "actor_rollout_ref.rollout.agent.custom_async_server.name": None,
-    "actor_rollout_ref.rollout.trace.backend": None,
 }
 
 #: Keys accepted that change nothing here, and why nothing is lost.
@@ -198,9 +200,6 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.rollout.agent.num_workers": (
         "verl's agent-loop workers only share out the rollout's requests; which worker generates a "
         "response changes no number"),
-    **{f"actor_rollout_ref.rollout.trace.{name}": (
-        "acts only with `actor_rollout_ref.rollout.trace.backend`, which is accepted only as null (no "
-        "tracing, verl's default)") for name in ("token2text", "max_samples_per_step_per_worker")},
     "actor_rollout_ref.rollout.over_sample_rate": (
         "verl declares it in its rollout config, but no code of verl reads it (checked at verl "
         "b178a3c): it changes nothing there either"),
@@ -219,9 +218,11 @@ ALIASES: dict[str, str] = {
 UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
     "actor_rollout_ref.rollout.name": {"sglang": "SGLang rollout", "trtllm": "TensorRT-LLM rollout",
                                        "hf_server": "server-mode rollout"},
+    "actor_rollout_ref.rollout.trace.backend": {"weave": "rollout tracing to Weave"},
 }
 
 #: The fix a refusal of `UNSUPPORTED_VALUES` names, by key.
 UNSUPPORTED_VALUE_FIX: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "set `actor_rollout_ref.rollout.name=vllm` (verl's default engine)",
+    "actor_rollout_ref.rollout.trace.backend": "set `actor_rollout_ref.rollout.trace.backend=mlflow`",
 }

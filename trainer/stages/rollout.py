@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from trainer import models as M
-from trainer.agent.manager import agent_loop_metrics
+from trainer.agent.manager import TraceInfo, agent_loop_metrics
 from trainer.batch import StepBatch, need, step_seed
 from trainer.config import Config
 from trainer.config.rollout import SINGLE_TURN_AGENT
@@ -46,6 +46,8 @@ class Rollout:
         """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
         self.server_mode = server_mode(cfg)
         """Server-mode replicas (`rollout.mode=async`): every row through its agent loop."""
+        self.trace_store: str | None = None
+        """Where `rollout.trace.*` sends traces (the driver's tracking URI), when tracing."""
 
     def generate(self, examples: list[Example], step: int, note: Note, validate: bool = False,
                  greedy: bool = False) -> StepBatch:
@@ -59,11 +61,15 @@ class Rollout:
         if greedy:
             sampling = replace(sampling, n=1, do_sample=False)
         seeds = [step_seed(self.cfg.trainer.seed, step, salt + rank // tp) for rank in range(self.world)]
-        agentic = self.server_mode or any(e.agent_name != SINGLE_TURN_AGENT for e in examples)
+        # traced rollouts too: every row through its loop, as verl runs them (single-turn rows
+        # generate once from their prompt ids either way), so each row has its trace
+        agentic = (self.server_mode or self.trace_store is not None
+                   or any(e.agent_name != SINGLE_TURN_AGENT for e in examples))
         if not validate and not greedy:
             self.agent_metrics = {}
         if agentic:  # every row through its agent loop, turn by turn
-            results = self.actor.run_each("generate_agent", [([examples[i] for i in p], sampling, seed)
+            trace = TraceInfo(step=step, validate=validate, store=self.trace_store)
+            results = self.actor.run_each("generate_agent", [([examples[i] for i in p], sampling, seed, trace)
                                                              for p, seed in zip(parts, seeds, strict=True)])
         else:  # single-turn rows only: verl's `single_turn_agent`, as one batched generate per engine
             ids, mask = M.left_pad([e.prompt_ids for e in examples], self.pad_token_id)

@@ -30,7 +30,7 @@ import torch
 
 from trainer import models as M
 from trainer import parallel as P
-from trainer.agent.manager import AgentRollout
+from trainer.agent.manager import AgentRollout, TraceInfo
 from trainer.agent.servers import BatchedServer, EngineLeader, follow_leader
 from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need
@@ -152,12 +152,12 @@ class ActorRolloutRefWorker(Worker):
 
         return self._rolling_out(run, prompt_ids.shape[0] > 0, seed)
 
-    def generate_agent(self, examples: list[Example], params: SamplingParams, seed: int
-                       ) -> tuple[RolloutBatch | None, dict[str, Any]]:
+    def generate_agent(self, examples: list[Example], params: SamplingParams, seed: int,
+                       trace: TraceInfo | None = None) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """`params.n` trajectories per example (rows may be none) through each row's agent loop
         (:mod:`trainer.agent.manager`), their turns batched into this rank's engine
         (:class:`trainer.agent.servers.BatchedServer`); the info carries each row's agent-loop
-        metrics (`rows`)."""
+        metrics (`rows`). `trace`: the step and store of `rollout.trace.*`."""
         rows: list[dict[str, float]] = []
         followed: list[int] = []  # the tokens a later rank of a tensor-parallel engine generated
         group = self.engine_group
@@ -171,15 +171,15 @@ class ActorRolloutRefWorker(Worker):
 
         def run() -> RolloutBatch | None:
             if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
-                batch, per_row = agents().run(examples, params, self.rollout.server, self.rollout.run)
+                batch, per_row = agents().run(examples, params, self.rollout.server, self.rollout.run, trace)
             elif isinstance(self.rollout, ReplicaMember):  # the replica's first rank runs this engine's rows
                 return None
             elif group is None:  # an in-process engine: every live trajectory's turn in one engine call
-                batch, per_row = agents().run(examples, params, BatchedServer(self.rollout))
+                batch, per_row = agents().run(examples, params, BatchedServer(self.rollout), trace=trace)
             elif group.rank() == 0:  # the first rank of a tensor-parallel engine runs the loops
                 leader = EngineLeader(self.rollout, group)
                 with leader.leading():
-                    batch, per_row = agents().run(examples, params, BatchedServer(leader))
+                    batch, per_row = agents().run(examples, params, BatchedServer(leader), trace=trace)
             else:  # its other ranks make the same engine calls; the first rank's rows stand
                 followed.append(follow_leader(self.rollout, group))
                 return None

@@ -111,10 +111,14 @@ class AgentGroup:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[int], int]] = []
+        self.traces: list[Any] = []
 
     def run_each(self, method: str, per_rank: list[tuple[Any, ...]]) -> list[tuple[Any, dict[str, Any]]]:
+        if method != "generate_agent":
+            raise ValueError(f"this group has no `{method}`")
         results = []
-        for examples, sampling, _seed in per_rank:
+        for examples, sampling, _seed, trace in per_rank:
+            self.traces.append(trace)
             self.calls.append((method, [e.index for e in examples], sampling.n))
             outs = [AgentOutput(prompt_ids=[7] * (e.index + 1), response_ids=[20 + e.index, 50, 30],
                                 response_mask=[1, 0, 1], num_turns=3,
@@ -134,6 +138,7 @@ def test_the_rollout_stage_sends_agent_rows_to_the_agent_loops_and_unifies_promp
     stage = Rollout(cfg, group, pad_token_id=PAD)  # type: ignore[arg-type]
     batch = stage.generate([_example(i) for i in range(4)], 1, lambda k, v: 0.0)
     assert [c[:2] for c in group.calls] == [("generate_agent", [0, 1]), ("generate_agent", [2, 3])]
+    assert [(t.step, t.validate, t.store) for t in group.traces] == [(1, False, None)] * 2  # no tracing
     assert batch.uids == [0, 0, 1, 1, 2, 2, 3, 3]
     assert batch.input_ids.shape[1] == 4 + 4  # the widest prompt (index 3: 4 tokens) + the response
     assert batch.attention_mask[:, :4].sum(-1).tolist() == [1, 1, 2, 2, 3, 3, 4, 4]

@@ -146,3 +146,34 @@ def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path:
         # a collective engine's ranks generate alike; a replica's second rank drives no engine
         assert row["dp/rank_1/gen_tokens"] == (0 if server else row["dp/rank_0/gen_tokens"]), row
         assert row["training/rollout_probs_diff_max"] < 1e-3, row
+
+
+def test_a_traced_run_logs_its_metrics_and_every_trajectory_to_one_mlflow_store(assets: Path, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """verl's MLflow lines (`trainer.logger` with `mlflow`, `rollout.trace.backend=mlflow`) on a
+    real run of single-turn rows: the step's metrics and one trace per trajectory (the rows run
+    through `single_turn_agent` to be traced, as in verl) land in `<run_dir>/mlruns.db`."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    toy = assets / "toy"
+    cfg = load_config([
+        f"data.train_files={toy / 'train.parquet'}", "data.max_prompt_length=24", "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={assets / 'model'}", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl,mlflow]", "trainer.save_freq=-1",
+        "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.project_name=proj",
+        "trainer.experiment_name=exp", "actor_rollout_ref.rollout.trace.backend=mlflow"])
+    assert PPODriver(cfg).fit() == 0
+    store = f"sqlite:///{tmp_path.resolve() / 'mlruns.db'}"
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("proj").experiment_id
+    (run,) = client.search_runs([experiment])
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.info.run_name == "exp" and run.data.metrics["actor/pg_loss"] == pytest.approx(row["actor/pg_loss"])
+    mlflow.set_tracking_uri(store)
+    traces = mlflow.search_traces(locations=[experiment], return_type="list")
+    assert len(traces) == 8  # 4 prompts x 2 samples, each its own trajectory
+    assert {t.info.tags["step"] for t in traces} == {"1"}
+    assert all(sorted(s.name for s in t.data.spans) == ["agent_loop", "generate"] for t in traces)
