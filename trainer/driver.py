@@ -48,7 +48,7 @@ from trainer.metrics import (
     last_step,
     rollout_probs_diff,
 )
-from trainer.mlflow_tracking import tracking_uri
+from trainer.mlflow_tracking import import_mlflow, tracking_uri
 from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
@@ -129,6 +129,8 @@ class PPODriver:
         t = cfg.trainer
         self.ckpt_root = Path(t.default_local_dir or ".")
         self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
+        if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # missing: stop before any model loads
+            import_mlflow("`actor_rollout_ref.rollout.trace.backend=mlflow`")
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         fetch_models(cfg)
