@@ -3,8 +3,9 @@ loops' traces (`actor_rollout_ref.rollout.trace.backend=mlflow`), both in one tr
 
 The store is `MLFLOW_TRACKING_URI` when set (a tracking server, a shared database), else a
 SQLite file in the run directory, `<run_dir>/mlruns.db` (`mlflow ui --backend-store-uri
-sqlite:///<run_dir>/mlruns.db` shows it). verl's default is `/tmp/mlruns.db`: on a cluster that
-is the node's own disk, which a requeued job, started on another node, would not find again.
+sqlite:///<run_dir>/mlruns.db` shows it), its artifacts (the traces among them) in
+`<run_dir>/mlartifacts`. verl's default is `/tmp/mlruns.db`: on a cluster that is the node's own
+disk, which a requeued job, started on another node, would not find again.
 
 The MLflow experiment is `trainer.project_name` and the run `trainer.experiment_name`, as in
 verl. The run's id is kept in `<run_dir>/mlflow_run_id`, so a requeued or resumed job logs into
@@ -53,10 +54,27 @@ def tracking_uri(run_dir: str | Path) -> str:
     return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{Path(run_dir).resolve() / 'mlruns.db'}"
 
 
-def connect(what: str, run_dir: str | Path, project: str) -> Any:
-    """`mlflow`, pointed at the run's store, with `project` as the active experiment."""
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts (traces are artifacts): the
+    `mlartifacts` folder beside the database; None (the store's own choice) for other stores.
+    MLflow's default for a SQLite store is `./mlruns`, the working directory of whichever
+    process creates the experiment."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+
+
+def connect(what: str, uri: str, project: str) -> Any:
+    """`mlflow`, pointed at the store `uri`, with `project` as the active experiment (made, with
+    its artifacts beside a SQLite database, when it does not exist yet)."""
     mlflow = import_mlflow(what)
-    mlflow.set_tracking_uri(tracking_uri(run_dir))
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(project) is None:
+        try:
+            mlflow.create_experiment(project, artifact_location=artifact_root(uri))
+        except mlflow.exceptions.MlflowException:
+            if mlflow.get_experiment_by_name(project) is None:  # not another rank's creation
+                raise
     mlflow.set_experiment(project)
     return mlflow
 
@@ -88,7 +106,7 @@ class MlflowRun:
     """The training run's MLflow run: opened (or reopened) at start, a step's numbers per `log`."""
 
     def __init__(self, run_dir: str | Path, project: str, experiment: str, config: Mapping[str, Any]) -> None:
-        self.mlflow = connect("`trainer.logger` with `mlflow`", run_dir, project)
+        self.mlflow = connect("`trainer.logger` with `mlflow`", tracking_uri(run_dir), project)
         id_file = Path(run_dir) / RUN_ID_FILE
         run_id = os.environ.get("MLFLOW_RUN_ID") or (id_file.read_text().strip() if id_file.exists() else None)
         if run_id:

@@ -49,12 +49,10 @@ class Tracer:
         self.experiment_name = cfg.trainer.experiment_name
         self.mlflow: Any = None
         if t.backend == "mlflow":
-            from trainer.mlflow_tracking import import_mlflow
+            from trainer.mlflow_tracking import connect, tracking_uri
 
-            self.mlflow = import_mlflow("`actor_rollout_ref.rollout.trace.backend=mlflow`")
-            if store:
-                self.mlflow.set_tracking_uri(store)
-            self.mlflow.set_experiment(cfg.trainer.project_name)
+            self.mlflow = connect("`actor_rollout_ref.rollout.trace.backend=mlflow`",
+                                  store or tracking_uri(cfg.trainer.run_dir or "."), cfg.trainer.project_name)
 
     @property
     def on(self) -> bool:

@@ -73,8 +73,12 @@ def config(tmp_path: Path, *extra: str):
                         "trainer.experiment_name=exp", *extra])
 
 
-def test_traced_trajectories_are_mlflow_traces_with_verl_s_tags_and_a_span_per_turn_and_call(tmp_path: Path) -> None:
+def test_traced_trajectories_are_mlflow_traces_with_verl_s_tags_and_a_span_per_turn_and_call(tmp_path: Path,
+                                                                                             monkeypatch) -> None:
     mlflow = pytest.importorskip("mlflow")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the process's working directory gets nothing (MLflow's default: ./mlruns)
     store = f"sqlite:///{tmp_path / 'mlruns.db'}"
     cfg = config(tmp_path, "actor_rollout_ref.rollout.trace.backend=mlflow", "actor_rollout_ref.rollout.trace.token2text=true",
                  "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=1")
@@ -102,6 +106,7 @@ def test_traced_trajectories_are_mlflow_traces_with_verl_s_tags_and_a_span_per_t
         assert f"what is {i} plus 2" in root.inputs["prompt_text"]
         first = min((s for s in trace.data.spans if s.name == "generate"), key=lambda s: s.start_time_ns)
         assert first.outputs["text"].startswith("<tool_call>")
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_without_a_backend_nothing_is_traced_and_mlflow_is_not_imported(tmp_path: Path, monkeypatch) -> None:

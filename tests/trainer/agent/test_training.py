@@ -156,6 +156,9 @@ def test_a_traced_run_logs_its_metrics_and_every_trajectory_to_one_mlflow_store(
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # nothing may land in the working directory (MLflow's default)
     toy = assets / "toy"
     cfg = load_config([
         f"data.train_files={toy / 'train.parquet'}", "data.max_prompt_length=24", "data.max_response_length=8",
@@ -177,3 +180,4 @@ def test_a_traced_run_logs_its_metrics_and_every_trajectory_to_one_mlflow_store(
     assert len(traces) == 8  # 4 prompts x 2 samples, each its own trajectory
     assert {t.info.tags["step"] for t in traces} == {"1"}
     assert all(sorted(s.name for s in t.data.spans) == ["agent_loop", "generate"] for t in traces)
+    assert list(elsewhere.iterdir()) == [] and (tmp_path / "mlartifacts").is_dir()
