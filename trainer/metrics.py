@@ -21,6 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TextIO
 
+from trainer.mlflow_tracking import MlflowRun, MlflowUnavailable
+
 if TYPE_CHECKING:
     import torch
 
@@ -112,8 +114,6 @@ class MetricsLogger:
         )
         self._mlflow: Any = None
         if "mlflow" in self.loggers:
-            from trainer.mlflow_tracking import MlflowRun, MlflowUnavailable
-
             try:
                 self._mlflow = MlflowRun(self.run_dir, project, experiment, dict(config or {}))
             except MlflowUnavailable as err:

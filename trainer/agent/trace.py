@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from trainer.mlflow_tracking import connect, tracking_uri
+
 if TYPE_CHECKING:
     from trainer.agent.base import TokenOutput, TokenServer, Tool
     from trainer.config import Config
@@ -49,8 +51,6 @@ class Tracer:
         self.experiment_name = cfg.trainer.experiment_name
         self.mlflow: Any = None
         if t.backend == "mlflow":
-            from trainer.mlflow_tracking import connect, tracking_uri
-
             self.mlflow = connect("`actor_rollout_ref.rollout.trace.backend=mlflow`",
                                   store or tracking_uri(cfg.trainer.run_dir or "."), cfg.trainer.project_name)
 
