@@ -65,8 +65,9 @@ def tokens_and_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[lis
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, end = len(render(messages[:i], True)), len(render(messages[: i + 1], False))
-        if ids[:end] != render(messages[: i + 1], False):
+        prefix = render(messages[: i + 1], False)
+        start, end = len(render(messages[:i], True)), len(prefix)
+        if ids[:end] != prefix:
             raise ValueError("the chat template does not render a conversation as its prefixes' "
                              "concatenation; the mask would be wrong")
         while end > start and tokenizer.decode(ids[end - 1 : end]).strip() == "":

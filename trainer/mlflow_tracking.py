@@ -64,14 +64,16 @@ def artifact_root(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
 
 
-def connect(what: str, uri: str, project: str) -> Any:
-    """`mlflow`, pointed at the store `uri`, with `project` as the active experiment (made, with
-    its artifacts beside a SQLite database, when it does not exist yet)."""
+def connect(what: str, uri: str | None, project: str) -> Any:
+    """`mlflow`, pointed at the store `uri` (None: MLflow's own choice), with `project` as the
+    active experiment (made, with its artifacts beside a SQLite database, when it does not exist
+    yet)."""
     mlflow = import_mlflow(what)
-    mlflow.set_tracking_uri(uri)
+    if uri:
+        mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(project) is None:
         try:
-            mlflow.create_experiment(project, artifact_location=artifact_root(uri))
+            mlflow.create_experiment(project, artifact_location=artifact_root(mlflow.get_tracking_uri()))
         except mlflow.exceptions.MlflowException:
             if mlflow.get_experiment_by_name(project) is None:  # not another rank's creation
                 raise

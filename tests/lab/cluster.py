@@ -281,17 +281,21 @@ def collect_logs(paths: Paths, tail: int = 60) -> str:
 # ---------------------------------------------------------------- up and down
 
 
+def spawned_pids(paths: Paths) -> set[int]:
+    """The daemons `_spawn` started (their pid files)."""
+    pids = set()
+    for f in paths.pids.glob("*.spawn") if paths.pids.is_dir() else []:
+        try:
+            pids.add(int(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
 def kill_lab_processes(paths: Paths) -> bool:
     """SIGKILL every process of the lab: the daemons we spawned and anything still running in a
     lab network namespace (job steps, Ray, containers). slurmctld ignores SIGTERM while jobs run."""
-    victims: set[int] = set()
-    if paths.pids.is_dir():
-        for f in paths.pids.glob("*.spawn"):
-            try:
-                victims.add(int(f.read_text()))
-            except (OSError, ValueError):
-                pass
-    victims |= lab_pids(paths)
+    victims = spawned_pids(paths) | lab_pids(paths)
     for _ in range(50):
         alive = {p for p in victims if _alive(p)} | lab_pids(paths)
         if not alive:
@@ -418,14 +422,8 @@ def strays(paths: Paths | None = None) -> dict[int, str]:
     command line: what finished jobs left running (Ray daemons outlive a killed agent, since
     the lab's `proctrack/linuxproc` tracks no daemonized process)."""
     paths = paths or Paths()
-    daemons = set()
-    for f in paths.pids.glob("*.spawn") if paths.pids.is_dir() else []:
-        try:
-            daemons.add(int(f.read_text()))
-        except (OSError, ValueError):
-            pass
     found = {}
-    for pid in sorted(lab_pids(paths) - daemons):
+    for pid in sorted(lab_pids(paths) - spawned_pids(paths)):
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -99,8 +99,7 @@ class AgentRollout:
             self.tracer = Tracer(self.cfg, self.tokenizer, trace.store)
         ctx = self.context(server)
         outputs = runner(self._run_all(examples, params, ctx, trace))
-        if self.tracer.on:
-            self.tracer.flush()
+        self.tracer.flush()
         prompt_index = torch.arange(len(examples)).repeat_interleave(params.n)
         pad = self.tokenizer.pad_token_id
         batch = pack_outputs(outputs, prompt_index, pad, self.cfg.data.max_response_length,

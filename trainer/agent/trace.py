@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from trainer.mlflow_tracking import connect, tracking_uri
+from trainer.mlflow_tracking import connect
 
 if TYPE_CHECKING:
     from trainer.agent.base import TokenOutput, TokenServer, Tool
@@ -43,7 +43,7 @@ class Tracer:
     """The tracing of one rank's agent loops (no-op while `trace.backend` is null)."""
 
     def __init__(self, cfg: Config, tokenizer: Any, store: str | None) -> None:
-        """`store`: the tracking URI (the driver's, from its run directory)."""
+        """`store`: the tracking URI (the driver's, from its run directory); None leaves MLflow's own."""
         t = cfg.actor_rollout_ref.rollout.trace
         self.tokenizer = tokenizer
         self.token2text = bool(t.token2text)
@@ -51,8 +51,7 @@ class Tracer:
         self.experiment_name = cfg.trainer.experiment_name
         self.mlflow: Any = None
         if t.backend == "mlflow":
-            self.mlflow = connect("`actor_rollout_ref.rollout.trace.backend=mlflow`",
-                                  store or tracking_uri(cfg.trainer.run_dir or "."), cfg.trainer.project_name)
+            self.mlflow = connect("`actor_rollout_ref.rollout.trace.backend=mlflow`", store, cfg.trainer.project_name)
 
     @property
     def on(self) -> bool:
