@@ -22,7 +22,7 @@ VERL_VENV  ?= .venv-verl
 VERL_PY    := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.hpcrl-installed
 
-.PHONY: demo test test-fresh venv vllm-venv verl-venv lab-packages lint clean-lab docs
+.PHONY: demo test test-fresh venv vllm-venv verl-venv lab-packages disk-check lint clean-lab docs
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,7 +87,23 @@ lab-packages: $(STAMP)
 # and the verl stage. The node-failure scenario runs last, alone: it checks how fast a dead node
 # is noticed. Every stage runs even when another fails (a failure in one says nothing about the
 # others); the target fails if any did.
-test: lab-packages
+# Free disk, checked before anything is installed: a full disk midway fails pip with "No space
+# left on device" after minutes of work. Each virtualenv still to build takes about 3 GB; the run
+# itself (the lab's images and caches, the tests' temporaries, pip's unpacking) about DISK_RUN_GB.
+DISK_RUN_GB ?= 6
+disk-check:
+	@need=$(DISK_RUN_GB); for v in $(VENV) $(VLLM_VENV) $(VERL_VENV); do \
+		[ -f $$v/.hpcrl-installed ] || need=$$((need + 3)); done; \
+	for d in . "$${TMPDIR:-/tmp}"; do \
+		free=$$(( $$(df -Pk "$$d" | awk 'NR==2 {print $$4}') / 1048576 )); \
+		if [ "$$free" -lt "$$need" ]; then \
+			echo "make test: only $$free GB free on the filesystem of $$d ($$(df -P "$$d" | awk 'NR==2 {print $$6}')); this run needs about $$need GB" >&2; \
+			echo "  (3 GB per virtualenv still to build, $(DISK_RUN_GB) GB for the lab's images and the tests' temporaries)." >&2; \
+			echo "  Free space there (old run directories, kept 'make test-fresh' clones under $${TMPDIR:-/tmp}/hpcrl-fresh.*," >&2; \
+			echo "  'podman image prune'), or point TMPDIR at a larger filesystem." >&2; \
+			exit 1; fi; done
+
+test: disk-check lab-packages
 	@images=; if [ "$$(id -u)" = 0 ]; then \
 		mkdir -p $(VENV)/lab-images-home; \
 		HOME=$(CURDIR)/$(VENV)/lab-images-home $(PY) -m tests.lab images > $(VENV)/lab-images.log 2>&1 & images=$$!; fi; \

@@ -4,7 +4,9 @@
 # not in it), new virtualenvs, and every lab cache pointed at an empty directory, so that the
 # Podman image, Apptainer and the SIF are built again by the tests' own fixtures. The Debian
 # packages are not removed (apt is the machine's, not the lab's). Prints the wall time, set-up
-# included, and the exit status; removes the Podman image it made, keeps the clone for reading.
+# included, and the exit status; removes the Podman image it made. The clone (about 8 GB: three
+# virtualenvs, the lab's caches) is removed when the run passes and kept for reading when it fails
+# (HPCRL_FRESH_KEEP=1 keeps it either way): kept clones fill a disk that a later run needs.
 set -euo pipefail
 src="$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/hpcrl-fresh.XXXXXX")"
@@ -20,4 +22,11 @@ bash .ci/run < /dev/null || status=$?
 echo "fresh check: exit status $status after $(( $(date +%s) - start )) s, set-up included"
 image="$(python3 -c 'from tests.lab.config import IMAGE; print(IMAGE)')"
 podman image rm -f "$image" > /dev/null 2>&1 || true
+cd /
+if [ "$status" = 0 ] && [ "${HPCRL_FRESH_KEEP:-0}" != 1 ]; then
+    rm -rf "$work"
+    echo "fresh check: removed $work (HPCRL_FRESH_KEEP=1 keeps it)"
+else
+    echo "fresh check: kept $work for reading; remove it when done (about 8 GB)"
+fi
 exit "$status"
