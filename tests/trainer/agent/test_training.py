@@ -143,3 +143,87 @@ def check_traces_hold_the_sampled_turns(run_dir: Path, project: str, steps: int,
         assert sampled == sum(mask), name
         answered += 0 in mask
     assert answered  # the interaction's turns are in the traced responses, between the model's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mode"), [("hf", "sync"), pytest.param("vllm", "sync", marks=pytest.mark.vllm),
+                                            pytest.param("vllm", "async", marks=pytest.mark.vllm)])
+def test_a_tensor_parallel_engine_trains_multi_turn_rows(assets: Path, tmp_path: Path, monkeypatch, name: str,
+                                                         mode: str) -> None:
+    """Two Ray ranks forming one engine (`tensor_model_parallel_size=2`), every trajectory and its
+    interaction run by the first rank:
+
+    - `sync`: the HF engine's split copy, or vLLM's external launcher; the second rank makes the
+      same engine calls (`trainer.agent.servers.EngineLeader`) and generates the same tokens;
+    - `async`: one server-mode replica whose two workers are vLLM's processes, started by the
+      first rank over both ranks' devices; the second rank only takes part in the weight sync
+      (`trainer.rollout.vllm_server.ReplicaMember`) and generates nothing itself.
+
+    Either way turns line up and the run trains."""
+    import ray
+
+    from tests.trainer.test_distributed import no_ray_address
+
+    if name == "vllm":
+        from tests.trainer.rollout.vllm_support import require_vllm
+
+        require_vllm()
+    no_ray_address(monkeypatch)
+    cfg = load_config(interaction_run_overrides(
+        assets, tmp_path, f"actor_rollout_ref.rollout.name={name}", f"actor_rollout_ref.rollout.mode={mode}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"))
+    try:
+        driver = PPODriver(cfg)
+        kinds = [driver.actor_group.run_rank(rank, "rollout_kind") for rank in (0, 1)]
+        assert driver.fit() == 0
+        loops = [driver.actor_group.run_rank(rank, "runs_agent_loops") for rank in (0, 1)]
+    finally:
+        ray.shutdown()
+    assert loops == [True, False]  # only the engine's first rank loads the tools and runs loops
+    server = name == "vllm" and mode == "async"
+    assert kinds == (["ServerEngine", "ReplicaMember"] if server else
+                     ["VLLMRolloutEngine"] * 2 if name == "vllm" else ["HFRolloutEngine"] * 2)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["num_turns/max"] > 2, row
+        assert row["dp/rank_0/gen_rows"] == row["dp/rank_1/gen_rows"] == 4, row  # one engine: every prompt
+        assert row["dp/rank_0/gen_tokens"] > 0, row
+        # a collective engine's ranks generate alike; a replica's second rank drives no engine
+        assert row["dp/rank_1/gen_tokens"] == (0 if server else row["dp/rank_0/gen_tokens"]), row
+        assert row["training/rollout_probs_diff_max"] < 1e-3, row
+
+
+def test_a_traced_run_logs_its_metrics_and_every_trajectory_to_one_mlflow_store(assets: Path, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """verl's MLflow lines (`trainer.logger` with `mlflow`, `rollout.trace.backend=mlflow`) on a
+    real run of single-turn rows: the step's metrics and one trace per trajectory (the rows run
+    through `single_turn_agent` to be traced, as in verl) land in `<run_dir>/mlruns.db`."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # nothing may land in the working directory (MLflow's default)
+    toy = assets / "toy"
+    cfg = load_config([
+        f"data.train_files={toy / 'train.parquet'}", "data.max_prompt_length=24", "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={assets / 'model'}", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.device=cpu",
+        f"trainer.default_local_dir={tmp_path}", "trainer.logger=[jsonl,mlflow]", "trainer.save_freq=-1",
+        "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.project_name=proj",
+        "trainer.experiment_name=exp", "actor_rollout_ref.rollout.trace.backend=mlflow"])
+    assert PPODriver(cfg).fit() == 0
+    store = f"sqlite:///{tmp_path.resolve() / 'mlruns.db'}"
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("proj").experiment_id
+    (run,) = client.search_runs([experiment])
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.info.run_name == "exp" and run.data.metrics["actor/pg_loss"] == pytest.approx(row["actor/pg_loss"])
+    mlflow.set_tracking_uri(store)
+    traces = mlflow.search_traces(locations=[experiment], return_type="list")
+    assert len(traces) == 8  # 4 prompts x 2 samples, each its own trajectory
+    assert {t.info.tags["step"] for t in traces} == {"1"}
+    assert all(sorted(s.name for s in t.data.spans) == ["agent_loop", "generate"] for t in traces)
+    assert list(elsewhere.iterdir()) == [] and (tmp_path / "mlartifacts").is_dir()
