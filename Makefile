@@ -90,7 +90,7 @@ lab-packages: $(STAMP)
 # Free disk, checked before anything is installed: a full disk midway fails pip with "No space
 # left on device" after minutes of work. Each virtualenv still to build takes about 3 GB; the run
 # itself (the lab's images and caches, the tests' temporaries, pip's unpacking) about DISK_RUN_GB.
-DISK_RUN_GB ?= 4
+DISK_RUN_GB ?= 6
 disk-check:
 	@need=$(DISK_RUN_GB); for v in $(VENV) $(VLLM_VENV) $(VERL_VENV); do \
 		[ -f $$v/.hpcrl-installed ] || need=$$((need + 3)); done; \
