@@ -127,6 +127,17 @@ def signal_state():
 
 
 @pytest.fixture(autouse=True)
+def _replicas_closed():
+    """A server-mode vLLM replica a test left open (inside a driver it kept) is closed when the
+    test ends: its engine core would otherwise hold a process and its memory for the rest of the
+    session. Looked up only where the test imported it (vLLM is not in every venv)."""
+    yield
+    module = sys.modules.get("trainer.rollout.vllm_server")
+    if module is not None:
+        module.close_open_engines()
+
+
+@pytest.fixture(autouse=True)
 def private_home(session_home: Path, tmp_path_factory: pytest.TempPathFactory):
     """Each test's own empty HOME: whatever Ray (`~/.ray/auth_token`), pip or a library writes
     there is gone with the test and seen by no other test. The process environment is restored

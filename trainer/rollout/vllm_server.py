@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -57,7 +58,8 @@ if TYPE_CHECKING:
     from hpcrl.devices import WorkerDevice
     from trainer.config import Config
 
-__all__ = ["ReplicaMember", "ServerEngine", "VLLMServer", "replica_devices", "server_env", "server_mode"]
+__all__ = ["ReplicaMember", "ServerEngine", "VLLMServer", "close_open_engines", "replica_devices", "server_env",
+           "server_mode"]
 
 PackedBucket = list[tuple[str, str, list[int], bytes]]
 
@@ -371,6 +373,7 @@ class ServerEngine:
         # a replica left open blocks the interpreter's exit (its ZMQ context waits on sockets that
         # only its loop closes, see `VLLMServer.close`): close it at exit if nothing did before
         atexit.register(self.close)
+        _open_engines.add(self)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0,
@@ -400,3 +403,18 @@ class ServerEngine:
             self.server.close()
             self.loop.close()
         atexit.unregister(self.close)
+        _open_engines.discard(self)
+
+
+_open_engines: weakref.WeakSet[ServerEngine] = weakref.WeakSet()
+
+
+def close_open_engines() -> int:
+    """Close every replica of this process that is still open, as the exit would; return how many.
+    The tests call it after each test: a replica a test left open (a driver it kept) would
+    otherwise hold its engine core's process and memory to the session's end, and close at exit,
+    when vLLM's shutdown logging finds pytest's output streams closed."""
+    engines = list(_open_engines)
+    for engine in engines:
+        engine.close()
+    return len(engines)

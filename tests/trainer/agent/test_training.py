@@ -109,6 +109,10 @@ def test_vllm_engines_train_multi_turn_rows_whose_tokens_line_up(assets: Path, t
         assert row["training/rollout_probs_diff_max"] < 1e-4, row
     if traced:
         check_traces_hold_the_sampled_turns(tmp_path, cfg.trainer.project_name, steps=2, per_step=8)
+        from trainer.rollout.vllm_server import close_open_engines
+
+        # the driver's one replica is still open (the fixture `_replicas_closed` would close it)
+        assert close_open_engines() == 1 and close_open_engines() == 0
 
 
 def check_traces_hold_the_sampled_turns(run_dir: Path, project: str, steps: int, per_step: int) -> None:
