@@ -210,12 +210,17 @@ def allreduce_rank(rank: int, world: int, master: str, port: int, run_dir: str) 
 
 def generate_once(model: str, max_model_len: int = 256) -> str:
     """vLLM loads `model` and generates 8 tokens (on the GPU Ray gave this task; vLLM's CPU
-    backend where there is none)."""
+    backend where there is none), then shuts its engine down: the engine core and its workers are
+    processes of their own, which would otherwise hold the GPU's memory for as long as Ray keeps
+    this task's worker process (Ray reuses it for the checks that follow)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, gpu_memory_utilization=0.3)
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
-    return out[0].outputs[0].text
+    try:
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
+        return out[0].outputs[0].text
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def _per_node(fn: Any, nodes: Sequence[Mapping[str, Any]], *args: Any, gpus: int = 0) -> list[Any]:

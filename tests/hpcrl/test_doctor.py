@@ -186,11 +186,18 @@ def test_memory_plan_row_uses_the_gpus_found(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_vllm_generates_a_few_tokens(tiny_model_dir: Path) -> None:
-    """The doctor's vLLM check itself (`generate_once`), here on vLLM's CPU backend."""
+    """The doctor's vLLM check itself (`generate_once`), here on vLLM's CPU backend. It leaves no
+    engine process behind (`VLLM::EngineCore`, `VLLM::Worker`): in the doctor's Ray worker those
+    would hold the GPU's memory through the checks after it."""
     from tests.trainer.rollout.vllm_support import require_vllm
 
     require_vllm()
+    import psutil
+
     from hpcrl.doctor_check import generate_once
 
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     text = generate_once(str(tiny_model_dir), max_model_len=64)
     assert isinstance(text, str) and text, text
+    left = [p.name() for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not [name for name in left if name.startswith("VLLM::")], left
