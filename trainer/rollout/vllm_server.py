@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -371,8 +370,8 @@ class ServerEngine:
         self.server = server
         self.loop = asyncio.new_event_loop()
         # a replica left open blocks the interpreter's exit (its ZMQ context waits on sockets that
-        # only its loop closes, see `VLLMServer.close`): close it at exit if nothing did before
-        atexit.register(self.close)
+        # only its loop closes, see `VLLMServer.close`): held here and closed at exit
+        # (`close_open_engines`) if nothing did before
         _open_engines.add(self)
 
     @classmethod
@@ -402,11 +401,11 @@ class ServerEngine:
         if not self.loop.is_closed():
             self.server.close()
             self.loop.close()
-        atexit.unregister(self.close)
         _open_engines.discard(self)
 
 
-_open_engines: weakref.WeakSet[ServerEngine] = weakref.WeakSet()
+_open_engines: set[ServerEngine] = set()
+"""The replicas of this process not closed yet (held, so that none is collected unclosed)."""
 
 
 def close_open_engines() -> int:
@@ -418,3 +417,6 @@ def close_open_engines() -> int:
     for engine in engines:
         engine.close()
     return len(engines)
+
+
+atexit.register(close_open_engines)
