@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.trainer.agent.sandbox_support import ROOT, sandbox_python, small_limits
+from tests.trainer.agent.sandbox_support import ROOT, needs, sandbox_python, small_limits
 from trainer.agent.tools import AgentConfigError, PythonTool, load_tools
 from trainer.agent.tools.python_tool import KEYS, describe
 from trainer.agent.tools.sandbox import (
@@ -75,15 +76,38 @@ def test_a_flood_is_cut_and_told(tmp_path: Path) -> None:
 
 
 def test_the_metrics_say_which_isolation_held(tmp_path: Path) -> None:
-    _, _, metrics = call(tool(tmp_path), code="pass")
-    assert metrics["uid"] == (small_limits(tmp_path).uid if ROOT else os.getuid())
-    assert metrics["nproc_enforced"] == float(metrics["uid"] != 0)
-    assert metrics["network_isolated"] in (0.0, 1.0) and metrics["pid_namespace"] in (0.0, 1.0)
-    assert metrics["private_tmp"] in (0.0, 1.0)
-    if metrics["network_isolated"] == 0.0 or metrics["private_tmp"] == 0.0:
-        assert metrics["isolation_note"]  # never silently missing
-    else:
-        assert "isolation_note" not in metrics
+    _, _, metrics = call(tool(tmp_path), code="b = bytearray(30 << 20)\nfor i in range(0, len(b), 4096):\n"
+                         "    b[i] = 1\nimport time\ntime.sleep(0.3)")
+    assert metrics["uid"] == (small_limits(tmp_path).uid if ROOT else os.getuid()) and metrics["uid"] != 0
+    assert (metrics["sandbox_strict"], metrics["network_isolated"], metrics["pid_namespace"],
+            metrics["private_tmp"], metrics["memory_exceeded"]) == (1.0, 1.0, 1.0, 1.0, 0.0)
+    assert 30 < metrics["memory_peak_mib"] < 200, metrics
+    assert "isolation_note" not in metrics
+
+
+def test_a_site_that_names_rlimits_gets_it_and_the_metrics_say_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCRL_PYTHON_SANDBOX", "rlimits")
+    text, _, metrics = call(tool(tmp_path), code="print('ran')")
+    assert text == "ran\n"
+    assert (metrics["sandbox_strict"], metrics["network_isolated"], metrics["private_tmp"]) == (0.0, 0.0, 0.0)
+    assert "mode `rlimits` (named by the site)" in metrics["isolation_note"]
+
+
+def test_an_unknown_sandbox_mode_stops_the_tool_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCRL_PYTHON_SANDBOX", "off")
+    with pytest.raises(AgentConfigError, match=r"`HPCRL_PYTHON_SANDBOX=off` names no sandbox mode"):
+        tool(tmp_path)
+
+
+def test_a_call_over_its_memory_is_told(tmp_path: Path) -> None:
+    code = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
+            "        b = bytearray(100 << 20)\n        for i in range(0, len(b), 4096):\n            b[i] = 1\n"
+            "        time.sleep(20)\n        os._exit(0)\nos.wait()")
+    text, _, metrics = call(tool(tmp_path, memory_limit_mb=256, max_processes=8), code=code)
+    assert metrics["memory_exceeded"] == 1.0
+    assert re.fullmatch(r"error: the call's processes held \d+ MiB, over its memory limit of 256 MiB; "
+                        r"all were stopped", text), text
 
 
 def test_a_missing_argument_is_tool_text(tmp_path: Path) -> None:
@@ -98,7 +122,7 @@ def test_a_missing_argument_is_tool_text(tmp_path: Path) -> None:
     (None, False, False, "error: the process could not be collected"),
 ])
 def test_describe(returncode: int | None, timed_out: bool, truncated: bool, tail: str | None) -> None:
-    res = SandboxResult(b"out\n", b"", returncode, timed_out, truncated, 0.1, Isolation(()), "/w")
+    res = SandboxResult(b"out\n", b"", returncode, timed_out, truncated, 0.1, Isolation("strict", True), "/w")
     text = describe(res, SandboxLimits(cpu_time=30))
     assert text == "out\n" + (tail or "")
 
@@ -125,10 +149,25 @@ def test_config_values_reach_the_limits(tmp_path: Path) -> None:
     assert t.limits.allow_network and t.max_concurrency == 2
 
 
-@pytest.mark.skipif(not ROOT, reason="`user` applies only when the trainer runs as root")
 def test_an_unknown_user_is_refused(tmp_path: Path) -> None:
+    needs(ROOT, "`user` applies only when the trainer runs as root")
     with pytest.raises(AgentConfigError, match=r"`user: no-such-user-x` is not a user of this node"):
         tool(tmp_path, user="no-such-user-x")
+
+
+@pytest.mark.parametrize("user", [None, "root", 0])
+def test_a_root_trainer_never_runs_the_code_as_root(tmp_path: Path, user: Any) -> None:
+    needs(ROOT, "`user` applies only when the trainer runs as root")
+    with pytest.raises(AgentConfigError, match=r"(would run the model's code as root|is root); .*"
+                                               r"`user: nobody`"):
+        tool(tmp_path, user=user)
+
+
+def test_a_sandbox_that_cannot_be_set_up_is_told(tmp_path: Path) -> None:
+    res = SandboxResult(b"", b"", 125, False, False, 0.1, Isolation("strict", True), "/w",
+                        report={"setup_error": "unshare(user, ...): Operation not permitted (errno 1)"})
+    assert describe(res, SandboxLimits()) == ("error: the sandbox could not be set up (unshare(user, ...): "
+                                              "Operation not permitted (errno 1))")
 
 
 def test_an_interpreter_that_cannot_run_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -15,21 +15,23 @@ from typing import Any, ClassVar
 from trainer.agent.base import Tool, ToolResponse
 from trainer.agent.tools.loading import AgentConfigError, check_config_keys, function_schema
 from trainer.agent.tools.sandbox import (
+    SandboxError,
     SandboxLimits,
     SandboxResult,
-    check_interpreter,
-    isolation,
+    probe,
     run_python,
+    sandbox_mode,
 )
 
 __all__ = ["PythonTool", "describe"]
 
-_LIMIT_KEYS = {f.name: f.default for f in fields(SandboxLimits) if f.name not in ("uid", "gid")}
+_LIMIT_KEYS = {f.name: f.default for f in fields(SandboxLimits) if f.name not in ("uid", "gid", "mode")}
 KEYS: dict[str, Any] = {**_LIMIT_KEYS, "user": "nobody", "max_concurrency": 8}
 """The config keys and their defaults: :class:`~trainer.agent.tools.sandbox.SandboxLimits`'
 fields (`timeout` seconds of wall clock, `cpu_time` seconds, `memory_limit_mb`, ...), `user`
-(whom the code runs as when the trainer is root; null: root itself) and `max_concurrency`
-(runs at once in one process)."""
+(whom the code runs as when the trainer is root: the sandbox is built as that user) and
+`max_concurrency` (runs at once in one process). The sandbox's mode is the site's to weaken
+(`HPCRL_PYTHON_SANDBOX`, :func:`~trainer.agent.tools.sandbox.sandbox_mode`), never a tool file's."""
 
 
 def _checked(key: str, value: Any) -> Any:
@@ -51,14 +53,26 @@ def _checked(key: str, value: Any) -> Any:
 
 def _limits(config: dict[str, Any]) -> SandboxLimits:
     values = {k: _checked(k, config[k]) for k in _LIMIT_KEYS if config.get(k) is not None}
+    try:
+        values["mode"] = sandbox_mode()
+    except SandboxError as e:
+        raise AgentConfigError(str(e)) from e
     user = config.get("user", KEYS["user"])
-    if os.geteuid() == 0 and user is not None:
+    if os.geteuid() == 0:
+        if user is None:
+            raise AgentConfigError(
+                "`PythonTool` config: `user: null` would run the model's code as root; the "
+                "trainer runs as root here, so name the unprivileged user the sandbox is built as "
+                "(`user: nobody`, the default)")
         try:
             entry = pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(str(user))
         except KeyError as e:
             raise AgentConfigError(f"`PythonTool` config: `user: {user}` is not a user of this "
-                                   f"node; name one (`nobody`), or null to run the code as "
-                                   f"root") from e
+                                   f"node; name one (`nobody`, the default)") from e
+        if entry.pw_uid == 0:
+            raise AgentConfigError(f"`PythonTool` config: `user: {user}` is root; name the "
+                                   "unprivileged user the sandbox is built as (`user: nobody`, "
+                                   "the default)")
         values.update(uid=entry.pw_uid, gid=entry.pw_gid)
     return SandboxLimits(**values)
 
@@ -71,6 +85,12 @@ def describe(res: SandboxResult, limits: SandboxLimits) -> str:
         why = f"timed out after {limits.timeout:g} s; the process was stopped"
     elif res.output_truncated:
         why = f"output passed {limits.max_output_bytes} bytes; the process was stopped"
+    elif res.setup_error is not None:
+        why = f"the sandbox could not be set up ({res.setup_error})"
+    elif res.memory_exceeded:
+        held = int(res.report.get("held_bytes", 0)) >> 20  # type: ignore[call-overload]
+        why = (f"the call's processes held {held} MiB, over its memory limit of "
+               f"{limits.memory_limit_mb} MiB; all were stopped")
     elif res.returncode is None:
         why = "the process could not be collected"
     elif res.signal is not None:
@@ -98,8 +118,10 @@ class PythonTool(Tool):
         check_config_keys("`PythonTool`", config, KEYS)
         super().__init__(config, tool_schema or self.default_schema)
         self.limits = _limits(config)
-        check_interpreter(self.limits.python, self.limits.uid, self.limits.gid)
-        isolation(self.limits.allow_network)  # probed here, at load, not inside the event loop
+        try:  # built once here, at load, not inside the event loop: refused if it cannot hold
+            probe(self.limits)
+        except SandboxError as e:
+            raise AgentConfigError(str(e)) from e
         self.max_concurrency = int(config.get("max_concurrency") or KEYS["max_concurrency"])
         self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
@@ -124,9 +146,10 @@ class PythonTool(Tool):
             "exit_code": res.returncode, "timed_out": float(res.timed_out),
             "output_truncated": float(res.output_truncated), "wall_s": res.wall_s,
             "network_isolated": float(iso.network), "pid_namespace": float(iso.pid_namespace),
-            "private_tmp": float(iso.private_tmp),
-            "uid": self.limits.uid if self.limits.uid is not None else os.getuid(),
-            "nproc_enforced": float((self.limits.uid or os.getuid()) != 0)}
+            "private_tmp": float(iso.private_tmp), "sandbox_strict": float(iso.mode == "strict"),
+            "memory_exceeded": float(res.memory_exceeded),
+            "memory_peak_mib": int(res.report.get("peak_bytes", 0)) / 2**20,  # type: ignore[call-overload]
+            "uid": self.limits.uid if self.limits.uid is not None else os.getuid()}
         if iso.note:
             metrics["isolation_note"] = iso.note
         return ToolResponse(text=describe(res, self.limits)), None, metrics

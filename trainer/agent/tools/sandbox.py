@@ -1,36 +1,26 @@
-"""Running untrusted Python code in a bounded child process, without blocking the event loop.
+"""Running untrusted Python code in a sandbox of its own, without blocking the event loop.
 
-The child is `python -I` (the configured interpreter, by default the trainer's, in isolated
-mode) started through a small launcher:
+The code runs in `python -I` (the configured interpreter, by default the trainer's) under the
+launcher of :mod:`trainer.agent.tools.sandbox_launch`, whose docstring says step by step what
+each mode builds. In short:
 
-- **namespaces**: through `unshare --pid --fork --kill-child` and, unless the network is allowed,
-  `--net` (a network namespace holds only a downed loopback: nothing is reachable). As root
-  that is plain `unshare`; otherwise a user namespace (`--user --map-root-user`) is tried. Which
-  of these worked is probed once per process and reported with every result: no isolation is
-  claimed that was not obtained. In a pid namespace the launcher is pid 1: when it ends, the
-  kernel kills everything the code started, daemons included;
-- **a lower user**: when the trainer runs as root, the launcher drops to `uid` (the python
-  tool's `user`, `nobody`) before the code runs, so that the code cannot touch the trainer's
-  files or processes, and so that `RLIMIT_NPROC` (which root ignores) binds; that user must be
-  able to read the interpreter (:func:`check_interpreter`);
-- **rlimits**: CPU seconds (SIGXCPU, then SIGKILL a second later), address space, file size,
-  open files, no core files, and tasks (`RLIMIT_NPROC` counts every task of the user on the
-  node, so the limit is the user's tasks at start plus `max_processes`; in a user namespace,
-  where Linux >= 5.14 counts that namespace's tasks alone, `max_processes` itself);
-- **the launcher forks** and the code runs in the child, so the code's parent is the launcher,
-  never the trainer; the environment is cleared before the code runs (`os.environ` is empty);
-- **private temporary space**: with a mount namespace too (`--mount`), `/tmp`, `/var/tmp` and
-  `/dev/shm` are fresh tmpfs of `max_tmp_bytes` each, and so is the working directory (its
-  `main.py` copied in at the same path): whatever the code writes there is bounded, never
-  reaches the node's disks or other jobs' files, and vanishes with the run. Without one, the
-  code's user may write where the node lets it (the result's `isolation.note` says so);
-- a private working directory (removed afterwards), stdin empty (`/dev/null`), stdout and
-  stderr read as they come and capped: past `max_output_bytes` on either, the process is stopped;
-- a wall-clock timeout kills the whole process group (the child is a session leader).
+- **`strict`** (the default) is built with only what an ordinary user may do, so that it holds
+  the same when the trainer is an ordinary user (as nearly every Slurm job runs) and when it is
+  root (which first drops to the tool's `user`): new user, mount, pid, IPC, UTS, cgroup and
+  network namespaces; a new read-only root holding the system directories, the interpreter's
+  own paths (read-only) and one scratch tmpfs of `max_tmp_bytes` for `/tmp`, `/var/tmp`,
+  `/dev/shm` and the working directory; its own `/proc`; no capabilities, `no_new_privs`, no
+  nested user namespaces; the whole call's memory held under `memory_limit_mb` by its pid 1.
+  The job's home, run directory, checkpoints, Unix sockets and other users' processes are not
+  there to reach. Where the node cannot build it, the tool refuses to start and says why.
+- **`rlimits`**, which a site names to accept less where the node grants no unprivileged user
+  namespaces (`HPCRL_PYTHON_SANDBOX=rlimits`, in the site profile's `env:`): rlimits per
+  process, a lower user when the trainer is root, and nothing else: the code reads and writes
+  wherever its user may and reaches the network.
 
-Without a pid namespace (no `unshare`), what escaped the process group is looked for by its
-command line (the launcher's forks) and killed; a program the code started with `exec` in a new
-session is not found, and outlives the run. The result's `isolation.note` says when this holds.
+In both, a wall-clock timeout kills the whole process group, stdout and stderr are capped, the
+environment is empty and stdin is `/dev/null`. Without a pid namespace (`rlimits`), what escaped
+the process group is looked for by its command line (the launcher's forks) and killed.
 """
 
 from __future__ import annotations
@@ -45,103 +35,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Isolation", "SandboxError", "SandboxLimits", "SandboxResult", "check_interpreter", "isolation",
-           "run_python"]
+__all__ = ["MODES", "MODE_ENV", "Isolation", "SandboxError", "SandboxLimits", "SandboxResult",
+           "check_interpreter", "isolation", "probe", "run_python", "sandbox_mode"]
 
-LAUNCHER = r"""
-import json, os, resource, sys, traceback
-spec = json.loads(sys.argv[1])
-
-def user_tasks(uid):
-    n = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.stat("/proc/" + pid).st_uid == uid:
-                    n += len(os.listdir("/proc/" + pid + "/task"))
-            except OSError:
-                pass
-    return n
-
-def limit(res, soft, hard):  # never above the hard limit the node already set
-    now = resource.getrlimit(res)[1]
-    if now != resource.RLIM_INFINITY:
-        soft, hard = min(soft, now), min(hard, now)
-    resource.setrlimit(res, (soft, hard))
-
-uid = os.getuid() if spec["uid"] is None else spec["uid"]
-if spec["private_tmp"]:  # in our own mount namespace, still root in it: fresh bounded tmpfs
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def tmpfs(target, mode, owner=None):
-        opts = "size=%d,mode=%s" % (spec["tmp_bytes"], mode)
-        if owner is not None:
-            opts += ",uid=%d,gid=%d" % owner
-        if libc.mount(b"tmpfs", target.encode(), b"tmpfs", 2 | 4, opts.encode()):  # nosuid, nodev
-            err = ctypes.get_errno()
-            raise OSError(err, "mount a tmpfs on %s: %s" % (target, os.strerror(err)))
-
-    with open("main.py", "rb") as f:
-        main = f.read()
-    here = os.getcwd()
-    for shared in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(shared) and not os.path.islink(shared):
-            tmpfs(shared, "1777")
-    os.umask(0o022)  # the working directory's parents, recreated in the new /tmp, stay traversable
-    os.makedirs(here, exist_ok=True)
-    tmpfs(here, "0700", None if spec["uid"] is None else (spec["uid"], spec["gid"]))
-    os.chdir(here)
-    with open("main.py", "wb") as f:
-        f.write(main)
-    if spec["uid"] is not None:
-        os.chown("main.py", spec["uid"], spec["gid"])
-    del libc, tmpfs, main, here
-for name, (soft, hard) in spec["rlimits"].items():
-    limit(getattr(resource, "RLIMIT_" + name), soft, hard)
-# RLIMIT_NPROC counts the user's tasks (the launcher's among them once it runs as that user);
-# in a new user namespace (Linux >= 5.14) only those of that namespace, `unshare` and the
-# launcher: try that bound first, and if even the launcher cannot fork (an older kernel counting
-# every task of the user), count the user's tasks on the node
-loose = user_tasks(uid) + (spec["uid"] is not None) + spec["max_processes"]
-strict = 2 + spec["max_processes"] if spec["userns"] else loose
-limit(resource.RLIMIT_NPROC, strict, max(strict, loose))
-if spec["uid"] is not None:
-    os.setgroups([])
-    os.setgid(spec["gid"])
-    os.setuid(spec["uid"])
-os.umask(0o077)
-try:
-    pid = os.fork()
-except BlockingIOError:
-    limit(resource.RLIMIT_NPROC, loose, loose)
-    pid = os.fork()
-else:
-    if pid == 0:
-        limit(resource.RLIMIT_NPROC, strict, strict)
-if pid:
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    os._exit(code if code >= 0 else 128 - code)
-os.environ.clear()
-sys.argv = ["main.py"]
-sys.stdout.reconfigure(line_buffering=True)
-with open("main.py", encoding="utf-8") as f:
-    source = f.read()
-code_globals = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
-del spec, f, pid, uid, loose, strict
-try:
-    exec(compile(source, "main.py", "exec"), code_globals)
-except SystemExit:
-    raise
-except BaseException as e:
-    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-    sys.exit(1)
-"""
+MODES = ("strict", "rlimits")
+"""The sandbox's modes, strongest first."""
+MODE_ENV = "HPCRL_PYTHON_SANDBOX"
+"""The variable by which a site (its profile's `env:`) names a weaker mode than `strict`."""
+LAUNCHER = Path(__file__).with_name("sandbox_launch.py").read_text(encoding="utf-8")
 """Run as `python -I -c LAUNCHER SPEC` in the working directory holding `main.py` (SPEC names
 it too, so that every process of a run can be found by its command line)."""
+
+
+def sandbox_mode() -> str:
+    """The mode the site named in `HPCRL_PYTHON_SANDBOX`, else `strict`."""
+    mode = os.environ.get(MODE_ENV, "").strip() or "strict"
+    if mode not in MODES:
+        raise SandboxError(f"`{MODE_ENV}={mode}` names no sandbox mode; use one of {', '.join(MODES)} "
+                           "(docs/agent-loops.md, 'The python tool's sandbox')")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -151,9 +66,10 @@ class SandboxLimits:
     timeout: float = 30.0
     """Wall-clock seconds before the process group is killed."""
     cpu_time: int = 30
-    """RLIMIT_CPU seconds (SIGXCPU)."""
+    """RLIMIT_CPU seconds of each process (SIGXCPU)."""
     memory_limit_mb: int = 1024
-    """RLIMIT_AS, MiB of address space."""
+    """MiB the whole call may hold (`strict`: every process of it together, its memfd files and
+    shared memory, summed by its pid 1 every 20 ms); also each process's RLIMIT_AS."""
     max_file_bytes: int = 16 << 20
     """RLIMIT_FSIZE: the largest file the code may write."""
     max_output_bytes: int = 64 << 10
@@ -163,41 +79,40 @@ class SandboxLimits:
     max_open_files: int = 64
     """RLIMIT_NOFILE."""
     max_tmp_bytes: int = 64 << 20
-    """Size of each private tmpfs (the working directory, `/tmp`, `/var/tmp`, `/dev/shm`) where
-    the node grants a mount namespace."""
+    """`strict`: the size of the one scratch tmpfs that holds the working directory, `/tmp`,
+    `/var/tmp` and `/dev/shm` together."""
     allow_network: bool = False
-    """Run without a network namespace."""
+    """Run without a network namespace (`strict` only: `rlimits` never isolates the network)."""
     uid: int | None = None
-    """The user the code runs as (when the trainer is root); None: the trainer's user."""
+    """The user the code runs as when the trainer is root; None: the trainer's user."""
     gid: int | None = None
     python: str = sys.executable
     """The interpreter that runs the code (in isolated mode, `-I`)."""
     tmp_dir: str | None = None
     """Where the private working directories are made (None: the system's temporary directory)."""
+    mode: str = "strict"
+    """`strict` or `rlimits` (:data:`MODES`): see the module's docstring."""
 
 
 @dataclass(frozen=True)
 class Isolation:
-    """The namespaces obtained for runs with or without network."""
+    """What a run's sandbox held."""
 
-    prefix: tuple[str, ...]
-    """The `unshare ...` words put before the command (empty: none obtained)."""
+    mode: str
+    network: bool
+    """The network was out of reach (a network namespace with only loopback in it)."""
     note: str = ""
-    """Why isolation is missing, when it is."""
-
-    @property
-    def network(self) -> bool:
-        return "--net" in self.prefix
+    """What is missing, when something is."""
 
     @property
     def pid_namespace(self) -> bool:
-        return "--pid" in self.prefix
+        return self.mode == "strict"
 
     @property
     def private_tmp(self) -> bool:
-        """A mount namespace: the working directory and the temporary directories are tmpfs of
-        the run's own."""
-        return "--mount" in self.prefix
+        """The working directory and the temporary directories are the run's own tmpfs, and the
+        node's files are out of sight but for the read-only system and interpreter paths."""
+        return self.mode == "strict"
 
 
 @dataclass
@@ -214,6 +129,9 @@ class SandboxResult:
     wall_s: float
     isolation: Isolation
     workdir: str
+    report: dict[str, object] = field(default_factory=dict)
+    """What the sandbox's pid 1 said: `peak_bytes`, or `killed: memory` with `held_bytes` and
+    `limit_bytes`, or `setup_error`."""
 
     @property
     def signal(self) -> int | None:
@@ -225,73 +143,50 @@ class SandboxResult:
             return -rc
         return rc - 128 if 128 < rc < 128 + 65 else None
 
+    @property
+    def memory_exceeded(self) -> bool:
+        return self.report.get("killed") == "memory"
 
-_ISOLATION: dict[bool, Isolation] = {}
-_USABLE: set[tuple[str, int | None]] = set()
+    @property
+    def setup_error(self) -> str | None:
+        error = self.report.get("setup_error")
+        return None if error is None else str(error)
+
+
+_INTERPRETERS: dict[tuple[str, int | None], tuple[str, ...]] = {}
+_PROBED: dict[tuple[object, ...], str] = {}
 
 
 class SandboxError(RuntimeError):
     """The sandbox cannot run code as configured on this node."""
 
 
-def _unshare_words(allow_network: bool, mount: bool = True) -> tuple[str, ...]:
-    words = ["unshare"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user"]
-    words += ["--pid", "--fork", "--kill-child"] + (["--mount"] if mount else [])
-    if not allow_network:
-        words.append("--net")
-    return tuple(words)
+def isolation(limits: SandboxLimits) -> Isolation:
+    """What a run under `limits` holds (the mode's promise; :func:`probe` checks it on the node)."""
+    if limits.mode == "strict":
+        return Isolation("strict", network=not limits.allow_network,
+                         note="" if not limits.allow_network else "the network is allowed")
+    return Isolation("rlimits", network=False, note=(
+        "mode `rlimits` (named by the site): no namespaces; the code reads and writes wherever "
+        "its user may, sees the node's processes and sockets, and reaches the network"))
 
 
-#: The probe of a mount namespace: a tmpfs mounted on /tmp inside it (util-linux's `unshare`
-#: makes the namespace's mounts private: nothing reaches the node's).
-_PROBE_MOUNT = ("import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                "if libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 6, b'size=1m'):\n"
-                "    sys.exit('mount: errno %d' % ctypes.get_errno())")
+_PATHS = ("import json, os, sys\nprint(json.dumps([sys.prefix, sys.exec_prefix, sys.base_prefix, "
+          "sys.base_exec_prefix, os.path.dirname(os.path.abspath(sys.executable))] + "
+          "[p for p in sys.path if p]))")
 
 
-def _probe(words: tuple[str, ...], code: str) -> tuple[bool, str]:
-    try:
-        res = subprocess.run([*words, sys.executable, "-I", "-S", "-c", code], env={},
-                             stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-        return res.returncode == 0, res.stderr.decode(errors="replace").strip()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return False, str(e)
-
-
-def isolation(allow_network: bool) -> Isolation:
-    """The namespaces this node grants (probed once per process for each `allow_network`): pid,
-    network unless allowed, and mount (private temporary space) where a tmpfs can be mounted in
-    it; without the last, the others alone, said in the note."""
-    if allow_network in _ISOLATION:
-        return _ISOLATION[allow_network]
-    if shutil.which("unshare") is None:
-        found = Isolation((), "`unshare` (util-linux) is not installed: no pid, network or mount isolation")
-    else:
-        words = _unshare_words(allow_network)
-        ok, err = _probe(words, _PROBE_MOUNT)
-        if ok:
-            found = Isolation(words)
-        else:
-            plain = _unshare_words(allow_network, mount=False)
-            ok, err2 = _probe(plain, "pass")
-            found = Isolation(plain, (
-                f"no mount namespace (`{' '.join(words)}` with a tmpfs: {err}): the code may write to "
-                "the node's temporary directories")) if ok else Isolation((), (
-                f"`{' '.join(plain)}` failed on this node ({err2}): no pid, network or mount isolation"))
-    _ISOLATION[allow_network] = found
-    return found
-
-
-def check_interpreter(python: str, uid: int | None, gid: int | None) -> None:
-    """Refuse an interpreter that cannot import its standard library as user `uid` (a Python
-    under a home only its owner can read, say), naming the fix. Checked once per pair."""
-    if (python, uid) in _USABLE:
-        return
+def check_interpreter(python: str, uid: int | None, gid: int | None) -> tuple[str, ...]:
+    """The paths `python` needs (prefixes and import path), checked by running it as user `uid`;
+    refuse an interpreter that user cannot run (a Python under a home only its owner can read,
+    say), naming the fix. Checked once per pair."""
+    if (python, uid) in _INTERPRETERS:
+        return _INTERPRETERS[(python, uid)]
     as_user = {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
     try:
-        res = subprocess.run([python, "-I", "-c", "import json, socket, subprocess"], env={},
-                             cwd="/", stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
-                             **as_user)
+        res = subprocess.run([python, "-I", "-c", "import json, socket, subprocess\n" + _PATHS],
+                             env={}, cwd="/", stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=60, **as_user)
         ok, why = res.returncode == 0, res.stderr.decode(errors="replace").strip()[-300:]
     except (OSError, subprocess.SubprocessError) as e:
         ok, why = False, str(e)
@@ -299,17 +194,60 @@ def check_interpreter(python: str, uid: int | None, gid: int | None) -> None:
         who = "this user" if uid is None else f"uid {uid}"
         raise SandboxError(
             f"python tool: `{python}` cannot run as {who} ({why}); set the tool's `python:` to "
-            f"an interpreter that user can read (e.g. `/usr/bin/python3`)"
-            + ("" if uid is None else ", or `user: null` to run the code as root (weaker: root "
-               "ignores RLIMIT_NPROC and may write wherever root may)"))
-    _USABLE.add((python, uid))
+            f"an interpreter that user can read (e.g. `/usr/bin/python3`)")
+    paths = tuple(json.loads(res.stdout))
+    _INTERPRETERS[(python, uid)] = paths
+    return paths
+
+
+#: What :func:`probe` runs in the sandbox: the claims of `strict`, checked from inside.
+_PROBE_STRICT = r"""
+import ctypes, os, socket
+status = dict(line.split(':\t', 1) for line in open('/proc/self/status').read().splitlines() if ':\t' in line)
+bad = [k for k in ('CapEff', 'CapPrm', 'CapBnd', 'CapInh', 'CapAmb') if int(status[k], 16)]
+bad += [] if status.get('NoNewPrivs', '0').strip() == '1' else ['NoNewPrivs']
+libc = ctypes.CDLL(None, use_errno=True)
+bad += [] if libc.unshare(0x10000000) else ['a nested user namespace could be created']
+bad += [] if libc.umount2(b'/tmp', 2) else ['/tmp could be unmounted']
+bad += [] if sorted(p for p in os.listdir('/proc') if p.isdigit()) == ['1', str(os.getpid())] else [
+    'processes outside the sandbox are visible']
+print('ok' if not bad else 'NOT HELD: ' + '; '.join(bad))
+"""
+
+
+def probe(limits: SandboxLimits) -> None:
+    """Build the sandbox once and check from inside what its mode promises; raise
+    :class:`SandboxError` naming what failed and the fix. Cached per interpreter, user, mode and
+    network setting."""
+    key = (limits.python, limits.uid, limits.mode, limits.allow_network, limits.tmp_dir)
+    if key in _PROBED:
+        return
+    if limits.mode not in MODES:
+        raise SandboxError(f"sandbox mode `{limits.mode}` is none of {', '.join(MODES)}")
+    code = _PROBE_STRICT if limits.mode == "strict" else "print('ok')"
+    probe_limits = SandboxLimits(**{**limits.__dict__, "timeout": 60, "memory_limit_mb": max(
+        limits.memory_limit_mb, 256)})
+    res = asyncio.run(run_python(code, probe_limits))
+    said = (res.stdout + res.stderr).decode(errors="replace").strip()
+    if said == "ok" and res.returncode == 0:
+        _PROBED[key] = said
+        return
+    why = res.setup_error or said[-500:] or f"exit status {res.returncode}"
+    raise SandboxError(
+        f"python tool: the `{limits.mode}` sandbox cannot be built on this node: {why}. "
+        + ("It needs unprivileged user namespaces (`sysctl user.max_user_namespaces` above 0; on "
+           "Ubuntu also `kernel.apparmor_restrict_unprivileged_userns=0`) and a /proc that is not "
+           "masked (a container runtime's masked /proc: podman `--security-opt unmask=/proc/*`). "
+           f"Ask the site's admins for these, or accept weaker isolation by naming it: "
+           f"`{MODE_ENV}: rlimits` in the site profile's `env:` (docs/agent-loops.md, 'The "
+           "python tool's sandbox', says what each mode holds)" if limits.mode == "strict" else ""))
 
 
 def _make_workdir(code: str, limits: SandboxLimits) -> str:
     workdir = tempfile.mkdtemp(prefix="hpcrl-python-", dir=limits.tmp_dir)
     main = Path(workdir, "main.py")
     main.write_text(code, encoding="utf-8")
-    if limits.uid is not None:  # the code's user owns both, whatever the trainer's umask
+    if limits.uid is not None and os.geteuid() == 0:  # the code's user owns both, whatever the umask
         for path in (workdir, main):
             os.chown(path, limits.uid, limits.gid if limits.gid is not None else -1)
     return workdir
@@ -335,16 +273,27 @@ def _remove(workdir: str) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _spec(limits: SandboxLimits, workdir: str, iso: Isolation) -> str:
+def _cap_last_cap() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        return 40
+
+
+def _spec(limits: SandboxLimits, workdir: str, status_fd: int) -> str:
     rlimits = {"CPU": (limits.cpu_time, limits.cpu_time + 1),
                "AS": (limits.memory_limit_mb << 20,) * 2,
                "FSIZE": (limits.max_file_bytes,) * 2,
                "NOFILE": (limits.max_open_files,) * 2,
+               "MSGQUEUE": (0, 0),
                "CORE": (0, 0)}
-    return json.dumps({"rlimits": rlimits, "max_processes": limits.max_processes,
-                       "uid": limits.uid, "gid": limits.gid, "workdir": workdir,
-                       "userns": "--user" in iso.prefix, "private_tmp": iso.private_tmp,
-                       "tmp_bytes": limits.max_tmp_bytes})
+    uid = limits.uid if os.geteuid() == 0 else None
+    paths = check_interpreter(limits.python, uid, limits.gid) if limits.mode == "strict" else ()
+    return json.dumps({"mode": limits.mode, "rlimits": rlimits, "max_processes": limits.max_processes,
+                       "uid": uid, "gid": limits.gid, "workdir": workdir,
+                       "allow_network": limits.allow_network, "tmp_bytes": limits.max_tmp_bytes,
+                       "memory_bytes": limits.memory_limit_mb << 20, "ro_paths": list(paths),
+                       "status_fd": status_fd, "cap_last_cap": _cap_last_cap()})
 
 
 class _Collect(asyncio.SubprocessProtocol):
@@ -391,24 +340,46 @@ def _killpg(pgid: int) -> None:
         pass
 
 
+def _read_report(fd: int) -> dict[str, object]:
+    """The JSON lines pid 1 (or the launcher) wrote on the status pipe, merged."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    report: dict[str, object] = {}
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        try:
+            report.update(json.loads(line))
+        except ValueError:
+            pass
+    return report
+
+
 async def run_python(code: str, limits: SandboxLimits) -> SandboxResult:
     """Run `code` under `limits`; never raises for anything the code does (the caller checks
-    :func:`check_interpreter` once before)."""
-    iso = isolation(limits.allow_network)
+    :func:`probe` once before)."""
     workdir = await asyncio.to_thread(_make_workdir, code, limits)
     try:
-        return await _run(iso, workdir, limits)
+        return await _run(isolation(limits), workdir, limits)
     finally:
         await asyncio.to_thread(_remove, workdir)
 
 
 async def _run(iso: Isolation, workdir: str, limits: SandboxLimits) -> SandboxResult:
     start = time.monotonic()
-    transport, proto = await asyncio.get_running_loop().subprocess_exec(
-        lambda: _Collect(limits.max_output_bytes),
-        *iso.prefix, limits.python, "-I", "-c", LAUNCHER, _spec(limits, workdir, iso), cwd=workdir,
-        env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True)
+    read_end, write_end = os.pipe()
+    try:
+        spec = await asyncio.to_thread(_spec, limits, workdir, write_end)
+        transport, proto = await asyncio.get_running_loop().subprocess_exec(
+            lambda: _Collect(limits.max_output_bytes),
+            limits.python, "-I", "-c", LAUNCHER, spec, cwd=workdir, env={},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
     try:
         waits = [asyncio.create_task(proto.exited.wait()), asyncio.create_task(proto.full.wait())]
         done, _ = await asyncio.wait(waits, timeout=limits.timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -424,6 +395,8 @@ async def _run(iso: Isolation, workdir: str, limits: SandboxLimits) -> SandboxRe
                 pass
         return SandboxResult(bytes(proto.kept[1]), bytes(proto.kept[2]), transport.get_returncode(),
                              timed_out=not done, output_truncated=proto.full.is_set(),
-                             wall_s=time.monotonic() - start, isolation=iso, workdir=workdir)
+                             wall_s=time.monotonic() - start, isolation=iso, workdir=workdir,
+                             report=_read_report(read_end))
     finally:
         transport.close()
+        os.close(read_end)
