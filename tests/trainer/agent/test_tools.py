@@ -19,6 +19,8 @@ from trainer.agent.tools import (
     AgentConfigError,
     CalculatorTool,
     Gsm8kTool,
+    SandboxFusionTool,
+    SearchTool,
     load_tools,
 )
 from trainer.agent.tools.calculator import CalculatorError, evaluate, format_number
@@ -48,18 +50,17 @@ tools:
 """
 
 # verl's `search_tool_config.yaml`: a verl tool with no port here.
-VERL_SEARCH_TOOL_CONFIG = """\
+VERL_GEO3K_TOOL_CONFIG = """\
 tools:
-  - class_name: verl.tools.search_tool.SearchTool
+  - class_name: verl.tools.geo3k_tool.Geo3kTool
     config:
-      retrieval_service_url: http://127.0.0.1:8000/retrieve
       type: native
     tool_schema:
       type: function
       function:
-        name: search
-        description: Searches the web.
-        parameters: {type: object, properties: {query_list: {type: array}}, required: [query_list]}
+        name: calc_geo3k_reward
+        description: A tool for calculating the reward of geo3k.
+        parameters: {type: object, properties: {answer: {type: string}}, required: [answer]}
 """
 
 SCHEMA = {"type": "function", "function": {"name": "echo", "description": "Echo.",
@@ -102,12 +103,13 @@ def test_verls_gsm8k_tool_config_loads_unchanged(tmp_path: Path) -> None:
 
 def test_another_verl_class_is_refused_by_name_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(AgentConfigError) as err:
-        load_tools(write(tmp_path, VERL_SEARCH_TOOL_CONFIG))
+        load_tools(write(tmp_path, VERL_GEO3K_TOOL_CONFIG))
     msg = str(err.value)
-    assert "`verl.tools.search_tool.SearchTool` has no port here" in msg
+    assert "`verl.tools.geo3k_tool.Geo3kTool` has no port here" in msg
     assert "`verl.tools.gsm8k_tool.Gsm8kTool`" in msg and "trainer.agent.tools.gsm8k.Gsm8kTool" in msg
     assert "subclass of `trainer.agent.base.Tool`" in msg
     assert "`trainer.agent.tools.python_tool.PythonTool`" in msg and "SandboxFusionTool" in msg
+    assert "verl.tools.search_tool.SearchTool" in msg  # listed among the ports
     assert str(tmp_path / "tools.yaml") in msg and "tools[0]" in msg
 
 
@@ -233,7 +235,9 @@ def test_interpolations_are_resolved_as_verl_does(tmp_path: Path, monkeypatch: p
 
 
 def test_ported_names_are_verls() -> None:
-    assert PORTED_TOOLS == {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool}
+    assert PORTED_TOOLS == {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool,
+                            "verl.tools.search_tool.SearchTool": SearchTool,
+                            "verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
 
 
 # ------------------------------------------------------------------------ Gsm8kTool (verl's)

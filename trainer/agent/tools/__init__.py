@@ -11,7 +11,10 @@ The file is verl's, unchanged (`examples/sglang_multiturn/config/tool_config/*.y
 as the dict given, which the loop passes to the chat template (`tools=`). Only `native` tools
 exist here: verl's `mcp` type is refused.
 
-Shipped: :class:`~trainer.agent.tools.gsm8k.Gsm8kTool` (verl's, ported),
+Shipped: verl's, ported: :class:`~trainer.agent.tools.gsm8k.Gsm8kTool`,
+:class:`~trainer.agent.tools.search.SearchTool` (Search-R1) and
+:class:`~trainer.agent.tools.sandbox_fusion.SandboxFusionTool` (its service, or `local`: this
+project's sandbox); this project's own:
 :class:`~trainer.agent.tools.calculator.CalculatorTool` (`calculator`) and
 :class:`~trainer.agent.tools.python_tool.PythonTool` (`python`).
 """
@@ -27,15 +30,21 @@ from trainer.agent.tools.calculator import CalculatorTool
 from trainer.agent.tools.gsm8k import Gsm8kTool
 from trainer.agent.tools.loading import AgentConfigError, check_schema, read_entries, resolve_class
 from trainer.agent.tools.python_tool import PythonTool
+from trainer.agent.tools.sandbox_fusion import SandboxFusionTool
+from trainer.agent.tools.search import SearchTool
 
-__all__ = ["PORTED_TOOLS", "AgentConfigError", "CalculatorTool", "Gsm8kTool", "PythonTool", "load_tools"]
+__all__ = ["PORTED_TOOLS", "AgentConfigError", "CalculatorTool", "Gsm8kTool", "PythonTool",
+           "SandboxFusionTool", "SearchTool", "load_tools"]
 
-PORTED_TOOLS: dict[str, type[Tool]] = {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool}
+PORTED_TOOLS: dict[str, type[Tool]] = {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool,
+                                       "verl.tools.search_tool.SearchTool": SearchTool,
+                                       "verl.tools.sandbox_fusion_tools.SandboxFusionTool": SandboxFusionTool}
 """verl's tool classes by verl's `class_name`, and their ports here."""
 
 OWN_TOOLS = ("`trainer.agent.tools.calculator.CalculatorTool` (`calculator`), "
              "`trainer.agent.tools.python_tool.PythonTool` (`python`: code run on the trainer's "
-             "node, in place of verl's `SandboxFusionTool` service)")
+             "node in a sandbox; verl's `SandboxFusionTool` with `sandbox_fusion_url: local` runs "
+             "there too)")
 """The tools of this project with no verl counterpart, as the refusal of a verl tool names them."""
 
 

@@ -23,7 +23,7 @@ from trainer.agent.tools.sandbox import (
     sandbox_mode,
 )
 
-__all__ = ["PythonTool", "describe"]
+__all__ = ["PythonTool", "describe", "sandbox_limits"]
 
 _LIMIT_KEYS = {f.name: f.default for f in fields(SandboxLimits) if f.name not in ("uid", "gid", "mode")}
 KEYS: dict[str, Any] = {**_LIMIT_KEYS, "user": "nobody", "max_concurrency": 8}
@@ -51,7 +51,9 @@ def _checked(key: str, value: Any) -> Any:
     return int(value) if type(default) is int else value
 
 
-def _limits(config: dict[str, Any]) -> SandboxLimits:
+def sandbox_limits(config: dict[str, Any]) -> SandboxLimits:
+    """The sandbox limits of a python-tool config (the keys of :data:`KEYS`), its mode the
+    site's, its user resolved when the trainer is root."""
     values = {k: _checked(k, config[k]) for k in _LIMIT_KEYS if config.get(k) is not None}
     try:
         values["mode"] = sandbox_mode()
@@ -117,7 +119,7 @@ class PythonTool(Tool):
     def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any] | None = None) -> None:
         check_config_keys("`PythonTool`", config, KEYS)
         super().__init__(config, tool_schema or self.default_schema)
-        self.limits = _limits(config)
+        self.limits = sandbox_limits(config)
         try:  # built once here, at load, not inside the event loop: refused if it cannot hold
             probe(self.limits)
         except SandboxError as e:
