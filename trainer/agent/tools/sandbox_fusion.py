@@ -22,6 +22,7 @@ from uuid import uuid4
 from trainer.agent.base import Tool, ToolResponse
 from trainer.agent.tools.http_service import RetryRule, post_json
 from trainer.agent.tools.loading import AgentConfigError, check_config_keys
+from trainer.agent.tools.python_tool import sandbox_limits
 from trainer.agent.tools.sandbox import SandboxError, SandboxResult, probe, run_python
 
 __all__ = ["FUSION_RETRY", "NOT_FINISHED", "SUPPORTED_LANGUAGES", "SandboxFusionTool", "fusion_payload"]
@@ -65,7 +66,6 @@ class SandboxFusionTool(Tool):
         self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         self._instances: dict[str, dict[str, Any]] = {}
         if self.url == "local":
-            from trainer.agent.tools.python_tool import sandbox_limits
             self.limits = sandbox_limits({"memory_limit_mb": self.memory_limit_mb,
                                           "timeout": float(self.default_timeout),
                                           "cpu_time": math.ceil(float(self.default_timeout)),
