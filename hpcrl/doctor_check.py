@@ -12,14 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import re
 import socket
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpcrl.runtimes import running_in
+from trainer.agent.tools.sandbox import (
+    SandboxError,
+    SandboxLimits,
+    check_interpreter,
+    probe,
+    sandbox_mode,
+)
 
 RESULT = "doctor.json"
 MIB = 1 << 20
@@ -234,6 +243,45 @@ def _per_node(fn: Any, nodes: Sequence[Mapping[str, Any]], *args: Any, gpus: int
                     .remote(*[a(i) if callable(a) else a for a in args]) for i, n in enumerate(nodes)])
 
 
+def sandbox_report() -> dict[str, Any]:
+    """Whether the python tool's sandbox builds on this node in the site's mode
+    (`HPCRL_PYTHON_SANDBOX`, default `strict`), as the trainer would build it: by this user, or
+    by `nobody` when this is root; with this interpreter where that user can run it."""
+    mode = "strict"
+    try:
+        mode = sandbox_mode()
+        uid = gid = None
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam("nobody")
+            uid, gid = entry.pw_uid, entry.pw_gid
+        python = sys.executable
+        try:
+            check_interpreter(python, uid, gid)
+        except SandboxError:
+            python = "/usr/bin/python3"
+        probe(SandboxLimits(mode=mode, uid=uid, gid=gid, python=python))
+    except (SandboxError, KeyError) as exc:
+        return {"mode": mode, "ok": False, "why": str(exc)}
+    return {"mode": mode, "ok": True, "why": ""}
+
+
+def sandbox_row(reports: Sequence[Mapping[str, Any]], nodes: Sequence[str]) -> dict[str, str]:
+    """One row for every node's :func:`sandbox_report`."""
+    name = "python tool's sandbox builds on every node"
+    bad = [f"{node}: {r['why']}" for r, node in zip(reports, nodes, strict=True) if not r["ok"]]
+    modes = sorted({str(r["mode"]) for r in reports})
+    if bad:
+        return row(name, False, "; ".join(bad)[:600],
+                   "only agent loops with the `python` tool (or SandboxFusion `local`) need it: ask the "
+                   "admins for unprivileged user namespaces, or name `HPCRL_PYTHON_SANDBOX: rlimits` in "
+                   "the profile's `env:` (docs/agent-loops.md, 'The python tool's sandbox')")
+    return row(name, True, f"mode {', '.join(modes)} on {len(reports)} node(s)")
+
+
+def check_sandbox(alive: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    return sandbox_row(_per_node(sandbox_report, alive), [n["NodeManagerAddress"] for n in alive])
+
+
 def check_ray(want: int) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
     import ray
 
@@ -292,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["memory_bytes"] = sum(node["Resources"].get(k, 0) for k in ("memory", "object_store_memory"))
     rows += check_nodes(reports, args.runtime, None if args.vendor == "any" else args.vendor, args.gpu_gib)
     rows += check_allreduce(alive, args.gpus, args.floor_gbps, run_dir)
+    rows.append(check_sandbox(alive))
     rows.append(check_vllm(alive, args.gpus, args.model))
     tmp = run_dir / (RESULT + ".tmp")
     tmp.write_text(json.dumps({"rows": rows, "reports": reports}, indent=1))

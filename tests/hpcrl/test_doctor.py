@@ -18,6 +18,8 @@ from hpcrl.doctor_check import (
     cuda_driver_problem,
     parse_nccl_transport,
     parse_nvidia_driver,
+    sandbox_report,
+    sandbox_row,
 )
 from hpcrl.profiles import load_profile
 from tests.conftest import DATA
@@ -116,6 +118,23 @@ def test_allreduce_rows() -> None:
     assert "16.78 GB/s" in rows[1]["detail"] and "NCCL_IB_HCA" in rows[2]["fix"]
     gloo = allreduce_rows([{"backend": "gloo", "seconds": 0.2, "sum_ok": True}] * 3, 0.01, "")
     assert [r["status"] for r in gloo] == ["PASS", "PASS", "SKIP"]
+
+
+def test_the_sandbox_builds_on_this_node_in_the_sites_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sandbox_report() == {"mode": "strict", "ok": True, "why": ""}
+    monkeypatch.setenv("HPCRL_PYTHON_SANDBOX", "rlimits")
+    assert sandbox_report() == {"mode": "rlimits", "ok": True, "why": ""}
+    monkeypatch.setenv("HPCRL_PYTHON_SANDBOX", "none")
+    report = sandbox_report()
+    assert not report["ok"] and "`HPCRL_PYTHON_SANDBOX=none` names no sandbox mode" in report["why"]
+
+
+def test_the_sandbox_row_names_each_node_that_cannot_build_it() -> None:
+    good = {"mode": "strict", "ok": True, "why": ""}
+    assert sandbox_row([good, good], ["n1", "n2"])["status"] == "PASS"
+    bad = sandbox_row([good, {"mode": "strict", "ok": False, "why": "unshare: EPERM"}], ["n1", "n2"])
+    assert bad["status"] == "FAIL" and bad["detail"] == "n2: unshare: EPERM"
+    assert "`HPCRL_PYTHON_SANDBOX: rlimits`" in bad["fix"]
 
 
 def test_table_puts_each_fix_under_its_failure() -> None:
