@@ -7,7 +7,8 @@ are laid out as verl's agent loop lays them out (`AgentLoopWorker._agent_loop_po
 - `response_mask` 1 on the model's tokens only, the attention (`response_attention`) 1 on every
   response token, tool and user turns included;
 - `log_probs` 0 on tool and user tokens;
-- `num_turns` per row (verl's `__num_turns__`), and verl's `agent_loop/*` timing metrics.
+- `num_turns` per row (verl's `__num_turns__`), each loop's `extra_fields` and own `reward_score`
+  (for the reward stage), and verl's `agent_loop/*` timing metrics.
 
 Rows are prompt-major as the batched rollout's: the `n` trajectories of prompt `i` are rows
 `i*n .. i*n+n-1`.
@@ -196,7 +197,9 @@ def pack_outputs(outputs: Sequence[AgentOutput], prompt_index: torch.Tensor, pad
             log_probs[i, :n] = torch.as_tensor(o.response_logprobs[:n], dtype=torch.float32)
     return RolloutBatch(prompt_ids, prompt_mask, response, mask, log_probs * mask, prompt_index,
                         response_attention=attention,
-                        num_turns=torch.tensor([o.num_turns for o in outputs], dtype=torch.long))
+                        num_turns=torch.tensor([o.num_turns for o in outputs], dtype=torch.long),
+                        extra_fields=[dict(o.extra) for o in outputs],
+                        reward_scores=[o.reward_score for o in outputs])
 
 
 #: verl's per-row agent-loop timings (`AgentLoopManager._performance_metrics`).
