@@ -150,11 +150,18 @@ def loop_registry(path: str | None) -> dict[str, type[AgentLoop]]:
 
 def agent_data_args(cfg: Config) -> dict[str, Any]:
     """The data loader's arguments from the agent loops' settings (:class:`trainer.data.PromptDataset`):
-    the tool schemas every prompt is rendered with (`data.tool_config_path`), the tools rows may
-    give arguments to (`multi_turn.tool_config_path`), the default loop and the known loops."""
+    the tool schemas every prompt is rendered with (`data.tool_config_path`), those its length is
+    checked with (`data.tool_config_path`, else `multi_turn.tool_config_path`: verl's
+    `data.tool_config_path` defaults to the latter, `verl/trainer/config/data/legacy_data.yaml`,
+    and its `RLHFDataset.maybe_filter_out_long_prompts` renders with it; verl's multi-turn scripts
+    set only `multi_turn.tool_config_path`, whose schemas the tool agent loop renders into its
+    prompt), the tools rows may give arguments to (`multi_turn.tool_config_path`), the default
+    loop and the known loops."""
     r = cfg.actor_rollout_ref.rollout
+    tools = load_configured_tools(r.multi_turn.tool_config_path)
     schemas = [tool.tool_schema for tool in load_configured_tools(cfg.data.tool_config_path).values()]
-    return {"tool_schemas": schemas or None, "tools": set(load_configured_tools(r.multi_turn.tool_config_path)),
+    measured = schemas if cfg.data.tool_config_path else [tool.tool_schema for tool in tools.values()]
+    return {"tool_schemas": schemas or None, "length_tool_schemas": measured or None, "tools": set(tools),
             "default_agent": r.agent.default_agent_loop,
             "agents": set(loop_registry(r.agent.agent_loop_config_path))}
 
