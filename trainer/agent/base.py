@@ -152,6 +152,9 @@ class AgentContext:
     """Interactions by name, from `multi_turn.interaction_config_path`."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """`data.apply_chat_template_kwargs` (e.g. `enable_thinking`)."""
+    prompt_length: int | None = None
+    """`data.max_prompt_length`: a prompt a loop renders is cut to it (verl's `rollout.prompt_length`,
+    `AgentLoopBase._cap_text_prompt_length`); None: not cut."""
 
 
 class AgentLoop(ABC):

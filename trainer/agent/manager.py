@@ -74,6 +74,7 @@ class AgentRollout:
             tools = {name: tracer.tool(name, tool) for name, tool in tools.items()}
         return AgentContext(tokenizer=self.tokenizer, server=server,
                             response_length=cfg.data.max_response_length,
+                            prompt_length=cfg.data.max_prompt_length,
                             multi_turn=cfg.actor_rollout_ref.rollout.multi_turn, tools=tools,
                             interactions=self.interactions,
                             chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
