@@ -42,6 +42,12 @@ class StepBatch:
     returns: torch.Tensor | None = None
     num_turns: torch.Tensor | None = None
     """verl's `__num_turns__` per row (agent-loop rollouts)."""
+    agent_extras: list[dict[str, Any]] = field(default_factory=list)
+    """Per row, its agent loop's `extra_fields` (`turn_scores`, `tool_rewards`, ...); empty
+    when the rows did not go through agent loops. The reward stage passes them in `extra_info`."""
+    loop_scores: list[float | None] = field(default_factory=list)
+    """Per row, the score its agent loop set itself (verl's `reward_score`), else None; empty
+    when the rows did not go through agent loops."""
 
     @property
     def response_length(self) -> int:
@@ -77,7 +83,7 @@ class StepBatch:
 
     def tensors_only(self) -> StepBatch:
         """The batch without its examples and uids: what a worker receives."""
-        return replace(self, examples=[], uids=[], reward_extras={})
+        return replace(self, examples=[], uids=[], reward_extras={}, agent_extras=[], loop_scores=[])
 
     def to(self, device: torch.device) -> StepBatch:
         """Every tensor on `device`."""

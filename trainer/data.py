@@ -227,11 +227,15 @@ class PromptDataset:
         truncation: Truncation = "error",
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tool_schemas: Sequence[Mapping[str, Any]] | None = None,
+        length_tool_schemas: Sequence[Mapping[str, Any]] | None = None,
         tools: Collection[str] | None = None,
         default_agent: str = SINGLE_TURN_AGENT,
         agents: Collection[str] | None = None,
     ) -> None:
         """`tool_schemas`: rendered into every prompt (`tools=`, verl's `data.tool_config_path`);
+        `length_tool_schemas`: the schemas the length check renders with, when they differ (verl's
+        `RLHFDataset.maybe_filter_out_long_prompts` renders with `data.tool_config_path`, which
+        defaults to `multi_turn.tool_config_path`: the schemas the tool agent loop puts in its prompt);
         `tools`: the tool names rows may give arguments to (None: not checked); `default_agent`:
         the loop of a row without `agent_name`; `agents`: the loops a row may name (None: not
         checked)."""
@@ -241,6 +245,9 @@ class PromptDataset:
         template = dict(chat_template_kwargs or {})
         if tool_schemas:
             template["tools"] = [dict(t) for t in tool_schemas]
+        measured = dict(chat_template_kwargs or {})
+        if length_tool_schemas:
+            measured["tools"] = [dict(t) for t in length_tool_schemas]
         for index, row in enumerate(read_rows(files, prompt_key, reward_fn_key, tools)):
             where = f"row {index} of {', '.join(self.files)}"
             agent = row_agent_name(row, default_agent)
@@ -252,9 +259,16 @@ class PromptDataset:
                     "`actor_rollout_ref.rollout.agent.agent_loop_config_path`")
             messages = _check_messages(row[prompt_key], where)
             ids = chat_prompt_ids(tokenizer, messages, template)
-            if filter_overlong_prompts and len(ids) > max_prompt_length:
+            length = len(ids) if measured == template else len(chat_prompt_ids(tokenizer, messages, measured))
+            if filter_overlong_prompts and length > max_prompt_length:
                 self.num_filtered += 1
                 continue
+            if truncation == "error" and len(ids) <= max_prompt_length < length:
+                raise DataError(
+                    f"{where}: prompt has {length} tokens rendered with the tool schemas of "
+                    "`actor_rollout_ref.rollout.multi_turn.tool_config_path` (as the tool agent loop renders "
+                    f"it), more than `data.max_prompt_length`={max_prompt_length}; raise "
+                    "`data.max_prompt_length` or set `data.filter_overlong_prompts=true` to drop such prompts")
             self.examples.append(Example(
                 index=index,
                 data_source=str(row[reward_fn_key]),

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.rollout import server_mode
-from trainer.rollout.vllm import SLEEP_LEVEL
+from trainer.rollout.vllm import SLEEP_LEVEL, max_model_len
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -515,7 +515,12 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
     s = settings_from_config(cfg, device_gib, host_gib)
     s = replace(s, param_dtype=param_dtype or s.param_dtype, reduce_dtype=reduce_dtype or s.reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
-    made = plan(read_model(path), s, name=Path(path).name or path, layers=layers)
+    shape = read_model(path)
+    try:  # the engine's context as `rollout_knobs` sizes it: the model's, unless set
+        s = replace(s, max_model_len=max_model_len(cfg.actor_rollout_ref.rollout.max_model_len, shape.config))
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    made = plan(shape, s, name=Path(path).name or path, layers=layers)
     if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
         made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
                                     "gradients and AdamW moments of every weight, an over-estimate"))

@@ -129,6 +129,34 @@ def test_data_tool_config_renders_every_prompt_with_the_tools(tmp_path: Path) ->
     assert "".join(map(chr, data[0].prompt_ids)) == "calcq0"
 
 
+def test_the_length_check_renders_with_the_tool_loop_s_schemas(tmp_path: Path) -> None:
+    """verl's multi-turn scripts set only `multi_turn.tool_config_path`; verl's
+    `data.tool_config_path` defaults to it, so its length filter renders every prompt with those
+    schemas, as the tool agent loop renders its prompt. The prompt ids stay as
+    `data.tool_config_path` (unset) renders them."""
+    from tests.trainer.agent.test_tools import VERL_GSM8K_TOOL_CONFIG
+    from trainer import tiny
+    from trainer.agent.manager import agent_data_args
+    from trainer.data import chat_prompt_ids
+
+    tok = tiny.build_tokenizer(tools=True)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(VERL_GSM8K_TOOL_CONFIG)
+    args = agent_data_args(load_config([f"{ROLLOUT}.multi_turn.tool_config_path={tools}"]))
+    assert args["tool_schemas"] is None and [s["function"]["name"] for s in args["length_tool_schemas"]] == [
+        "calc_gsm8k_reward"]
+    short = [{"role": "user", "content": "what is 1 plus 2?"}]
+    long = [{"role": "user", "content": "what is 1 plus 2? " * 3}]
+    limit = len(chat_prompt_ids(tok, short, {"tools": args["length_tool_schemas"]}))
+    assert len(chat_prompt_ids(tok, long)) <= limit < len(chat_prompt_ids(tok, long, {"tools": args["length_tool_schemas"]}))
+    path = _write(tmp_path / "t.parquet", [{**_tool_agent_row(0), "prompt": short}, {**_tool_agent_row(1), "prompt": long}])
+    data = PromptDataset([path], tok, max_prompt_length=limit, filter_overlong_prompts=True, **args)
+    assert [e.index for e in data.examples] == [0] and data.num_filtered == 1
+    assert data[0].prompt_ids == chat_prompt_ids(tok, short)  # rendered without `tools=`, as before
+    with pytest.raises(DataError, match=r"row 1 .* rendered with the tool schemas of `actor_rollout_ref.rollout.multi"):
+        PromptDataset([path], tok, max_prompt_length=limit, **args)
+
+
 def _tool_config(tmp_path: Path, name: str = "calc_gsm8k_reward") -> Path:
     path = tmp_path / "tools.yaml"
     path.write_text(yaml.safe_dump({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool",

@@ -67,7 +67,13 @@ class AgentOutput:
     """Seconds in `generate_sequences` and `tool_calls`, and counts (`tool_calls_made`,
     `tool_calls_malformed`): verl's `agent_loop/*` metrics are their min/max/mean over rows."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """`turn_scores` (interaction rewards) and `tool_rewards`, as verl's `extra_fields`."""
+    """verl's `extra_fields`: `turn_scores` (interaction rewards) and `tool_rewards` (both lists,
+    empty for a single-turn row), and anything else a loop adds. The reward function receives them
+    in `extra_info` (verl 0.9.1 `reward_loop/reward_manager/naive.py` `run_single`)."""
+    reward_score: float | None = None
+    """A score the loop computed itself (verl's `AgentLoopOutput.reward_score`): when set, the
+    reward function is not called for this trajectory and this is its score (verl 0.9.1
+    `AgentLoopWorker._compute_score` runs the reward only when it is None)."""
 
 
 @dataclass
@@ -146,6 +152,9 @@ class AgentContext:
     """Interactions by name, from `multi_turn.interaction_config_path`."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """`data.apply_chat_template_kwargs` (e.g. `enable_thinking`)."""
+    prompt_length: int | None = None
+    """`data.max_prompt_length`: a prompt a loop renders is cut to it (verl's `rollout.prompt_length`,
+    `AgentLoopBase._cap_text_prompt_length`); None: not cut."""
 
 
 class AgentLoop(ABC):

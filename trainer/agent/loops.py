@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from trainer.data import Example
     from trainer.rollout.base import SamplingParams
 
-__all__ = ["AgentData", "AgentLoopError", "ChatTurns", "SingleTurnAgentLoop", "ToolAgentLoop",
+__all__ = ["AgentData", "AgentLoopError", "ChatTurns", "SingleTurnAgentLoop", "ToolAgentLoop", "cap_prompt",
            "load_agent_loops", "loop_class", "register", "registered", "system_prompt_ids",
            "truncate_tool_text", "turn_separator_ids"]
 
@@ -225,7 +225,9 @@ class SingleTurnAgentLoop(AgentLoop):
         return AgentOutput(
             prompt_ids=prompt_ids, response_ids=response, response_mask=[1] * len(response),
             response_logprobs=list(out.log_probs[:length]) if out.log_probs else None,
-            num_turns=2, metrics=metrics)
+            num_turns=2, metrics=metrics,
+            # verl 0.9.1 `single_turn_agent_loop.py`: "keeping the schema consistent with tool_agent_loop"
+            extra={"turn_scores": [], "tool_rewards": []})
 
 
 # ----------------------------------------------------------------------------- tool agent
@@ -287,7 +289,8 @@ class ToolAgentLoop(AgentLoop):
     """verl's `ToolAgentLoop` (`tool_agent_loop.py:95-475`): a state machine PENDING ->
     GENERATING -> (PROCESSING_TOOLS | INTERACTING) -> GENERATING ... -> TERMINATED.
 
-    - PENDING: the row's messages through the chat template with the tool schemas.
+    - PENDING: the row's messages through the chat template with the tool schemas, cut to the
+      prompt length (:func:`cap_prompt`, verl's `_cap_text_prompt_length`).
     - GENERATING: one model turn (mask 1, its log-probs). Then, in verl's order: stop when the
       response reached `response_length`, when `max_assistant_turns` or `max_user_turns` (when
       set) is reached; else parse the tool calls; with an interaction, the decoded turn joins the
@@ -333,7 +336,7 @@ class ToolAgentLoop(AgentLoop):
 
     async def _step(self, state: _State, data: AgentData, params: SamplingParams) -> _State:
         if state == _State.PENDING:
-            data.prompt_ids = self.turns.prompt(data.messages, self.tool_schemas)
+            data.prompt_ids = cap_prompt(self.turns.prompt(data.messages, self.tool_schemas), self.ctx.prompt_length)
             return _State.GENERATING
         if state == _State.GENERATING:
             return await self._generate(data, params)
@@ -462,6 +465,18 @@ class ToolAgentLoop(AgentLoop):
             num_turns=data.user_turns + data.assistant_turns + 1,
             metrics=data.metrics,
             extra={"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards})
+
+
+def cap_prompt(prompt_ids: list[int], prompt_length: int | None) -> list[int]:
+    """A rendered prompt cut to its last `prompt_length` tokens, with a warning (verl 0.9.1
+    `AgentLoopBase._cap_text_prompt_length`, `agent_loop.py`, applied to every prompt its loops
+    render). Every later turn then fits the engine's context: a turn asks for at most the response
+    budget left, so prompt and turns stay within prompt + response length."""
+    if prompt_length is None or len(prompt_ids) <= prompt_length:
+        return prompt_ids
+    logger.warning("Prompt of %d tokens exceeds rollout.prompt_length=%d; left-truncating.", len(prompt_ids),
+                   prompt_length)
+    return prompt_ids[-prompt_length:]
 
 
 def _append_context(data: AgentData, ids: list[int]) -> None:

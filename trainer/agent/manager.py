@@ -7,7 +7,8 @@ are laid out as verl's agent loop lays them out (`AgentLoopWorker._agent_loop_po
 - `response_mask` 1 on the model's tokens only, the attention (`response_attention`) 1 on every
   response token, tool and user turns included;
 - `log_probs` 0 on tool and user tokens;
-- `num_turns` per row (verl's `__num_turns__`), and verl's `agent_loop/*` timing metrics.
+- `num_turns` per row (verl's `__num_turns__`), each loop's `extra_fields` and own `reward_score`
+  (for the reward stage), and verl's `agent_loop/*` timing metrics.
 
 Rows are prompt-major as the batched rollout's: the `n` trajectories of prompt `i` are rows
 `i*n .. i*n+n-1`.
@@ -73,6 +74,7 @@ class AgentRollout:
             tools = {name: tracer.tool(name, tool) for name, tool in tools.items()}
         return AgentContext(tokenizer=self.tokenizer, server=server,
                             response_length=cfg.data.max_response_length,
+                            prompt_length=cfg.data.max_prompt_length,
                             multi_turn=cfg.actor_rollout_ref.rollout.multi_turn, tools=tools,
                             interactions=self.interactions,
                             chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
@@ -149,11 +151,18 @@ def loop_registry(path: str | None) -> dict[str, type[AgentLoop]]:
 
 def agent_data_args(cfg: Config) -> dict[str, Any]:
     """The data loader's arguments from the agent loops' settings (:class:`trainer.data.PromptDataset`):
-    the tool schemas every prompt is rendered with (`data.tool_config_path`), the tools rows may
-    give arguments to (`multi_turn.tool_config_path`), the default loop and the known loops."""
+    the tool schemas every prompt is rendered with (`data.tool_config_path`), those its length is
+    checked with (`data.tool_config_path`, else `multi_turn.tool_config_path`: verl's
+    `data.tool_config_path` defaults to the latter, `verl/trainer/config/data/legacy_data.yaml`,
+    and its `RLHFDataset.maybe_filter_out_long_prompts` renders with it; verl's multi-turn scripts
+    set only `multi_turn.tool_config_path`, whose schemas the tool agent loop renders into its
+    prompt), the tools rows may give arguments to (`multi_turn.tool_config_path`), the default
+    loop and the known loops."""
     r = cfg.actor_rollout_ref.rollout
+    tools = load_configured_tools(r.multi_turn.tool_config_path)
     schemas = [tool.tool_schema for tool in load_configured_tools(cfg.data.tool_config_path).values()]
-    return {"tool_schemas": schemas or None, "tools": set(load_configured_tools(r.multi_turn.tool_config_path)),
+    measured = schemas if cfg.data.tool_config_path else [tool.tool_schema for tool in tools.values()]
+    return {"tool_schemas": schemas or None, "length_tool_schemas": measured or None, "tools": set(tools),
             "default_agent": r.agent.default_agent_loop,
             "agents": set(loop_registry(r.agent.agent_loop_config_path))}
 
@@ -196,7 +205,9 @@ def pack_outputs(outputs: Sequence[AgentOutput], prompt_index: torch.Tensor, pad
             log_probs[i, :n] = torch.as_tensor(o.response_logprobs[:n], dtype=torch.float32)
     return RolloutBatch(prompt_ids, prompt_mask, response, mask, log_probs * mask, prompt_index,
                         response_attention=attention,
-                        num_turns=torch.tensor([o.num_turns for o in outputs], dtype=torch.long))
+                        num_turns=torch.tensor([o.num_turns for o in outputs], dtype=torch.long),
+                        extra_fields=[dict(o.extra) for o in outputs],
+                        reward_scores=[o.reward_score for o in outputs])
 
 
 #: verl's per-row agent-loop timings (`AgentLoopManager._performance_metrics`).

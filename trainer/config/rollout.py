@@ -106,7 +106,7 @@ class RolloutConfig:
     free_cache_engine: bool = h("vLLM on GPUs: release the KV cache (sleep) between rollouts")
     max_num_batched_tokens: int = h("vLLM: tokens per scheduler step")
     max_num_seqs: int = h("vLLM: sequences per scheduler step")
-    max_model_len: int | None = h("vLLM: context length; null = prompt + response length")
+    max_model_len: int | None = h("vLLM: context length; null = the model's `max_position_embeddings` (as verl)")
     enable_chunked_prefill: bool = h("vLLM: chunked prefill")
     disable_log_stats: bool = h("vLLM: no periodic statistics logging")
     update_weights_bucket_megabytes: int = h(

@@ -176,10 +176,20 @@ def score_responses(
     responses: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict[str, Any] | None],
+    loop_fields: Sequence[Mapping[str, Any]] | None = None,
+    num_turns: Sequence[Any] | None = None,
 ) -> tuple[list[float], dict[str, list[Any]]]:
     """Score each decoded response, calling `fn` by keyword as verl's `naive` and `dapo`
-    managers do; return the scores and any extra per-sample values."""
+    managers do; return the scores and any extra per-sample values. `extra_info` is built as
+    verl 0.9.1's reward loop builds it (`reward_loop/reward_manager/naive.py`, `run_single`): the
+    row's `extra_info`, updated with its agent loop's `extra_fields` (`loop_fields`: `raw_prompt`,
+    `turn_scores`, `tool_rewards`, ...), then `num_turns` (the row's `__num_turns__`, None when
+    not given) and `rollout_reward_scores` ({}) set over whatever the row held."""
+    rows = len(responses)
+    fields = loop_fields if loop_fields is not None else [{}] * rows
+    turns = num_turns if num_turns is not None else [None] * rows
     results = [fn(data_source=source, solution_str=text, ground_truth=truth,
-                  extra_info={**(info or {}), "num_turns": None, "rollout_reward_scores": {}})
-               for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos, strict=True)]
+                  extra_info={**(info or {}), **more, "num_turns": n, "rollout_reward_scores": {}})
+               for source, text, truth, info, more, n in zip(data_sources, responses, ground_truths, extra_infos,
+                                                            fields, turns, strict=True)]
     return _collect(data_sources, results)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -112,6 +112,10 @@ class RolloutBatch:
     ``response_mask`` is 0). None: the same as ``response_mask`` (a single-turn row)."""
     num_turns: torch.Tensor | None = None
     """``(rows,)`` verl's ``__num_turns__`` (user + assistant turns + 1) of agent-loop rows."""
+    extra_fields: list[dict[str, Any]] | None = None
+    """Per agent-loop row, its loop's ``extra_fields`` (``turn_scores``, ``tool_rewards``, ...)."""
+    reward_scores: list[float | None] | None = None
+    """Per agent-loop row, the score its loop set itself (verl's ``reward_score``), else None."""
 
     @property
     def input_ids(self) -> torch.Tensor:

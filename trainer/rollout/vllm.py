@@ -50,14 +50,14 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.agent.base import TokenOutput
-from trainer.models import compute_dtype, resolve_model_path
+from trainer.models import compute_dtype, load_model_config, resolve_model_path
 from trainer.rollout.base import (
     RolloutBatch,
     SamplingParams,
@@ -69,7 +69,7 @@ from trainer.rollout.base import (
 if TYPE_CHECKING:
     from trainer.config import Config
 
-__all__ = ["SLEEP_LEVEL", "SLEEP_TAGS", "VLLMRolloutEngine", "engine_args", "engine_env", "rollout_knobs",
+__all__ = ["SLEEP_LEVEL", "SLEEP_TAGS", "VLLMRolloutEngine", "engine_args", "engine_env", "max_model_len", "rollout_knobs",
            "sampling_params", "token_output", "vllm_available"]
 
 #: What vLLM's sleep mode frees, in the order the weight sync wakes them.
@@ -178,15 +178,40 @@ def remove_cpu_shm() -> None:
             segment.unlink(missing_ok=True)
 
 
+def max_model_len(configured: int | None, model_config: Mapping[str, Any]) -> int:
+    """vLLM's context length as verl sizes it (verl 0.9.1 `vLLMHttpServer._validate_configs`,
+    `verl/workers/rollout/vllm_rollout/vllm_async_server.py`, with `get_max_position_embeddings`,
+    `verl/workers/rollout/utils.py`): `rollout.max_model_len` when set, else the model's
+    `max_position_embeddings` (its `text_config`'s when the top level has none); a set value above
+    it is refused. `model_config`: the model's config as a dict (`config.json`)."""
+    limit = model_config.get("max_position_embeddings")
+    if limit is None:
+        limit = (model_config.get("text_config") or {}).get("max_position_embeddings")
+    if configured is not None and limit is not None and configured > int(limit):
+        raise ValueError(
+            f"`actor_rollout_ref.rollout.max_model_len={configured}` is above the model's "
+            f"`max_position_embeddings={limit}` (verl refuses it too); lower it, or leave it null to use "
+            "the model's context length")
+    if configured is not None:
+        return int(configured)
+    if limit is None:
+        raise ValueError(
+            "the model's config has no `max_position_embeddings` (nor `text_config.max_position_embeddings`), "
+            "which sizes vLLM's context when `actor_rollout_ref.rollout.max_model_len` is null (as in verl); "
+            "set `actor_rollout_ref.rollout.max_model_len`")
+    return int(limit)
+
+
 def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: int = 0) -> dict[str, Any]:
     """The keyword arguments of :class:`VLLMRolloutEngine` (and of the server-mode replica,
     :class:`trainer.rollout.vllm_server.VLLMServer`) for the actor model of `cfg` (verl's
     `actor_rollout_ref.rollout` keys), stopping on every id of `eos_token_ids`."""
-    r = cfg.actor_rollout_ref.rollout
+    r, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return dict(model_path=cfg.actor_rollout_ref.model.path, pad_token_id=tokenizer.pad_token_id,
+    hf_config = load_model_config(model.path, trust_remote_code=model.trust_remote_code).to_dict()
+    return dict(model_path=model.path, pad_token_id=tokenizer.pad_token_id,
                 eos_token_ids=eos_token_ids, calculate_log_probs=r.calculate_log_probs,
-                max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+                max_model_len=max_model_len(r.max_model_len, hf_config),
                 seed=seed, dtype=str(compute_dtype(r.dtype, device)).removeprefix("torch."),
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 tensor_parallel_size=r.tensor_model_parallel_size, enforce_eager=r.enforce_eager,

@@ -21,7 +21,7 @@ from trainer.rewards import (
     score_responses,
 )
 
-__all__ = ["load_reward", "score_rollouts", "set_reward_baselines"]
+__all__ = ["SINGLE_TURN_FIELDS", "load_reward", "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
 
 
 def load_reward(cfg: Config) -> Callable[..., Any]:
@@ -33,21 +33,75 @@ def load_reward(cfg: Config) -> Callable[..., Any]:
     return load_reward_fn(custom.path, custom.name, custom.reward_kwargs, keywords=keywords)
 
 
+#: The `extra_fields` of verl 0.9.1's single-turn loop (`single_turn_agent_loop.py`, "keeping the
+#: schema consistent with tool_agent_loop"): what a row of the batched single-turn rollout, which
+#: went through no agent loop here, would have carried, since every verl row runs one.
+SINGLE_TURN_FIELDS: dict[str, Any] = {"turn_scores": [], "tool_rewards": []}
+
+
+def loop_reward_inputs(batch: StepBatch) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Per row, what verl's reward loop adds to `extra_info` from the agent loop: its
+    `extra_fields` with `raw_prompt` (the row's chat messages, set by
+    `AgentLoopWorker._agent_loop_postprocess`), and `__num_turns__` as the numpy integer verl's
+    `_compute_score` hands over (`np.array([o.num_turns ...])`, one item of it). Rows outside
+    the agent loops get the single-turn loop's values (2 turns, no scores)."""
+    rows = len(batch)
+    fields = batch.agent_extras or [SINGLE_TURN_FIELDS] * rows
+    turns = batch.num_turns.tolist() if batch.num_turns is not None else [2] * rows
+    return ([{**f, "raw_prompt": [dict(m) for m in e.prompt]} for f, e in zip(fields, batch.examples, strict=True)],
+            list(np.array(turns, dtype=np.int64)))
+
+
 def score_rollouts(batch: StepBatch, tokenizer: Any, reward_fn: Callable[..., Any], rm: RewardModelConfig,
                    max_response_length: int) -> dict[str, float]:
     """Fill `batch.sequence_scores`, `reward_extras` and `token_scores`; return the means of the
     numeric extras (`reward_extra/<name>/mean`). A response is what the model attends to after
     the prompt (`batch.response_attention`: in a multi-turn row the tool turns too), decoded and
     scored whole, its score on its last attended token (verl's reward managers and its agent
-    loop's `rm_scores`: `valid_response_length = attention_mask[prompt_length:].sum()`)."""
+    loop's `rm_scores`: `valid_response_length = attention_mask[prompt_length:].sum()`).
+
+    A row whose agent loop set its own score (`batch.loop_scores`) keeps it and the reward
+    function is not called for it (verl 0.9.1 `AgentLoopWorker._compute_score` scores only
+    outputs whose `reward_score` is None; `_postprocess` puts every `reward_score` on the last
+    attended token as `rm_scores`). Such a row has no reward extras: its entries are None (verl
+    takes the extra keys from the first row and fails with a KeyError on a mixed batch whose first
+    row the reward function scored)."""
     attended = batch.response_attention
     lengths = attended.sum(-1).long().tolist()
-    texts = [str(tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
-             for row, n in zip(batch.responses, lengths, strict=True)]
-    args = (reward_fn, [e.data_source for e in batch.examples], texts,
-            [e.ground_truth for e in batch.examples], [e.extra_info for e in batch.examples])
+    own = batch.loop_scores or [None] * len(batch)
+    todo = [i for i, score in enumerate(own) if score is None]
+    scores: list[float] = [float(s) if s is not None else 0.0 for s in own]
+    extras: dict[str, list[Any]] = {}
+    if todo:
+        part, more = _reward_fn_scores(batch, todo, lengths, tokenizer, reward_fn, rm, max_response_length)
+        for i, score in zip(todo, part, strict=True):
+            scores[i] = score
+        for key, values in more.items():
+            extras[key] = [None] * len(batch)
+            for i, value in zip(todo, values, strict=True):
+                extras[key][i] = value
+    batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
+    batch.reward_extras = extras
+    batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
+    numeric = {k: [x for x in v if x is not None] for k, v in extras.items()}
+    return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in numeric.items()
+            if v and not any(isinstance(x, str) for x in v)}
+
+
+def _reward_fn_scores(batch: StepBatch, rows: list[int], lengths: list[int], tokenizer: Any,
+                      reward_fn: Callable[..., Any], rm: RewardModelConfig, max_response_length: int
+                      ) -> tuple[list[float], dict[str, list[Any]]]:
+    """The reward manager's scores and extras of `rows` (those without a loop's own score)."""
+    responses = batch.responses
+    texts = [str(tokenizer.decode(responses[i, :lengths[i]].tolist(), skip_special_tokens=True)) for i in rows]
+    examples = [batch.examples[i] for i in rows]
+    args = (reward_fn, [e.data_source for e in examples], texts,
+            [e.ground_truth for e in examples], [e.extra_info for e in examples])
     if rm.reward_manager == "batch":
         scores, extras = score_batch(*args, rm.reward_kwargs)
+    elif rm.reward_manager == "naive":  # verl 0.9.1's reward loop `naive` manager (`run_single`)
+        fields, turns = loop_reward_inputs(batch)
+        scores, extras = score_responses(*args, [fields[i] for i in rows], [turns[i] for i in rows])
     else:
         scores, extras = score_responses(*args)
     if rm.reward_manager == "dapo":
@@ -56,16 +110,12 @@ def score_rollouts(batch: StepBatch, tokenizer: Any, reward_fn: Callable[..., An
         buffer = rm.overlong_buffer
         if buffer.enable:
             max_len = rm.reward_kwargs.get("max_resp_len", max_response_length)
-            penalties = overlong_penalty(lengths, max_len, buffer.len, buffer.penalty_factor)
+            penalties = overlong_penalty([lengths[i] for i in rows], max_len, buffer.len, buffer.penalty_factor)
             scores = [s + p for s, p in zip(scores, penalties, strict=True)]
             if buffer.log:
                 extras["overlong_reward"] = penalties
                 extras["overlong"] = [float(p < 0) for p in penalties]
-    batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
-    batch.reward_extras = extras
-    batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
-    return {f"reward_extra/{k}/mean": float(np.mean(v)) for k, v in extras.items()
-            if not any(isinstance(x, str) for x in v)}
+    return scores, extras
 
 
 def set_reward_baselines(batch: StepBatch, greedy: StepBatch) -> None:

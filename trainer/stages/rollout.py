@@ -97,6 +97,8 @@ class Rollout:
                           entropy=torch.cat(entropy) if all(e is not None for e in entropy) else None)  # type: ignore[arg-type]
         if agentic:
             batch.num_turns = torch.cat([need(o.num_turns, "num_turns") for o in outs])
+            batch.agent_extras = [fields for o in outs for fields in o.extra_fields or [{}] * len(o.prompt_index)]
+            batch.loop_scores = [score for o in outs for score in o.reward_scores or [None] * len(o.prompt_index)]
             per_row = [row for rank, (_, info) in enumerate(results) if rank % tp == 0 for row in info["rows"]]
             if not validate and not greedy:
                 self.agent_metrics = agent_loop_metrics(per_row, batch.attention_mask[:, :-batch.response_length].sum(-1),

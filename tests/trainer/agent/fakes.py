@@ -25,11 +25,17 @@ class ScriptedServer:
     scripted turn: a text becomes the tokenizer's encoding of it followed by EOS (a model stops
     at EOS); a list of ids is returned as it is. A turn longer than `max_tokens` is cut there
     with `finish_reason="length"`, as a server stops. With `log_probs`, each returned token gets
-    a distinct log-prob (-0.01, -0.02, ... over the server's life), so tests can follow them."""
+    a distinct log-prob (-0.01, -0.02, ... over the server's life), so tests can follow them.
+    With `per_trajectory`, the n-th turn of each trajectory (by `request_id`) gets the n-th
+    scripted turn, whatever the order trajectories interleave in. With `max_model_len`, the
+    context is limited as the vLLM replica limits it (`VLLMServer._request_params`): `max_tokens`
+    cut to the room left, and a prompt that leaves none refused with `ValueError`."""
 
     tokenizer: Any
     turns: list[str | list[int]]
     log_probs: bool = False
+    per_trajectory: bool = False
+    max_model_len: int | None = None
     requests: list[Request] = field(default_factory=list)
     _emitted: int = 0
 
@@ -42,6 +48,14 @@ class ScriptedServer:
                        max_tokens: int) -> TokenOutput:
         self.requests.append(Request(request_id, list(prompt_ids), max_tokens))
         index = len(self.requests) - 1
+        if self.per_trajectory:
+            index = sum(r.request_id == request_id for r in self.requests) - 1
+        if self.max_model_len is not None:
+            room = self.max_model_len - len(prompt_ids)
+            if room < 1:
+                raise ValueError(f"request `{request_id}`: a {len(prompt_ids)}-token prompt leaves {room} of the "
+                                 f"{self.max_model_len} tokens of `max_model_len`")
+            max_tokens = min(max_tokens, room)
         if index >= len(self.turns):
             raise AssertionError(f"request {index + 1} but only {len(self.turns)} turns are scripted")
         ids = self.turn_ids(self.turns[index])

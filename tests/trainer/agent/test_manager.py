@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,31 @@ def test_rewards_read_the_whole_conversation_and_land_on_its_last_attended_token
     score_rollouts(batch, Words(), count, cfg.reward_model, 6)
     assert seen == ["w11 w12 w50 w51 w13", "w14"]
     assert batch.token_scores.tolist() == [[0, 0, 0, 0, 5.0, 0], [1.0, 0, 0, 0, 0, 0]]  # type: ignore[union-attr]
+
+
+def test_a_loop_s_own_score_wins_and_the_reward_function_gets_the_loop_s_fields() -> None:
+    """verl 0.9.1: a trajectory whose loop set `reward_score` is not scored again
+    (`AgentLoopWorker._compute_score`); the others' `extra_info` carries the loop's
+    `extra_fields`, `raw_prompt` and `num_turns` (`reward_loop/reward_manager/naive.py`)."""
+    outs = _two_turns()
+    outs[0].reward_score = 2.5
+    outs[1].extra = {"turn_scores": [0.5], "tool_rewards": [1.0]}
+    packed = pack_outputs(outs, torch.tensor([0, 1]), PAD, 6, want_log_probs=False)
+    assert packed.reward_scores == [2.5, None] and packed.extra_fields == [{}, outs[1].extra]
+    batch = _step_batch(packed)
+    batch.agent_extras, batch.loop_scores = packed.extra_fields or [], packed.reward_scores or []
+    seen: list[dict[str, Any]] = []
+
+    def judge(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> dict[str, float]:
+        seen.append(extra_info)
+        return {"score": 3.0, "acc": 1.0}
+
+    metrics = score_rollouts(batch, Words(), judge, load_config([]).reward_model, 6)
+    assert len(seen) == 1 and seen[0]["turn_scores"] == [0.5] and seen[0]["tool_rewards"] == [1.0]
+    assert type(seen[0]["num_turns"]) is np.int64 and seen[0]["num_turns"] == 2
+    assert seen[0]["raw_prompt"] == [{"role": "user", "content": "q"}] and seen[0]["rollout_reward_scores"] == {}
+    assert batch.token_scores.tolist() == [[0, 0, 0, 0, 2.5, 0], [3.0, 0, 0, 0, 0, 0]]  # type: ignore[union-attr]
+    assert batch.reward_extras == {"acc": [None, 1.0]} and metrics == {"reward_extra/acc/mean": 1.0}
 
 
 def test_lengths_count_the_tool_turns_and_advantages_only_the_model_s_tokens() -> None:

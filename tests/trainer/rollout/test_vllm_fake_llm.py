@@ -137,3 +137,21 @@ def test_log_probs_are_asked_for_with_calculate_log_probs(monkeypatch: pytest.Mo
 def test_the_cpu_backend_runs_eagerly(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     engine = make_engine(monkeypatch, tmp_path, gpu=False)
     assert engine.llm.kwargs["enforce_eager"] is True and engine.llm.kwargs["enable_sleep_mode"] is False
+
+
+def test_the_context_is_the_model_s_as_verl_sizes_it(tiny_model_dir: Any) -> None:
+    """verl 0.9.1 `vLLMHttpServer._validate_configs`: `rollout.max_model_len` null takes the
+    model's `max_position_embeddings` (not prompt + response length); a larger one is refused."""
+    from trainer.config import load_config
+
+    assert V.max_model_len(None, {"max_position_embeddings": 4096}) == 4096
+    assert V.max_model_len(None, {"text_config": {"max_position_embeddings": 2048}}) == 2048
+    assert V.max_model_len(1000, {"max_position_embeddings": 4096}) == 1000
+    with pytest.raises(ValueError, match=r"`actor_rollout_ref.rollout.max_model_len=5000` is above .*=4096"):
+        V.max_model_len(5000, {"max_position_embeddings": 4096})
+    with pytest.raises(ValueError, match="set `actor_rollout_ref.rollout.max_model_len`"):
+        V.max_model_len(None, {})
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "data.max_prompt_length=16",
+                       "data.max_response_length=16"])
+    tok = type("Tok", (), {"pad_token_id": 0})()
+    assert V.rollout_knobs(cfg, tok, [1])["max_model_len"] == 512  # the tiny model's context, not 32
