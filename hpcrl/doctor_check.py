@@ -266,15 +266,17 @@ def sandbox_report() -> dict[str, Any]:
 
 
 def sandbox_row(reports: Sequence[Mapping[str, Any]], nodes: Sequence[str]) -> dict[str, str]:
-    """One row for every node's :func:`sandbox_report`."""
+    """One row for every node's :func:`sandbox_report`. Only agent loops with the `python` tool
+    (or SandboxFusion `local`) need the sandbox, so a node that cannot build it is reported, with
+    the fix, without failing the doctor: the tool itself refuses to start there."""
     name = "python tool's sandbox builds on every node"
     bad = [f"{node}: {r['why']}" for r, node in zip(reports, nodes, strict=True) if not r["ok"]]
     modes = sorted({str(r["mode"]) for r in reports})
     if bad:
-        return row(name, False, "; ".join(bad)[:600],
-                   "only agent loops with the `python` tool (or SandboxFusion `local`) need it: ask the "
-                   "admins for unprivileged user namespaces, or name `HPCRL_PYTHON_SANDBOX: rlimits` in "
-                   "the profile's `env:` (docs/agent-loops.md, 'The python tool's sandbox')")
+        return row(name, None, "; ".join(bad)[:600] + " -- only the `python` tool needs it; fix: under "
+                   "Podman add `container.security_opt: [\"unmask=/proc/*\"]`, else ask the admins for "
+                   "unprivileged user namespaces, or name `HPCRL_PYTHON_SANDBOX: rlimits` in the profile's "
+                   "`env:` (docs/agent-loops.md, 'The python tool's sandbox')")
     return row(name, True, f"mode {', '.join(modes)} on {len(reports)} node(s)")
 
 

@@ -390,7 +390,11 @@ def strict():
     write("/proc/self/setgroups", "deny")
     write("/proc/self/uid_map", f"{uid} {uid} 1")
     write("/proc/self/gid_map", f"{gid} {gid} 1")
-    write("/proc/sys/user/max_user_namespaces", "0")
+    try:
+        write("/proc/sys/user/max_user_namespaces", "0")
+        nested_blocked = True
+    except OSError:  # a container runtime's read-only /proc/sys: through the sandbox's own /proc
+        nested_blocked = False
     prctl(PR_SET_DUMPABLE, 0, "prctl(PR_SET_DUMPABLE)")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     init = os.fork()
@@ -400,6 +404,8 @@ def strict():
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # pid 1 gets no signal it has not asked for
     build_root(uid, gid)
+    if not nested_blocked:
+        write("/proc/sys/user/max_user_namespaces", "0")
     libc.sethostname(b"sandbox", 7)
     if not spec["allow_network"]:
         loopback_up()
