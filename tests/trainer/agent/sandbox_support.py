@@ -83,8 +83,20 @@ def needs(condition: bool, reason: str) -> None:
         pytest.skip(reason)
 
 
+SESSION_KEY = """\
+import ctypes, platform
+_libc = ctypes.CDLL(None, use_errno=True)
+_keyctl, _add_key = {"x86_64": (250, 248), "aarch64": (219, 217)}[platform.machine()]
+_libc.syscall(_keyctl, 1, None)  # a session keyring of this process's own
+assert _libc.syscall(_add_key, b"user", b"hpcrl-test-secret", b"s3cret", 6, ctypes.c_long(-3)) > 0
+"""
+"""Run by the trainer before the sandbox: a secret key in its session keyring (where Kerberos or
+AFS tickets live on many clusters)."""
+
 _DRIVER = """\
-import asyncio, base64, dataclasses, json, sys
+import asyncio, base64, dataclasses, json, os, sys
+if os.environ.get("HPCRL_TEST_SESSION_KEY"):
+    exec(os.environ["HPCRL_TEST_SESSION_KEY"])
 sys.path.insert(0, sys.argv[1])
 import sandbox
 limits = sandbox.SandboxLimits(**json.loads(sys.argv[2]))
@@ -136,15 +148,20 @@ class Trainer:
                              mode=self.mode)
         return replace(base, **changes)  # type: ignore[arg-type]
 
-    def run(self, code: str, **changes: object) -> SandboxResult:
+    def run(self, code: str, session_key: bool = False, **changes: object) -> SandboxResult:
+        """`code` in the sandbox; with `session_key`, the trainer holds :data:`SESSION_KEY` first."""
         limits = self.limits(**changes)
+        if session_key and not self.subprocess:
+            exec(SESSION_KEY, {})
         if not self.subprocess:
             import asyncio
             return asyncio.run(sandbox.run_python(code, limits))
         proc = subprocess.run(
             ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", self.python, "-I",
              "-c", _DRIVER, str(self.modules), json.dumps(dataclasses.asdict(limits)), code],
-            env={"HOME": str(self.home), "PATH": "/usr/bin:/bin"}, cwd=self.home, capture_output=True,
+            env={"HOME": str(self.home), "PATH": "/usr/bin:/bin",
+                 **({"HPCRL_TEST_SESSION_KEY": SESSION_KEY} if session_key else {})},
+            cwd=self.home, capture_output=True,
             text=True, timeout=limits.timeout + 60)
         assert proc.returncode == 0, f"the ordinary trainer's process failed: {proc.stderr[-2000:]}"
         out = json.loads(proc.stdout)

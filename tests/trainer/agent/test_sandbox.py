@@ -207,6 +207,18 @@ def test_killing_its_parent_does_not_reach_the_trainer(sb: Trainer) -> None:
     # this process is alive to read the result: the code's parent is the sandbox's launcher
 
 
+def test_the_trainers_keyrings_are_out_of_reach(sb: Trainer) -> None:
+    """A key in the trainer's session keyring (Kerberos or AFS tickets on many clusters): the
+    code finds it neither in its session keyring nor its user keyring (ENOKEY)."""
+    code = ("import ctypes, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "request_key = {'x86_64': 249, 'aarch64': 218}[platform.machine()]\n"
+            "for ring in (0, -3, -4):\n"
+            "    print(libc.syscall(request_key, b'user', b'hpcrl-test-secret', None, ctypes.c_long(ring)),"
+            " ctypes.get_errno())")
+    res = sb.run(code, session_key=True)
+    assert out(res) == "-1 126\n" * 3, out(res) + res.stderr.decode()
+
+
 def test_a_directory_the_code_locked_is_still_removed(sb: Trainer) -> None:
     res = sb.run("import os\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nos.chmod('d', 0)\n"
                  "os.chmod('.', 0o500)")

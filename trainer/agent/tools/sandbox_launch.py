@@ -66,6 +66,8 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 CAP_SYS_PTRACE = 19
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "riscv64": 41}
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "riscv64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_FROM_HOST = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "ssl",
                  "ca-certificates", "ca-certificates.conf", "alternatives", "mime.types",
@@ -367,6 +369,18 @@ def run_code(source, strict, nproc):
         sys.exit(1)
 
 
+def new_session_keyring():
+    """A new, empty session keyring: the trainer's (Kerberos or AFS tickets on many clusters)
+    stays out of the code's reach."""
+    number = SYS_KEYCTL.get(platform.machine())
+    if number is None:
+        raise SetupError(f"keyctl: unknown system call number on {platform.machine()}")
+    if libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        err = ctypes.get_errno()
+        if err != 38:  # ENOSYS: a kernel without keys has no keyring to leave
+            raise SetupError(f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)} (errno {err})")
+
+
 def drop_user():
     if spec["uid"] is not None and os.geteuid() == 0:
         os.setgroups([])
@@ -378,6 +392,7 @@ def drop_user():
 
 def strict():
     drop_user()
+    new_session_keyring()
     uid, gid = os.getuid(), os.getgid()
     with open("main.py", encoding="utf-8") as f:
         source = f.read()
@@ -419,6 +434,7 @@ def strict():
 
 def rlimits_only():
     drop_user()
+    new_session_keyring()
     nproc = nproc_bound(userns=False)  # the launcher, counted there, waits beside the code
     pid = os.fork()
     if pid:
@@ -436,4 +452,8 @@ if spec["mode"] == "strict":
         report(setup_error=str(e))
         os._exit(125)
 else:
-    rlimits_only()
+    try:
+        rlimits_only()
+    except SetupError as e:
+        report(setup_error=str(e))
+        os._exit(125)
