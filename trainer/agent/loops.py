@@ -71,6 +71,7 @@ import yaml
 
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, Interaction, ToolResponse
 from trainer.agent.parser import FunctionCall, get_tool_parser
+from trainer.agent.tools.loading import check_schema
 from trainer.data import chat_prompt_ids
 
 if TYPE_CHECKING:
@@ -313,7 +314,9 @@ class ToolAgentLoop(AgentLoop):
             raise AgentLoopError(
                 f"`actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side={self.truncate_side}` "
                 f"is none of {list(_TRUNCATE_SIDES)}; set one of them (verl's default is `middle`)")
-        self.tool_schemas = [tool.tool_schema for tool in ctx.tools.values()]
+        # verl renders `tool_schema.model_dump(exclude_unset=True, exclude_none=True)`
+        # (`ToolAgentLoop.__init__`, verl 0.9.1): the same keys, in the same order
+        self.tool_schemas = [check_schema(tool.tool_schema, f"tool `{name}`") for name, tool in ctx.tools.items()]
         self.parser = get_tool_parser(mt.format, ctx.tokenizer)
         self.turns = ChatTurns(ctx.tokenizer, ctx.chat_template_kwargs)
 
