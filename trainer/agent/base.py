@@ -146,6 +146,9 @@ class AgentContext:
     """Interactions by name, from `multi_turn.interaction_config_path`."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """`data.apply_chat_template_kwargs` (e.g. `enable_thinking`)."""
+    config: Any = None
+    """The run's config (:class:`trainer.config.Config`): loops written against verl's interface
+    read it as verl's `trainer_config` (:mod:`trainer.agent.verl_compat`)."""
 
 
 class AgentLoop(ABC):

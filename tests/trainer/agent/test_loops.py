@@ -458,7 +458,7 @@ def test_agent_loop_config_registers_custom_and_verls_own_loops(tmp_path: Path, 
 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"name": "x", "_target_": "verl.experimental.agent_loop.react.ReactAgentLoop"},
-     r"is a verl class; only verl's own agent loops .*subclass of `trainer.agent.base.AgentLoop`"),
+     r"is a verl class that cannot be imported here .*install verl .*subclass of `trainer.agent.base.AgentLoop`"),
     ({"name": "x", "_target_": "tests.trainer.agent.test_loops.NOT_A_LOOP"},
      r"is 3, not a subclass of `trainer.agent.base.AgentLoop`"),
     ({"name": "x", "_target_": "no_such_module.Loop"}, r"cannot be imported .*PYTHONPATH"),
