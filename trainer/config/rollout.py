@@ -69,7 +69,8 @@ class AgentConfig:
     default_agent_loop: str = h("the agent loop of a data row without `agent_name`")
     agent_loop_config_path: str | None = h(
         "custom agent loops: a YAML list of `{name, _target_: package.module.Class}` (subclasses of "
-        "`trainer.agent.base.AgentLoop`); rows choose them by `agent_name`")
+        "`trainer.agent.base.AgentLoop`, or loops written for verl with their constructor arguments beside "
+        "`_target_`); rows choose them by `agent_name`")
 
 
 @dataclass(frozen=True)
