@@ -314,6 +314,26 @@ def test_verls_own_single_turn_loop_runs_through_the_adapter_as_its_port_runs(tm
     assert servers[0].params[0].temperature == 0.7 and not servers[0].params[0].greedy
 
 
+def test_verls_own_tool_loop_without_tools_runs_through_the_adapter_as_its_port_runs(tmp_path: Path) -> None:
+    """verl 0.9.1's `ToolAgentLoop` itself, no tool configured (its tools would need verl's
+    pydantic schemas, which this trainer's tools do not carry): the same trajectory as the port's."""
+    require_verl()
+    from verl.experimental.agent_loop import tool_agent_loop
+
+    target = "verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop"
+    cls = verl_loop(tool_agent_loop.ToolAgentLoop, {"name": "verl_tool", "_target_": target})
+    cfg = config(tmp_path, None, "data.max_response_length=64")
+    outs = []
+    for loop_cls in (cls, loops.ToolAgentLoop):
+        ctx = AgentRollout(cfg, TOK).context(RecordingServer(["it is 3"]))
+        outs.append(asyncio.run(loop_cls(ctx).run(example(0, "tool_agent"), SamplingParams(), "traj")))
+    verls, ours = outs
+    assert verls.response_ids == ids("it is 3") + [EOS] and verls.num_turns == 2
+    assert (verls.prompt_ids, verls.response_ids, verls.response_mask, verls.response_logprobs, verls.num_turns,
+            verls.extra) == (ours.prompt_ids, ours.response_ids, ours.response_mask, ours.response_logprobs,
+                             ours.num_turns, ours.extra)
+
+
 def test_a_loop_subclassing_verls_base_runs_from_its_yaml_entry(tmp_path: Path, registry: dict) -> None:
     """A loop written against verl's public interface (`AgentLoopBase`, its Continuous Token
     prompt, `server_manager.generate`, `AgentLoopOutput`), named in `agent_loop_config_path`
