@@ -7,7 +7,8 @@
 # `make test` also builds .venv-vllm (vLLM for CPU, `make vllm-venv`) and runs the vLLM tests
 # there as a second pytest run: vLLM pins its own transformers, so it lives in a venv of its own.
 # Likewise .venv-verl (verl 0.9.1, `make verl-venv`): the lab runs it, and a third pytest run there
-# checks the verl stand-in's checkpoint layout and the reward inputs against verl's own code.
+# checks the verl stand-in's checkpoint layout, the reward inputs, the tool schemas and the
+# verl-loop adapter against verl's own code.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -116,7 +117,8 @@ test: disk-check lab-packages
 	[ -z "$$images" ] || wait $$images || true; \
 	HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
 		|| status=$$?; \
-	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py tests/trainer/agent/test_reward_inputs_vs_verl.py $(PYTEST_ARGS) \
+	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py tests/trainer/agent/test_reward_inputs_vs_verl.py \
+		tests/trainer/agent/test_verl_compat.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	wait $$lab; lab_status=$$(cat $$rc 2>/dev/null || echo missing); \
 	echo "==== lab scenarios (lab instance 0), exit status $$lab_status ===="; cat $$log; \

@@ -6,4 +6,5 @@ turns of generation and tool calls), run concurrently against token-in/token-out
 - :mod:`trainer.agent.tools`: verl's tool config file and the tools shipped here.
 - :mod:`trainer.agent.parser`: tool calls in the model's text (verl's `hermes` format).
 - :mod:`trainer.agent.loops`: `single_turn_agent` and `tool_agent`, by verl's names.
+- :mod:`trainer.agent.verl_compat`: loops written against verl's interface, run unchanged.
 """

@@ -155,6 +155,9 @@ class AgentContext:
     prompt_length: int | None = None
     """`data.max_prompt_length`: a prompt a loop renders is cut to it (verl's `rollout.prompt_length`,
     `AgentLoopBase._cap_text_prompt_length`); None: not cut."""
+    config: Any = None
+    """The run's config (:class:`trainer.config.Config`): loops written against verl's interface
+    read it as verl's `trainer_config` (:mod:`trainer.agent.verl_compat`)."""
 
 
 class AgentLoop(ABC):

@@ -50,7 +50,8 @@ These refuse what verl would do silently wrong, or fix an edge verl gets wrong:
 - `tool_response_truncate_side` other than left/right/middle is refused (verl treats it as middle);
   left/right keep b178a3cd's meaning (left keeps the head), which verl v0.8.0 swapped (#6313).
 Not built: multimodal inputs and tool responses (images, videos), verl's `gpt-oss` tool format,
-constructor arguments in `agent_loop_config_path` entries.
+constructor arguments for :class:`AgentLoop` subclasses (loops written against verl's interface get
+theirs: :mod:`trainer.agent.verl_compat`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from trainer.agent import verl_compat
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, Interaction, ToolResponse
 from trainer.agent.parser import FunctionCall, get_tool_parser
+from trainer.agent.tools.loading import check_schema
 from trainer.data import chat_prompt_ids
 
 if TYPE_CHECKING:
@@ -316,7 +319,9 @@ class ToolAgentLoop(AgentLoop):
             raise AgentLoopError(
                 f"`actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side={self.truncate_side}` "
                 f"is none of {list(_TRUNCATE_SIDES)}; set one of them (verl's default is `middle`)")
-        self.tool_schemas = [tool.tool_schema for tool in ctx.tools.values()]
+        # verl renders `tool_schema.model_dump(exclude_unset=True, exclude_none=True)`
+        # (`ToolAgentLoop.__init__`, verl 0.9.1): the same keys, in the same order
+        self.tool_schemas = [check_schema(tool.tool_schema, f"tool `{name}`") for name, tool in ctx.tools.items()]
         self.parser = get_tool_parser(mt.format, ctx.tokenizer)
         self.turns = ChatTurns(ctx.tokenizer, ctx.chat_template_kwargs)
 
@@ -500,8 +505,10 @@ _KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 def load_agent_loops(path: str | Path) -> dict[str, type[AgentLoop]]:
     """Register the loops of verl's `agent_loop_config_path` file (`agent_loop.py:375-380`): a
     YAML list of `{name, _target_}`, `_target_` the dotted path of an :class:`AgentLoop`
-    subclass; a name already registered is replaced, as in verl. verl's own two loops map to
-    theirs here; any other `verl.*` class is refused. The whole file is checked before anything
+    subclass, or of a loop written against verl's interface (with its constructor arguments
+    beside `_target_`; run by :mod:`trainer.agent.verl_compat`); a name already registered is
+    replaced, as in verl. verl's own two loops map to theirs here; another `verl.*` loop needs
+    verl installed. The whole file is checked before anything
     is registered. A relative path is read from the current directory (verl also tries its own
     installation directory)."""
     file = Path(path)
@@ -515,35 +522,48 @@ def load_agent_loops(path: str | Path) -> dict[str, type[AgentLoop]]:
     loaded: dict[str, type[AgentLoop]] = {}
     for i, entry in enumerate(entries):
         where = f"`{_KEY}={path}`, entry {i}"
-        if not isinstance(entry, dict) or set(entry) != {"name", "_target_"}:
+        if not isinstance(entry, dict) or not {"name", "_target_"} <= set(entry):
             keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise AgentLoopError(f"{where}: expected a mapping with `name` and `_target_` (and, for a loop "
+                                 f"written against verl's interface, its constructor arguments), got {keys}")
+        cls = _target_class(str(entry["_target_"]), where)
+        if verl_compat.is_verl_loop(cls):  # verl's interface: built as verl builds it, any arguments
+            loaded[str(entry["name"])] = verl_compat.verl_loop(cls, entry)
+            continue
+        if set(entry) != {"name", "_target_"}:
             raise AgentLoopError(
-                f"{where}: expected exactly the keys `name` and `_target_`, got {keys}; constructor "
-                "arguments beside `_target_` (hydra's instantiate) are not built here: a loop gets the "
-                "rollout's `AgentContext` only, so read any setting of your own inside the loop")
-        loaded[str(entry["name"])] = _target_class(str(entry["_target_"]), where)
+                f"{where}: expected exactly the keys `name` and `_target_`, got {sorted(entry)}; constructor "
+                "arguments beside `_target_` (hydra's instantiate) go to loops written against verl's interface "
+                "(`async run(self, sampling_params, **kwargs)`) only: a `trainer.agent.base.AgentLoop` gets the "
+                "rollout's `AgentContext`, so read any setting of your own inside the loop")
+        loaded[str(entry["name"])] = cls
     _LOOPS.update(loaded)
     return loaded
 
 
-def _target_class(target: str, where: str) -> type[AgentLoop]:
+def _target_class(target: str, where: str) -> type:
+    """The class `_target_` names: verl's two loops map to their ports here; any other class is
+    imported and must subclass :class:`AgentLoop` or be written against verl's interface (then
+    :mod:`trainer.agent.verl_compat` runs it; a `verl.*` one needs verl installed)."""
     if target in VERL_TARGETS:
         return _LOOPS[VERL_TARGETS[target]]
-    if target.startswith("verl."):
-        raise AgentLoopError(
-            f"{where}: `_target_: {target}` is a verl class; only verl's own agent loops have "
-            f"counterparts here ({', '.join(f'{k} -> {v}' for k, v in VERL_TARGETS.items())}); port it "
-            "as a subclass of `trainer.agent.base.AgentLoop`")
     module_name, _, attr = target.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), attr) if module_name else None
     except (ImportError, AttributeError) as exc:
+        if target.startswith("verl."):
+            raise AgentLoopError(
+                f"{where}: `_target_: {target}` is a verl class that cannot be imported here ({exc}); verl's "
+                f"own agent loops have counterparts here ({', '.join(f'{k} -> {v}' for k, v in VERL_TARGETS.items())}); "
+                "install verl where the rollout runs to run another of its loops unchanged, or port it as a "
+                "subclass of `trainer.agent.base.AgentLoop`") from exc
         raise AgentLoopError(
             f"{where}: `_target_: {target}` cannot be imported ({exc}); make its module importable "
             "where the rollout runs (installed, or on PYTHONPATH)") from exc
-    if not (isinstance(obj, type) and issubclass(obj, AgentLoop)):
+    if not (isinstance(obj, type) and (issubclass(obj, AgentLoop) or verl_compat.is_verl_loop(obj))):
         raise AgentLoopError(
-            f"{where}: `_target_: {target}` is {obj!r}, not a subclass of `trainer.agent.base.AgentLoop`; "
-            "an agent loop here subclasses it (`__init__(ctx)`, `async run(example, params, request_id) "
-            "-> AgentOutput`), as verl's subclass `AgentLoopBase`")
+            f"{where}: `_target_: {target}` is {obj!r}, not a subclass of `trainer.agent.base.AgentLoop` "
+            "(`__init__(ctx)`, `async run(example, params, request_id) -> AgentOutput`) nor a loop written "
+            "against verl's interface (verl's `AgentLoopBase` constructor, `async run(self, sampling_params, "
+            "**kwargs) -> AgentLoopOutput`)")
     return obj

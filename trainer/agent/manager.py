@@ -77,7 +77,7 @@ class AgentRollout:
                             prompt_length=cfg.data.max_prompt_length,
                             multi_turn=cfg.actor_rollout_ref.rollout.multi_turn, tools=tools,
                             interactions=self.interactions,
-                            chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}))
+                            chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}), config=cfg)
 
     def loop_for(self, example: Example, ctx: AgentContext, built: dict[str, AgentLoop]) -> AgentLoop:
         """The loop of `example` (one instance per loop name and rollout: a loop keeps a

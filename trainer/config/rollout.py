@@ -16,7 +16,8 @@ class ValKwargs:
     top_p: float = h("validation nucleus sampling")
     temperature: float = h("validation temperature; 0 = greedy")
     n: int = h("samples per validation prompt")
-    do_sample: bool = h("sample during validation (false = greedy)")
+    do_sample: bool = h("false = greedy validation in the batched single-turn rollout only; agent loops "
+                        "do not read it, as verl's do not (`temperature: 0` is greedy everywhere)")
 
 
 #: verl's agent loop for a row without `agent_name` (`rollout.agent.default_agent_loop`): one
@@ -68,7 +69,8 @@ class AgentConfig:
     default_agent_loop: str = h("the agent loop of a data row without `agent_name`")
     agent_loop_config_path: str | None = h(
         "custom agent loops: a YAML list of `{name, _target_: package.module.Class}` (subclasses of "
-        "`trainer.agent.base.AgentLoop`); rows choose them by `agent_name`")
+        "`trainer.agent.base.AgentLoop`, or loops written for verl with their constructor arguments beside "
+        "`_target_`); rows choose them by `agent_name`")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class RolloutConfig:
     dtype: Dtype | None = h(f"dtype of the rollout engine's weights and compute (HF and vLLM); {ON_GPU_BF16}")
     top_k: int = h("top-k sampling; -1 = off")
     top_p: float = h("nucleus sampling")
-    do_sample: bool = h("sample (false = greedy)")
+    do_sample: bool = h("false = greedy in the batched single-turn rollout only; agent loops do not read "
+                        "it, as verl's do not (`temperature: 0` is greedy everywhere)")
     n: int = h("responses per prompt (group size for grpo/rloo)")
     gpu_memory_utilization: float = h("vLLM: share of GPU memory for weights and KV cache")
     tensor_model_parallel_size: int = h(

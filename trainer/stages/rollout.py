@@ -20,7 +20,7 @@ from trainer.rollout.vllm_server import server_mode
 from trainer.stages.logprobs import Note
 from trainer.workers.group import WorkerGroup
 
-__all__ = ["SALT", "Rollout", "sampling_params"]
+__all__ = ["SALT", "Rollout", "agent_loop_sampling", "sampling_params"]
 
 #: Seed salts: the training rollout, validation and ReMax's greedy baseline draw apart.
 SALT = {"train": 1000, "validate": 2000, "greedy": 3000}
@@ -32,6 +32,18 @@ def sampling_params(cfg: Config, validate: bool) -> SamplingParams:
     src: Any = r.val_kwargs if validate else r
     return SamplingParams(n=src.n, temperature=src.temperature, top_p=src.top_p, top_k=src.top_k,
                           max_response_length=cfg.data.max_response_length, do_sample=src.do_sample)
+
+
+def agent_loop_sampling(params: SamplingParams, greedy_baseline: bool) -> SamplingParams:
+    """`params` as verl's agent loop samples with them (`AgentLoopWorker.generate_sequences`,
+    `verl/experimental/agent_loop/agent_loop.py`, verl 0.9.1): temperature, top_p and top_k of
+    `rollout.*` (`val_kwargs.*` when validating); `do_sample`, the rollout's or validation's, is
+    not read there, so it is ignored here too. ReMax's greedy baseline (verl's per-row
+    `__do_sample__=False`) gets verl's `apply_greedy_sampling_params`: temperature 0, top_p 1,
+    top_k -1."""
+    if greedy_baseline:
+        return replace(params, temperature=0.0, top_p=1.0, top_k=-1, do_sample=True)
+    return replace(params, do_sample=True)
 
 
 class Rollout:
@@ -69,6 +81,7 @@ class Rollout:
             self.agent_metrics = {}
         if agentic:  # every row through its agent loop, turn by turn
             trace = TraceInfo(step=step, validate=validate, store=self.trace_store)
+            sampling = agent_loop_sampling(sampling, greedy)
             results = self.actor.run_each("generate_agent", [([examples[i] for i in p], sampling, seed, trace)
                                                              for p, seed in zip(parts, seeds, strict=True)])
         else:  # single-turn rows only: verl's `single_turn_agent`, as one batched generate per engine

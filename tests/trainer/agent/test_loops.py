@@ -222,6 +222,24 @@ def test_model_turn_reaching_the_budget_ends_and_is_asked_for_no_more() -> None:
     assert out.num_turns == 4
 
 
+def test_the_prompt_renders_tool_schemas_as_verls_models_dump_them() -> None:
+    """verl renders `model_dump(exclude_unset=True, exclude_none=True)` of its schema models: a
+    property's `items` and `minimum` are gone and keys come in the models' order, so a tool built
+    in code with a loose schema is rendered as verl renders it, not as given."""
+    loose = CalcTool()
+    loose.tool_schema = {"function": {"parameters": {"properties": {
+        "x": {"minimum": 0, "type": "integer"}, "y": {"type": "array", "items": {"type": "integer"}}},
+        "type": "object"}, "description": "add", "name": "calc"}, "type": "function"}
+    loop, server = make(["done"], (loose,))
+    run(loop)
+    dumped = {"type": "function", "function": {"name": "calc", "description": "add", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "array"}}}}}
+    as_verl = ids(str(TOK.apply_chat_template(QUESTION, tools=[dumped], add_generation_prompt=True, tokenize=False)))
+    as_given = ids(str(TOK.apply_chat_template(QUESTION, tools=[loose.tool_schema], add_generation_prompt=True,
+                                               tokenize=False)))
+    assert server.requests[0].prompt_ids == as_verl != as_given
+
+
 @pytest.mark.parametrize("spare", [0, 1])
 def test_tool_turn_that_would_reach_the_budget_is_not_appended(spare: int) -> None:
     """verl's `len(response_mask) + len(tool ids) >= response_length`: the tool ran (its reward
@@ -440,7 +458,7 @@ def test_agent_loop_config_registers_custom_and_verls_own_loops(tmp_path: Path, 
 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"name": "x", "_target_": "verl.experimental.agent_loop.react.ReactAgentLoop"},
-     r"is a verl class; only verl's own agent loops .*subclass of `trainer.agent.base.AgentLoop`"),
+     r"is a verl class that cannot be imported here .*install verl .*subclass of `trainer.agent.base.AgentLoop`"),
     ({"name": "x", "_target_": "tests.trainer.agent.test_loops.NOT_A_LOOP"},
      r"is 3, not a subclass of `trainer.agent.base.AgentLoop`"),
     ({"name": "x", "_target_": "no_such_module.Loop"}, r"cannot be imported .*PYTHONPATH"),

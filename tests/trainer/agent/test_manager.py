@@ -16,9 +16,9 @@ from trainer.batch import StepBatch
 from trainer.config import load_config
 from trainer.data import Example
 from trainer.metrics import data_metrics
-from trainer.rollout.base import RolloutBatch
+from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.stages.reward import score_rollouts
-from trainer.stages.rollout import Rollout
+from trainer.stages.rollout import Rollout, agent_loop_sampling
 
 PAD = 0
 
@@ -138,6 +138,7 @@ class AgentGroup:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[int], int]] = []
         self.traces: list[Any] = []
+        self.samplings: list[SamplingParams] = []
 
     def run_each(self, method: str, per_rank: list[tuple[Any, ...]]) -> list[tuple[Any, dict[str, Any]]]:
         if method != "generate_agent":
@@ -145,6 +146,7 @@ class AgentGroup:
         results = []
         for examples, sampling, _seed, trace in per_rank:
             self.traces.append(trace)
+            self.samplings.append(sampling)
             self.calls.append((method, [e.index for e in examples], sampling.n))
             outs = [AgentOutput(prompt_ids=[7] * (e.index + 1), response_ids=[20 + e.index, 50, 30],
                                 response_mask=[1, 0, 1], num_turns=3,
@@ -176,3 +178,29 @@ def test_the_rollout_stage_sends_agent_rows_to_the_agent_loops_and_unifies_promp
     with pytest.raises(ValueError):  # single-turn rows go to the batched generate, which this group lacks
         stage.generate(single, 2, lambda k, v: 0.0)
     assert group.calls[-1][0] == "generate_agent" and len(group.calls) == 2
+
+
+def test_agent_loops_sample_as_verls_do_whatever_do_sample_says() -> None:
+    """verl's agent loop builds its sampling from temperature, top_p and top_k only (`rollout.*`,
+    `val_kwargs.*` when validating; `AgentLoopWorker.generate_sequences`): `do_sample=false`
+    samples at the temperature; ReMax's greedy baseline is verl's `apply_greedy_sampling_params`."""
+    cfg = load_config(["actor_rollout_ref.rollout.n=2", "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
+                       "data.max_response_length=4", "data.train_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                       "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0.7",
+                       "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=5",
+                       "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
+                       "actor_rollout_ref.rollout.val_kwargs.temperature=0.6"])
+    group = AgentGroup()
+    stage = Rollout(cfg, group, pad_token_id=PAD)  # type: ignore[arg-type]
+    examples = [_example(i) for i in range(2)]
+    stage.generate(examples, 1, lambda k, v: 0.0)
+    train = group.samplings[-1]
+    assert (train.n, train.temperature, train.top_p, train.top_k, train.greedy) == (2, 0.7, 0.9, 5, False)
+    stage.generate(examples, 1, lambda k, v: 0.0, validate=True)
+    val = group.samplings[-1]
+    assert (val.n, val.temperature, val.top_p, val.top_k, val.greedy) == (1, 0.6, 1.0, -1, False)
+    stage.generate(examples, 1, lambda k, v: 0.0, greedy=True)
+    base = group.samplings[-1]
+    assert (base.n, base.temperature, base.top_p, base.top_k, base.greedy) == (1, 0.0, 1.0, -1, True)
+    assert agent_loop_sampling(SamplingParams(temperature=0.5, do_sample=False), False).greedy is False

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -160,15 +161,49 @@ def test_a_schema_without_a_function_name_is_refused_naming_the_entry(tmp_path: 
 
 
 @pytest.mark.parametrize(("schema", "problem"), [
-    ({"function": SCHEMA["function"]}, "string `type`"),
-    ({"type": "function"}, "no `function` mapping"),
-    ({"type": "function", "function": {"name": "x"}}, "`tool_schema.function.description`"),
+    ({"function": SCHEMA["function"]}, "`tool_schema.type` is missing"),
+    ({"type": "function"}, "`tool_schema.function` is missing"),
+    ({"type": "function", "function": "echo"}, "`tool_schema.function` is 'echo'; verl's `OpenAIFunctionSchema` "
+                                               "needs a mapping"),
+    ({"type": "function", "function": {"name": "x"}}, "`tool_schema.function.description` is missing"),
     ({"type": "function", "function": {"name": "x", "description": "d", "parameters": {"type": "object"}}},
-     "`properties` mapping and a `required` list"),
+     "`tool_schema.function.parameters.properties` is missing; verl's `OpenAIFunctionParametersSchema`"),
+    ({"type": "function", "function": {"name": "x", "description": "d", "parameters": {
+        "type": "object", "properties": {"a": {"description": "no type"}}}}},
+     "`tool_schema.function.parameters.properties.a.type` is missing"),
+    ({"type": "function", "function": {"name": "x", "description": "d", "parameters": {
+        "type": "object", "properties": {}, "required": None}}},
+     "`tool_schema.function.parameters.required` is null"),
+    ({"type": "function", "function": {"name": "x", "description": "d", "strict": "maybe"}},
+     "`tool_schema.function.strict` is 'maybe'; verl's schema models need a boolean"),
 ])
 def test_schemas_verl_would_reject_are_refused(tmp_path: Path, schema: dict[str, Any], problem: str) -> None:
     with pytest.raises(AgentConfigError, match=problem.replace("(", r"\(")):
         load_tools(write_entries(tmp_path, entry(f"{__name__}.EchoTool", schema=schema)))
+
+
+def test_schemas_keep_verls_keys_in_verls_order_and_fill_no_defaults(tmp_path: Path) -> None:
+    """verl renders `OpenAIFunctionToolSchema.model_validate(s).model_dump(exclude_unset=True,
+    exclude_none=True)`: keys outside its models dropped, its field order, nothing filled in
+    (the differential against verl itself: tests/trainer/agent/test_verl_compat.py)."""
+    given = {"function": {"parameters": {"properties": {
+        "xs": {"items": {"type": "integer"}, "type": "array", "description": "the values"},
+        "n": {"type": "integer", "minimum": 0, "default": 3, "description": None},
+        "mode": {"enum": ["a", "b"], "type": "string"},
+        "nested": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "type": "object", "additionalProperties": False}, "description": "Echo.", "name": "echo"},
+        "type": "function"}
+    path = write(tmp_path, yaml.safe_dump({"tools": [entry(f"{__name__}.EchoTool", schema=given)]},
+                                           sort_keys=False))  # the file's order, as given
+    (tool,) = load_tools(path)
+    want = {"type": "function", "function": {"name": "echo", "description": "Echo.", "parameters": {
+        "type": "object", "properties": {
+            "xs": {"type": "array", "description": "the values"},
+            "n": {"type": "integer"},
+            "mode": {"type": "string", "enum": ["a", "b"]},
+            "nested": {"type": "object"}}}}}
+    assert tool.tool_schema == want
+    assert json.dumps(tool.tool_schema) == json.dumps(want)  # the order too: the template renders it
 
 
 def test_duplicate_tool_names_are_refused(tmp_path: Path) -> None:

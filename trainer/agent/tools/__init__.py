@@ -8,7 +8,8 @@ The file is verl's, unchanged (`examples/sglang_multiturn/config/tool_config/*.y
         tool_schema: {type: function, function: {name, description, parameters}}
 
 `tool_schema` may be left out for a tool that has a default (:attr:`default_schema`); it is kept
-as the dict given, which the loop passes to the chat template (`tools=`). Only `native` tools
+as verl's schema models dump it (:func:`~trainer.agent.tools.loading.check_schema`), which the
+loop passes to the chat template (`tools=`). Only `native` tools
 exist here: verl's `mcp` type is refused.
 
 Shipped: verl's, ported: :class:`~trainer.agent.tools.gsm8k.Gsm8kTool`,

@@ -10,7 +10,7 @@ imported and must subclass the base class the file is for.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,25 +107,114 @@ def function_schema(name: str, description: str, parameters: Mapping[str, str]) 
                        "required": list(parameters)}}}
 
 
+# verl's tool schema models (`verl/tools/schemas.py`, verl 0.9.1): each field, in the models'
+# order (`model_dump` writes fields in that order, whatever the order given), its parser, and
+# whether it is `required`, `optional` (a default) or `nullable` (`X | None = None`). Keys outside
+# a model are dropped (pydantic's `extra="ignore"`).
+_Field = tuple[str, Callable[[Any, str], Any], str]
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _SchemaError(f"`{where}` is {value!r}; verl's schema models need a string there")
+    return value
+
+
+def _str_list(value: Any, where: str) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        raise _SchemaError(f"`{where}` is {value!r}; verl's schema models need a list of strings there")
+    return [_str(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _type(value: Any, where: str) -> str | list[str]:
+    """`type: str | list[str]` (a union such as `[integer, number]`)."""
+    return value if isinstance(value, str) else _str_list(value, where)
+
+
+def _any_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise _SchemaError(f"`{where}` is {value!r}; verl's schema models need a list there")
+    return list(value)
+
+
+_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+def _bool(value: Any, where: str) -> bool:
+    """pydantic's lax `bool`: booleans, 0/1, and its true/false words."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise _SchemaError(f"`{where}` is {value!r}; verl's schema models need a boolean there")
+
+
+def _model(fields: tuple[_Field, ...], model: str) -> Callable[[Any, str], dict[str, Any]]:
+    """A parser of one verl schema model: its fields in the model's order, a field left out or
+    given as None is left out (`exclude_unset=True, exclude_none=True`), other keys dropped."""
+    def parse(value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, Mapping):
+            raise _SchemaError(f"`{where}` is {value!r}; verl's `{model}` needs a mapping there")
+        out: dict[str, Any] = {}
+        for key, field_parser, kind in fields:
+            if key not in value:
+                if kind == "required":
+                    raise _SchemaError(f"`{where}.{key}` is missing; verl's `{model}` requires it")
+                continue
+            if value[key] is None:
+                if kind != "nullable":
+                    raise _SchemaError(f"`{where}.{key}` is null; verl's `{model}` needs a value there")
+                continue  # exclude_none
+            out[key] = field_parser(value[key], f"{where}.{key}")
+        return out
+    return parse
+
+
+_property = _model((("type", _type, "required"), ("description", _str, "nullable"),
+                    ("enum", _any_list, "nullable")),
+                   "OpenAIFunctionPropertySchema")
+
+
+def _properties(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _SchemaError(f"`{where}` is {value!r}; verl's schema models need a mapping from "
+                           f"parameter names to their schemas there")
+    return {name: _property(prop, f"{where}.{name}") for name, prop in value.items()}
+
+
+_parameters = _model((("type", _str, "required"), ("properties", _properties, "required"),
+                      ("required", _str_list, "optional")), "OpenAIFunctionParametersSchema")
+_function = _model((("name", _str, "required"), ("description", _str, "required"),
+                    ("parameters", _parameters, "optional"), ("strict", _bool, "optional")),
+                   "OpenAIFunctionSchema")
+_tool = _model((("type", _str, "required"), ("function", _function, "required")), "OpenAIFunctionToolSchema")
+
+
+class _SchemaError(ValueError):
+    pass
+
+
 def check_schema(schema: Any, where: str) -> dict[str, Any]:
-    """`schema` as given, after the checks verl's `OpenAIFunctionToolSchema` makes
-    (`verl/tools/schemas.py`): `type`, `function.name`, `function.description`, and when present
-    `function.parameters` with `type`, `properties` and `required`."""
+    """`schema` as verl renders it into the prompt: parsed by `OpenAIFunctionToolSchema`
+    (`verl/tools/schemas.py`; `verl/tools/tool_registry.py`, `load_all_tools`) and dumped with
+    `model_dump(exclude_unset=True, exclude_none=True)` (`ToolAgentLoop.__init__`,
+    `verl/experimental/agent_loop/tool_agent_loop.py`; `RLHFDataset.__init__`,
+    `verl/utils/dataset/rl_dataset.py`). So only the models' keys are kept, in the models'
+    order (`type`, `function`; `name`, `description`, `parameters`, `strict`; `type`,
+    `properties`, `required`; a property's `type`, `description`, `enum`): a property's `items`,
+    `minimum`, `default` or nested `properties` are dropped, and defaults are not filled in (a
+    missing `required` stays missing). A name or description that is empty is refused here
+    (verl accepts it). Idempotent."""
     fix = "write it as verl's `tool_schema: {type: function, function: {name, description, parameters}}`"
-    if not isinstance(schema, Mapping) or not isinstance(schema.get("type"), str):
-        raise AgentConfigError(f"{where}: `tool_schema` needs a string `type` (`function`); {fix}")
-    function = schema.get("function")
-    if not isinstance(function, Mapping):
-        raise AgentConfigError(f"{where}: `tool_schema` has no `function` mapping; {fix}")
+    try:
+        out = _tool(schema, "tool_schema")
+    except _SchemaError as e:
+        raise AgentConfigError(f"{where}: {e}; {fix}") from e
     for key in ("name", "description"):
-        if not isinstance(function.get(key), str) or not function[key]:
-            raise AgentConfigError(f"{where}: `tool_schema.function.{key}` is missing or not a "
+        if not out["function"][key]:
+            raise AgentConfigError(f"{where}: `tool_schema.function.{key}` is empty; give it a "
                                    f"non-empty string; {fix}")
-    params = function.get("parameters")
-    if params is not None:
-        if not (isinstance(params, Mapping) and isinstance(params.get("type"), str)
-                and isinstance(params.get("properties"), Mapping)
-                and isinstance(params.get("required"), list)):
-            raise AgentConfigError(f"{where}: `tool_schema.function.parameters` needs `type`, a "
-                                   f"`properties` mapping and a `required` list; {fix}")
-    return dict(schema)
+    return out
