@@ -23,10 +23,10 @@ What this module provides in verl's place:
   (:class:`trainer.agent.base.Tool`: verl's methods, the schema a dict);
 - a new loop instance per trajectory, as verl instantiates one per row.
 
-What comes back becomes an :class:`~trainer.agent.base.AgentOutput`. Refused, naming the fix: a
-loop's own `reward_score` (verl puts it in `rm_scores` in place of the reward function's; not
-built here), multimodal data, routed experts, sampling keys other than verl's agent-loop ones,
-`repetition_penalty` other than 1.
+What comes back becomes an :class:`~trainer.agent.base.AgentOutput`, a loop's own
+`reward_score` included (the reward stage puts it in place of the reward function's, as verl).
+Refused, naming the fix: multimodal data, routed experts, sampling keys other than verl's
+agent-loop ones, `repetition_penalty` other than 1.
 """
 
 from __future__ import annotations
@@ -228,11 +228,6 @@ def agent_output(out: Any, loop: str) -> AgentOutput:
             raise VerlLoopError(f"agent loop `{loop}` returned {type(out).__name__} without `{name}`; return "
                                 "verl's `AgentLoopOutput` (prompt_ids, response_ids, response_mask, ...)")
     score = _get(out, "reward_score")
-    if score is not None:
-        raise VerlLoopError(
-            f"agent loop `{loop}` returned `reward_score={score}`; verl puts a loop's own score in place of "
-            "the reward function's, which is not built here: return `reward_score=None` and score the "
-            "trajectory in a reward function (`custom_reward_function.path`)")
     for name in ("multi_modal_data", "routed_experts"):
         if _get(out, name):
             raise VerlLoopError(f"agent loop `{loop}` returned `{name}`, which is not built here (text only, "
@@ -247,7 +242,9 @@ def agent_output(out: Any, loop: str) -> AgentOutput:
         response_logprobs=None if logprobs is None else [float(x) for x in logprobs],
         num_turns=int(_get(out, "num_turns", 0)),
         metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-        extra=dict(_get(out, "extra_fields") or {}))
+        extra=dict(_get(out, "extra_fields") or {}),
+        # verl's own score of the loop, in place of the reward function's (the reward stage)
+        reward_score=None if score is None else float(score))
 
 
 def hf_model_type(cfg: Any) -> str | None:

@@ -250,16 +250,16 @@ class ScoredLoop(DuckLoop):
         return out
 
 
-def test_loop_entries_with_arguments_are_for_verl_loops_only_and_own_scores_are_refused(tmp_path: Path,
-                                                                                        registry: dict) -> None:
+def test_loop_entries_with_arguments_are_for_verl_loops_only_and_own_scores_are_kept(tmp_path: Path,
+                                                                                     registry: dict) -> None:
     path = tmp_path / "l.yaml"
     entry = {"name": "scored", "_target_": f"{__name__}.ScoredLoop", "turns": 3}
     path.write_text(yaml.safe_dump([entry]))
     cls = load_agent_loops(path)["scored"]
     assert cls.verl_class is ScoredLoop and cls.entry == entry and loops.loop_class("scored") is cls
     ctx = AgentRollout(config(tmp_path), TOK).context(RecordingServer(["ab"] * 3))
-    with pytest.raises(VerlLoopError, match=r"`scored` returned `reward_score=1.0`.*custom_reward_function"):
-        asyncio.run(cls(ctx).run(example(), SamplingParams(), "id"))
+    out = asyncio.run(cls(ctx).run(example(), SamplingParams(), "id"))
+    assert out.reward_score == 1.0  # the reward stage puts it in place of the reward function's
 
 
 def test_the_server_manager_computes_verls_max_tokens_and_refuses_what_is_not_built() -> None:
