@@ -3,10 +3,12 @@
 hpcrl's process) against the profile's `slurm.gpu_memory_gib` and, when it sets one,
 `slurm.mem` (each node's host memory: offloaded and pinned state, per-process baselines), and
 refuses a configuration that cannot fit unless `--force` or `slurm.memory_plan: false` lets it
-through."""
+through. Only the plan's own verdict refuses: a plan that cannot run (a light install without
+torch, say) is noted as not run, with the fix, and the job goes on."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -46,6 +48,9 @@ def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any
     if not isinstance(model, str) or not (Path(model).expanduser() / "config.json").is_file():
         return (f"hpcrl: note: no memory plan: `{MODEL_KEY}={model}` has no `config.json` on this host "
                 "(the plan reads only that file; copy it here to have the job checked before it queues)")
+    if not torch_installed():
+        return not_run(f"torch is not installed in this Python (`{sys.executable}`: a light install, "
+                       "as on a login node)", slurm)
     env = {**os.environ, **job_env}
     host_gib = slurm_mem_gib(slurm.mem)
     done = subprocess.run(plan_command(overrides, slurm.gpu_memory_gib, host_gib), env=env,
@@ -53,6 +58,10 @@ def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any
     if done.returncode == 0:
         return done.stdout.rstrip("\n")
     error = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+    if done.returncode != 2 or not error[0].startswith("python -m trainer: error: "):
+        # not the plan's verdict (status 2, the trainer's error line): the plan did not run
+        return not_run(f"`python -m trainer --plan-memory` ended with exit status {done.returncode}: {error[0]}",
+                       slurm)
     reason = error[0].removeprefix("python -m trainer: error: ")
     if force or not slurm.memory_plan:
         why = "`--force`" if force else "`slurm.memory_plan: false`"
@@ -61,3 +70,20 @@ def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any
     raise PreflightError(f"the memory plan refuses this job before it queues "
                          f"({slurm.gpu_memory_gib:g} GiB per GPU, `slurm.gpu_memory_gib`{host}): {reason}. "
                          "To submit anyway: `hpcrl submit --force`")
+
+
+def torch_installed() -> bool:
+    """Whether this Python can import torch (the plan's one heavy need), without importing it."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def not_run(why: str, slurm: Any) -> str:
+    """The note for a plan that did not run: why, and the two ways to settle it."""
+    if not slurm.memory_plan:
+        return f"hpcrl: note: no memory plan (`slurm.memory_plan: false`; it could not run anyway: {why})"
+    return (f"hpcrl: note: the memory plan was not run, so GPU memory is unchecked: {why}. To have the "
+            "job checked before it queues: `pip install 'hpcrl[train]'` (torch) on this host; to skip the "
+            "plan and this note: `slurm.memory_plan: false` in the profile")

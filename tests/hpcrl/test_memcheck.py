@@ -95,3 +95,48 @@ def test_a_node_whose_host_memory_cannot_hold_the_offloaded_state_is_refused_bef
             "96G per node, `slurm.mem`): the host memory phase needs 108.3 GiB per node") in done.stderr
     assert "its largest term is 8 x offloaded AdamW moments" in done.stderr
     assert "#SBATCH" not in done.stdout
+
+
+#: `python -m hpcrl` in an interpreter where torch cannot be imported, as after a plain
+#: `pip install hpcrl` on a login node (the one seam faked: torch's absence)
+WITHOUT_TORCH = """\
+import importlib.abc, runpy, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return None
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["hpcrl", *sys.argv[1:]]
+runpy.run_module("hpcrl", run_name="__main__")
+"""
+
+
+def test_a_light_install_notes_the_plan_was_not_run_and_never_refuses(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "submit", "--dry-run", "--via", "sbatch",
+                           "--site", "h100-cluster", "--", *GRPO], env=env, cwd=REPO, text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr  # the oversize line: unchecked here, not refused
+    assert "hpcrl: note: the memory plan was not run, so GPU memory is unchecked: torch is not installed" in done.stderr
+    assert "`pip install 'hpcrl[train]'`" in done.stderr and "`slurm.memory_plan: false`" in done.stderr
+    assert "refuses" not in done.stderr and "--force" not in done.stderr
+    assert "#SBATCH" in done.stdout
+
+
+def test_a_plan_that_crashes_is_not_read_as_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from hpcrl import memcheck
+
+    crash = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\n  ...\n"
+                                        "ModuleNotFoundError: No module named 'transformers'\n")
+    monkeypatch.setattr(memcheck.subprocess, "run", lambda *a, **k: crash)
+    slurm = SimpleNamespace(gpus_per_node=8, gpu_memory_gib=80.0, mem=None, memory_plan=True)
+    text = memcheck.check_memory(GRPO, {memcheck.MODEL_KEY: str(QWEN_7B)}, slurm, {}, force=False)
+    assert text is not None and text.startswith("hpcrl: note: the memory plan was not run")
+    assert "exit status 1: ModuleNotFoundError: No module named 'transformers'" in text
+    refusal = subprocess.CompletedProcess([], 2, "", "python -m trainer: error: the actor update phase needs more\n")
+    monkeypatch.setattr(memcheck.subprocess, "run", lambda *a, **k: refusal)
+    with pytest.raises(memcheck.PreflightError, match="the memory plan refuses this job"):
+        memcheck.check_memory(GRPO, {memcheck.MODEL_KEY: str(QWEN_7B)}, slurm, {}, force=False)
