@@ -45,6 +45,7 @@ def main() -> int:
     parser.add_argument("--site", default="mi300-cluster")
     args = parser.parse_args()
     render = ["render", "--site", args.site, "--no-prepare", "--", "trainer.nnodes=2",
+              "critic.ppo_micro_batch_size_per_gpu=4",
               "data.train_batch_size=256"]
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "HOME": home, "PYTHONPATH": str(REPO)}

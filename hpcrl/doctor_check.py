@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcrl.doctor_record import RESULT, row
 from hpcrl.runtimes import running_in
 from trainer.agent.tools.sandbox import (
     SandboxError,
@@ -30,7 +31,6 @@ from trainer.agent.tools.sandbox import (
     sandbox_mode,
 )
 
-RESULT = "doctor.json"
 MIB = 1 << 20
 GIB = 1 << 30
 ALLREDUCE_BYTES = 64 * MIB
@@ -38,10 +38,6 @@ ALLREDUCE_BYTES = 64 * MIB
 # release notes, table 2): a newer toolkit minor needs no newer driver within its major.
 CUDA_MIN_DRIVER = {11: (450, 80), 12: (525, 60), 13: (580, 0)}
 
-
-def row(check: str, ok: bool | None, detail: str, fix: str = "") -> dict[str, str]:
-    status = "SKIP" if ok is None else "PASS" if ok else "FAIL"
-    return {"check": check, "status": status, "detail": detail, "fix": "" if ok or ok is None else fix}
 
 
 # ----------------------------------------------------------------------------- parsers

@@ -10,6 +10,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+RESULT = "doctor.json"
+"""The doctor job's rows, in its run directory."""
+
+
+def row(check: str, ok: bool | None, detail: str, fix: str = "") -> dict[str, str]:
+    status = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+    return {"check": check, "status": status, "detail": detail, "fix": "" if ok or ok is None else fix}
+
+
 
 def state_file(site: str, environ: Mapping[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ

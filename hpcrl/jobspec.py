@@ -196,6 +196,16 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 UPDATE_SPEC = "--update-spec"
 
 
+def check_resumable(run_dir: Path) -> None:
+    """Refuse `--resume` of a run directory that does not exist, naming runs nearby."""
+    run_dir = run_dir.expanduser().absolute()
+    if not run_dir.is_dir():
+        raise RunDirError(
+            f"`--resume`: run directory `{run_dir}` does not exist, so there is nothing to "
+            f"resume{_nearby_runs(run_dir.parent)}. Check the path, or leave out `--resume` to "
+            "start a new run there")
+
+
 def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False,
                     update_spec: bool = False) -> Prepared:
     """Create `run_dir` (0700) with `logs/` and write `job.json` (0600) atomically.
@@ -205,11 +215,8 @@ def prepare_run_dir(run_dir: Path, spec: JobSpec, *, resume: bool = False,
     difference, unless `update_spec` (`--update-spec`) replaces it.
     """
     run_dir = run_dir.expanduser().absolute()
-    if resume and not run_dir.is_dir():
-        raise RunDirError(
-            f"`--resume`: run directory `{run_dir}` does not exist, so there is nothing to "
-            f"resume{_nearby_runs(run_dir.parent)}. Check the path, or leave out `--resume` to "
-            "start a new run there")
+    if resume:
+        check_resumable(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()) and not resume:
         raise RunDirError(
             f"run directory `{run_dir}` exists and is not empty; it belongs to another job. "

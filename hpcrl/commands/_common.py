@@ -10,7 +10,14 @@ from typing import Any
 
 from hpcrl.containers import ContainerError
 from hpcrl.jobs import resolve
-from hpcrl.jobspec import UPDATE_SPEC, JobSpec, JobSpecError, RunDirError, default_payload
+from hpcrl.jobspec import (
+    UPDATE_SPEC,
+    JobSpec,
+    JobSpecError,
+    RunDirError,
+    check_resumable,
+    default_payload,
+)
 from hpcrl.payloads import verl
 from hpcrl.plotting import PlotError
 from hpcrl.preflight import PreflightError
@@ -171,7 +178,12 @@ def prepare(args: argparse.Namespace) -> Any:
     if args.run_dir is not None and not args.run_dir.strip():
         raise RequestError("`--run-dir` is empty; name a directory, or leave the flag out for a "
                            "new one under the profile's `run_root`")
+    if args.resume and not args.run_dir:
+        raise RequestError("`--resume` needs `--run-dir RUN`: the run directory of the job to resume "
+                           f"(runs are under the profile's `run_root`, {profile.run_root})")
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
+    if args.resume:
+        check_resumable(run_dir)  # the dry run and render say so too, not only the submission
     kept = resumed_payload(run_dir) if args.resume and not payload else None
     if kept is not None:  # `--resume` without overrides: the job's own payload
         argv, start = kept

@@ -16,8 +16,7 @@ from typing import Any
 from hpcrl import preflight as pf
 from hpcrl.commands import submit
 from hpcrl.commands._common import user_errors
-from hpcrl.doctor_check import RESULT, row
-from hpcrl.doctor_record import record_pass
+from hpcrl.doctor_record import RESULT, record_pass, row
 from hpcrl.memcheck import check_memory
 from hpcrl.profiles import ProfileError, SiteProfile, load_profile, profile_to_dict
 from hpcrl.rundir import reading_env

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpcrl.commands._checks import PASSED, preflight
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.jobspec import prepare_run_dir
 
-HELP = "print the sbatch script of a job (prepares its run directory); `| sbatch` submits it"
+HELP = ("print the sbatch script of a job after the checks `hpcrl submit` runs (prepares its run "
+        "directory); `| sbatch` submits it")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -21,10 +23,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    _, req = prepare(args)
+    profile, req = prepare(args)
+    preflight(args, profile, req, submitting=False)  # the checks `hpcrl submit` runs, but Slurm's client
     if not args.no_prepare:
         prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
                         update_spec=args.update_spec)
         print(f"hpcrl: run directory {req.run_dir} (job.json written)", file=sys.stderr)
+    print(PASSED, file=sys.stderr)
     sys.stdout.write(req.script)
     return 0

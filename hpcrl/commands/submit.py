@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from hpcrl import preflight as pf
+from hpcrl.commands._checks import PASSED, preflight
 from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.doctor_record import suggestion
 from hpcrl.jobspec import prepare_run_dir
-from hpcrl.memcheck import check_memory
 from hpcrl.progress import NO_ANSWER, Progress, follow
-from hpcrl.rundir import reading_env, restart_indices, run_report
+from hpcrl.rundir import restart_indices, run_report
 from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
 from hpcrl.submission import (
     LOCAL_VIA,
@@ -44,14 +42,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 @user_errors
 def run(args: argparse.Namespace) -> int:
     profile, req = prepare(args)
+    if args.resume and not args.dry_run:  # one job per run directory: its job must be over
+        (refuse_if_running if req.via == LOCAL_VIA else refuse_if_queued)(Path(req.run_dir))
+    preflight(args, profile, req, submitting=True)  # the dry run's verdict is the submission's
     if args.dry_run:
-        check_payload(args, profile, req, dry_run=True)
         text = dry_run_text(req)
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        print(PASSED, file=sys.stderr)
         return 0
-    if args.resume:  # one job per run directory: its job must be over
-        (refuse_if_running if req.via == LOCAL_VIA else refuse_if_queued)(Path(req.run_dir))
-    preflight(args, profile, req)
     prepared = prepare_run_dir(Path(req.run_dir), req.spec, resume=args.resume,
                                update_spec=args.update_spec)
     earlier = restart_indices(Path(req.run_dir))  # runs of earlier jobs: not this job's
@@ -94,27 +92,3 @@ def follow_job(job_id: str, run_dir: Any, earlier: list[int]) -> None:
         print(line)
 
 
-def preflight(args: argparse.Namespace, profile: Any, req: Any) -> None:
-    """Stop before anything is created when the job cannot work (see `hpcrl.preflight`)."""
-    pf.report(pf.check_scheduler(profile.name, profile.scheduler)
-              + pf.check_local_nodes(profile.name, profile.scheduler, req.spec.nodes), fatal=True)
-    check_payload(args, profile, req, dry_run=False)
-
-
-def check_payload(args: argparse.Namespace, profile: Any, req: Any, dry_run: bool) -> None:
-    """The trainer's checks of the payload's overrides. A key or value the trainer refuses
-    stops it on every node, so it is refused here on any site, dry run or not; a model, data
-    file or disk space that this host cannot confirm is fatal only where the job runs here (the
-    local site, not a dry run), a warning elsewhere."""
-    if args.whole_command or args.verl or (args.resume and not args.update_spec):
-        return
-    run_dir = Path(req.run_dir)
-    job_env = reading_env(req.spec.nodes, run_dir, req.spec.profile)
-    overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]), job_env)
-    pf.report(problems, fatal=True)
-    text = check_memory(list(req.spec.payload[3:]), overrides, profile.slurm, job_env,
-                        getattr(args, "force", False))
-    if text:
-        print(text, file=sys.stderr)
-    pf.report(pf.check_job_inputs(overrides, run_dir, hub_env={**os.environ, **profile.env}),
-              fatal=profile.scheduler == "local" and not dry_run)

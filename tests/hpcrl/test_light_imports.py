@@ -28,8 +28,9 @@ print(json.dumps({{"code": code, "heavy": heavy}}), file=sys.stderr)
 @pytest.mark.parametrize("argv", [
     ["--help"],
     ["sites"],
-    ["render", "--site", "mi300-cluster", "--no-prepare", "--", "trainer.nnodes=2"],
-    ["render", "--site", "slurmlab-apptainer", "--no-prepare"],
+    ["render", "--site", "mi300-cluster", "--no-prepare", "--", "trainer.nnodes=2",
+     "critic.ppo_micro_batch_size_per_gpu=4"],
+    ["render", "--site", "slurmlab-apptainer", "--no-prepare", "--", "critic.ppo_micro_batch_size_per_gpu=4"],
     ["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--",
      "trainer.nnodes=2", "critic.ppo_micro_batch_size_per_gpu=4"],
 ])

@@ -16,7 +16,7 @@ import pytest
 from hpcrl import rundir
 from hpcrl.progress import Progress, RunWatcher, eta_seconds, waiting_text
 from hpcrl.rundir import format_duration, format_step
-from tests.conftest import run_hpcrl
+from tests.conftest import DATA, run_hpcrl
 
 HOST = socket.gethostname()
 
@@ -454,13 +454,16 @@ def test_resume_refused_while_the_run_is_alive(run: Path) -> None:
     refuse_if_running(run)
 
 
-def test_a_local_resume_refused_while_the_run_is_alive_changes_nothing(tmp_path: Path) -> None:
+def test_a_local_resume_refused_while_the_run_is_alive_changes_nothing(tmp_path: Path,
+                                                                        tiny_model_dir: Path) -> None:
     """`--resume --update-spec` of a local run whose agent still runs is refused before its
     `job.json` is touched."""
     run = tmp_path / "local-run"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    made = run_hpcrl(["render", "--site", "local", "--run-dir", str(run), "--",
-                      "trainer.total_epochs=1"], env)
+    made = run_hpcrl(["render", "--site", "local", "--run-dir", str(run), "--", "trainer.total_epochs=1",
+                      "critic.ppo_micro_batch_size_per_gpu=4", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                      f"data.train_files={DATA / 'gsm8k_train_sample.parquet'}",
+                      f"data.val_files={DATA / 'gsm8k_test_sample.parquet'}"], env)
     assert made.returncode == 0, made.stderr
     job = (run / "job.json").read_text()
     make_restart(run, 0, exit_code=None)  # this test process stands in for its live agent

@@ -27,6 +27,10 @@ from hpcrl.submission import (
 from tests.conftest import DATA, run_hpcrl, write_exe
 
 GOLDEN = DATA / "golden"
+CRITIC_MBS = "critic.ppo_micro_batch_size_per_gpu=4"
+"""The default estimator (gae) trains a critic, which the preflight asks a micro-batch size of."""
+SPLITS_OVER_2_AND_3 = ["data.train_batch_size=96", "actor_rollout_ref.actor.ppo_mini_batch_size=48"]
+"""Mini-batches that split evenly over the 2 or 3 workers of `--nodes 2-3` (the preflight's rule)."""
 FIXED_ENV = {"HOME": "/home/user", "XDG_CONFIG_HOME": "/nonexistent/config",
              "SLURM_CONF": "/etc/slurm/slurm.conf"}
 PY = "/opt/hpcrl/venv/bin/python"
@@ -294,23 +298,23 @@ def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
     run_dir = tmp_path / "r"
     proc = run_hpcrl(["render", "--site", "slurmlab", "--nodes", "2", "--time", "5",
                       "--partition", "high", "--run-dir", str(run_dir), "--",
-                      "trainer.total_epochs=1"], clean_env)
+                      "trainer.total_epochs=1", CRITIC_MBS], clean_env)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --time=5" in proc.stdout
     assert "#SBATCH --partition=high" in proc.stdout
     bash_n(proc.stdout)
     assert (run_dir.stat().st_mode & 0o777) == 0o700
     spec = JobSpec.from_json((run_dir / "job.json").read_text())
-    assert spec.nodes == 2 and spec.payload[1:] == ("-m", "trainer", "trainer.total_epochs=1")
+    assert spec.nodes == 2 and spec.payload[1:] == ("-m", "trainer", "trainer.total_epochs=1", CRITIC_MBS)
     assert spec.profile["slurm"]["partition"] == "high"
-    again = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir)], clean_env)
+    again = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir), "--", CRITIC_MBS], clean_env)
     assert again.returncode == 2 and "not empty" in again.stderr and "--resume" in again.stderr
     same = ["render", "--site", "slurmlab", "--nodes", "2", "--time", "5", "--partition", "high",
             "--run-dir", str(run_dir), "--resume"]
     resumed = run_hpcrl(same, clean_env)  # no overrides after `--`: the job's own
     assert resumed.returncode == 0, resumed.stderr
     assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec
-    changed = run_hpcrl([*same[:3], "--time", "7", *same[7:], "--", "trainer.total_epochs=2"],
+    changed = run_hpcrl([*same[:3], "--time", "7", *same[7:], "--", "trainer.total_epochs=2", CRITIC_MBS],
                         clean_env)
     assert changed.returncode == 2 and changed.stdout == "", changed.stderr
     assert changed.stderr.count("\n") == 1 and "`profile.slurm.time` `\"5\"` -> `\"7\"`" in \
@@ -319,10 +323,10 @@ def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
             in changed.stderr and "--update-spec" in changed.stderr)
     assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec  # kept
     updated = run_hpcrl([*same[:3], "--time", "7", *same[7:], "--update-spec", "--",
-                         "trainer.total_epochs=2"], clean_env)
+                         "trainer.total_epochs=2", CRITIC_MBS], clean_env)
     assert updated.returncode == 0, updated.stderr
     now = JobSpec.from_json((run_dir / "job.json").read_text())
-    assert now.profile["slurm"]["time"] == "7" and now.payload[-1] == "trainer.total_epochs=2"
+    assert now.profile["slurm"]["time"] == "7" and now.payload[-2:] == ("trainer.total_epochs=2", CRITIC_MBS)
 
 
 def test_a_node_range_lets_the_trainer_run_on_the_nodes_granted(tmp_path: Path,
@@ -332,7 +336,7 @@ def test_a_node_range_lets_the_trainer_run_on_the_nodes_granted(tmp_path: Path,
     a reversed range or a word is refused, nothing made."""
     run_dir = tmp_path / "r"
     proc = run_hpcrl(["render", "--site", "slurmlab", "--nodes", "2-3", "--run-dir", str(run_dir),
-                      "--", "trainer.total_epochs=1"], clean_env)
+                      "--", "trainer.total_epochs=1", CRITIC_MBS, *SPLITS_OVER_2_AND_3], clean_env)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --nodes=3\n" in proc.stdout
     spec = JobSpec.from_json((run_dir / "job.json").read_text())

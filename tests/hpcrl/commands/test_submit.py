@@ -260,12 +260,29 @@ def test_command_payload(tmp_path: Path, slurm: dict[str, str]) -> None:
     assert JobSpec.from_json((run_dir / "job.json").read_text()).payload == ("env", "-0")
 
 
-def test_local_site_dry_run(tmp_path: Path, slurm: dict[str, str]) -> None:
+def test_local_site_dry_run(tmp_path: Path, slurm: dict[str, str], tiny_model_dir: Path) -> None:
+    inputs = [f"actor_rollout_ref.model.path={tiny_model_dir}",
+              f"data.train_files={DATA / 'gsm8k_train_sample.parquet'}",
+              f"data.val_files={DATA / 'gsm8k_test_sample.parquet'}"]
     proc = run_hpcrl(["submit", "--dry-run", "--run-dir", str(tmp_path / "l"), "--",
-                      CRITIC, "trainer.total_epochs=1"], slurm)
+                      CRITIC, "trainer.total_epochs=1", *inputs], slurm)
     assert proc.returncode == 0, proc.stderr
     assert "# via: local" in proc.stdout and "-m hpcrl.agent" in proc.stdout
+    assert "hpcrl: preflight passed" in proc.stderr
     assert calls(slurm) == []
+
+
+@pytest.mark.parametrize("how", [["submit", "--dry-run"], ["submit"], ["render"]])
+def test_submit_its_dry_run_and_render_give_one_verdict(tmp_path: Path, slurm: dict[str, str], how: list[str]) -> None:
+    """The same preflight everywhere: a local job whose model is not there, and a local job of
+    2 nodes, are refused by the dry run and by render as by the submission itself, before
+    anything is created."""
+    run_dir = tmp_path / "v"
+    missing = run_hpcrl([*how, "--run-dir", str(run_dir), "--", CRITIC], slurm)
+    assert missing.returncode == 2 and "`actor_rollout_ref.model.path` (its default" in missing.stderr, missing.stderr
+    two = run_hpcrl([*how, "--nodes", "2", "--run-dir", str(run_dir), "--", CRITIC], slurm)
+    assert two.returncode == 2 and "`--nodes 2` on site `local`" in two.stderr, two.stderr
+    assert not run_dir.exists() and calls(slurm) == []
 
 
 def test_a_dry_run_refuses_what_the_submission_would(tmp_path: Path,
@@ -286,7 +303,7 @@ def test_a_dry_run_refuses_what_the_submission_would(tmp_path: Path,
     elsewhere = run_hpcrl([*base, "data.train_files=/cluster/only/train.parquet"], slurm)
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert "#SBATCH --nodes=3" in elsewhere.stdout
-    assert "hpcrl: warning:" in elsewhere.stderr and "/cluster/only/train.parquet" in elsewhere.stderr
+    assert "hpcrl: warning: unchecked:" in elsewhere.stderr and "/cluster/only/train.parquet" in elsewhere.stderr
     assert not run_dir.exists() and calls(slurm) == []
 
 
@@ -404,3 +421,12 @@ def test_a_damaged_submission_file_is_named(tmp_path: Path, slurm: dict[str, str
     for command in ("logs", "cancel"):
         proc = run_hpcrl([command, str(run_dir)], slurm)
         assert proc.returncode == 2 and "submission.json` is damaged" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("how", [["submit", "--dry-run"], ["submit"], ["render"]])
+def test_resume_needs_an_existing_run_dir_everywhere(tmp_path: Path, slurm: dict[str, str], how: list[str]) -> None:
+    bare = run_hpcrl([*how, "--site", "slurmlab", "--resume"], slurm)
+    assert bare.returncode == 2 and "`--resume` needs `--run-dir RUN`" in bare.stderr, bare.stderr
+    gone = run_hpcrl([*how, "--site", "slurmlab", "--resume", "--run-dir", str(tmp_path / "nowhere")], slurm)
+    assert gone.returncode == 2 and "does not exist, so there is nothing to resume" in gone.stderr, gone.stderr
+    assert not (tmp_path / "nowhere").exists() and calls(slurm) == []
