@@ -227,9 +227,6 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.model.lora.alpha": "actor_rollout_ref.model.lora_alpha",
     "actor_rollout_ref.actor.fsdp_config.dtype": "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
     "actor_rollout_ref.ref.fsdp_config.dtype": "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype",
-    # verl's engine config repeats these two role keys under `fsdp_config`
-    **{f"actor_rollout_ref.{role}.fsdp_config.{name}": f"actor_rollout_ref.{role}.{name}"
-       for role in ("actor", "ref") for name in ("use_torch_compile", "entropy_from_logits_with_chunking")},
 }
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).

@@ -211,9 +211,9 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
             if _not_supported(o.key) is None and o.key not in ACCEPTED_ONLY_AS and o.key not in at_default.AT_DEFAULT:
                 _resolve_key(o.key)  # only the key is checked
             continue
-        if o.op != "delete" and _check_accepted_only_as(o.key, text, item):
-            continue
         if _at_verl_default(o):
+            continue
+        if o.op != "delete" and _check_accepted_only_as(o.key, text, item):
             continue
         why = _not_supported(o.key)
         if why is not None:
@@ -251,11 +251,12 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
 
 def _at_verl_default(o: Override) -> bool:
     """True when `o` sets a key of the at-default table (:mod:`trainer.config.at_default`) to
-    verl's default, or deletes it: accepted, with a note. Another value of a key this trainer
+    verl's default (a value, or verl's own interpolation of the key), or deletes it: accepted,
+    with a note. Another value of a key this trainer
     has acts as usual (False); of any other key, it is refused naming the feature."""
     if o.key not in at_default.AT_DEFAULT:
         return False
-    if o.op == "delete" or (not o.interpolated and at_default.is_default(o.key, o.value)):
+    if o.op == "delete" or at_default.is_default(o.key, o.value):
         return True
     try:
         _resolve_key(o.key)
@@ -274,7 +275,7 @@ def at_default_keys(overrides: Sequence[str | Override]) -> list[str]:
     read = [_aliased(i if isinstance(i, Override) else parse_override(i, parser))
             for i in overrides if is_override(i)]
     return [o.key for o in read if o.key in at_default.AT_DEFAULT and o.op != "delete"
-            and not o.interpolated and at_default.is_default(o.key, o.value)]
+            and at_default.is_default(o.key, o.value)]
 
 
 def _text_of(o: Override) -> str:
