@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 
 from trainer.algos import registry
+from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_rollout_correction
-from trainer.config import at_default
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.compose import expand_args
 from trainer.config.overrides import (
@@ -27,7 +27,12 @@ from trainer.config.overrides import (
     is_override,
 )
 from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
-from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name, server_mode, validate_engine_kwargs
+from trainer.config.rollout import (
+    NO_VLLM_NOTE,
+    default_rollout_name,
+    server_mode,
+    validate_engine_kwargs,
+)
 from trainer.config.schema import ALIASES, COMPAT, Config
 from trainer.config.trainer import default_gpus_per_node
 from trainer.config.values import _coerce_default, _hints, _is_section, _type_name, _valid_keys

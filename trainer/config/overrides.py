@@ -256,13 +256,17 @@ def _at_verl_default(o: Override) -> bool:
     has acts as usual (False); of any other key, it is refused naming the feature."""
     if o.key not in at_default.AT_DEFAULT:
         return False
-    if o.op == "delete" or at_default.is_default(o.key, o.value):
-        return True
     try:
         _resolve_key(o.key)
-        return False
+        own = True
     except ConfigError:
-        pass
+        own = False
+    if o.op == "delete":
+        return not own  # a key of this trainer goes back to its default as usual
+    if at_default.is_default(o.key, o.value):
+        return True
+    if own:
+        return False
     why = _not_supported(o.key)
     if why and (why.startswith(("is derived", "deprecated")) or why == _REWARD_MODEL_WORKER):
         raise ConfigError(_not_supported_message(o.key, o.item, why))  # the section's own message
