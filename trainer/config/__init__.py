@@ -10,7 +10,8 @@ refused:
 - `base`: what the sections share (`ConfigError`, the optimizer and FSDP sections);
 - `schema`: the whole `Config` and the merged tables; `values`: typed value reading;
   `overrides`: verl's override grammar; `compose`: `--config-path`/`--config-name` files;
-  `load`: defaults + overrides -> validated `Config`.
+  `load`: defaults + overrides -> validated `Config`; `at_default`: verl's keys accepted only at
+  verl's default (the table `at_default.yaml`, one group per feature not built here).
 
 `load_config(["data.train_batch_size=64", ...])` applies verl/Hydra-style dotted overrides,
 rejects unknown keys (listing the valid ones at that level) and keys verl has that this trainer

@@ -11,7 +11,8 @@ naming the file. The composition rules followed:
   beside this one, composed the same way; `ppo_megatron_trainer` is Megatron-LM (refused);
   `override hydra/...` entries only configure Hydra's logging and are skipped.
 - `hydra:` (search path, output directories) configures Hydra itself, not the trainer: skipped.
-- `_target_` keys name verl's config dataclasses: skipped.
+- `_target_` keys name verl's config dataclasses: skipped; so are OmegaConf's mandatory values
+  (`???`: not given, as Hydra leaves them missing), so that verl's whole generated config reads.
 - A key the command line also sets is left out of the file's overrides (the command line wins,
   as in Hydra, and a value the command line replaces is not refused).
 """
@@ -141,6 +142,8 @@ def _leaves(node: dict[str, Any], prefix: str, path: Path) -> list[Override]:
         if key == "_target_":
             continue  # verl's dataclass of the section: no value of the config
         dotted = f"{prefix}{key}"
+        if value == "???":
+            continue  # OmegaConf's mandatory value: not given here (Hydra leaves it missing)
         if isinstance(value, dict):  # merged into the defaults, as Hydra merges: `{}` sets nothing
             out += _leaves(value, dotted + ".", path)
         else:

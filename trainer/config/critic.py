@@ -78,6 +78,15 @@ COMPAT: dict[str, str] = {
                                     "so it loads no tokenizer"),
 }
 
+#: Newer verl spellings read as this trainer's key: verl 0.9.1 keeps the critic's FSDP engine
+#: config in `critic.fsdp` (`verl.workers.config.FSDPCriticConfig.fsdp`).
+ALIASES: dict[str, str] = {
+    **{f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
+       for name in ("param_offload", "optimizer_offload", "forward_prefetch", "model_dtype")},
+    "critic.fsdp.dtype": "critic.model.fsdp_config.mixed_precision.param_dtype",
+    "critic.model.fsdp_config.dtype": "critic.model.fsdp_config.mixed_precision.param_dtype",
+}
+
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
     "critic.ulysses_sequence_parallel_size": 1,

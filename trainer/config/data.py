@@ -44,8 +44,11 @@ class DataConfig:
 NOT_SUPPORTED: dict[str, str] = {
     "data.return_raw_input_ids": "",
     "data.return_full_prompt": "",
-    "data.image_key": "multimodal data",
-    "data.video_key": "multimodal data",
+    # refused even at verl's defaults (`images`, `videos`, `audios`): verl feeds a dataset's column of
+    # that name to the model, which this trainer would not (it reads the prompt's text only)
+    **{f"data.{kind}_key": (f"multimodal data: verl's default `{kind}s` feeds a dataset's `{kind}s` column "
+                            "to the model, which this trainer would leave out")
+       for kind in ("image", "video", "audio")},
     "data.custom_cls": "custom dataset classes",
     "data.dataloader_num_workers": "",
     "data.filter_overlong_prompts_workers": "",

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from trainer.algos import registry
+from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_rollout_correction
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
@@ -22,10 +23,16 @@ from trainer.config.overrides import (
     _lookup,
     _reading_env,
     apply_overrides,
+    at_default_keys,
     is_override,
 )
 from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
-from trainer.config.rollout import NO_VLLM_NOTE, default_rollout_name, server_mode
+from trainer.config.rollout import (
+    NO_VLLM_NOTE,
+    default_rollout_name,
+    server_mode,
+    validate_engine_kwargs,
+)
 from trainer.config.schema import ALIASES, COMPAT, Config
 from trainer.config.trainer import default_gpus_per_node
 from trainer.config.values import _coerce_default, _hints, _is_section, _type_name, _valid_keys
@@ -244,6 +251,7 @@ def validate(cfg: Config) -> None:
         "Fix: remove the override",
     )
     validate_lora(arr)
+    validate_engine_kwargs(rollout)
     validate_rollout_correction(cfg.algorithm, rollout.calculate_log_probs)
     validate_checkpoint(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
@@ -365,6 +373,7 @@ def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
                              for item in items):
         if key in ALIASES:
             lines.append(f"`{key}` is verl's newer name of `{ALIASES[key]}`, read as it")
+    lines += at_default.notes(at_default_keys(items))
     arr = cfg.actor_rollout_ref
     if "actor_rollout_ref.rollout.name" not in keys and arr.rollout.name == "hf":
         lines.append(NO_VLLM_NOTE)

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trainer.config import at_default
 from trainer.config.base import ConfigError
 from trainer.config.reward import REWARD_MODEL_WORKER as _REWARD_MODEL_WORKER
 from trainer.config.schema import (
@@ -207,8 +208,10 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
         if o.op == "delete" and _not_supported(o.key) is not None:
             continue  # removing a key this trainer does not have leaves nothing to remove
         if last.get(o.key, i) > i:  # a later override of the key replaces this value (as in Hydra):
-            if _not_supported(o.key) is None and o.key not in ACCEPTED_ONLY_AS:
+            if _not_supported(o.key) is None and o.key not in ACCEPTED_ONLY_AS and o.key not in at_default.AT_DEFAULT:
                 _resolve_key(o.key)  # only the key is checked
+            continue
+        if _at_verl_default(o):
             continue
         if o.op != "delete" and _check_accepted_only_as(o.key, text, item):
             continue
@@ -244,6 +247,39 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
     if deferred:
         _resolve_interpolations(tree, deferred)
     return tree, keys
+
+
+def _at_verl_default(o: Override) -> bool:
+    """True when `o` sets a key of the at-default table (:mod:`trainer.config.at_default`) to
+    verl's default (a value, or verl's own interpolation of the key), or deletes it: accepted,
+    with a note. Another value of a key this trainer
+    has acts as usual (False); of any other key, it is refused naming the feature."""
+    if o.key not in at_default.AT_DEFAULT:
+        return False
+    try:
+        _resolve_key(o.key)
+        own = True
+    except ConfigError:
+        own = False
+    if o.op == "delete":
+        return not own  # a key of this trainer goes back to its default as usual
+    if at_default.is_default(o.key, o.value):
+        return True
+    if own:
+        return False
+    why = _not_supported(o.key)
+    if why and (why.startswith(("is derived", "deprecated")) or why == _REWARD_MODEL_WORKER):
+        raise ConfigError(_not_supported_message(o.key, o.item, why))  # the section's own message
+    raise ConfigError(at_default.refusal(o.key, o.item, why or None))
+
+
+def at_default_keys(overrides: Sequence[str | Override]) -> list[str]:
+    """The keys among `overrides` set to verl's default of the at-default table (their notes)."""
+    parser = _hydra_parser() if any(isinstance(i, str) for i in overrides) else None
+    read = [_aliased(i if isinstance(i, Override) else parse_override(i, parser))
+            for i in overrides if is_override(i)]
+    return [o.key for o in read if o.key in at_default.AT_DEFAULT and o.op != "delete"
+            and at_default.is_default(o.key, o.value)]
 
 
 def _text_of(o: Override) -> str:

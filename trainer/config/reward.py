@@ -48,6 +48,15 @@ REWARD_MODEL_WORKER = ("model-based reward models (the reward model worker) are 
 #: belongs to the reward model worker: `REWARD_MODEL_WORKER`).
 NOT_SUPPORTED: dict[str, str] = {}
 
+#: Newer verl spellings read as this trainer's key: verl 0.9.1's `reward.*` section (its
+#: `migrate_legacy_reward_impl` reads the older keys into it).
+ALIASES: dict[str, str] = {
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_model.enable": "reward_model.enable",
+}
+
 #: What each reward manager accepts in `reward_model.reward_kwargs` (verl passes them to the
 #: manager's constructor: `batch` forwards any to the reward function, `naive` takes none).
 MANAGER_KWARGS: dict[str, tuple[str, ...] | None] = {

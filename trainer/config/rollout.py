@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.base import DERIVED_HINT, ON_GPU_BF16, PROFILER, Dtype, h
+from trainer.config.base import DERIVED_HINT, ON_GPU_BF16, PROFILER, Dtype, h, require
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,22 @@ class TraceConfig:
         "the step as seed; null = all")
 
 
+_SGLANG_ONLY = "read by verl's SGLang rollout only (compatibility only, see COMPAT)"
+
+
+@dataclass(frozen=True)
+class EngineKwargs:
+    """verl's `rollout.engine_kwargs.*`: extra arguments of each inference engine."""
+
+    vllm: dict[str, Any] = h(
+        "extra vLLM engine arguments, passed as verl 0.9.1 passes them (`**engine_kwargs` over the "
+        "engine's own, null values dropped, `compilation_config` merged), e.g. "
+        "`engine_kwargs.vllm.swap_space=4`; the few this trainer's weight sync and rollout mesh depend on "
+        "are refused naming the key that sets them")
+    sglang: dict[str, Any] = h(_SGLANG_ONLY)
+    trtllm: dict[str, Any] = h("read by verl's TensorRT-LLM rollout only (compatibility only, see COMPAT)")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["hf", "vllm"] | None = h(
@@ -140,6 +156,34 @@ class RolloutConfig:
     trace: TraceConfig = h("verl's rollout tracing")
     over_sample_rate: float = h("verl: declared, read by no code (compatibility only, see COMPAT)")
     multi_stage_wake_up: bool = h("verl: SGLang's staged wake-up (compatibility only, see COMPAT)")
+    engine_kwargs: EngineKwargs = h("extra arguments of the inference engine (verl's `engine_kwargs`)")
+    sglang_rollout_mode: str | None = h(f"verl: SGLang's `engine` or `server` mode; {_SGLANG_ONLY}")
+    server: dict[str, Any] = h(f"verl: SGLang's HTTP server settings (timeouts, retries); {_SGLANG_ONLY}")
+
+
+#: vLLM engine arguments this trainer sets and depends on, which `engine_kwargs.vllm` may not
+#: replace (verl 0.9.1 lets its `engine_kwargs` replace any argument it sets, `**engine_kwargs`
+#: last; these carry the rollout mesh, the weight sync and the context here), with the fix.
+ENGINE_KWARGS_REFUSED: dict[str, str] = {
+    "model": "set `actor_rollout_ref.model.path`",
+    "tokenizer": "the tokenizer is the model's; set `actor_rollout_ref.model.path`",
+    "tensor_parallel_size": "set `actor_rollout_ref.rollout.tensor_model_parallel_size`",
+    "pipeline_parallel_size": "pipeline-parallel rollout engines are not supported; remove it",
+    "data_parallel_size": "one engine per `tensor_model_parallel_size` ranks is the data parallelism here; remove it",
+    "max_model_len": "set `actor_rollout_ref.rollout.max_model_len`",
+    "load_format": "the engine starts with dummy weights and gets the actor's at every sync; remove it",
+    "enable_sleep_mode": "set `actor_rollout_ref.rollout.free_cache_engine`",
+    "distributed_executor_backend": "the executor follows the rollout mode here; remove it",
+}
+
+
+def validate_engine_kwargs(rollout: RolloutConfig) -> None:
+    """`rollout.engine_kwargs.vllm` names no argument of :data:`ENGINE_KWARGS_REFUSED`."""
+    given = [k for k, v in rollout.engine_kwargs.vllm.items() if v is not None and k in ENGINE_KWARGS_REFUSED]
+    require(not given, "; ".join(
+        f"`actor_rollout_ref.rollout.engine_kwargs.vllm.{k}` is an engine argument this trainer sets itself "
+        f"(verl lets `engine_kwargs` replace it; here the rollout depends on it). Fix: {ENGINE_KWARGS_REFUSED[k]}"
+        for k in given))
 
 
 def default_rollout_name() -> str:
@@ -164,7 +208,6 @@ NOT_SUPPORTED: dict[str, str] = {
         "checkpoint engine backends (the weights go to the rollout engine in memory here); the bucket "
         "size `checkpoint_engine.update_weights_bucket_megabytes` is read as "
         "`actor_rollout_ref.rollout.update_weights_bucket_megabytes`"),
-    "actor_rollout_ref.rollout.engine_kwargs": "",
     "actor_rollout_ref.rollout.agent.agent_loop_manager_class": (
         "a custom agent-loop manager (the rollout's rows run through `trainer.agent.manager` here); "
         "custom loops go in `actor_rollout_ref.rollout.agent.agent_loop_config_path`"),
@@ -184,6 +227,9 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
     "actor_rollout_ref.rollout.agent.custom_async_server.path": None,
     "actor_rollout_ref.rollout.agent.custom_async_server.name": None,
 }
+
+_SGLANG_NOTE = ("only verl's SGLang rollout reads it; under vLLM (or HF) it changes nothing, in verl as "
+                "here")
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
@@ -206,6 +252,12 @@ COMPAT: dict[str, str] = {
     "actor_rollout_ref.rollout.over_sample_rate": (
         "verl declares it in its rollout config, but no code of verl reads it (checked at verl "
         "b178a3c): it changes nothing there either"),
+    "actor_rollout_ref.rollout.engine_kwargs.sglang": _SGLANG_NOTE,
+    "actor_rollout_ref.rollout.engine_kwargs.trtllm": (
+        "TensorRT-LLM's engine arguments; only verl's TensorRT-LLM rollout reads them (the rollout here is "
+        "vLLM's or HF's)"),
+    "actor_rollout_ref.rollout.sglang_rollout_mode": _SGLANG_NOTE,
+    "actor_rollout_ref.rollout.server": _SGLANG_NOTE,
     "actor_rollout_ref.rollout.multi_stage_wake_up": (
         "SGLang's staged wake-up after training (refused engine here); it only lowers peak memory at "
         "the switch, and no code of verl reads it (checked at verl b178a3c)"),

@@ -49,6 +49,7 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -219,7 +220,8 @@ def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: i
                 enable_chunked_prefill=r.enable_chunked_prefill, disable_log_stats=r.disable_log_stats,
                 free_cache_engine=r.free_cache_engine,
                 trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
-                load_format="dummy")  # random weights: the trainer syncs before every first rollout
+                load_format="dummy",  # random weights: the trainer syncs before every first rollout
+                engine_kwargs=dict(r.engine_kwargs.vllm))
 
 
 def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
@@ -227,12 +229,17 @@ def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dt
                 enforce_eager: bool = False, max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192,
                 enable_chunked_prefill: bool = True, disable_log_stats: bool = True,
                 free_cache_engine: bool = True, trust_remote_code: bool = False,
-                load_format: str = "auto") -> dict[str, Any]:
+                load_format: str = "auto", engine_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's engine arguments (`LLM(**...)`, `AsyncEngineArgs(**...)`) for a rollout engine:
-    one set of knobs for the in-process engine and the server-mode replica."""
+    one set of knobs for the in-process engine and the server-mode replica. `engine_kwargs`
+    (`rollout.engine_kwargs.vllm`) go in as verl 0.9.1 passes them
+    (`vllm_async_server.py`): null values dropped, `compilation_config` (a mapping or its JSON
+    text) given `cudagraph_mode: FULL_AND_PIECEWISE` unless it sets one, the rest over the
+    arguments set here (the config refuses those the rollout depends on:
+    `trainer.config.rollout.ENGINE_KWARGS_REFUSED`)."""
     directory, gguf_file = resolve_model_path(model_path)
     gpu = torch.cuda.is_available()
-    return dict(
+    args = dict(
         model=str(Path(directory) / gguf_file) if gguf_file else directory, tokenizer=directory,
         dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager or not gpu,
         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
@@ -242,6 +249,22 @@ def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dt
         trust_remote_code=trust_remote_code, load_format=load_format,
         # verl's default: log-probs after temperature (what the actor's recomputation gives)
         logprobs_mode="processed_logprobs")
+    args.update(vllm_engine_kwargs(engine_kwargs or {}))
+    if not gpu:
+        args["enforce_eager"] = True  # vLLM's CPU backend captures no CUDA graphs
+    return args
+
+
+def vllm_engine_kwargs(given: Mapping[str, Any]) -> dict[str, Any]:
+    """`rollout.engine_kwargs.vllm` as verl 0.9.1 hands it to vLLM: null values dropped, and a
+    `compilation_config` (mapping or JSON text) with verl's `cudagraph_mode` default."""
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if "compilation_config" in kwargs:
+        compilation = kwargs["compilation_config"]
+        compilation = dict(json.loads(compilation) if isinstance(compilation, str) else compilation or {})
+        compilation.setdefault("cudagraph_mode", "FULL_AND_PIECEWISE")
+        kwargs["compilation_config"] = compilation
+    return kwargs
 
 
 def vllm_import_error(err: ImportError) -> ImportError:
