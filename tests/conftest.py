@@ -323,3 +323,21 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             pytest.fail(f"SmolLM2 is required under CI=true: {exc}", pytrace=False)
         pytest.skip(f"SmolLM2 GGUF package not installed: {exc}")
     return models.convert_to_hf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+REQUIRE_VERL = CI and os.environ.get("HPCRL_REQUIRE_VERL") == "1"
+"""The Makefile's verl stage: a test that needs verl 0.9.1 fails there rather than skips."""
+
+
+def require_verl() -> None:
+    """Skip where verl 0.9.1 is not importable (the project's stand-in does not count), but fail
+    under CI=true with HPCRL_REQUIRE_VERL=1."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is not None and spec.origin and "verl_standin" not in spec.origin:
+        return
+    reason = "verl 0.9.1 is not importable in this environment (`make verl-venv` builds one)"
+    if REQUIRE_VERL:
+        pytest.fail(f"{reason}, but CI=true and HPCRL_REQUIRE_VERL=1 require it", pytrace=False)
+    pytest.skip(reason)

@@ -10,6 +10,7 @@ the tool/user turns between them, in order) with `response_mask` 1 only on the m
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -92,6 +93,10 @@ class Tool(ABC):
         self.tool_schema = tool_schema
         self.name: str = tool_schema["function"]["name"]
 
+    def get_openai_tool_schema(self) -> dict[str, Any]:
+        """The schema the chat template renders (verl's `BaseTool.get_openai_tool_schema`)."""
+        return self.tool_schema
+
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
         """Open an instance for one trajectory. The loop passes the row's
         `tools_kwargs[name]["create_kwargs"]` as `create_kwargs=` (verl's call)."""
@@ -108,6 +113,21 @@ class Tool(ABC):
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         return None
+
+
+class CallGate:
+    """At most `slots` calls of a tool at once within the running event loop (a new loop, e.g.
+    the next rollout's `asyncio.run`, gets a new semaphore)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = max(1, int(slots))
+        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    def __call__(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._gates:
+            self._gates = {loop: asyncio.Semaphore(self.slots)}
+        return self._gates[loop]
 
 
 class Interaction(ABC):

@@ -8,7 +8,6 @@ in the verl venv), where it fails."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from pathlib import Path
 
@@ -16,21 +15,9 @@ import pytest
 
 from hpcrl.payloads import verl as kind
 from hpcrl.rundir import TRACKER_FILE, tracked_checkpoint
-from tests.conftest import REPO
+from tests.conftest import REPO, require_verl
 
 STANDIN = REPO / "tests" / "payloads" / "verl_standin" / "verl" / "trainer" / "main_ppo.py"
-REQUIRE_VERL = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
-                and os.environ.get("HPCRL_REQUIRE_VERL") == "1")
-
-
-def require_verl() -> None:
-    spec = importlib.util.find_spec("verl")
-    if spec is not None and spec.origin and "verl_standin" not in spec.origin:
-        return
-    reason = "verl 0.9.1 is not importable in this environment (`make verl-venv` builds one)"
-    if REQUIRE_VERL:
-        pytest.fail(f"{reason}, but CI=true and HPCRL_REQUIRE_VERL=1 require it", pytrace=False)
-    pytest.skip(reason)
 
 
 def standin():

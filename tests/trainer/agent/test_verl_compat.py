@@ -9,9 +9,7 @@ HPCRL_REQUIRE_VERL=1 (the verl stage), where they fail."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import require_verl
 from tests.trainer.agent.fakes import ScriptedServer
 from trainer import tiny
 from trainer.agent import loops
@@ -30,20 +29,6 @@ from trainer.agent.verl_compat import VerlLoopError, VerlServerManager, hf_model
 from trainer.config import load_config
 from trainer.data import Example, chat_prompt_ids
 from trainer.rollout.base import SamplingParams
-
-REQUIRE_VERL = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
-                and os.environ.get("HPCRL_REQUIRE_VERL") == "1")
-
-
-def require_verl() -> None:
-    spec = importlib.util.find_spec("verl")
-    if spec is not None and spec.origin and "verl_standin" not in spec.origin:
-        return
-    reason = "verl 0.9.1 is not importable in this environment (`make verl-venv` builds one)"
-    if REQUIRE_VERL:
-        pytest.fail(f"{reason}, but CI=true and HPCRL_REQUIRE_VERL=1 require it", pytrace=False)
-    pytest.skip(reason)
-
 
 # ----------------------------------------------------------------------------- tool schemas
 

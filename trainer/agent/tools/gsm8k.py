@@ -39,9 +39,6 @@ class Gsm8kTool(Tool):
         super().__init__(config, tool_schema or self.default_schema)
         self._instances: dict[str, dict[str, Any]] = {}
 
-    def get_openai_tool_schema(self) -> dict[str, Any]:
-        return self.tool_schema
-
     async def create(self, instance_id: str | None = None, ground_truth: str | None = None,
                      **kwargs: Any) -> tuple[str, ToolResponse]:
         if instance_id is None:

@@ -5,14 +5,13 @@ the code runs on the trainer's node."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pwd
 import signal
 from dataclasses import fields
 from typing import Any, ClassVar
 
-from trainer.agent.base import Tool, ToolResponse
+from trainer.agent.base import CallGate, Tool, ToolResponse
 from trainer.agent.tools.loading import AgentConfigError, check_config_keys, function_schema
 from trainer.agent.tools.sandbox import (
     SandboxError,
@@ -125,16 +124,7 @@ class PythonTool(Tool):
         except SandboxError as e:
             raise AgentConfigError(str(e)) from e
         self.max_concurrency = int(config.get("max_concurrency") or KEYS["max_concurrency"])
-        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-
-    def get_openai_tool_schema(self) -> dict[str, Any]:
-        return self.tool_schema
-
-    def _gate(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if loop not in self._gates:
-            self._gates = {loop: asyncio.Semaphore(self.max_concurrency)}
-        return self._gates[loop]
+        self._gate = CallGate(self.max_concurrency)
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
                       ) -> tuple[ToolResponse, float | None, dict[str, Any]]:

@@ -13,13 +13,12 @@ Two backends, by `sandbox_fusion_url`:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 from typing import Any
 from uuid import uuid4
 
-from trainer.agent.base import Tool, ToolResponse
+from trainer.agent.base import CallGate, Tool, ToolResponse
 from trainer.agent.tools.http_service import RetryRule, post_json
 from trainer.agent.tools.loading import AgentConfigError, check_config_keys
 from trainer.agent.tools.python_tool import sandbox_limits
@@ -63,7 +62,7 @@ class SandboxFusionTool(Tool):
         if values["enable_global_rate_limit"]:
             slots = min(slots, int(values["rate_limit"]))
         self.slots = max(1, slots)
-        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        self._gate = CallGate(self.slots)
         self._instances: dict[str, dict[str, Any]] = {}
         if self.url == "local":
             self.limits = sandbox_limits({"memory_limit_mb": self.memory_limit_mb,
@@ -82,15 +81,6 @@ class SandboxFusionTool(Tool):
                 f"`SandboxFusionTool` config: `sandbox_fusion_url: {self.url!r}` must be the "
                 "SandboxFusion service's `run_code` URL, or `local` to run the code in hpcrl's "
                 "sandbox on the trainer's node (docs/agent-loops.md, 'The python tool's sandbox')")
-
-    def get_openai_tool_schema(self) -> dict[str, Any]:
-        return self.tool_schema
-
-    def _gate(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if loop not in self._gates:
-            self._gates = {loop: asyncio.Semaphore(self.slots)}
-        return self._gates[loop]
 
     async def create(self, instance_id: str | None = None, ground_truth: str | None = None,
                      **kwargs: Any) -> tuple[str, ToolResponse]:

@@ -6,12 +6,11 @@ answers with the passages, formatted as verl formats them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 from uuid import uuid4
 
-from trainer.agent.base import Tool, ToolResponse
+from trainer.agent.base import CallGate, Tool, ToolResponse
 from trainer.agent.tools.http_service import RetryRule, post_json
 from trainer.agent.tools.loading import AgentConfigError, check_config_keys
 
@@ -60,17 +59,8 @@ class SearchTool(Tool):
         if values["enable_global_rate_limit"]:
             slots = min(slots, int(values["rate_limit"]))
         self.slots = max(1, slots)
-        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        self._gate = CallGate(self.slots)
         self._instances: dict[str, list[str]] = {}
-
-    def get_openai_tool_schema(self) -> dict[str, Any]:
-        return self.tool_schema
-
-    def _gate(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if loop not in self._gates:
-            self._gates = {loop: asyncio.Semaphore(self.slots)}
-        return self._gates[loop]
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
         instance_id = instance_id or str(uuid4())
