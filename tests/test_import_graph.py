@@ -159,7 +159,7 @@ def test_no_import_cycle() -> None:
 def test_the_graph_sees_the_project() -> None:
     graph = import_graph(REPO)
     assert {"hpcrl.cli", "hpcrl.agent.core", "trainer.driver", "trainer.algos.registry"} <= set(graph)
-    assert "trainer.algos.registry" in {e.target for e in graph["trainer.algos.core_algos"]}
+    assert "trainer.algos.registry" in {e.target for e in graph["trainer.algos.advantages"]}
     assert "hpcrl.rundir" in {e.target for e in graph["hpcrl.progress"]}
 
 

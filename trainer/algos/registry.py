@@ -7,11 +7,12 @@ prompt) is declared once, here, in :data:`ADV_ESTIMATORS`; the configuration
 declarations instead of lists of names. Policy losses are named in :data:`POLICY_LOSSES` (verl's
 `actor_rollout_ref.actor.policy_loss.loss_mode`).
 
-The functions themselves are tensor code in :mod:`trainer.algos.core_algos`, bound to their
-declared name by :func:`register_adv_est` and :func:`register_policy_loss`. This module imports no
-torch and imports none of the functions: the declarations are readable on a login node, and
-:func:`adv_estimator` / :func:`policy_loss` return a function once `core_algos` (which the
-trainer imports) has registered it.
+The functions themselves are tensor code in :mod:`trainer.algos.advantages` and
+:mod:`trainer.algos.policy_losses`, bound to their declared name by :func:`register_adv_est` and
+:func:`register_policy_loss`. This module imports no torch and imports none of the functions: the
+declarations are readable on a login node, and :func:`adv_estimator` / :func:`policy_loss` return a
+function once those modules (which :mod:`trainer.algos.core_algos`, imported by the trainer,
+imports) have registered it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class AdvEstimator:
     fn: Callable[..., Any] | None = None
     """`fn(token_level_rewards=, response_mask=, values=, index=, gamma=, lam=,
     norm_adv_by_std_in_grpo=, reward_baselines=) -> (advantages, returns)`; it ignores the inputs it does not use.
-    None until :mod:`trainer.algos.core_algos` registers it."""
+    None until :mod:`trainer.algos.advantages` registers it."""
 
 
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {e.name: e for e in (
@@ -80,7 +81,7 @@ loss_agg_mode, params, **normalisers) -> (pg_loss, metrics)`."""
 _KL_BASES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_ESTIMATORS: tuple[str, ...] = (*_KL_BASES, *(f"{name}+" for name in _KL_BASES))
 """verl's KL estimator names (`algorithm.kl_penalty`, `actor.kl_loss_type`); a trailing `+` takes
-the gradient of `k2` (straight-through, `core_algos.kl_penalty`)."""
+the gradient of `k2` (straight-through, `trainer.algos.kl.kl_penalty`)."""
 
 _POLICY_LOSS_FNS: dict[str, Callable[..., Any]] = {}
 

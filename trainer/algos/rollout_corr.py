@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algos.core_algos import masked_mean, masked_sum
+from trainer.algos.masked import masked_mean, masked_sum
 from trainer.algos.registry import ROLLOUT_IS_LEVELS, parse_rs_thresholds, rs_options
 
 __all__ = ["SAFETY_BOUND", "RolloutCorrection", "correct", "is_weights", "offpolicy_metrics", "rejection_mask"]
