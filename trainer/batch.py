@@ -81,6 +81,12 @@ class StepBatch:
                 picked[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
         return replace(self, **picked)
 
+    def take_rows(self, rows: list[int]) -> None:
+        """Become :meth:`select` of `rows`, in place (a row may be taken twice: PF-PPO's draw)."""
+        picked = self.select(rows)
+        for f in fields(self):
+            setattr(self, f.name, getattr(picked, f.name))
+
     def tensors_only(self) -> StepBatch:
         """The batch without its examples and uids: what a worker receives."""
         return replace(self, examples=[], uids=[], reward_extras={}, agent_extras=[], loop_scores=[])

@@ -54,7 +54,7 @@ from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
 from trainer.stages.metrics import Timer, memory_metrics, step_metrics
 from trainer.stages.reward import load_reward, score_rollouts, set_reward_baselines
-from trainer.stages.rollout import Rollout
+from trainer.stages.rollout import SALT, Rollout
 from trainer.stages.sync import sync_weights
 from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
 from trainer.stop import StopRequest
@@ -233,8 +233,10 @@ class PPODriver:
         logprobs.values(batch, self.critic_group, self._split(batch), self._note)
 
     def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
-        """The advantage stage (:func:`trainer.stages.advantage.compute_advantages`)."""
-        return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl)
+        """The advantage stage (:func:`trainer.stages.advantage.compute_advantages`); PF-PPO's
+        redraw is seeded by the run's seed and the step."""
+        seed = step_seed(self.cfg.trainer.seed, self.global_step, SALT["pf_ppo"])
+        return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl, pf_ppo_seed=seed)
 
     # ------------------------------------------------------------------------------ updates
 

@@ -5,7 +5,7 @@ read from the scripts by `python -m tests.trainer.verl_examples extract` into
 
 Refused on purpose: Megatron-LM training, model-based reward models (and sandbox-fusion
 scoring), multimodal data, SGLang / TensorRT-LLM rollout, Ulysses sequence
-parallelism, PF-PPO, rollout correction's bypass mode, LoRA from a saved adapter and
+parallelism, rollout correction's bypass mode, LoRA from a saved adapter and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
 
@@ -25,7 +25,7 @@ EXPECTED = {
     # sets `trainer.use_legacy_worker_impl`: here as in verl it selects the loss normalisers
     "examples/ppo_trainer/run_deepseek7b_llm.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_modelscope.sh": ACCEPTED,
-    "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": "`algorithm.use_pf_ppo=True`",
+    "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": "the reward model worker",
     "examples/ppo_trainer/run_deepseek7b_llm_sp2.sh": "sequence parallelism",
     "examples/ppo_trainer/run_deepseek_full_hh_rlhf.sh": "Megatron-LM",

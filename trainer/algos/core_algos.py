@@ -8,7 +8,8 @@ and verl's readers look for them (verl's `verl.trainer.ppo.core_algos`):
 - :mod:`trainer.algos.policy_losses`: the policy losses (`actor.policy_loss.loss_mode`);
 - :mod:`trainer.algos.aggregation`: `loss_agg_mode`, the value loss, the entropy;
 - :mod:`trainer.algos.kl`: the KL estimators, the penalty in the reward, its controllers;
-- :mod:`trainer.algos.lr_schedule`: the learning-rate schedule.
+- :mod:`trainer.algos.lr_schedule`: the learning-rate schedule;
+- :mod:`trainer.algos.pf_ppo`: PF-PPO's resampling of the rows (`algorithm.use_pf_ppo`).
 
 Importing this module registers every estimator and policy loss
 (:mod:`trainer.algos.registry`). Shapes: ``(batch, response_length)`` for token-level tensors,
@@ -25,4 +26,5 @@ from trainer.algos.aggregation import *  # noqa: F403 (the names of its `__all__
 from trainer.algos.kl import *  # noqa: F403 (the names of its `__all__`)
 from trainer.algos.lr_schedule import *  # noqa: F403 (the names of its `__all__`)
 from trainer.algos.masked import *  # noqa: F403 (the names of its `__all__`)
+from trainer.algos.pf_ppo import *  # noqa: F403 (the names of its `__all__`)
 from trainer.algos.policy_losses import *  # noqa: F403 (the names of its `__all__`)

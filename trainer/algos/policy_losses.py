@@ -25,6 +25,7 @@ __all__ = [
     "compute_policy_loss",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
@@ -255,3 +256,28 @@ def compute_policy_loss_kl_cov(x: PolicyLossInputs) -> LossResult:
         penalty = x.params.ppo_kl_coef * negative_approx_kl.abs()
         pg_losses = pg_losses + torch.where(penalised.view_as(pg_losses), penalty, torch.zeros_like(penalty))
     return x.aggregate(pg_losses), {"actor/ppo_kl": _item(x.mean(negative_approx_kl.abs()))}
+
+
+@register("geo_mean")
+def compute_policy_loss_geo_mean(x: PolicyLossInputs) -> LossResult:
+    """GMPO (Zhao et al. 2025, verl's `geo_mean`): each sequence's ratio is the geometric mean of
+    its token ratios, each token's log ratio first clipped to ``[-clip_ratio_low,
+    clip_ratio_high]`` on the side the sign of its advantage makes pessimistic; the loss is
+    ``-mean_t(A) * ratio`` per sequence, times the geometric mean of the rollout correction's
+    weights where there are any, averaged over the rows. Like verl it ignores ``loss_agg_mode``
+    and the global normalisers (a micro-batch's mean over its rows, fully masked rows counted),
+    and its log ratio is not clamped."""
+    mask, p = x.response_mask, x.params
+    negative_approx_kl = x.log_ratio(clamp=False)
+    sign = torch.sign(x.advantages)
+    clamped = torch.clamp(negative_approx_kl, -p.clip_ratio_low, p.clip_ratio_high)
+    pessimistic = sign * torch.min(sign * negative_approx_kl, sign * clamped)
+    lengths = mask.sum(dim=-1) + 1e-8
+    ratio = torch.exp((pessimistic * mask).sum(dim=-1) / lengths)
+    pg_losses = -((x.advantages * mask).sum(dim=-1) / lengths) * ratio
+    if x.rollout_is_weights is not None:
+        pg_losses = pg_losses * torch.exp((torch.log(x.rollout_is_weights + 1e-10) * mask).sum(dim=-1) / lengths)
+    clipped = torch.ne(negative_approx_kl, clamped)
+    return torch.mean(pg_losses), _ppo_metrics(x.mean((clipped * (x.advantages > 0)).float()),
+                                                x.mean(-negative_approx_kl),
+                                                x.mean((clipped * (x.advantages < 0)).float()))

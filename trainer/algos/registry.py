@@ -28,7 +28,9 @@ __all__ = [
     "parse_rs_thresholds",
     "rs_options",
     "KL_ESTIMATORS",
+    "PF_PPO_REWEIGHT_METHODS",
     "POLICY_LOSSES",
+    "ROW_MEAN_LOSSES",
     "AdvEstimator",
     "adv_estimator",
     "adv_estimator_names",
@@ -74,9 +76,18 @@ ADV_ESTIMATORS: dict[str, AdvEstimator] = {e.name: e for e in (
 )}
 """Every advantage estimator, in the order the configuration lists them."""
 
-POLICY_LOSSES: tuple[str, ...] = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov")
+POLICY_LOSSES: tuple[str, ...] = ("vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean")
 """Every policy loss (`loss_mode`): `fn(old_log_prob, log_prob, advantages, response_mask,
 loss_agg_mode, params, **normalisers) -> (pg_loss, metrics)`."""
+
+ROW_MEAN_LOSSES: tuple[str, ...] = ("geo_mean",)
+"""Policy losses that average over the rows of each micro-batch themselves, whatever the
+normalisers say (verl's `geo_mean`: `torch.mean` of the sequence losses): a row whose advantages
+are all zero still counts in that mean, so the update computes every row where verl does
+(`trainer.stages.update.keeps_every_row`)."""
+
+PF_PPO_REWEIGHT_METHODS: tuple[str, ...] = ("pow", "max_min", "max_random")
+"""verl's `algorithm.pf_ppo.reweight_method` values (:mod:`trainer.algos.pf_ppo`)."""
 
 _KL_BASES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_ESTIMATORS: tuple[str, ...] = (*_KL_BASES, *(f"{name}+" for name in _KL_BASES))

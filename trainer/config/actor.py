@@ -61,7 +61,7 @@ class RefFsdpConfig:
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = h("policy loss registered under this name (`trainer.algos.registry`): vanilla (PPO "
-                       "clip), gspo, sapo, cispo, gpg, clip_cov, kl_cov")
+                       "clip), gspo, sapo, cispo, gpg, clip_cov, kl_cov, geo_mean")
     clip_cov_ratio: float = h("clip_cov: fraction of the tokens whose gradient is dropped")
     clip_cov_lb: float = h("clip_cov: a dropped token's covariance lies above this")
     clip_cov_ub: float = h("clip_cov: a dropped token's covariance lies below this")

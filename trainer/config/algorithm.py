@@ -3,6 +3,7 @@ section). Defaults: `trainer/config/algorithm.yaml`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,13 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class PfPpoConfig:
+    reweight_method: str = h("how a row's score weighs its draw: `pow` (|score| ** weight_pow), `max_min` "
+                             "(only the batch's best and worst rows), `max_random` (best rows 0.4, others 0.1)")
+    weight_pow: float = h("`pow`: the exponent (0 or more)")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     gamma: float = h("discount factor")
     lam: float = h("GAE lambda")
@@ -43,6 +51,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = h("subtract a KL penalty from the token rewards")
     kl_penalty: str = h("KL estimator of the in-reward penalty (the names of `actor.kl_loss_type`)")
     kl_ctrl: KLCtrlConfig = h("KL controller")
+    use_pf_ppo: bool = h("PF-PPO: after `gae`, redraw the batch's rows with replacement, weighted by their "
+                         "scores (`trainer.algos.pf_ppo`; the draw is seeded per step)")
+    pf_ppo: PfPpoConfig = h("PF-PPO's weights")
     rollout_correction: RolloutCorrectionConfig = h(
         "verl's rollout correction, decoupled mode (`trainer.algos.rollout_corr`): importance weights and "
         "rejection between the rollout's and the trainer's log-probs of the sampled tokens")
@@ -50,8 +61,6 @@ class AlgorithmConfig:
 
 #: verl's `algorithm.*` keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
-    "algorithm.use_pf_ppo": "",
-    "algorithm.pf_ppo": "",
     "algorithm.filter_groups": "DAPO group filtering",
     "algorithm.rollout_correction.bypass_mode": "rollout correction's bypass mode",
 }
@@ -64,7 +73,6 @@ COMPAT: dict[str, str] = {
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
 ACCEPTED_ONLY_AS: dict[str, Any] = {
-    "algorithm.use_pf_ppo": False,
     "algorithm.rollout_correction.bypass_mode": False,
 }
 
@@ -94,3 +102,20 @@ def validate_rollout_correction(algorithm: AlgorithmConfig, calculate_log_probs:
             "`algorithm.rollout_correction` weighs or rejects by the rollout's own log-probs of the sampled "
             "tokens, which the rollout returns only with `actor_rollout_ref.rollout.calculate_log_probs=true`; "
             "set it")
+
+
+def validate_pf_ppo(algorithm: AlgorithmConfig) -> None:
+    """verl's PF-PPO keys: a known reweighting, a usable exponent, and (where verl would ignore the
+    switch without a word) the estimator verl applies it after."""
+    pf = algorithm.pf_ppo
+    require(pf.reweight_method in registry.PF_PPO_REWEIGHT_METHODS,
+            f"`algorithm.pf_ppo.reweight_method={pf.reweight_method}` is not a PF-PPO reweighting; valid "
+            f"values: {', '.join(registry.PF_PPO_REWEIGHT_METHODS)}")
+    require(math.isfinite(pf.weight_pow) and pf.weight_pow >= 0,
+            f"`algorithm.pf_ppo.weight_pow={pf.weight_pow}` must be a finite number >= 0: a negative "
+            "power gives a row scoring 0 an infinite weight, and the draw fails (in verl too). Fix: e.g. 2.0")
+    require(not algorithm.use_pf_ppo or algorithm.adv_estimator == "gae",
+            f"`algorithm.use_pf_ppo=true` with `algorithm.adv_estimator={algorithm.adv_estimator}`: verl 0.9.1 "
+            "resamples only after `gae` (`compute_advantage` in verl/trainer/ppo/ray_trainer.py) and ignores "
+            "the switch with any other estimator. Fix: `algorithm.adv_estimator=gae`, or "
+            "`algorithm.use_pf_ppo=false`")

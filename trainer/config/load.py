@@ -14,7 +14,7 @@ import yaml
 from trainer.algos import registry
 from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
-from trainer.config.algorithm import estimator, validate_rollout_correction
+from trainer.config.algorithm import estimator, validate_pf_ppo, validate_rollout_correction
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.compose import expand_args
 from trainer.config.overrides import (
@@ -253,6 +253,7 @@ def validate(cfg: Config) -> None:
     validate_lora(arr)
     validate_engine_kwargs(rollout)
     validate_rollout_correction(cfg.algorithm, rollout.calculate_log_probs)
+    validate_pf_ppo(cfg.algorithm)
     validate_checkpoint(arr)
     keep = cfg.trainer.max_critic_ckpt_to_keep
     require(

@@ -22,8 +22,9 @@ from trainer.workers.group import WorkerGroup
 
 __all__ = ["SALT", "Rollout", "agent_loop_sampling", "sampling_params"]
 
-#: Seed salts: the training rollout, validation and ReMax's greedy baseline draw apart.
-SALT = {"train": 1000, "validate": 2000, "greedy": 3000}
+#: Seed salts: the training rollout, validation, ReMax's greedy baseline and PF-PPO's redraw of
+#: the rows (:func:`trainer.stages.advantage.resample_pf_ppo`) draw apart.
+SALT = {"train": 1000, "validate": 2000, "greedy": 3000, "pf_ppo": 4000}
 
 
 def sampling_params(cfg: Config, validate: bool) -> SamplingParams:

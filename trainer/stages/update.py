@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.algos import core_algos
+from trainer.algos import core_algos, registry
 from trainer.batch import MiniBatchShare, StepBatch, need, step_seed
 from trainer.config import Config
 from trainer.metrics import mfu
@@ -107,7 +107,8 @@ def keeps_every_row(cfg: Config, keep_entropy: bool) -> bool:
     """Whether the actor update computes every row in verl's places (see :func:`rows_to_update`)."""
     a = cfg.actor_rollout_ref.actor
     micro_means = cfg.trainer.use_legacy_worker_impl != "disable"  # a skipped row would change them
-    return keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means
+    row_mean = a.policy_loss.loss_mode in registry.ROW_MEAN_LOSSES  # so would it a loss's own mean of rows
+    return keep_entropy or a.entropy_coeff != 0 or a.use_kl_loss or micro_means or row_mean
 
 
 def rows_to_update(mini: StepBatch) -> list[int]:

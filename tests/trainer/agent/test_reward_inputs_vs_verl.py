@@ -13,20 +13,18 @@ with HPCRL_REQUIRE_VERL=1 (the Makefile's verl stage), where it fails."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import REPO
 from tests.trainer.agent.fakes import ScriptedServer
 from tests.trainer.agent.test_loops import TOK, CalcTool, call, multi_turn
+from tests.verl_env import verl_python
 from trainer.agent.base import AgentContext, AgentLoop, AgentOutput, Interaction
 from trainer.agent.loops import SingleTurnAgentLoop, ToolAgentLoop
 from trainer.agent.manager import pack_outputs
@@ -36,8 +34,6 @@ from trainer.rollout.base import SamplingParams
 from trainer.stages.reward import load_reward, score_rollouts
 from trainer.stages.rollout import Rollout
 
-REQUIRE_VERL = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
-                and os.environ.get("HPCRL_REQUIRE_VERL") == "1")
 VERL_SIDE = Path(__file__).with_name("verl_reward_side.py")
 RESPONSE_LENGTH = 200
 LOG = "REWARD_INPUTS_LOG"
@@ -65,24 +61,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
     return (len(solution_str) / 1000 + sum(extra_info.get("tool_rewards") or []) +
             sum(extra_info.get("turn_scores") or []) + 0.01 * (turns if turns is not None else -1))
 '''
-
-
-def verl_python() -> str:
-    """The interpreter verl 0.9.1 is installed in, or a skip (a failure under CI with
-    HPCRL_REQUIRE_VERL=1)."""
-    given = os.environ.get("HPCRL_VERL_PYTHON")
-    if given:
-        return given
-    spec = importlib.util.find_spec("verl")
-    if spec is not None and spec.origin and "verl_standin" not in spec.origin:
-        return sys.executable
-    venv = REPO / ".venv-verl" / "bin" / "python"
-    if venv.exists():
-        return str(venv)
-    reason = f"verl 0.9.1 is not importable here and {venv} is missing (`make verl-venv` builds it)"
-    if REQUIRE_VERL:
-        pytest.fail(f"{reason}, but CI=true and HPCRL_REQUIRE_VERL=1 require it", pytrace=False)
-    pytest.skip(reason)
 
 
 class OwnScore(AgentLoop):

@@ -532,9 +532,10 @@ def test_registries_declare_what_each_estimator_needs() -> None:
                      "grpo_passk": (False, 2, False)}
     assert registry.adv_estimator("grpo").fn is ca.compute_grpo_outcome_advantage
     assert registry.policy_loss("vanilla") is ca.compute_policy_loss
-    assert registry.policy_loss_names() == ["vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov"]
+    assert registry.policy_loss_names() == ["vanilla", "gspo", "sapo", "cispo", "gpg", "clip_cov", "kl_cov",
+                                            "geo_mean"]
     with pytest.raises(ValueError, match="Valid values: vanilla, gspo"):
-        registry.policy_loss("geo_mean")
+        registry.policy_loss("dppo_tv")
     with pytest.raises(ValueError, match="registered once"):
         registry.register_adv_est("grpo")(ca.compute_rloo_outcome_advantage)
     with pytest.raises(ValueError, match="not declared; add it to `ADV_ESTIMATORS`"):
@@ -579,8 +580,8 @@ def test_a_registered_estimator_is_accepted_by_the_config_and_dispatched(
     assert adv.tolist() == [[2.0, 2.0]]
     with pytest.raises(ConfigError, match="Valid values: gae, grpo, rloo, reinforce_plus_plus, .*grpo_passk, constant_critic"):
         load_config(["algorithm.adv_estimator=ppo"])
-    with pytest.raises(ConfigError, match="loss_mode=geo_mean` is not a registered policy loss"):
-        load_config(["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"])
+    with pytest.raises(ConfigError, match="loss_mode=dppo_tv` is not a registered policy loss"):
+        load_config(["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv"])
 
 
 def test_preflight_reads_the_critic_need_from_the_registry() -> None:

@@ -1,0 +1,36 @@
+"""Where verl 0.9.1 runs for the tests that check this trainer against verl's own code.
+
+verl's interpreter: `HPCRL_VERL_PYTHON`, else this one when it imports verl 0.9.1, else the
+repository's `.venv-verl` (`make verl-venv`). Without one a test skips, except under CI=true with
+HPCRL_REQUIRE_VERL=1 (the Makefile's verl stage), where it fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+REQUIRE_VERL = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
+                and os.environ.get("HPCRL_REQUIRE_VERL") == "1")
+
+
+def verl_python() -> str:
+    """The interpreter verl 0.9.1 is installed in, or a skip (a failure under CI with
+    HPCRL_REQUIRE_VERL=1)."""
+    given = os.environ.get("HPCRL_VERL_PYTHON")
+    if given:
+        return given
+    spec = importlib.util.find_spec("verl")
+    if spec is not None and spec.origin and "verl_standin" not in spec.origin:
+        return sys.executable
+    venv = REPO / ".venv-verl" / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    reason = f"verl 0.9.1 is not importable here and {venv} is missing (`make verl-venv` builds it)"
+    if REQUIRE_VERL:
+        pytest.fail(f"{reason}, but CI=true and HPCRL_REQUIRE_VERL=1 require it", pytrace=False)
+    pytest.skip(reason)
