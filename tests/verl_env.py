@@ -12,10 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-
-REQUIRE_VERL = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
-                and os.environ.get("HPCRL_REQUIRE_VERL") == "1")
+from tests.conftest import REPO, REQUIRE_VERL
 
 
 def verl_python() -> str:

@@ -95,7 +95,6 @@ REFUSED = [  # a value other than verl's default: refused, naming the feature (n
     ("trainer.rollout_data_dir=/tmp/dump", "dumping rollout and validation generations"),
     ("trainer.esi_redundant_time=10", "Elastic Server Instance"),
     ("ray_kwargs.ray_init.num_cpus=4", "verl's Ray settings"),
-    ("algorithm.pf_ppo.weight_pow=3.0", "PF-PPO"),
     ("algorithm.filter_groups.enable=true", "DAPO group filtering"),
     ("actor_rollout_ref.actor.optim.optimizer=SGD", "optimizers other than torch's AdamW"),
     ("actor_rollout_ref.actor.fsdp_config.use_orig_params=true", "FSDP wrapping"),
