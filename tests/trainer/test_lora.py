@@ -69,9 +69,11 @@ def test_lora_keys_act_and_wrong_values_are_refused(tiny_model_dir: Path) -> Non
             ([*LORA, "actor_rollout_ref.model.target_modules=[all-linear,q_proj]"], "give it alone"),
             ([*LORA, "actor_rollout_ref.model.target_modules=[]"], "target_modules` is empty"),
             (["critic.model.lora_rank=8"], "LoRA for the critic.*`actor_rollout_ref.model.lora_rank`"),
-            (["critic.model.target_modules=all-linear"], "LoRA for the critic")):
+            # verl's default (`all-linear`) changes nothing without a rank: accepted with a note
+            (["critic.model.target_modules=[q_proj]"], "LoRA for the critic")):
         with pytest.raises(ConfigError, match=message):
             load_config(items)
+    load_config(["critic.model.target_modules=all-linear"])
     with pytest.raises(ConfigError, match=r"`qkv_proj` match\(es\) no linear layer.*`q_proj`.*`up_proj`"):
         apply_lora(load_actor(tiny_model_dir), 8, 16, ["q_proj", "qkv_proj"])
     partial = apply_lora(load_actor(tiny_model_dir), 4, 8, ["q_proj", "v_proj"])
