@@ -17,11 +17,10 @@ import os
 import pwd
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from trainer.agent.tools.sandbox import SandboxError, SandboxLimits, check_interpreter, run_python
+from trainer.agent.tools.sandbox import SandboxLimits, run_python, usable_python
 
 CODES = {"print(1)": "print(1)",
          "64 MiB touched": "b = bytearray(64 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\nprint(len(b))"}
@@ -55,11 +54,7 @@ def main() -> int:
     if os.geteuid() == 0:
         entry = pwd.getpwnam("nobody")
         uid, gid = entry.pw_uid, entry.pw_gid
-    python = args.python or sys.executable
-    try:
-        check_interpreter(python, uid, gid)
-    except SandboxError:
-        python = "/usr/bin/python3"
+    python = usable_python(uid, gid, (args.python,) if args.python else ())
     with tempfile.TemporaryDirectory() as work:
         os.chmod(work, 0o755)
         for name, code in CODES.items():

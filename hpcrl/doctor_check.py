@@ -15,7 +15,6 @@ import os
 import pwd
 import re
 import socket
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,9 +25,9 @@ from hpcrl.runtimes import running_in
 from trainer.agent.tools.sandbox import (
     SandboxError,
     SandboxLimits,
-    check_interpreter,
     probe,
     sandbox_mode,
+    usable_python,
 )
 
 MIB = 1 << 20
@@ -250,12 +249,7 @@ def sandbox_report() -> dict[str, Any]:
         if os.geteuid() == 0:
             entry = pwd.getpwnam("nobody")
             uid, gid = entry.pw_uid, entry.pw_gid
-        python = sys.executable
-        try:
-            check_interpreter(python, uid, gid)
-        except SandboxError:
-            python = "/usr/bin/python3"
-        probe(SandboxLimits(mode=mode, uid=uid, gid=gid, python=python))
+        probe(SandboxLimits(mode=mode, uid=uid, gid=gid, python=usable_python(uid, gid)))
     except (SandboxError, KeyError) as exc:
         return {"mode": mode, "ok": False, "why": str(exc)}
     return {"mode": mode, "ok": True, "why": ""}

@@ -16,7 +16,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +31,7 @@ from trainer.agent.tools.sandbox import (
     SandboxError,
     SandboxLimits,
     SandboxResult,
-    check_interpreter,
+    usable_python,
 )
 
 ROOT = os.geteuid() == 0
@@ -54,14 +53,10 @@ def sandbox_python(uid: int | None = None, gid: int | None = None) -> str:
     Python 3 (as root, `nobody` cannot read an interpreter installed under root's home)."""
     if uid is None:
         uid, gid = drop_user()
-    tried = []
-    for python in (sys.executable, "/usr/bin/python3"):
-        try:
-            check_interpreter(python, uid, gid)
-            return python
-        except SandboxError as e:
-            tried.append(str(e))
-    pytest.skip(f"no Python the sandbox user can run on this node: {tried}")
+    try:
+        return usable_python(uid, gid)
+    except SandboxError as e:
+        pytest.skip(f"no Python the sandbox user can run on this node: {e}")
 
 
 def small_limits(tmp_path: Path, **changes: object) -> SandboxLimits:

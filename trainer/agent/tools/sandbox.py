@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["MODES", "MODE_ENV", "Isolation", "SandboxError", "SandboxLimits", "SandboxResult",
-           "check_interpreter", "isolation", "probe", "run_python", "sandbox_mode"]
+           "check_interpreter", "isolation", "probe", "run_python", "sandbox_mode", "usable_python"]
 
 MODES = ("strict", "rlimits")
 """The sandbox's modes, strongest first."""
@@ -198,6 +198,20 @@ def check_interpreter(python: str, uid: int | None, gid: int | None) -> tuple[st
     paths = tuple(json.loads(res.stdout))
     _INTERPRETERS[(python, uid)] = paths
     return paths
+
+
+def usable_python(uid: int | None, gid: int | None, candidates: tuple[str, ...] = ()) -> str:
+    """The first of `candidates` (default: this interpreter, then the system's Python 3) that
+    user `uid` can run (root's interpreter often sits under a home `nobody` cannot read);
+    :class:`SandboxError` naming each refusal when none can."""
+    tried = []
+    for python in candidates or (sys.executable, "/usr/bin/python3"):
+        try:
+            check_interpreter(python, uid, gid)
+            return python
+        except SandboxError as e:
+            tried.append(str(e))
+    raise SandboxError("; ".join(tried))
 
 
 #: What :func:`probe` runs in the sandbox: the claims of `strict`, checked from inside.
