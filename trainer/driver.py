@@ -53,7 +53,7 @@ from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
 from trainer.stages.metrics import Timer, memory_metrics, step_metrics
-from trainer.stages.reward import load_reward, score_rollouts, set_reward_baselines
+from trainer.stages.reward import build_reward_engine, set_reward_baselines
 from trainer.stages.rollout import SALT, Rollout
 from trainer.stages.sync import sync_weights
 from trainer.stages.validate import VAL_GENERATIONS_FILE, log_generations, validate
@@ -134,10 +134,10 @@ class PPODriver:
         self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         fetch_models(cfg)
-        self.reward_fn = load_reward(cfg)
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         tokenizer_path, tokenizer_trust = cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
+        self.reward = build_reward_engine(cfg, self.tokenizer)
         self._build_data()
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -197,9 +197,8 @@ class PPODriver:
         return self.rollout.generate(examples, self.global_step, self._note, validate=validate, greedy=greedy)
 
     def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
-        """The reward stage (:func:`trainer.stages.reward.score_rollouts`)."""
-        return score_rollouts(batch, self.tokenizer, self.reward_fn, self.cfg.reward_model,
-                              self.cfg.data.max_response_length)
+        """The reward stage: the run's reward engine (:class:`trainer.stages.reward.RewardEngine`)."""
+        return self.reward.score(batch)
 
     def _split(self, batch: StepBatch) -> list[list[int]]:
         """Rows of each rank (:func:`trainer.stages.logprobs.split_batch`)."""
@@ -496,9 +495,13 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
     """Build the driver and its worker groups from `cfg` (on Ray when `trainer.distributed`
     says so), run it, and shut a Ray connection down; the return value is the exit code.
     `stop`: a request whose handlers are already installed (`python -m trainer` does that)."""
+    driver: PPODriver | None = None
     try:
-        return PPODriver(cfg, stop).fit()
+        driver = PPODriver(cfg, stop)
+        return driver.fit()
     finally:
+        if driver is not None:
+            driver.reward.close()
         if use_ray(cfg):
             import ray
 

@@ -4,7 +4,7 @@ reward managers `naive`, `prime`, `dapo`, `batch`), and place the score on its l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,7 +21,45 @@ from trainer.rewards import (
     score_responses,
 )
 
-__all__ = ["SINGLE_TURN_FIELDS", "load_reward", "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
+__all__ = ["SINGLE_TURN_FIELDS", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
+           "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
+
+
+class RewardEngine(Protocol):
+    """What scores responses, for every loop that has rows to score: the synchronous step, the
+    validation pass, and an asynchronous rollouter scoring each group as it finishes.
+
+    `score(batch)` fills `batch.sequence_scores`, `reward_extras` and `token_scores` for every row
+    of `batch` (any rows: a whole step, one prompt's group, a validation batch) and returns the
+    step metrics it has (`reward_extra/<name>/mean`, a reward model's own timings). It may be
+    called from a thread other than the driver's (`launch_reward_fn_async`, a rollouter), one call
+    at a time per engine. `close()` releases what the engine started (a reward-model server, its
+    workers); scoring after it is an error."""
+
+    def score(self, batch: StepBatch) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class RuleRewardEngine:
+    """The rule rewards alone: `custom_reward_function.*` (or the default scorers) under verl's
+    reward manager (:func:`score_rollouts`)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.reward_fn = load_reward(cfg)
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        return score_rollouts(batch, self.tokenizer, self.reward_fn, self.cfg.reward_model,
+                              self.cfg.data.max_response_length)
+
+    def close(self) -> None:
+        pass
+
+
+def build_reward_engine(cfg: Config, tokenizer: Any) -> RewardEngine:
+    """The reward engine the config asks for: the rule rewards (the only one built so far)."""
+    return RuleRewardEngine(cfg, tokenizer)
 
 
 def load_reward(cfg: Config) -> Callable[..., Any]:
