@@ -47,6 +47,7 @@ from hpcrl.agent.ports import PortError, PortRange, site_port_range
 from hpcrl.allocation import AllocationError, RayOverrides
 from hpcrl.resources import data_dir
 from hpcrl.runtimes import NAMES as RUNTIME_NAMES
+from hpcrl.suggest import did_you_mean
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _REF_RE = re.compile(r"\$\{(env|sys):([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -367,7 +368,8 @@ def _raw_chain(name: str, environ: Mapping[str, str]) -> list[tuple[Path, dict[s
             where = f" (extended by {requested_by})" if requested_by else ""
             known = ", ".join(available_profiles(environ)) or "none"
             raise ProfileError(
-                f"no site profile `{current}`{where}; known profiles: {known}. Add "
+                f"no site profile `{current}`{did_you_mean(current, available_profiles(environ))}{where}; "
+                f"known profiles: {known}. Add "
                 f"`{current}.yaml` to `~/.config/hpcrl/sites/` or a directory in "
                 "`HPCRL_SITE_PATH`")
         path = files[0]
@@ -397,8 +399,8 @@ def _check_keys(raw: Mapping[str, Any], cls: type, path: Path, prefix: str,
         dotted = f"{prefix}{key}"
         if key not in valid:
             raise ProfileError(
-                f"{path}: unknown key `{dotted}`; valid keys{' in `' + prefix[:-1] + '`' if prefix else ''}: "
-                f"{', '.join(valid)}")
+                f"{path}: unknown key `{dotted}`{did_you_mean(key, valid, '`' + prefix + '{}`')}; "
+                f"valid keys{' in `' + prefix[:-1] + '`' if prefix else ''}: {', '.join(valid)}")
         sub = hints.get(key)
         if dataclasses.is_dataclass(sub) and isinstance(value, Mapping):
             _check_keys(value, typing.cast(type, sub), path, f"{dotted}.")
@@ -596,8 +598,9 @@ def _build(cls: type, raw: Mapping[str, Any], prov: Mapping[str, str], prefix: s
     if unknown:
         key = sorted(unknown)[0]
         src = source_of(prov, re.sub(r"\[\d+\]", "", prefix.rstrip(".")))
-        raise ProfileError(f"{src}: unknown key `{prefix}{key}`; valid keys: "
-                           f"{', '.join(_valid_keys(cls))}")
+        raise ProfileError(f"{src}: unknown key `{prefix}{key}`"
+                           f"{did_you_mean(key, _valid_keys(cls), '`' + prefix + '{}`')}; "
+                           f"valid keys: {', '.join(_valid_keys(cls))}")
     return cls(**kwargs)
 
 

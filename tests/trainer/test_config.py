@@ -139,6 +139,18 @@ def test_unknown_key_lists_valid_keys_at_that_level() -> None:
         load_config(["dta.train_batch_size=4"])
 
 
+def test_unknown_key_names_the_closest_key_whole() -> None:
+    """A misspelt section or leaf is answered with the whole key it was probably meant to be;
+    a name close to nothing gets no guess."""
+    with pytest.raises(ConfigError, match=r"\(did you mean `data\.train_batch_size`\?\)"):
+        load_config(["dta.train_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"\(did you mean `actor_rollout_ref\.actor\.ppo_mini_batch_size`\?\)"):
+        load_config(["actor_rollout_ref.actor.ppo_mini_bach_size=4"])
+    with pytest.raises(ConfigError) as err:
+        load_config(["zzzzqqq.x=1"])
+    assert "did you mean" not in str(err.value)
+
+
 def test_unsupported_verl_keys_say_not_supported_yet() -> None:
     for item in ("critic.model.lora_rank=8",
                  "trainer.default_hdfs_dir=hdfs://x"):
@@ -279,7 +291,7 @@ def test_null_lists_and_quoting_as_verl_writes_them() -> None:
     assert load_config(["data.val_batch_size=null"]).data.val_batch_size is None
     with pytest.raises(ConfigError, match="null is not allowed here"):
         load_config(["data.train_batch_size=null"])
-    with pytest.raises(ConfigError, match="got a dict; expected a int"):
+    with pytest.raises(ConfigError, match="got a dict; expected an int"):
         load_config(["data.train_batch_size={a: 1}"])
     with pytest.raises(ConfigError, match="is a sweep in Hydra's grammar"):
         load_config(["data.train_files=a.parquet,b.parquet"])
@@ -300,7 +312,7 @@ def test_interpolations_resolve_against_the_final_config(monkeypatch: pytest.Mon
     assert cfg.trainer.experiment_name == "run_96_from-env"
     with pytest.raises(ConfigError, match="the interpolation cannot be resolved"):
         load_config(["trainer.experiment_name=${data.no_such_key}"])
-    with pytest.raises(ConfigError, match="expected a int"):
+    with pytest.raises(ConfigError, match="expected an int"):
         load_config(["data.max_prompt_length=${trainer.experiment_name}"])
 
 
@@ -569,3 +581,25 @@ def test_a_critic_without_a_micro_batch_size_is_refused_at_the_start_as_verl_ref
         C.check_overrides(ok)
     with pytest.raises(ConfigError, match="trains a critic"):  # the critic's own setting wins
         C.check_run(load_config(["actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=false"]))
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("actor_rollout_ref.actor.optim.lr=-1", "`actor_rollout_ref.actor.optim.lr=-1.0` must be a number 0 or more"),
+    ("actor_rollout_ref.actor.optim.lr=nan", "`actor_rollout_ref.actor.optim.lr=nan` must be a number 0 or more"),
+    ("critic.optim.weight_decay=-0.1", "`critic.optim.weight_decay=-0.1` must be a number 0 or more"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5", "must be a number from 0 to 1"),
+    ("actor_rollout_ref.actor.optim.min_lr_ratio=-0.5", "`actor_rollout_ref.actor.optim.min_lr_ratio=-0.5`"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps=-2", "must be -1 (use `lr_warmup_steps_ratio`)"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9,1.0]", "must be two numbers from 0 up to (not including) 1"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9]", "must be two numbers"),
+])
+def test_optimizer_values_adamw_cannot_use_are_refused_naming_the_key(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert needle in str(err.value), str(err.value)
+
+
+def test_optimizer_values_at_their_edges_are_accepted() -> None:
+    cfg = load_config(["actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.min_lr_ratio=1",
+                       "actor_rollout_ref.actor.optim.betas=[0.0,0.999]", "critic.optim.lr_warmup_steps=0"])
+    assert cfg.actor_rollout_ref.actor.optim.lr == 0.0

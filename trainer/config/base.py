@@ -3,6 +3,7 @@ FSDP sections the actor and the critic both have, and the loss aggregation modes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,6 +55,32 @@ class OptimConfig:
     weight_decay: float = h("AdamW weight decay")
     betas: list[float] = h("AdamW betas")
     clip_grad: float | None = h("newer verl name of the section's `grad_clip`; when set it replaces it")
+
+
+def check_optim(section: str, optim: OptimConfig) -> None:
+    """Values AdamW and the schedule cannot use, refused before anything loads (a negative `lr`
+    ascends the loss; torch's AdamW raises on it only at the first update, minutes into a job)."""
+    key = f"`{section}.optim"
+
+    def number(name: str, value: float, low: float, high: float | None, why: str) -> None:
+        ok = math.isfinite(value) and value >= low and (high is None or value <= high)
+        bound = f"from {low:g} to {high:g}" if high is not None else f"{low:g} or more"
+        require(ok, f"{key}.{name}={value}` must be a number {bound}: {why}")
+
+    number("lr", optim.lr, 0.0, None, "the step size of AdamW (verl's actor default 1e-6); a negative "
+           "one would climb the loss")
+    number("weight_decay", optim.weight_decay, 0.0, None, "AdamW's decoupled decay (verl: 0.01)")
+    number("lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0.0, 1.0,
+           "the share of the training steps spent warming up")
+    number("min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0, "the cosine floor as a share of `lr`")
+    require(optim.lr_warmup_steps >= -1, f"{key}.lr_warmup_steps={optim.lr_warmup_steps}` must be -1 "
+            "(use `lr_warmup_steps_ratio`) or a number of steps, 0 or more")
+    betas = list(optim.betas)
+    require(len(betas) == 2 and all(math.isfinite(b) and 0.0 <= b < 1.0 for b in betas),
+            f"{key}.betas={betas}` must be two numbers from 0 up to (not including) 1, as AdamW takes "
+            "them (verl: [0.9, 0.999])")
+    if optim.clip_grad is not None:
+        number("clip_grad", optim.clip_grad, 0.0, None, "the gradient norm clipped to")
 
 
 Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]

@@ -15,7 +15,7 @@ from trainer.algos import registry
 from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_pf_ppo, validate_rollout_correction
-from trainer.config.base import RUN_DIR_ENV, ConfigError, require
+from trainer.config.base import RUN_DIR_ENV, ConfigError, check_optim, require
 from trainer.config.compose import expand_args
 from trainer.config.overrides import (
     Override,
@@ -202,6 +202,8 @@ def validate(cfg: Config) -> None:
     require(actor.loss_scale_factor is None or actor.loss_scale_factor > 0,
             f"`actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor}` must be positive (the "
             "divisor of seq-mean-token-sum-norm) or null for the padded response length")
+    check_optim("actor_rollout_ref.actor", actor.optim)
+    check_optim("critic", cfg.critic.optim)
     require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
     require(
         cfg.trainer.resume_mode != "resume_path" or cfg.trainer.resume_from_path is not None,

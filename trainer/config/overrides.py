@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hpcrl.suggest import did_you_mean
 from trainer.config import at_default
 from trainer.config.base import ConfigError
 from trainer.config.reward import REWARD_MODEL_WORKER as _REWARD_MODEL_WORKER
@@ -31,6 +32,7 @@ from trainer.config.values import (
     _valid_keys,
     parse_value,
     typed_value,
+    with_article,
 )
 
 
@@ -70,8 +72,12 @@ def _resolve_key(key: str) -> tuple[list[str], Any]:
         where = f"`{'.'.join(parts[:depth])}`" if depth else "the top level"
         if part not in hints or (cls is Config and part == "derived"):
             valid = _valid_keys(cls).replace("`derived`, ", "").replace(", `derived`", "")
+            names = [n for n in _hints(cls) if not (cls is Config and n == "derived")]
+            prefix = ".".join(parts[:depth]) + "." if depth else ""
+            rest = "." + ".".join(parts[depth + 1:]) if depth < len(parts) - 1 else ""
             raise ConfigError(
-                f"unknown key `{key}`: `{part}` is not a key of {where}; valid keys there: {valid}"
+                f"unknown key `{key}`{did_you_mean(part, names, '`' + prefix + '{}' + rest + '`')}: "
+                f"`{part}` is not a key of {where}; valid keys there: {valid}"
             )
         cls = hints[part]
         if _is_mapping(cls) and depth < len(parts) - 1:
@@ -331,7 +337,7 @@ def _override_value(o: Override, tp: Any) -> Any:
     try:
         return typed_value(o.value, o.text, tp)
     except ValueError as err:
-        raise ConfigError(f"`{o.item}`: {err}; expected a {_type_name(tp)}") from None
+        raise ConfigError(f"`{o.item}`: {err}; expected {with_article(_type_name(tp))}") from None
 
 
 def _resolve_interpolations(tree: dict[str, Any], deferred: list[tuple[Override, list[str], Any]]) -> None:

@@ -33,6 +33,11 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def with_article(name: str) -> str:
+    """`name` after "a" or "an", as it is spoken: "an int", "a float", "an int or null"."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def _type_name(tp: Any) -> str:
     inner, optional = _split_optional(tp)
     if typing.get_origin(inner) is Literal:
