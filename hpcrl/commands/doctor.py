@@ -111,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     if not result.is_file() and not (run_dir / "job.json").is_file():
         return status or 1  # not submitted: submit said why
     if not result.is_file():
-        raise ProfileError(f"the doctor's job wrote no {result}: the container or Ray did not start; "
+        raise ProfileError(f"the doctor's job wrote no {result}: the node agent, the container or Ray did "
+                           f"not start, or the nodes do not see `{run_dir}` (the profile's `run_root` must "
+                           "be on a filesystem the login and compute nodes share; the agent runs with the "
+                           f"profile's `python:`, else {sys.executable}, which must exist on every node); "
                            f"read the logs with `hpcrl logs {run_dir}`")
     found = json.loads(result.read_text())
     rows = [*found["rows"], memory_plan_row(p, args.overrides, found["reports"], args.nodes, run_dir)]
