@@ -1,7 +1,7 @@
 """Draws the documentation's figures from the numbers recorded in `bench/README.md`, so that a
 figure shows what the record says and nothing else:
 
-    .venv/bin/python -m bench.figures      # writes bench/first_step.png and bench/memory_plan.png
+    .venv/bin/python -m bench.figures      # writes docs/img/first_step.png and docs/img/memory_plan.png
 
 - `first_step.png`: seconds to the first finished step under hpcrl, the `srun ray start` recipe
   and `ray symmetric-run` at 1, 2 and 3 nodes (the last "first step done" row of "Time to the
@@ -10,8 +10,8 @@ figure shows what the record says and nothing else:
 - `memory_plan.png`: what a step adds to a rank's memory, measured against the memory plan's
   estimate (the calibration table of "The memory plan against the measurement").
 
-`bench/learning.png` is `hpcrl plot` of the learning run itself. The docs build copies every
-`bench/*.png` into the site (`docs/gen/reference.py`).
+`docs/img/learning.png` is `hpcrl plot` of the learning run itself. The figures are committed
+under `docs/img/`, where the docs and the repository's own view both find them.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def draw_memory_plan(rows: list[tuple[str, int, float, float]], out: Path) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=RECORD.parent)
+    parser.add_argument("--out-dir", type=Path, default=RECORD.parent.parent / "docs" / "img")
     args = parser.parse_args(argv)
     text = RECORD.read_text()
     draw_first_step(first_step_rows(text), args.out_dir / "first_step.png")

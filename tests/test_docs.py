@@ -48,6 +48,29 @@ def test_site_builds_strictly_without_a_warning(tmp_path: Path) -> None:
     _reference_names_everything(tmp_path / "site" / "reference")
 
 
+def test_committed_reference_pages_are_what_the_code_gives() -> None:
+    """`docs/reference/*.md` are committed (the repository's view shows them) and written from
+    the code: a key, a profile, a verl example or a command changed without `--write` fails."""
+    proc = subprocess.run([sys.executable, "docs/gen/reference.py", "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_relative_links_of_the_repository_view_resolve() -> None:
+    """Every relative link and image of the README, `docs/*.md` and `bench/README.md` names a
+    file of the repository, as the repository's web view follows it (not only the built site)."""
+    dead = []
+    for page in [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md")),
+                 *sorted((REPO / "docs" / "reference").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = (page.parent / target).resolve()
+            if not path.exists():
+                dead.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not dead, dead
+
+
 def _reference_names_everything(ref: Path) -> None:
     """Each trainer key, site-profile key, verl example and hpcrl command has its row."""
     from hpcrl.cli import COMMANDS

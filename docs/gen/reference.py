@@ -1,7 +1,14 @@
-"""Writes the reference pages at build time (mkdocs-gen-files runs this file), from the code
-itself, so that they cannot drift: the site-profile keys (`hpcrl/profiles.py`) and the shipped
-profiles (`site_profiles/*.yaml`), the trainer's keys (what `python -m trainer --list-keys`
-prints), verl's example scripts as the tests judge them, and every `hpcrl` command's `--help`."""
+"""The reference pages, written from the code itself so that they cannot drift: the site-profile
+keys (`hpcrl/profiles.py`) and the shipped profiles (`site_profiles/*.yaml`), the trainer's keys
+(what `python -m trainer --list-keys` prints), verl's example scripts as the tests judge them,
+and every `hpcrl` command's `--help`.
+
+    python docs/gen/reference.py --write   # after changing what a page shows: commit docs/reference/
+    python docs/gen/reference.py --check   # what tests/test_docs.py runs: exit 1 naming stale pages
+
+The pages are committed under `docs/reference/`, so the repository's own view shows them too;
+the docs build (mkdocs-gen-files runs `docs/gen/build.py`) adds only the benchmark record,
+`bench/README.md` as it is."""
 
 from __future__ import annotations
 
@@ -13,8 +20,6 @@ import os
 import sys
 import typing
 from pathlib import Path
-
-import mkdocs_gen_files
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -161,16 +166,30 @@ PAGES = {
     "reference/cli.md": cli_page,
 }
 
-for page, build in PAGES.items():
-    with mkdocs_gen_files.open(page, "w") as fh:
-        fh.write(build())
+OUT = ROOT / "docs"
 
-# the figures live beside the benchmarks that measured them (bench/figures.py draws two of them)
-for png in sorted((ROOT / "bench").glob("*.png")):
-    with mkdocs_gen_files.open(f"img/{png.name}", "wb") as fh:
-        fh.write(png.read_bytes())
 
-# the benchmarks' own record stays in bench/README.md; the site shows it as it is
-with mkdocs_gen_files.open("reference/benchmarks.md", "w") as fh:
-    fh.write(GENERATED.replace("edit the code", "edit bench/README.md")
-             + (ROOT / "bench" / "README.md").read_text())
+def stale() -> list[str]:
+    """The pages under `docs/reference/` that differ from what the code gives now."""
+    return [page for page, build in PAGES.items()
+            if not (OUT / page).is_file() or (OUT / page).read_text() != build()]
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write"]:
+        for page, build in PAGES.items():
+            (OUT / page).parent.mkdir(parents=True, exist_ok=True)
+            (OUT / page).write_text(build())
+        return 0
+    if argv == ["--check"]:
+        old = stale()
+        if old:
+            print(f"stale reference pages: {', '.join(old)}; the code they are written from changed. "
+                  "Fix: python docs/gen/reference.py --write, and commit docs/reference/", file=sys.stderr)
+        return 1 if old else 0
+    print("usage: python docs/gen/reference.py --write | --check", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
