@@ -153,8 +153,8 @@ class RefConfig:
 class ActorRolloutRefConfig:
     nccl_timeout: int = h("seconds a collective of the worker groups may wait before the group "
                           "fails (torch.distributed's timeout; NCCL/RCCL on GPUs, gloo on CPUs)")
-    hybrid_engine: bool = h("actor and rollout share weights; must be true (a separate rollout "
-                            "deployment is not supported)")
+    hybrid_engine: bool = h("actor and rollout share the training GPUs (colocated); false: generation "
+                            "on a rollout pool of its own (`rollout.nnodes` x `rollout.n_gpus_per_node`)")
     model: ModelConfig = h("actor/reference model")
     actor: ActorConfig = h("actor training")
     ref: RefConfig = h("reference model")
