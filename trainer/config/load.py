@@ -15,7 +15,11 @@ from trainer.algos import registry
 from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_pf_ppo, validate_rollout_correction
-from trainer.config.async_training import check_allocation, check_separate_pools_built, validate_pools
+from trainer.config.async_training import (
+    check_allocation,
+    check_separate_pools_built,
+    validate_pools,
+)
 from trainer.config.base import RUN_DIR_ENV, ConfigError, require
 from trainer.config.compose import expand_args
 from trainer.config.overrides import (
