@@ -178,6 +178,16 @@ def queue_bounds(ppo_mini_batch_size: int, async_cfg: AsyncTrainingConfig, total
                        trigger_parameter_sync_step=trigger)
 
 
+def total_rollout_steps(cfg: Config, prompts: int) -> int:
+    """Prompts the rollouter generates in all over a dataset of `prompts`: every prompt once per
+    epoch, capped by `rollout.total_rollout_steps` (`FullyAsyncRollouter.__init__`:
+    `len(train_dataloader) * trainer.total_epochs`, its dataloader handing out
+    `data.gen_batch_size=1` prompt at a time)."""
+    total = prompts * cfg.trainer.total_epochs
+    cap = cfg.rollout.total_rollout_steps
+    return total if cap is None else min(cap, total)
+
+
 def has_rollout_pool(cfg: Config) -> bool:
     return cfg.rollout.nnodes > 0 or cfg.rollout.n_gpus_per_node > 0
 

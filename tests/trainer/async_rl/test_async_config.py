@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from trainer.config import ConfigError, check_run, expand_args, load_config
-from trainer.config.async_training import ACT_IN_POOL_LOOPS, queue_bounds
+from trainer.config.async_training import ACT_IN_POOL_LOOPS, queue_bounds, total_rollout_steps
 from trainer.config.overrides import _resolve_key
 
 ASYNC_DIR = Path(__file__).parents[2] / "data" / "verl_config" / "async_0.9.1"
@@ -41,8 +41,9 @@ def without_not_built(name: str, extra: list[str]) -> list[Any]:
     items = expand_args([*file_args(name), *extra])
     kept = [o for o in items if getattr(o, "key", None) not in NOT_BUILT]
     for o in items:
-        if getattr(o, "key", None) in NOT_BUILT:
-            with pytest.raises(ConfigError, match=NOT_BUILT[o.key]):
+        key = getattr(o, "key", None)
+        if key in NOT_BUILT:
+            with pytest.raises(ConfigError, match=NOT_BUILT[key]):
                 load_config([*kept, o], env={})
     assert len(items) - len(kept) == sum(k in NOT_BUILT for k in _leaf_keys(verl_file(name)))
     return kept
@@ -183,3 +184,15 @@ def test_standalone_memory_share_only_at_verls_default() -> None:
     load_config([f"{key}=null"], env={})
     with pytest.raises(ConfigError, match=rf"`{key}=0.5` is not supported yet \(a GPU memory share of the rollout pool's own"):
         load_config([f"{key}=0.5"], env={})
+
+
+def test_total_rollout_steps_is_verls() -> None:
+    """verl: `len(train_dataloader) * trainer.total_epochs` (one prompt per batch), capped by
+    `rollout.total_rollout_steps`; 100 prompts, 3 epochs."""
+    assert total_rollout_steps(load_config(["trainer.total_epochs=3"], env={}), 100) == 300
+    capped = load_config(["trainer.total_epochs=3", "rollout.total_rollout_steps=250"], env={})
+    assert total_rollout_steps(capped, 100) == 250
+    one = load_config(["trainer.total_epochs=1", "rollout.total_rollout_steps=250"], env={})
+    assert total_rollout_steps(one, 100) == 100
+    with pytest.raises(ConfigError, match="`rollout.total_rollout_steps=0` must be at least 1"):
+        load_config(["rollout.total_rollout_steps=0"], env={})

@@ -52,7 +52,7 @@ async def replay(s: dict) -> dict:
             r.active_tasks.discard(arg)
             await mq.put_sample(arg)
         elif kind == "take":
-            for _ in range(arg):
+            for _ in range(int(arg or 0)):
                 await mq.get_sample()
         elif kind == "sync":
             await ROLLOUTER.reset_staleness(r)
