@@ -74,7 +74,9 @@ class ActorRolloutRefWorker(Worker):
                                          frozen=True, trust_remote_code=trust)
         self.phases.memory.empty_cache()  # the build's transient blocks, before the rollout engine sizes itself
         self._optimizer(arr.actor.optim)
-        self.policy_loss = rollout_corr.policy_loss_for(arr.actor.policy_loss.loss_mode, self.cfg.algorithm.rollout_correction)
+        # the registered `loss_mode`, or bypass mode's loss (verl's `apply_bypass_mode` replaces it)
+        self.policy_loss = rollout_corr.policy_loss_for(arr.actor.policy_loss.loss_mode,
+                                                        self.cfg.algorithm.rollout_correction)
         self.loss_params = self._loss_params()
         # the ranks of one tensor-parallel engine: its first rank leads the agent loops, or starts
         # the server-mode replica over their GPUs
