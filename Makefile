@@ -118,7 +118,7 @@ test: disk-check lab-packages
 	[ -z "$$images" ] || wait $$images || true; \
 	HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
 		|| status=$$?; \
-	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py tests/trainer/agent/test_reward_inputs_vs_verl.py tests/trainer/algos/test_algos_vs_verl.py \
+	HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py tests/trainer/agent/test_reward_inputs_vs_verl.py tests/trainer/algos/test_algos_vs_verl.py tests/trainer/async_rl/test_bypass_vs_verl.py tests/trainer/async_rl/test_queue_vs_verl.py \
 		tests/trainer/agent/test_verl_compat.py $(PYTEST_ARGS) \
 		|| status=$$?; \
 	wait $$lab; lab_status=$$(cat $$rc 2>/dev/null || echo missing); \

@@ -221,8 +221,8 @@ class PPODriver:
         return entropy_metric(entropy, response_mask, self.cfg.actor_rollout_ref.actor.loss_agg_mode)
 
     def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
-        return logprobs.old_log_probs(batch, self.actor_group, self._split(batch),
-                                      self.cfg.actor_rollout_ref.actor.loss_agg_mode, self._note)
+        agg, bypass = self.cfg.actor_rollout_ref.actor.loss_agg_mode, self.cfg.algorithm.rollout_correction.bypass_mode
+        return logprobs.old_log_probs(batch, self.actor_group, self._split(batch), agg, self._note, bypass)
 
     def compute_ref_log_probs(self, batch: StepBatch) -> None:
         logprobs.ref_log_probs(batch, self.actor_group, self._split(batch), self._note)
@@ -293,7 +293,7 @@ class PPODriver:
         if not self.reuses_update_log_probs(batch):
             with timer.phase("old_log_prob"):
                 metrics.update(self.compute_old_log_probs(batch))
-            if batch.rollout_log_probs is not None:
+            if batch.rollout_log_probs is not None and batch.old_log_probs is not batch.rollout_log_probs:
                 metrics.update(rollout_probs_diff(
                     batch.rollout_log_probs, need(batch.old_log_probs, "old_log_probs"), batch.response_mask))
         elif batch.entropy is not None:  # the rollout's entropies stand in for recomputed ones

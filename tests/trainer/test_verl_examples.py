@@ -5,7 +5,7 @@ read from the scripts by `python -m tests.trainer.verl_examples extract` into
 
 Refused on purpose: Megatron-LM training, model-based reward models (and sandbox-fusion
 scoring), multimodal data, SGLang / TensorRT-LLM rollout, Ulysses sequence
-parallelism, rollout correction's bypass mode, LoRA from a saved adapter and
+parallelism, LoRA from a saved adapter and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
 

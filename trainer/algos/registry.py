@@ -170,6 +170,8 @@ def policy_loss(name: str) -> Callable[..., Any]:
 
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 """verl's `algorithm.rollout_correction.rollout_is` levels (:mod:`trainer.algos.rollout_corr`)."""
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+"""verl's `algorithm.rollout_correction.loss_type` values: bypass mode's losses."""
 ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 """verl's `rollout_rs` options: the divergence estimate (k1, k2, k3) per token or per sequence."""

@@ -17,19 +17,41 @@ step, before the advantages:
   log-probs exist, as verl logs them whenever ``rollout_log_probs`` is in the batch.
 
 Every name of a metric is verl's, under ``rollout_corr/``.
+
+Bypass mode (``rollout_correction.bypass_mode=true``; :func:`bypass_policy_loss`): the rollout's
+log-probs are the old ones (no recomputation by the actor), and the policy loss is verl's
+``bypass_mode`` loss (``compute_policy_loss_bypass_mode`` in ``verl/trainer/ppo/core_algos.py``,
+set up by ``apply_bypass_mode`` in ``rollout_corr_helper.py``, whichever ``loss_mode`` was
+configured): per micro-batch, the weights and the rejection mask between the current policy and
+the rollout's, then ``ppo_clip`` (the vanilla PPO loss over the kept tokens, ratio
+``pi / pi_rollout``, no weights: the clipped ratio is the correction) or ``reinforce``
+(``-A * log pi`` times the weights, over the kept tokens).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from trainer.algos.aggregation import agg_loss
 from trainer.algos.masked import masked_mean, masked_sum
-from trainer.algos.registry import ROLLOUT_IS_LEVELS, parse_rs_thresholds, rs_options
+from trainer.algos.policy_losses import compute_policy_loss
+from trainer.algos.registry import (
+    BYPASS_LOSS_TYPES,
+    ROLLOUT_IS_LEVELS,
+    parse_rs_thresholds,
+    policy_loss,
+    rs_options,
+)
 
-__all__ = ["SAFETY_BOUND", "RolloutCorrection", "correct", "is_weights", "offpolicy_metrics", "rejection_mask"]
+__all__ = ["BYPASS_LOSS_TYPES", "SAFETY_BOUND", "RolloutCorrection", "bypass_policy_loss", "correct", "is_weights",
+           "offpolicy_metrics", "rejection_mask"]
+
 
 SAFETY_BOUND = 20.0
 
@@ -246,3 +268,45 @@ def correct(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: to
         metrics |= m
     metrics |= offpolicy_metrics(old_log_prob, rollout_log_prob, mask)
     return weights, kept, {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
+
+
+def bypass_policy_loss(rollout_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                       response_mask: torch.Tensor, loss_agg_mode: str, params: Any, cfg: RolloutCorrection,
+                       loss_type: str = "ppo_clip", rollout_is_weights: torch.Tensor | None = None,
+                       **agg: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's ``compute_policy_loss_bypass_mode`` (0.9.1): `rollout_log_prob` is the old
+    log-prob; `rollout_is_weights` given by the caller are ignored (computed here, as verl). Without gradient, the correction between the current policy (`log_prob`) and the
+    rollout's: the weights, the mask after rejection, the ``rollout_corr/*`` metrics; then the
+    ``loss_type``'s loss over the kept tokens. `params`: the vanilla loss's
+    (:class:`~trainer.algos.policy_losses.PolicyLossParams`); `agg`: the aggregation's normalisers."""
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ValueError(f"bypass mode's `loss_type={loss_type}` must be one of {', '.join(BYPASS_LOSS_TYPES)}")
+    with torch.no_grad():
+        weights, kept, metrics = correct(log_prob.detach(), rollout_log_prob, response_mask, cfg)
+    if loss_type == "ppo_clip":  # the ratio pi / pi_rollout is the correction: no weights on top
+        loss, pg_metrics = compute_policy_loss(rollout_log_prob, log_prob, advantages, kept, loss_agg_mode,
+                                               params, rollout_is_weights=None, **agg)
+    else:  # verl's compute_policy_loss_reinforce: -A * log pi, times the (detached) weights
+        pg_losses = -advantages * log_prob if weights is None else -advantages * log_prob * weights
+        loss = agg_loss(pg_losses, kept, loss_agg_mode, **agg)
+        pg_metrics = {"actor/ppo_kl": masked_mean(rollout_log_prob - log_prob, kept).item()}
+    return loss, pg_metrics | metrics
+
+
+def policy_loss_for(loss_mode: str, rc: Any) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """The policy loss the actor trains with: the registered `loss_mode`, or in bypass mode
+    (`rc.bypass_mode`, `rc`: ``algorithm.rollout_correction``) :func:`bypass_policy_loss` whatever
+    `loss_mode` says, as verl's ``apply_bypass_mode`` sets ``policy_loss.loss_mode="bypass_mode"``."""
+    if not rc.bypass_mode:
+        return policy_loss(loss_mode)
+    cfg = RolloutCorrection(rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs,
+                            rc.rollout_rs_threshold)
+    return functools.partial(_bypass_call, cfg=cfg, loss_type=rc.loss_type)
+
+
+def _bypass_call(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, loss_agg_mode: str, params: Any, *, cfg: RolloutCorrection,
+                 loss_type: str, **rest: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's registered-loss signature over :func:`bypass_policy_loss` (the old log-prob is the rollout's)."""
+    return bypass_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, params, cfg,
+                              loss_type, **rest)

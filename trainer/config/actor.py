@@ -118,6 +118,8 @@ class ActorConfig:
     clip_ratio_c: float = h("dual-clip constant for negative advantages (> 1)")
     policy_loss: PolicyLossConfig = h("policy loss")
     loss_agg_mode: LossAggMode = h("how token losses are aggregated")
+    use_rollout_log_probs: bool = h("verl 0.9.1's actor switch to the rollout's log-probs (compatibility only, "
+                                    "see COMPAT)")
     loss_scale_factor: float | None = h(
         "divisor of `seq-mean-token-sum-norm` (Dr.GRPO); null = the padded response length "
         "(`data.max_response_length`). As in verl it acts under `trainer.use_legacy_worker_impl=disable` "
@@ -153,8 +155,8 @@ class RefConfig:
 class ActorRolloutRefConfig:
     nccl_timeout: int = h("seconds a collective of the worker groups may wait before the group "
                           "fails (torch.distributed's timeout; NCCL/RCCL on GPUs, gloo on CPUs)")
-    hybrid_engine: bool = h("actor and rollout share weights; must be true (a separate rollout "
-                            "deployment is not supported)")
+    hybrid_engine: bool = h("actor and rollout share the training GPUs (colocated); false: generation "
+                            "on a rollout pool of its own (`rollout.nnodes` x `rollout.n_gpus_per_node`)")
     model: ModelConfig = h("actor/reference model")
     actor: ActorConfig = h("actor training")
     ref: RefConfig = h("reference model")
@@ -193,6 +195,9 @@ NOT_SUPPORTED: dict[str, str] = {
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
+    "actor_rollout_ref.actor.use_rollout_log_probs": (
+        "verl 0.9.1 declares it (`ActorConfig`) and reads it nowhere; the rollout's log-probs become the old "
+        "ones through `algorithm.rollout_correction.bypass_mode=true`, as in verl"),
     "actor_rollout_ref.actor.strategy": STRATEGY,
     "actor_rollout_ref.ref.strategy": STRATEGY,
     "actor_rollout_ref.model.use_shm": ("the model is read from its path; verl's copy to shared memory "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.algos import registry
+from trainer.algos.registry import BYPASS_LOSS_TYPES
 from trainer.config.base import ConfigError, h, require
 
 
@@ -29,8 +30,11 @@ class RolloutCorrectionConfig:
                                "seq_max_k2..3): responses outside `rollout_rs_threshold` leave the loss")
     rollout_rs_threshold: str | None = h("per option (comma-separated): `lower_upper` ratio bounds for k1 "
                                          "options, one upper bound for the others")
-    bypass_mode: bool = h("verl's bypass mode (rollout log-probs as the old ones): not supported, false only")
-    loss_type: str = h("the loss of bypass mode (see COMPAT)")
+    bypass_mode: bool = h("verl's bypass mode: the rollout's log-probs are the old ones (no recomputation), and "
+                          "the policy loss is bypass mode's (`loss_type`) whatever `policy_loss.loss_mode` says; "
+                          "needs `rollout.calculate_log_probs=true`")
+    loss_type: str = h("bypass mode's loss: `ppo_clip` (PPO over pi / pi_rollout, no weights) or `reinforce` "
+                       "(-A log pi times the importance weights)")
 
 
 @dataclass(frozen=True)
@@ -62,19 +66,13 @@ class AlgorithmConfig:
 #: verl's `algorithm.*` keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
     "algorithm.filter_groups": "DAPO group filtering",
-    "algorithm.rollout_correction.bypass_mode": "rollout correction's bypass mode",
 }
 
 #: verl keys accepted that change nothing here, and why.
-COMPAT: dict[str, str] = {
-    "algorithm.rollout_correction.loss_type": ("verl reads it only in bypass mode "
-                                               "(`rollout_correction.bypass_mode=true`, refused here)"),
-}
+COMPAT: dict[str, str] = {}
 
 #: verl keys accepted only with their verl default value (which is what this trainer does).
-ACCEPTED_ONLY_AS: dict[str, Any] = {
-    "algorithm.rollout_correction.bypass_mode": False,
-}
+ACCEPTED_ONLY_AS: dict[str, Any] = {}
 
 
 def estimator(name: str) -> Any:
@@ -98,6 +96,13 @@ def validate_rollout_correction(algorithm: AlgorithmConfig, calculate_log_probs:
             registry.parse_rs_thresholds(registry.rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
         except ValueError as err:
             raise ConfigError(f"`algorithm.rollout_correction`: {err}") from None
+    require(rc.loss_type in BYPASS_LOSS_TYPES,
+            f"`algorithm.rollout_correction.loss_type={rc.loss_type}` must be one of {', '.join(BYPASS_LOSS_TYPES)} "
+            "(bypass mode's losses, verl's `compute_policy_loss_bypass_mode`)")
+    require(calculate_log_probs or not rc.bypass_mode,
+            "`algorithm.rollout_correction.bypass_mode=true` trains with the rollout's own log-probs of the sampled "
+            "tokens as the old ones (verl: 'bypass_mode=True requires rollout_log_probs in batch'), which the "
+            "rollout returns only with `actor_rollout_ref.rollout.calculate_log_probs=true`; set it")
     require(calculate_log_probs or (rc.rollout_is is None and rc.rollout_rs is None),
             "`algorithm.rollout_correction` weighs or rejects by the rollout's own log-probs of the sampled "
             "tokens, which the rollout returns only with `actor_rollout_ref.rollout.calculate_log_probs=true`; "

@@ -19,6 +19,9 @@ class DataConfig:
     max_prompt_length: int = h("longest prompt in tokens after the chat template")
     max_response_length: int = h("longest generated response in tokens")
     train_batch_size: int = h("prompts per training step")
+    gen_batch_size: int | None = h(
+        "prompts the dataloader hands the rollout at once; null = `train_batch_size` (verl's "
+        "`ray_trainer.py`); 1 with a rollout pool: verl's fully-async rollouter streams prompt by prompt")
     val_batch_size: int | None = h("prompts per validation batch; null = whole set at once")
     shuffle: bool = h("shuffle the training prompts every epoch")
     seed: int = h("seed of the training-data shuffle")

@@ -15,6 +15,11 @@ from trainer.algos import registry
 from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_pf_ppo, validate_rollout_correction
+from trainer.config.async_training import (
+    check_allocation,
+    check_separate_pools_built,
+    validate_pools,
+)
 from trainer.config.base import RUN_DIR_ENV, ConfigError, check_optim, require
 from trainer.config.compose import expand_args
 from trainer.config.overrides import (
@@ -41,7 +46,8 @@ DEFAULTS_DIR = Path(__file__).parent
 #: The defaults, one YAML file per section module (`data.yaml` beside `data.py`), merged in
 #: this order into one tree with verl's layout.
 DEFAULTS_FILES = tuple(DEFAULTS_DIR / f"{name}.yaml"
-                       for name in ("data", "actor", "rollout", "critic", "reward", "algorithm", "trainer"))
+                       for name in ("data", "actor", "rollout", "critic", "reward", "algorithm", "trainer",
+                                    "async_training"))
 
 
 def _merge(into: dict[str, Any], extra: dict[str, Any], where: Path) -> None:
@@ -246,12 +252,7 @@ def validate(cfg: Config) -> None:
         "`reward_model.overlong_buffer.enable=true` acts only with `reward_model.reward_manager=dapo` "
         f"(it is `{cfg.reward_model.reward_manager}`); set both",
     )
-    require(
-        arr.hybrid_engine,
-        "`actor_rollout_ref.hybrid_engine=false`: the actor and the rollout always share one set "
-        "of weights here (verl's hybrid engine); a separate rollout deployment is not supported. "
-        "Fix: remove the override",
-    )
+    validate_pools(cfg)
     validate_lora(arr)
     validate_engine_kwargs(rollout)
     validate_rollout_correction(cfg.algorithm, rollout.calculate_log_probs)
@@ -279,6 +280,7 @@ def check_run(cfg: Config) -> None:
     (`verl/utils/config.py::validate_config`, after `main_ppo` reads the config): the trainer's
     start (`PPODriver`), the launcher's preflight (:func:`check_overrides`) and `--plan-memory` run
     them; reading a config (:func:`load_config`, `--print-config`) does not. Raises ConfigError."""
+    check_separate_pools_built(cfg)
     c, actor = cfg.critic, cfg.actor_rollout_ref.actor
     dynamic = actor.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     require(
@@ -300,8 +302,10 @@ def load_config(
     process environment) supplies `HPCRL_RUN_DIR` and `HPCRL_GPUS_PER_NODE` when hpcrl launched
     the trainer."""
     tree = apply_overrides(load_defaults(), list(overrides))
-    cfg = _build(Config, _derive(tree, os.environ if env is None else env), "")
+    env = os.environ if env is None else env
+    cfg = _build(Config, _derive(tree, env), "")
     validate(cfg)
+    check_allocation(cfg, env)
     return cfg
 
 

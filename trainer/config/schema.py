@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import actor, algorithm, critic, data, reward, rollout, trainer
+from trainer.config import actor, algorithm, async_training, critic, data, reward, rollout, trainer
 from trainer.config.actor import ActorRolloutRefConfig
 from trainer.config.algorithm import AlgorithmConfig
+from trainer.config.async_training import AsyncTrainingConfig, RolloutPoolConfig
 from trainer.config.base import h
 from trainer.config.critic import CriticConfig
 from trainer.config.data import DataConfig
@@ -35,6 +36,8 @@ class Config:
     algorithm: AlgorithmConfig = h("advantage and KL settings")
     trainer: TrainerConfig = h("loop, logging, checkpoints")
     global_profiler: dict[str, Any] = h("verl's profiler settings (compatibility only, see COMPAT)")
+    async_training: AsyncTrainingConfig = h("verl's asynchronous recipes: queue, staleness, weight sync")
+    rollout: RolloutPoolConfig = h("the rollout pool of verl's separate deployment (`hybrid_engine=false`)")
     derived: DerivedConfig = h("computed values")
 
     @property
@@ -46,7 +49,7 @@ class Config:
                 self.data.trust_remote_code or arr.model.trust_remote_code)
 
 
-_SECTIONS = (data, actor, rollout, critic, reward, algorithm, trainer)
+_SECTIONS = (data, actor, rollout, critic, reward, algorithm, trainer, async_training)
 
 
 def _merged(table: str) -> dict[str, Any]:

@@ -22,9 +22,9 @@ def correct_rollout(batch: StepBatch, algo: AlgorithmConfig) -> dict[str, float]
     `batch.response_mask` (so the advantages, the losses and the metrics after it), the importance
     weights go to `batch.rollout_is_weights` for the policy loss; its `rollout_corr/*` metrics are
     logged even with both off."""
-    if batch.rollout_log_probs is None:
-        return {}
     rc = algo.rollout_correction
+    if batch.rollout_log_probs is None or rc.bypass_mode:  # bypass: the policy loss corrects (verl's fit)
+        return {}
     cfg = rollout_corr.RolloutCorrection(rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
                                          rc.rollout_rs, rc.rollout_rs_threshold)
     old = need(batch.old_log_probs, "old_log_probs")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from trainer.algos import core_algos
-from trainer.batch import StepBatch
+from trainer.batch import StepBatch, need
 from trainer.config import Config
 from trainer.parallel import balanced_split, split_rows
 from trainer.workers.group import WorkerGroup
@@ -49,8 +49,14 @@ def entropy_metric(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_
 
 
 def old_log_probs(batch: StepBatch, actor: WorkerGroup, parts: list[list[int]], loss_agg_mode: str,
-                  note: Note) -> dict[str, float]:
-    """Fill `batch.old_log_probs` and `batch.entropy` with the actor's current weights."""
+                  note: Note, bypass: bool = False) -> dict[str, float]:
+    """Fill `batch.old_log_probs` and `batch.entropy` with the actor's current weights; in
+    rollout correction's bypass mode (`bypass`) the old log-probs are the rollout's, with no
+    forward pass and no entropy (verl's `apply_bypass_mode` in `rollout_corr_helper.py`, called by
+    `RayPPOTrainer.fit` in place of `_compute_old_log_prob`)."""
+    if bypass:
+        batch.old_log_probs = need(batch.rollout_log_probs, "rollout_log_probs")
+        return {}
     batch.old_log_probs, results = on_ranks(actor, "compute_log_probs", batch, "log_probs", parts, note,
                                             "old_log_prob")
     batch.entropy = torch.zeros_like(batch.response_mask)

@@ -32,7 +32,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.agent.manager import AgentRollout, TraceInfo
 from trainer.agent.servers import BatchedServer, EngineLeader, follow_leader
-from trainer.algos import core_algos, registry
+from trainer.algos import core_algos, rollout_corr
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.data import Example
 from trainer.lora import apply_lora
@@ -74,7 +74,9 @@ class ActorRolloutRefWorker(Worker):
                                          frozen=True, trust_remote_code=trust)
         self.phases.memory.empty_cache()  # the build's transient blocks, before the rollout engine sizes itself
         self._optimizer(arr.actor.optim)
-        self.policy_loss = registry.policy_loss(arr.actor.policy_loss.loss_mode)
+        # the registered `loss_mode`, or bypass mode's loss (verl's `apply_bypass_mode` replaces it)
+        self.policy_loss = rollout_corr.policy_loss_for(arr.actor.policy_loss.loss_mode,
+                                                        self.cfg.algorithm.rollout_correction)
         self.loss_params = self._loss_params()
         # the ranks of one tensor-parallel engine: its first rank leads the agent loops, or starts
         # the server-mode replica over their GPUs
