@@ -1,5 +1,6 @@
 """The reward stage: decode each response, score it with its data source's function (verl's
-reward managers `naive`, `prime`, `dapo`, `batch`), and place the score on its last token."""
+reward managers `naive`, `prime`, `dapo`, `batch`) or with a discriminative reward model (verl's
+`reward_model.enable`), and place the score on its last token."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from trainer.rewards import (
     score_batch,
     score_responses,
 )
+from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
+from trainer.workers.base import resolve_device
 
-__all__ = ["SINGLE_TURN_FIELDS", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
+__all__ = ["SINGLE_TURN_FIELDS", "ModelRewardEngine", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
            "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
 
 
@@ -34,7 +37,12 @@ class RewardEngine(Protocol):
     step metrics it has (`reward_extra/<name>/mean`, a reward model's own timings). It may be
     called from a thread other than the driver's (`launch_reward_fn_async`, a rollouter), one call
     at a time per engine. `close()` releases what the engine started (a reward-model server, its
-    workers); scoring after it is an error."""
+    workers); scoring after it is an error.
+
+    An engine holding a model may also have `sleep()` and `wake()`: `sleep()` frees the device
+    memory it holds (the model to the CPU) and `wake()` brings it back; `score` wakes it when
+    needed and, for a model colocated with the actor, sleeps it again before returning, so a loop
+    need not call either (:class:`ModelRewardEngine`)."""
 
     def score(self, batch: StepBatch) -> dict[str, float]: ...
 
@@ -57,8 +65,68 @@ class RuleRewardEngine:
         pass
 
 
+class ModelRewardEngine:
+    """`reward_model.enable=true` without `custom_reward_function.path`: the discriminative reward
+    model of `reward_model.model.path` scores every response, and its score is the reward (verl
+    0.9.1 `RewardLoopWorker.compute_score` calls `compute_score_disrm` in place of the reward
+    manager; `assemble_rm_scores` puts it on the last attended response token as `rm_scores`,
+    which the trainer takes as `token_level_scores`, and the KL penalty applies to them as to a
+    rule score). There are no reward extras, as in verl's `{"reward_score": rm_score}`.
+
+    The model is loaded in the trainer's process, on `trainer.device` (the actor's device on a
+    one-rank run; the CPU for a Ray driver that has no GPU), awake only while it scores: it
+    sleeps on the CPU while the actor trains, as verl's colocated reward model does. A row whose
+    agent loop set its own score keeps it (as in :func:`score_rollouts`)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        device = resolve_device(cfg.trainer.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("cpu")
+        path = cfg.reward_model.model.path
+        assert path is not None, "checked by the config: `reward_model.model.path`"
+        self.tokenizer = tokenizer
+        self.model = SequenceClassifierRM(path, device)
+        self.closed = False
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        if self.closed:
+            raise RuntimeError("the reward model engine was closed; build a new one to score")
+        attended = batch.response_attention
+        lengths = attended.sum(-1).long().tolist()
+        own = batch.loop_scores or [None] * len(batch)
+        todo = [i for i, score in enumerate(own) if score is None]
+        texts = [render_rm_prompt([dict(m) for m in batch.examples[i].prompt],
+                                  batch.responses[i, :lengths[i]].tolist(), self.tokenizer, self.model.tokenizer)
+                 for i in todo]
+        try:
+            part = self.model.score_texts(texts) if texts else []
+        finally:
+            self.model.sleep()
+        scores = [float(s) if s is not None else 0.0 for s in own]
+        for i, value in zip(todo, part, strict=True):
+            scores[i] = value
+        batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
+        batch.reward_extras = {}
+        batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
+        return {}
+
+    def sleep(self) -> None:
+        self.model.sleep()
+
+    def wake(self) -> None:
+        self.model.wake()
+
+    def close(self) -> None:
+        self.model.sleep()
+        self.closed = True
+
+
 def build_reward_engine(cfg: Config, tokenizer: Any) -> RewardEngine:
-    """The reward engine the config asks for: the rule rewards (the only one built so far)."""
+    """The reward engine the config asks for: the discriminative reward model with
+    `reward_model.enable=true` (the config refuses it with `custom_reward_function.path`, a
+    generative reward model not built yet), else the rule rewards."""
+    if cfg.reward_model.enable:
+        return ModelRewardEngine(cfg, tokenizer)
     return RuleRewardEngine(cfg, tokenizer)
 
 
