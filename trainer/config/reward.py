@@ -144,16 +144,15 @@ def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> 
     """`reward_model.enable=true` asks for what verl 0.9.1's reward loop does with it
     (`RewardLoopWorker.compute_score`): without `custom_reward_function.path`, the discriminative
     model of `reward_model.model.path` scores every response; with one, the function is called
-    with the address of verl's reward model server (a generative reward model)."""
+    with the address of a server of that model (a generative reward model)."""
     if not rm.enable:
         return
-    require(custom.path is None, (
-        "`reward_model.enable=true` with `custom_reward_function.path` asks for a generative reward "
-        "model (verl serves `reward_model.model.path` and passes the function its address as "
-        "`reward_router_address`), which is not built yet. Fix: drop `custom_reward_function.path` "
-        "to score with the model itself (a discriminative reward model), or set "
-        "`reward_model.enable=false` to score with the function alone"))
     require(rm.model.path is not None, (
         "`reward_model.enable=true` needs the reward model, and `reward_model.model.path` is null. Fix: "
-        "set `reward_model.model.path=<dir>` (verl 0.9.1: `reward.reward_model.model_path`), a local "
-        "`AutoModelForSequenceClassification` directory"))
+        "set `reward_model.model.path=<dir>` (verl 0.9.1: `reward.reward_model.model_path`): a local "
+        "`AutoModelForSequenceClassification` directory, or with `custom_reward_function.path` the "
+        "generative model its server serves"))
+    engine = rm.rollout.get("name")
+    require(custom.path is None or engine in (None, "vllm"), (
+        f"`reward_model.rollout.name={engine}`: a generative reward model is served here by vLLM's "
+        "OpenAI-compatible server only. Fix: set `reward_model.rollout.name=vllm`"))

@@ -22,9 +22,10 @@ from trainer.rewards import (
     score_responses,
 )
 from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
+from trainer.rewards.server import RewardServer, RewardServerError, router_kwargs
 from trainer.workers.base import resolve_device
 
-__all__ = ["SINGLE_TURN_FIELDS", "ModelRewardEngine", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
+__all__ = ["SINGLE_TURN_FIELDS", "GenerativeRewardEngine", "ModelRewardEngine", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
            "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
 
 
@@ -53,9 +54,9 @@ class RuleRewardEngine:
     """The rule rewards alone: `custom_reward_function.*` (or the default scorers) under verl's
     reward manager (:func:`score_rollouts`)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+    def __init__(self, cfg: Config, tokenizer: Any, **router: Any) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.reward_fn = load_reward(cfg)
+        self.reward_fn = load_reward(cfg, **router)
 
     def score(self, batch: StepBatch) -> dict[str, float]:
         return score_rollouts(batch, self.tokenizer, self.reward_fn, self.cfg.reward_model,
@@ -121,22 +122,65 @@ class ModelRewardEngine:
         self.closed = True
 
 
+class GenerativeRewardEngine:
+    """`reward_model.enable=true` with `custom_reward_function.path`: a generative reward model.
+    `reward_model.model.path` is served by an OpenAI-compatible server
+    (:class:`trainer.rewards.server.RewardServer`) and the reward function, under its reward
+    manager as for rule rewards, receives `reward_router_address` (the server's `host:port`) and
+    `reward_model_tokenizer` on every call, as verl 0.9.1's reward loop passes them
+    (`NaiveRewardManager.run_single`).
+
+    The server is checked before each scoring; a dead server, or a call through it that fails or
+    times out, fails the step with a :class:`RewardServerError` naming the address. The batch
+    is left unscored and the step's metrics and checkpoint are not written: a resumed run scores
+    that step again."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        from transformers import AutoTokenizer
+
+        path = cfg.reward_model.model.path
+        assert path is not None, "checked by the config: `reward_model.model.path`"
+        rm_tokenizer = AutoTokenizer.from_pretrained(path)
+        self.server = RewardServer.start(path)
+        try:
+            self.rules = RuleRewardEngine(cfg, tokenizer, **router_kwargs(self.server, rm_tokenizer))
+        except BaseException:
+            self.server.close()
+            raise
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        self.server.check()
+        try:
+            return self.rules.score(batch)
+        except Exception as e:
+            self.server.check(timeout_s=5.0)  # a dead server says so first
+            raise RewardServerError(
+                f"scoring through the reward model server at `{self.server.address}` failed: {e!r}; "
+                "the step is not logged or saved (a resumed run scores it again)") from e
+
+    def close(self) -> None:
+        self.server.close()
+
+
 def build_reward_engine(cfg: Config, tokenizer: Any) -> RewardEngine:
-    """The reward engine the config asks for: the discriminative reward model with
-    `reward_model.enable=true` (the config refuses it with `custom_reward_function.path`, a
-    generative reward model not built yet), else the rule rewards."""
+    """The reward engine the config asks for (verl 0.9.1 `RewardLoopWorker.compute_score`): with
+    `reward_model.enable=true`, the generative reward model when `custom_reward_function.path` is
+    set, else the discriminative one; without it, the rule rewards."""
     if cfg.reward_model.enable:
+        if cfg.custom_reward_function.path is not None:
+            return GenerativeRewardEngine(cfg, tokenizer)
         return ModelRewardEngine(cfg, tokenizer)
     return RuleRewardEngine(cfg, tokenizer)
 
 
-def load_reward(cfg: Config) -> Callable[..., Any]:
+def load_reward(cfg: Config, **router: Any) -> Callable[..., Any]:
     """The reward function of `custom_reward_function.*` (the default scorers without one),
-    checked for the keywords the reward manager passes."""
+    checked for the keywords the reward manager passes; `router`: a reward model server's
+    `reward_router_address` and `reward_model_tokenizer`, passed on every call."""
     rm = cfg.reward_model
     keywords = [*BATCH_ARGS, *rm.reward_kwargs] if rm.reward_manager == "batch" else PER_RESPONSE_ARGS
     custom = cfg.custom_reward_function
-    return load_reward_fn(custom.path, custom.name, custom.reward_kwargs, keywords=keywords)
+    return load_reward_fn(custom.path, custom.name, {**custom.reward_kwargs, **router}, keywords=keywords)
 
 
 #: The `extra_fields` of verl 0.9.1's single-turn loop (`single_turn_agent_loop.py`, "keeping the
