@@ -183,6 +183,7 @@ class Settings:
     ref_offloaded: bool = False  # a reference model's shards live in host memory between phases
     server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
     enforce_eager: bool = False  # vLLM without CUDA graphs
+    reward_model_bytes: int = 0  # a discriminative reward model's weights (trainer's process; asleep on the host)
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -433,7 +434,8 @@ def host_phase(shape: ModelShape, s: Settings) -> Phase:
         cores = s.gpus_per_node // s.tp if s.tp > 1 else 0  # with one GPU the engine core is the worker
         terms += [(f"{s.gpus_per_node} x server-mode vLLM worker process", s.gpus_per_node * HOST_PROCESS),
                   (f"{cores} x server-mode vLLM engine core", cores * HOST_PROCESS)]
-    return Phase("host memory", (*terms, ("driver", HOST_DRIVER)),
+    return Phase("host memory", (*terms, ("driver", HOST_DRIVER),
+                                 ("driver: reward model asleep", s.reward_model_bytes)),
                  "a larger `slurm.mem` in the site profile (`0`: all of the node's memory), or less "
                  "offload (`actor_rollout_ref.actor.fsdp_config.optimizer_offload=false`, "
                  "`param_offload=false`, `actor_rollout_ref.ref.fsdp_config.param_offload=false`), or "
@@ -502,6 +504,11 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                         "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
                         "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
                         s.device_bytes))
+    if s.reward_model_bytes:  # awake between rollout and training, as the rollout engine sleeps
+        phases.append(Phase("reward model", (*trainer_held, ("reward model weights (fp32)", s.reward_model_bytes),
+                                             *replica),
+                            "offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
+                            "`optimizer_offload=true`) or a smaller reward model", s.device_bytes))
     if s.node_bytes > 0:
         phases.append(host_phase(shape, s))
     return Plan(name, params, s.device_bytes, tuple(phases), tuple(notes))
@@ -520,6 +527,9 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
         s = replace(s, max_model_len=max_model_len(cfg.actor_rollout_ref.rollout.max_model_len, shape.config))
     except ValueError as err:
         raise PlanError(str(err)) from None
+    rm = cfg.reward_model
+    if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
+        s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * 4)  # loaded in fp32
     made = plan(shape, s, name=Path(path).name or path, layers=layers)
     if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
         made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
