@@ -150,6 +150,8 @@ class PPODriver:
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
+        if hasattr(self.reward, "attach"):  # a reward model colocated with the actor
+            self.reward.attach(self.actor_group)
         self.rollout = Rollout(cfg, self.actor_group, self.tokenizer.pad_token_id)
         if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # the metrics logger's store
             self.rollout.trace_store = tracking_uri(self.run_dir)

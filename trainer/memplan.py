@@ -183,7 +183,7 @@ class Settings:
     ref_offloaded: bool = False  # a reference model's shards live in host memory between phases
     server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
     enforce_eager: bool = False  # vLLM without CUDA graphs
-    reward_model_bytes: int = 0  # a discriminative reward model's weights (trainer's process; asleep on the host)
+    reward_model_bytes: int = 0  # a discriminative reward model's weights (a copy per actor rank; asleep on the host)
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -419,7 +419,8 @@ def host_terms(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
             ("offloaded actor shards", sum(shard) if s.actor.param_offload else 0),
             ("offloaded reference shards", sum(shard) if s.ref_offloaded else 0),
             ("offloaded AdamW moments (pinned, power-of-two blocks)", moments),
-            (f"vLLM level-{s.sleep_level} sleep backup (pinned, power-of-two blocks)", backup)]
+            (f"vLLM level-{s.sleep_level} sleep backup (pinned, power-of-two blocks)", backup),
+            ("reward model asleep", s.reward_model_bytes)]
 
 
 def host_phase(shape: ModelShape, s: Settings) -> Phase:
@@ -427,15 +428,14 @@ def host_phase(shape: ModelShape, s: Settings) -> Phase:
     `s.node_bytes`. The critic, when there is one, is counted like the actor."""
     per_worker = host_terms(shape, s)
     if s.critic is not None:
-        critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none")
+        critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none", reward_model_bytes=0)
         per_worker += [(f"critic: {n}", b) for n, b in host_terms(shape, critic)[1:] if b]
     terms = [(f"{s.gpus_per_node} x {n}", b * s.gpus_per_node) for n, b in per_worker]
     if s.server_mode:  # vLLM's worker on each GPU; over several GPUs, each replica's engine core too
         cores = s.gpus_per_node // s.tp if s.tp > 1 else 0  # with one GPU the engine core is the worker
         terms += [(f"{s.gpus_per_node} x server-mode vLLM worker process", s.gpus_per_node * HOST_PROCESS),
                   (f"{cores} x server-mode vLLM engine core", cores * HOST_PROCESS)]
-    return Phase("host memory", (*terms, ("driver", HOST_DRIVER),
-                                 ("driver: reward model asleep", s.reward_model_bytes)),
+    return Phase("host memory", (*terms, ("driver", HOST_DRIVER)),
                  "a larger `slurm.mem` in the site profile (`0`: all of the node's memory), or less "
                  "offload (`actor_rollout_ref.actor.fsdp_config.optimizer_offload=false`, "
                  "`param_offload=false`, `actor_rollout_ref.ref.fsdp_config.param_offload=false`), or "

@@ -1,6 +1,6 @@
-"""The memory plan counts a discriminative reward model: its fp32 weights on the device while it
-scores (a phase of its own, next to what the trainer holds), and asleep in the driver's host
-memory between scorings."""
+"""The memory plan counts a discriminative reward model: its fp32 weights on each actor rank's
+device while it scores (a phase of its own, next to what the trainer holds), and asleep in each
+actor worker's host memory between scorings."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_the_reward_model_is_counted_on_the_device_and_the_host() -> None:
     held = sum(b for n, b in dict(phases["rollout"].terms).items() if not n.startswith("vLLM share"))
     assert phases["reward model"].peak == held + terms["reward model weights (fp32)"]
     grew = phases["host memory"].peak - without["host memory"].peak
-    assert grew == terms["reward model weights (fp32)"]
+    assert grew == 8 * terms["reward model weights (fp32)"]  # 8 actor ranks on the node
     assert phases["reward model"].limit == 80 * GIB
 
 

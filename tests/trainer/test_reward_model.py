@@ -136,7 +136,7 @@ def test_rendering_and_score_placement_are_verls(tiny_model_dir: Path, tiny_rm_d
     lengths = batch.response_attention.sum(-1).long().tolist()
     assert len(set(lengths)) > 1, lengths  # responses of several lengths: the placement is tested
     ours = [render_rm_prompt([dict(m) for m in e.prompt], batch.responses[i, :lengths[i]].tolist(),
-                             driver.tokenizer, engine.model.tokenizer) for i, e in enumerate(batch.examples)]
+                             driver.tokenizer, engine.rm_tokenizer) for i, e in enumerate(batch.examples)]
 
     prompt_len = batch.input_ids.shape[1] - batch.response_length
     spec = {"policy": str(tiny_model_dir), "rm": str(tiny_rm_dir),
@@ -152,8 +152,10 @@ def test_rendering_and_score_placement_are_verls(tiny_model_dir: Path, tiny_rm_d
     assert all("<|assistant|>" in t and not t.startswith("<s>") for t in ours), ours
     assert sum(t.count("</s>") for t in ours) == 2 * len(ours)  # the template's own; the response's EOS is dropped
     assert torch.equal(batch.token_scores, torch.tensor(theirs["rm_scores"]))
-    # the engine's scores are the model's on those texts
-    assert batch.sequence_scores.tolist() == pytest.approx(engine.model.score_texts(ours))
+    # the engine's scores are the model's on those texts, scored on the actor's rank
+    alone = SequenceClassifierRM(str(tiny_rm_dir), torch.device("cpu"))
+    assert batch.sequence_scores.tolist() == pytest.approx(alone.score_texts(ours))
+    assert engine.group is driver.actor_group and engine.local is None
     assert batch.reward_extras == {}
 
 
@@ -176,7 +178,7 @@ def test_the_score_is_the_last_labels_logit_at_the_last_token(tiny_rm_dir: Path)
 def test_a_step_is_scored_by_the_reward_model_alone(tiny_model_dir: Path, tiny_rm_dir: Path, toy_data: Path,
                                                     tmp_path: Path) -> None:
     """GRPO on the reward model's scores: the rule reward is not called, the dumped scores are
-    the model's, and the model sleeps on the CPU between scorings."""
+    the model's, and the model, loaded on the actor's rank, sleeps on the CPU between scorings."""
     dump = tmp_path / "dump"
     cfg = load_config(toy_overrides(
         tiny_model_dir, toy_data, tmp_path / "run", "algorithm.adv_estimator=grpo", "data.train_batch_size=4",
@@ -187,7 +189,9 @@ def test_a_step_is_scored_by_the_reward_model_alone(tiny_model_dir: Path, tiny_r
     driver = PPODriver(cfg)
     assert driver.fit() == 0
     engine = driver.reward
-    assert isinstance(engine, ModelRewardEngine) and not engine.model.awake
+    assert isinstance(engine, ModelRewardEngine) and engine.local is None
+    on_rank = driver.actor_group.workers[0]._reward_model  # type: ignore[attr-defined]
+    assert not on_rank.awake and next(on_rank.model.parameters()).device.type == "cpu"
     rows = [json.loads(line) for line in (dump / "1.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(set(r) == {"input", "output", "gts", "score", "step"} for r in rows)
     rule = [float(r["output"].strip() == r["gts"]) for r in rows]
@@ -202,3 +206,40 @@ def test_without_a_reward_model_the_rule_engine_scores(tiny_model_dir: Path, toy
     cfg = load_config(toy_overrides(tiny_model_dir, toy_data, tmp_path, "data.train_batch_size=4",
                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4"))
     assert isinstance(build_reward_engine(cfg, None), RuleRewardEngine)
+
+
+class SplitGroup:
+    """Three ranks, each scoring its share with the same model in this process: the group seam."""
+
+    world_size = 3
+
+    def __init__(self, rm: SequenceClassifierRM) -> None:
+        self.rm, self.shares = rm, []  # type: ignore[var-annotated]
+
+    def run_each(self, method: str, per_rank: list[tuple[str, list[str]]]) -> list[list[float]]:
+        assert method == "score_reward_model"
+        self.shares = [texts for _, texts in per_rank]
+        return [self.rm.score_texts(texts) for _, texts in per_rank]
+
+
+def test_ranks_score_contiguous_shares_and_in_process_scores_the_same(
+        tiny_model_dir: Path, tiny_rm_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    cfg = load_config(toy_overrides(
+        tiny_model_dir, toy_data, tmp_path, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "reward_model.enable=true",
+        f"reward_model.model.path={tiny_rm_dir}"))
+    driver = PPODriver(cfg)
+    batch = driver.generate(driver.loader.next_batch())
+    driver.reward.score(batch)  # on the actor's rank
+    on_ranks = batch.sequence_scores.clone()
+
+    alone = ModelRewardEngine(cfg, driver.tokenizer)  # never attached: in this process
+    alone.score(batch)
+    assert torch.equal(batch.sequence_scores, on_ranks) and alone.local is not None and not alone.local.awake
+
+    split = ModelRewardEngine(cfg, driver.tokenizer)
+    group = SplitGroup(SequenceClassifierRM(str(tiny_rm_dir), torch.device("cpu")))
+    split.attach(group)  # type: ignore[arg-type]
+    split.score(batch)
+    assert [len(s) for s in group.shares] == [3, 3, 2]
+    assert torch.equal(batch.sequence_scores, on_ranks)

@@ -24,6 +24,7 @@ from trainer.rewards import (
 from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
 from trainer.rewards.server import RewardServer, RewardServerError, router_kwargs
 from trainer.workers.base import resolve_device
+from trainer.workers.group import WorkerGroup
 
 __all__ = ["SINGLE_TURN_FIELDS", "GenerativeRewardEngine", "ModelRewardEngine", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
            "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
@@ -40,10 +41,10 @@ class RewardEngine(Protocol):
     at a time per engine. `close()` releases what the engine started (a reward-model server, its
     workers); scoring after it is an error.
 
-    An engine holding a model may also have `sleep()` and `wake()`: `sleep()` frees the device
-    memory it holds (the model to the CPU) and `wake()` brings it back; `score` wakes it when
-    needed and, for a model colocated with the actor, sleeps it again before returning, so a loop
-    need not call either (:class:`ModelRewardEngine`)."""
+    An engine whose model runs on the actor's ranks also has `attach(group)`, which the driver
+    calls with the actor group once it is started; before that it scores in this process. Its
+    model wakes for each `score` and sleeps again before it returns (the actor trains with none
+    of its weights on the device), so a loop need not manage it (:class:`ModelRewardEngine`)."""
 
     def score(self, batch: StepBatch) -> dict[str, float]: ...
 
@@ -74,20 +75,26 @@ class ModelRewardEngine:
     which the trainer takes as `token_level_scores`, and the KL penalty applies to them as to a
     rule score). There are no reward extras, as in verl's `{"reward_score": rm_score}`.
 
-    The model is loaded in the trainer's process, on `trainer.device` (the actor's device on a
-    one-rank run; the CPU for a Ray driver that has no GPU), awake only while it scores: it
-    sleeps on the CPU while the actor trains, as verl's colocated reward model does. A row whose
-    agent loop set its own score keeps it (as in :func:`score_rollouts`)."""
+    The prompts are rendered here (the reward model's tokenizer only); the model runs colocated
+    on the ranks of the actor group once :meth:`attach` gave it (each rank scores a contiguous
+    share of the rows with its own copy, asleep on the host while the actor trains:
+    :mod:`trainer.workers.reward`), else in this process. A row whose agent loop set its own
+    score keeps it (as in :func:`score_rollouts`)."""
 
     def __init__(self, cfg: Config, tokenizer: Any) -> None:
-        device = resolve_device(cfg.trainer.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            device = torch.device("cpu")
+        from transformers import AutoTokenizer
+
         path = cfg.reward_model.model.path
         assert path is not None, "checked by the config: `reward_model.model.path`"
-        self.tokenizer = tokenizer
-        self.model = SequenceClassifierRM(path, device)
+        self.path, self.tokenizer, self.device_name = path, tokenizer, cfg.trainer.device
+        self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
+        self.group: WorkerGroup | None = None
+        self.local: SequenceClassifierRM | None = None
         self.closed = False
+
+    def attach(self, group: WorkerGroup) -> None:
+        """Score on the ranks of `group` (the actor's) from now on."""
+        self.group = group
 
     def score(self, batch: StepBatch) -> dict[str, float]:
         if self.closed:
@@ -97,28 +104,32 @@ class ModelRewardEngine:
         own = batch.loop_scores or [None] * len(batch)
         todo = [i for i, score in enumerate(own) if score is None]
         texts = [render_rm_prompt([dict(m) for m in batch.examples[i].prompt],
-                                  batch.responses[i, :lengths[i]].tolist(), self.tokenizer, self.model.tokenizer)
+                                  batch.responses[i, :lengths[i]].tolist(), self.tokenizer, self.rm_tokenizer)
                  for i in todo]
-        try:
-            part = self.model.score_texts(texts) if texts else []
-        finally:
-            self.model.sleep()
         scores = [float(s) if s is not None else 0.0 for s in own]
-        for i, value in zip(todo, part, strict=True):
+        for i, value in zip(todo, self._scores(texts) if texts else [], strict=True):
             scores[i] = value
         batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
         batch.reward_extras = {}
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
         return {}
 
-    def sleep(self) -> None:
-        self.model.sleep()
-
-    def wake(self) -> None:
-        self.model.wake()
+    def _scores(self, texts: list[str]) -> list[float]:
+        if self.group is None:
+            if self.local is None:
+                self.local = SequenceClassifierRM(self.path, resolve_device(self.device_name))
+            try:
+                return self.local.score_texts(texts)
+            finally:
+                self.local.sleep()
+        shares = np.array_split(np.arange(len(texts)), self.group.world_size)
+        parts = self.group.run_each("score_reward_model",
+                                    [(self.path, [texts[i] for i in share]) for share in shares])
+        return [float(x) for part in parts for x in part]
 
     def close(self) -> None:
-        self.model.sleep()
+        if self.local is not None:
+            self.local.sleep()
         self.closed = True
 
 
