@@ -130,6 +130,7 @@ def test_the_function_scores_through_the_server(tiny_model_dir: Path, tiny_rm_di
         driver.reward.close()
     argv = fake_rm["argv"]
     assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and argv[4] == str(tiny_rm_dir)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.5"  # verl's default share
     rows = [json.loads(line) for line in (run / "dump" / "1.jsonl").read_text().splitlines()]
     assert sorted(fake_rm["server"].chats) == sorted(r["output"] for r in rows)  # every response, once
     assert all(r["score"] == pytest.approx(len(r["output"]) / 10) for r in rows)
@@ -171,3 +172,28 @@ def _hang_after_first_step(rm: FakeRM) -> None:
             return
         answer(self)
     handler.do_POST = maybe_hang  # type: ignore[method-assign]
+
+
+def test_a_server_that_exits_at_start_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Exited:
+        def poll(self) -> int:
+            return 1
+
+        def terminate(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    monkeypatch.setattr(server_mod, "launch_server", lambda argv: Exited())
+    with pytest.raises(RewardServerError, match=r"exited with status 1 .*Fix: make vLLM importable") as err:
+        server_mod.RewardServer.start("/models/rm")
+    assert "`/models/rm`" in str(err.value) and "`127.0.0.1:" in str(err.value)
+
+
+def test_verls_serving_settings_reach_the_server() -> None:
+    argv = server_mod.server_argv("/m", 8000, {"gpu_memory_utilization": 0.8, "tensor_model_parallel_size": 2,
+                                               "prompt_length": 2048, "response_length": 1024, "name": "vllm"})
+    assert argv[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--host", "127.0.0.1",
+                        "--port", "8000", "--gpu-memory-utilization", "0.8", "--tensor-parallel-size", "2",
+                        "--max-model-len", "3072"]

@@ -71,8 +71,10 @@ NOT_SUPPORTED: dict[str, str] = {
     f"{section}.{key}": _OWN_POOL for section in ("reward_model", "reward.reward_model")
     for key in ("enable_resource_pool", "nnodes", "n_gpus_per_node")}
 
-_SERVING = ("the reward model is served here by an HF forward in the trainer's process: verl's engine "
-            "settings shape its vLLM/SGLang server, not the score it returns")
+_SERVING = ("a discriminative reward model is served here by an HF forward on the actor's ranks, which "
+            "these vLLM settings do not shape; a generative one's vLLM server takes `gpu_memory_utilization`, "
+            "`tensor_model_parallel_size` and `prompt_length + response_length` as its context, and no "
+            "setting changes the score it returns")
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
     "reward_model.rollout": _SERVING,

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 __all__ = ["RewardServer", "RewardServerError", "launch_server", "server_argv"]
@@ -35,11 +36,26 @@ class Process(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-def server_argv(model_path: str, port: int, python: str = sys.executable) -> list[str]:
+#: verl's default share of the device for the reward model's server (`reward.reward_model.rollout`).
+GPU_MEMORY_UTILIZATION = 0.5
+
+
+def server_argv(model_path: str, port: int, serving: Mapping[str, Any] | None = None,
+                python: str = sys.executable) -> list[str]:
     """vLLM's OpenAI-compatible server of `model_path` on `port` (the served model's name is its
-    path, vLLM's default, as verl's replicas serve it)."""
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-            "--host", "127.0.0.1", "--port", str(port)]
+    path, vLLM's default, as verl's replicas serve it), with verl's serving settings of the
+    reward model (`reward_model.rollout.*`): its device share (`gpu_memory_utilization`, verl's
+    0.5 when unset; on vLLM's CPU backend the share of host memory), `tensor_model_parallel_size`
+    and the context, `prompt_length + response_length` (verl's reward model server length)."""
+    serving = serving or {}
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+            "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization",
+            str(serving.get("gpu_memory_utilization") or GPU_MEMORY_UTILIZATION)]
+    if serving.get("tensor_model_parallel_size"):
+        argv += ["--tensor-parallel-size", str(serving["tensor_model_parallel_size"])]
+    if serving.get("prompt_length") and serving.get("response_length"):
+        argv += ["--max-model-len", str(int(serving["prompt_length"]) + int(serving["response_length"]))]
+    return argv
 
 
 def launch_server(argv: list[str]) -> Process:
@@ -60,18 +76,27 @@ class RewardServer:
         self.address, self.process = address, process
 
     @classmethod
-    def start(cls, model_path: str, ready_timeout_s: float = 600.0) -> RewardServer:
+    def start(cls, model_path: str, serving: Mapping[str, Any] | None = None,
+              ready_timeout_s: float = 600.0) -> RewardServer:
         port = _free_port()
-        server = cls(f"127.0.0.1:{port}", launch_server(server_argv(model_path, port)))
+        server = cls(f"127.0.0.1:{port}", launch_server(server_argv(model_path, port, serving)))
         deadline = time.monotonic() + ready_timeout_s
         while True:  # wait for the condition (the server answers), with a generous bound
             try:
                 server.check(timeout_s=5.0)
                 return server
-            except RewardServerError:
-                if server.process.poll() is not None or time.monotonic() > deadline:
+            except RewardServerError as e:
+                code = server.process.poll()
+                if code is not None:
+                    raise RewardServerError(
+                        f"the reward model server of `{model_path}` at `{server.address}` exited with "
+                        f"status {code} before it answered (its output is above). Fix: make vLLM importable "
+                        f"by {sys.executable} (`pip install vllm`), or check `reward_model.model.path`") from e
+                if time.monotonic() > deadline:
                     server.close()
-                    raise
+                    raise RewardServerError(
+                        f"the reward model server of `{model_path}` at `{server.address}` did not answer "
+                        f"`/health` within {ready_timeout_s:g}s; it was stopped") from e
             time.sleep(0.5)
 
     def check(self, timeout_s: float = 30.0) -> None:

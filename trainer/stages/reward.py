@@ -152,7 +152,7 @@ class GenerativeRewardEngine:
         path = cfg.reward_model.model.path
         assert path is not None, "checked by the config: `reward_model.model.path`"
         rm_tokenizer = AutoTokenizer.from_pretrained(path)
-        self.server = RewardServer.start(path)
+        self.server = RewardServer.start(path, cfg.reward_model.rollout)
         try:
             self.rules = RuleRewardEngine(cfg, tokenizer, **router_kwargs(self.server, rm_tokenizer))
         except BaseException:
