@@ -78,6 +78,8 @@ def test_a_conflicting_pair_is_refused_naming_both() -> None:
     (["reward_model.enable=true"], "set `reward_model.model.path=<dir>`"),
     (["reward_model.enable=true", "reward_model.model.path=/rm", "custom_reward_function.path=/f.py",
       "reward_model.rollout.name=sglang"], "served here by vLLM's OpenAI-compatible server only"),
+    (["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.launch_reward_fn_async=true"],
+     "the model scores on the actor's ranks"),
     (["reward.reward_model.enable_resource_pool=true"], "a reward model on a resource pool of its own"),
     (["reward_model.n_gpus_per_node=4"], "a reward model on a resource pool of its own"),
 ])

@@ -154,6 +154,11 @@ def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> 
         "set `reward_model.model.path=<dir>` (verl 0.9.1: `reward.reward_model.model_path`): a local "
         "`AutoModelForSequenceClassification` directory, or with `custom_reward_function.path` the "
         "generative model its server serves"))
+    require(custom.path is not None or not rm.launch_reward_fn_async, (
+        "`reward_model.launch_reward_fn_async=true` with a discriminative reward model: the model "
+        "scores on the actor's ranks, which compute the log-probs meanwhile (verl scores with its "
+        "reward model before launching the reward function). Fix: set "
+        "`reward_model.launch_reward_fn_async=false`"))
     engine = rm.rollout.get("name")
     require(custom.path is None or engine in (None, "vllm"), (
         f"`reward_model.rollout.name={engine}`: a generative reward model is served here by vLLM's "
