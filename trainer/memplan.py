@@ -505,7 +505,7 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                         "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
                         s.device_bytes))
     if s.reward_model_bytes:  # awake between rollout and training, as the rollout engine sleeps
-        phases.append(Phase("reward model", (*trainer_held, ("reward model weights (fp32)", s.reward_model_bytes),
+        phases.append(Phase("reward model", (*trainer_held, ("reward model weights", s.reward_model_bytes),
                                              *replica),
                             "offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
                             "`optimizer_offload=true`) or a smaller reward model", s.device_bytes))
@@ -529,7 +529,8 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
         raise PlanError(str(err)) from None
     rm = cfg.reward_model
     if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
-        s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * 4)  # loaded in fp32
+        wbytes = DTYPE_BYTES[_plan_dtype(rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`)
+        s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * wbytes)
     made = plan(shape, s, name=Path(path).name or path, layers=layers)
     if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
         made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "

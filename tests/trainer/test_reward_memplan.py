@@ -1,4 +1,5 @@
-"""The memory plan counts a discriminative reward model: its fp32 weights on each actor rank's
+"""The memory plan counts a discriminative reward model: its weights (bf16 on a GPU unless
+`reward_model.rollout.dtype` says otherwise) on each actor rank's
 device while it scores (a phase of its own, next to what the trainer holds), and asleep in each
 actor worker's host memory between scorings."""
 
@@ -19,11 +20,11 @@ def test_the_reward_model_is_counted_on_the_device_and_the_host() -> None:
     phases = {p.name: p for p in plan_config(cfg, 80, host_gib=1000).phases}
     assert "reward model" not in without
     terms = dict(phases["reward model"].terms)
-    assert terms["reward model weights (fp32)"] == pytest.approx(0.494e9 * 4, rel=0.03)
+    assert terms["reward model weights"] == pytest.approx(0.494e9 * 2, rel=0.03)  # bf16, as verl serves it
     held = sum(b for n, b in dict(phases["rollout"].terms).items() if not n.startswith("vLLM share"))
-    assert phases["reward model"].peak == held + terms["reward model weights (fp32)"]
+    assert phases["reward model"].peak == held + terms["reward model weights"]
     grew = phases["host memory"].peak - without["host memory"].peak
-    assert grew == 8 * terms["reward model weights (fp32)"]  # 8 actor ranks on the node
+    assert grew == 8 * terms["reward model weights"]  # 8 actor ranks on the node
     assert phases["reward model"].limit == 80 * GIB
 
 
@@ -32,3 +33,10 @@ def test_a_generative_reward_model_adds_no_trainer_weights() -> None:
     cfg = load_config([*FLAGSHIP, "reward_model.enable=true", f"reward_model.model.path={RM}",
                        "custom_reward_function.path=/r.py"])
     assert "reward model" not in {p.name for p in plan_config(cfg, 80).phases}
+
+
+def test_the_reward_models_dtype_sets_its_bytes() -> None:
+    cfg = load_config([*FLAGSHIP, "reward_model.enable=true", f"reward_model.model.path={RM}",
+                       "reward_model.rollout.dtype=float32"])
+    terms = dict({p.name: p for p in plan_config(cfg, 80).phases}["reward model"].terms)
+    assert terms["reward model weights"] == pytest.approx(0.494e9 * 4, rel=0.03)

@@ -18,7 +18,7 @@ from tests.verl_env import verl_python
 from trainer.config import load_config
 from trainer.config.base import ConfigError
 from trainer.driver import PPODriver
-from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
+from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt, rm_dtype
 from trainer.rewards.toy import write_toy_digits
 from trainer.stages.reward import ModelRewardEngine, RuleRewardEngine, build_reward_engine
 
@@ -56,10 +56,10 @@ def toy_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_both_schemas_give_one_config() -> None:
     new = load_config(["reward.reward_model.enable=true", "reward.reward_model.model_path=/rm",
                        "reward.reward_manager.name=dapo", "reward.reward_model.rollout.name=vllm",
-                       "reward.num_workers=4"], env={})
+                       "reward.num_workers=4", "reward.reward_model.rollout.dtype=float32"], env={})
     legacy = load_config(["reward_model.enable=true", "reward_model.model.path=/rm",
                           "reward_model.reward_manager=dapo", "reward_model.rollout.name=vllm",
-                          "reward_model.num_workers=4"], env={})
+                          "reward_model.num_workers=4", "reward_model.rollout.dtype=float32"], env={})
     assert new == legacy
     assert new.reward_model.enable and new.reward_model.model.path == "/rm"
     # the same value under both names is no conflict
@@ -218,10 +218,10 @@ class SplitGroup:
     def __init__(self, rm: SequenceClassifierRM) -> None:
         self.rm, self.shares = rm, []  # type: ignore[var-annotated]
 
-    def run_each(self, method: str, per_rank: list[tuple[str, list[str]]]) -> list[list[float]]:
+    def run_each(self, method: str, per_rank: list[tuple[str, str | None, list[str]]]) -> list[list[float]]:
         assert method == "score_reward_model"
-        self.shares = [texts for _, texts in per_rank]
-        return [self.rm.score_texts(texts) for _, texts in per_rank]
+        self.shares = [texts for _, _, texts in per_rank]
+        return [self.rm.score_texts(texts) for _, _, texts in per_rank]
 
 
 def test_ranks_score_contiguous_shares_and_in_process_scores_the_same(
@@ -245,3 +245,15 @@ def test_ranks_score_contiguous_shares_and_in_process_scores_the_same(
     split.score(batch)
     assert [len(s) for s in group.shares] == [3, 3, 2]
     assert torch.equal(batch.sequence_scores, on_ranks)
+
+
+def test_the_weights_dtype_follows_verls_serving_dtype(tiny_rm_dir: Path) -> None:
+    """verl serves the reward model in `reward_model.rollout.dtype` (bf16 by default); null here is
+    bf16 on a GPU and fp32 on the CPU."""
+    assert rm_dtype(None, torch.device("cpu")) == torch.float32
+    assert rm_dtype(None, torch.device("cuda")) == torch.bfloat16
+    rm = SequenceClassifierRM(str(tiny_rm_dir), torch.device("cpu"), "bfloat16")
+    assert next(rm.model.parameters()).dtype == torch.bfloat16
+    assert isinstance(rm.score_texts(["<|user|> 1 <|assistant|> 2"])[0], float)
+    with pytest.raises(ValueError, match="reward_model.rollout.dtype=int8"):
+        rm_dtype("int8", torch.device("cpu"))

@@ -71,8 +71,9 @@ NOT_SUPPORTED: dict[str, str] = {
     f"{section}.{key}": _OWN_POOL for section in ("reward_model", "reward.reward_model")
     for key in ("enable_resource_pool", "nnodes", "n_gpus_per_node")}
 
-_SERVING = ("a discriminative reward model is served here by an HF forward on the actor's ranks, which "
-            "these vLLM settings do not shape; a generative one's vLLM server takes `gpu_memory_utilization`, "
+_SERVING = ("a discriminative reward model is served here by an HF forward on the actor's ranks, in "
+            "`dtype`, which the other vLLM settings do not shape; a generative one's vLLM server takes "
+            "`gpu_memory_utilization`, "
             "`tensor_model_parallel_size` and `prompt_length + response_length` as its context, and no "
             "setting changes the score it returns")
 #: Keys accepted that change nothing here, and why nothing is lost.
@@ -96,7 +97,8 @@ ALIASES: dict[str, str] = {
     "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
     "reward.num_workers": "reward_model.num_workers",
     **{f"reward.reward_model.rollout.{key}": f"reward_model.rollout.{key}" for key in (
-        "name", "gpu_memory_utilization", "tensor_model_parallel_size", "prompt_length", "response_length")},
+        "name", "dtype", "gpu_memory_utilization", "tensor_model_parallel_size", "prompt_length",
+        "response_length")},
 }
 
 #: What each reward manager accepts in `reward_model.reward_kwargs` (verl passes them to the

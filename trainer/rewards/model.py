@@ -16,7 +16,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceClassifierRM", "render_rm_prompt"]
+__all__ = ["SequenceClassifierRM", "render_rm_prompt", "rm_dtype"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
+
+
+def rm_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The reward model's weights dtype: `reward_model.rollout.dtype` (verl serves it in bf16 by
+    default), null = bf16 on a GPU and fp32 on the CPU, as this trainer's `rollout.dtype`."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if str(name) not in _DTYPES:
+        raise ValueError(f"`reward_model.rollout.dtype={name}`: one of {', '.join(_DTYPES)}")
+    return _DTYPES[str(name)]
 
 
 def render_rm_prompt(raw_prompt: list[dict[str, Any]], response_ids: list[int], input_tokenizer: Any,
@@ -42,12 +55,13 @@ class SequenceClassifierRM:
     scorings (:meth:`sleep`, :meth:`wake`): a colocated reward model holds no device memory while
     the actor trains (verl's colocated reward model sleeps likewise, `RewardLoopManager.compute_rm_score`)."""
 
-    def __init__(self, path: str, device: torch.device, trust_remote_code: bool = False) -> None:
+    def __init__(self, path: str, device: torch.device, dtype: str | None = None,
+                 trust_remote_code: bool = False) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, trust_remote_code=trust_remote_code).eval()
+            path, trust_remote_code=trust_remote_code, torch_dtype=rm_dtype(dtype, device)).eval()
         self.device = device
         self.awake = False
 

@@ -87,6 +87,7 @@ class ModelRewardEngine:
         path = cfg.reward_model.model.path
         assert path is not None, "checked by the config: `reward_model.model.path`"
         self.path, self.tokenizer, self.device_name = path, tokenizer, cfg.trainer.device
+        self.dtype: str | None = cfg.reward_model.rollout.get("dtype")
         self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
         self.group: WorkerGroup | None = None
         self.local: SequenceClassifierRM | None = None
@@ -117,14 +118,14 @@ class ModelRewardEngine:
     def _scores(self, texts: list[str]) -> list[float]:
         if self.group is None:
             if self.local is None:
-                self.local = SequenceClassifierRM(self.path, resolve_device(self.device_name))
+                self.local = SequenceClassifierRM(self.path, resolve_device(self.device_name), self.dtype)
             try:
                 return self.local.score_texts(texts)
             finally:
                 self.local.sleep()
         shares = np.array_split(np.arange(len(texts)), self.group.world_size)
         parts = self.group.run_each("score_reward_model",
-                                    [(self.path, [texts[i] for i in share]) for share in shares])
+                                    [(self.path, self.dtype, [texts[i] for i in share]) for share in shares])
         return [float(x) for part in parts for x in part]
 
     def close(self) -> None:

@@ -370,9 +370,9 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def score_reward_model(self, path: str, texts: list[str]) -> list[float]:
+    def score_reward_model(self, path: str, dtype: str | None, texts: list[str]) -> list[float]:
         """A colocated discriminative reward model's scores (:mod:`trainer.workers.reward`)."""
-        return score_on_rank(self, path, texts)
+        return score_on_rank(self, path, dtype, texts)
 
     def save_checkpoint(self, tmp: str) -> float:
         """The actor's checkpoint, taken with the rollout engine asleep: it is awake since the
