@@ -51,6 +51,7 @@ from trainer.metrics import (
 from trainer.mlflow_tracking import import_mlflow, tracking_uri
 from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
+from trainer.stages.dump import ValidationDump, dump_rollout
 from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, split_batch
 from trainer.stages.metrics import Timer, memory_metrics, step_metrics
 from trainer.stages.reward import build_reward_engine, set_reward_baselines
@@ -149,6 +150,8 @@ class PPODriver:
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
+        if hasattr(self.reward, "attach"):  # a reward model colocated with the actor
+            self.reward.attach(self.actor_group)
         self.rollout = Rollout(cfg, self.actor_group, self.tokenizer.pad_token_id)
         if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # the metrics logger's store
             self.rollout.trace_store = tracking_uri(self.run_dir)
@@ -272,9 +275,11 @@ class PPODriver:
         """The validation stage (:func:`trainer.stages.validate.validate`); the generations it
         keeps are logged."""
         assert self.val_set is not None
+        dump = ValidationDump(self.cfg.trainer.validation_data_dir, self.tokenizer)
         metrics, samples = validate(
             self.val_set, self.cfg.data.val_batch_size, lambda examples: self.generate(examples, validate=True),
-            self.compute_rewards, self.tokenizer, self.global_step, self.cfg.trainer.log_val_generations)
+            dump.scoring(self.compute_rewards), self.tokenizer, self.global_step, self.cfg.trainer.log_val_generations)
+        dump.write(self.global_step)
         if samples:
             log_generations(self.run_dir, samples, "console" in self.cfg.trainer.logger)
         return metrics
@@ -346,6 +351,8 @@ class PPODriver:
                     self.compute_reward_baselines(examples, batch)
             self.clock.mark("first_rollout")
             metrics = self._collect(batch, timer)
+            if self.cfg.trainer.rollout_data_dir:  # verl dumps after the advantages, before the updates
+                dump_rollout(self.cfg.trainer.rollout_data_dir, self.global_step, batch, self.tokenizer)
             metrics.update(self._update(batch, timer))
         metrics.update(self._step_metrics(batch, timer))
         metrics.update(self.memory_metrics())

@@ -183,6 +183,7 @@ class Settings:
     ref_offloaded: bool = False  # a reference model's shards live in host memory between phases
     server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
     enforce_eager: bool = False  # vLLM without CUDA graphs
+    reward_model_bytes: int = 0  # a discriminative reward model's weights (a copy per actor rank; asleep on the host)
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -418,7 +419,8 @@ def host_terms(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
             ("offloaded actor shards", sum(shard) if s.actor.param_offload else 0),
             ("offloaded reference shards", sum(shard) if s.ref_offloaded else 0),
             ("offloaded AdamW moments (pinned, power-of-two blocks)", moments),
-            (f"vLLM level-{s.sleep_level} sleep backup (pinned, power-of-two blocks)", backup)]
+            (f"vLLM level-{s.sleep_level} sleep backup (pinned, power-of-two blocks)", backup),
+            ("reward model asleep", s.reward_model_bytes)]
 
 
 def host_phase(shape: ModelShape, s: Settings) -> Phase:
@@ -426,7 +428,7 @@ def host_phase(shape: ModelShape, s: Settings) -> Phase:
     `s.node_bytes`. The critic, when there is one, is counted like the actor."""
     per_worker = host_terms(shape, s)
     if s.critic is not None:
-        critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none")
+        critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none", reward_model_bytes=0)
         per_worker += [(f"critic: {n}", b) for n, b in host_terms(shape, critic)[1:] if b]
     terms = [(f"{s.gpus_per_node} x {n}", b * s.gpus_per_node) for n, b in per_worker]
     if s.server_mode:  # vLLM's worker on each GPU; over several GPUs, each replica's engine core too
@@ -502,6 +504,11 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                         "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
                         "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
                         s.device_bytes))
+    if s.reward_model_bytes:  # awake between rollout and training, as the rollout engine sleeps
+        phases.append(Phase("reward model", (*trainer_held, ("reward model weights", s.reward_model_bytes),
+                                             *replica),
+                            "offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
+                            "`optimizer_offload=true`) or a smaller reward model", s.device_bytes))
     if s.node_bytes > 0:
         phases.append(host_phase(shape, s))
     return Plan(name, params, s.device_bytes, tuple(phases), tuple(notes))
@@ -520,6 +527,10 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
         s = replace(s, max_model_len=max_model_len(cfg.actor_rollout_ref.rollout.max_model_len, shape.config))
     except ValueError as err:
         raise PlanError(str(err)) from None
+    rm = cfg.reward_model
+    if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
+        wbytes = DTYPE_BYTES[_plan_dtype(rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`)
+        s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * wbytes)
     made = plan(shape, s, name=Path(path).name or path, layers=layers)
     if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
         made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "

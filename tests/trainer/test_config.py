@@ -163,9 +163,8 @@ def test_unsupported_verl_keys_say_not_supported_yet() -> None:
     with pytest.raises(ConfigError, match="derived here; set `data.max_response_length`"):
         load_config(["actor_rollout_ref.rollout.response_length=64"])
     # features we do not have: one error each naming the feature, never "unknown key"
-    for item, feature in (("reward_model.enable=True", "the reward model worker"),
-                          ("reward_model.model.path=/m", "the reward model worker"),
-                          ("reward_model.micro_batch_size_per_gpu=4", "the reward model worker"),
+    for item, feature in (("reward_model.strategy=megatron", "the reward model worker"),
+                          ("reward_model.nnodes=2", "a reward model on a resource pool of its own"),
                           ("actor_rollout_ref.rollout.name=sglang", "SGLang rollout"),
                           ("actor_rollout_ref.actor.strategy=megatron", "Megatron-LM training"),
                           ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "Megatron-LM"),

@@ -92,7 +92,6 @@ def test_every_group_names_its_feature_and_why_nothing_changes() -> None:
 
 REFUSED = [  # a value other than verl's default: refused, naming the feature (never "unknown key")
     ("actor_rollout_ref.model.mtp.enable=true", "multi-token prediction"),
-    ("trainer.rollout_data_dir=/tmp/dump", "dumping rollout and validation generations"),
     ("trainer.esi_redundant_time=10", "Elastic Server Instance"),
     ("ray_kwargs.ray_init.num_cpus=4", "verl's Ray settings"),
     ("algorithm.filter_groups.enable=true", "DAPO group filtering"),
@@ -102,7 +101,7 @@ REFUSED = [  # a value other than verl's default: refused, naming the feature (n
     ("actor_rollout_ref.actor.calculate_entropy=true", "computing the entropy"),
     ("actor_rollout_ref.actor.entropy_checkpointing=true", "memory-saving"),
     ("reward_model.strategy=megatron", "the reward model worker"),
-    ("reward.reward_model.enable_resource_pool=true", "model-based reward models"),
+    ("reward.reward_model.enable_resource_pool=true", "a reward model on a resource pool of its own"),
     ("actor_rollout_ref.actor.optim.total_training_steps=100", "derived here; set `trainer.total_training_steps`"),
     ("actor_rollout_ref.rollout.quantization=fp8", "quantized rollout"),
     ("trainer.v1.trainer_mode=separate_async", "asynchronous trainer modes"),
@@ -119,7 +118,7 @@ def test_another_value_is_refused_naming_the_feature(item: str, feature: str) ->
 
 def test_defaults_give_one_note_per_group_and_the_same_config() -> None:
     items = ["actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.method=mtp",
-             "trainer.rollout_data_dir=null", "ray_kwargs.ray_init.num_cpus=null",
+             "trainer.esi_redundant_time=0", "ray_kwargs.ray_init.num_cpus=null",
              "reward_model.strategy=fsdp", "actor_rollout_ref.rollout.name=hf"]
     cfg = load_config(items, env={})
     assert cfg == load_config(["actor_rollout_ref.rollout.name=hf"], env={})

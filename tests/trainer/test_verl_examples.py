@@ -3,9 +3,9 @@ config: each is accepted unchanged, or refused naming the feature it needs. The 
 read from the scripts by `python -m tests.trainer.verl_examples extract` into
 `tests/data/verl_examples.json` (verl's commit is recorded there); no verl checkout is needed.
 
-Refused on purpose: Megatron-LM training, model-based reward models (and sandbox-fusion
-scoring), multimodal data, SGLang / TensorRT-LLM rollout, Ulysses sequence
-parallelism, LoRA from a saved adapter and
+Refused on purpose: Megatron-LM training, verl's legacy FSDP reward model worker
+(`reward_model.use_reward_loop=false`) and sandbox-fusion scoring, multimodal data, SGLang /
+TensorRT-LLM rollout, Ulysses sequence parallelism, LoRA from a saved adapter and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
 
@@ -35,17 +35,17 @@ EXPECTED = {
     "examples/ppo_trainer/run_moonlight16b_a3b_gsm8k_megatron.sh": "Megatron-LM",
     "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh": "Megatron-LM",
     "examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh": "Megatron-LM",
-    "examples/ppo_trainer/run_qwen2-7b_rm.sh": "the reward model worker",
+    "examples/ppo_trainer/run_qwen2-7b_rm.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_rm_legacy.sh": "the reward model worker",
-    "examples/ppo_trainer/run_qwen2-7b_rm_reward_loop_colocate.sh": "the reward model worker",
-    "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": "the reward model worker",
-    "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_fused_kernels.sh": "the reward model worker",
-    "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_nsys.sh": "the reward model worker",
+    "examples/ppo_trainer/run_qwen2-7b_rm_reward_loop_colocate.sh": ACCEPTED,
+    "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": ACCEPTED,
+    "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_fused_kernels.sh": ACCEPTED,
+    "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_nsys.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_seq_balance.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_sglang_seq_balance.sh": "SGLang rollout",
     "examples/ppo_trainer/run_qwen2.5-32b.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2.5-3b_rm_legacy.sh": "the reward model worker",
-    "examples/ppo_trainer/run_qwen2.5-3b_rm_reward_loop_colocate.sh": "the reward model worker",
+    "examples/ppo_trainer/run_qwen2.5-3b_rm_reward_loop_colocate.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen3-8b_npu.sh": "sequence parallelism",
     "examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh": "Megatron-LM",
     "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh": "Megatron-LM",
@@ -56,7 +56,7 @@ EXPECTED = {
     "examples/grpo_trainer/run_glm41v_9b.sh": "multimodal data",
     "examples/grpo_trainer/run_gptoss_20b.sh": "SGLang rollout",
     "examples/grpo_trainer/run_minicpmo2_6.sh": "multimodal data",
-    "examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh": "the reward model worker",
+    "examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh": ACCEPTED,
     "examples/grpo_trainer/run_moonlight16b_math_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2-32b_sglang_fsdp_npu.sh": "SGLang rollout",
     "examples/grpo_trainer/run_qwen2-7b.sh": ACCEPTED,

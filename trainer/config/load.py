@@ -31,7 +31,7 @@ from trainer.config.overrides import (
     at_default_keys,
     is_override,
 )
-from trainer.config.reward import REWARD_MODEL_WORKER, derive_overlong, validate_reward_kwargs
+from trainer.config.reward import derive_overlong, validate_reward_kwargs, validate_reward_model
 from trainer.config.rollout import (
     NO_VLLM_NOTE,
     default_rollout_name,
@@ -237,8 +237,7 @@ def validate(cfg: Config) -> None:
     require(cfg.trainer.log_val_generations >= 0,
              f"`trainer.log_val_generations={cfg.trainer.log_val_generations}` must be 0 or more")
     require(arr.nccl_timeout > 0, f"`actor_rollout_ref.nccl_timeout={arr.nccl_timeout}` must be positive")
-    require(not cfg.reward_model.enable, f"`reward_model.enable=true`: {REWARD_MODEL_WORKER}. Fix: "
-             "remove the override, and score with `custom_reward_function.path=<file.py>`")
+    validate_reward_model(cfg.reward_model, cfg.custom_reward_function)
     buffer = cfg.reward_model.overlong_buffer
     max_len = validate_reward_kwargs(cfg.reward_model, data.max_response_length)
     require(

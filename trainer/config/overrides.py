@@ -14,6 +14,7 @@ from typing import Any, Literal
 from hpcrl.suggest import did_you_mean
 from trainer.config import at_default
 from trainer.config.base import ConfigError
+from trainer.config.reward import ALIASES as _REWARD_ALIASES
 from trainer.config.reward import REWARD_MODEL_WORKER as _REWARD_MODEL_WORKER
 from trainer.config.schema import (
     ACCEPTED_ONLY_AS,
@@ -206,8 +207,9 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
     parser = _hydra_parser() if any(isinstance(i, str) for i in overrides) else None
     deferred: list[tuple[Override, list[str], Any]] = []
     keys: list[str] = []
-    read = [_aliased(given if isinstance(given, Override) else parse_override(given, parser))
-            for given in overrides]
+    given_read = [given if isinstance(given, Override) else parse_override(given, parser) for given in overrides]
+    read = [_aliased(o) for o in given_read]
+    _refuse_two_spellings(given_read, read)
     last = {o.key: i for i, o in enumerate(read) if o.op != "delete"}  # the value each key ends with
     for i, o in enumerate(read):
         item, text = o.item, _text_of(o)
@@ -253,6 +255,27 @@ def _apply(defaults: dict[str, Any], overrides: Sequence[str | Override]) -> tup
     if deferred:
         _resolve_interpolations(tree, deferred)
     return tree, keys
+
+
+_REWARD_KEYS = frozenset(_REWARD_ALIASES.values())
+
+
+def _refuse_two_spellings(given: Sequence[Override], read: Sequence[Override]) -> None:
+    """Refuse a key set to two different values under two spellings (verl's older key and its
+    newer name in verl 0.9.1's `reward.*`, e.g. `reward_model.enable` and
+    `reward.reward_model.enable`): which one verl takes depends on its migration
+    (`migrate_legacy_reward_impl`), so neither is guessed. A spelling at verl's default (null:
+    not set) does not conflict. (Other renamed keys keep verl's own rule: verl's whole config
+    holds `lora_alpha` and `lora.alpha` with different defaults.)"""
+    first: dict[str, Override] = {}
+    for g, o in zip(given, read, strict=True):
+        if o.key not in _REWARD_KEYS or o.op == "delete" or o.value is None or (o.key in at_default.AT_DEFAULT and at_default.is_default(o.key, o.value)):
+            continue
+        seen = first.setdefault(o.key, g)
+        if seen.key != g.key and _text_of(seen) != _text_of(g):
+            raise ConfigError(
+                f"`{seen.item}` and `{g.item}` both set `{o.key}` (one of them by its newer verl name), "
+                "to different values. Fix: keep one of them")
 
 
 def _at_verl_default(o: Override) -> bool:

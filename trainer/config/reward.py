@@ -1,5 +1,6 @@
-"""`reward_model.*` and `custom_reward_function.*`: how responses are scored (rule-based; verl's
-`reward_model` and `custom_reward_function` sections). Defaults: `trainer/config/reward.yaml`."""
+"""`reward_model.*` and `custom_reward_function.*`: how responses are scored (rule rewards, and a
+discriminative reward model; verl's `reward_model` and `custom_reward_function` sections, and
+verl 0.9.1's `reward.*`, read as them). Defaults: `trainer/config/reward.yaml`."""
 
 from __future__ import annotations
 
@@ -26,8 +27,26 @@ class OverlongBufferConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelModelConfig:
+    path: str | None = h(
+        "local directory of an `AutoModelForSequenceClassification` reward model (verl 0.9.1: "
+        "`reward.reward_model.model_path`); with `reward_model.enable=true` and no "
+        "`custom_reward_function.path` its score is the reward (verl's reward loop `compute_score_disrm`)")
+    use_remove_padding: bool = h("verl's padding-free forward of the reward model (compatibility only, see COMPAT)")
+    fsdp_config: dict[str, Any] = h("verl's FSDP settings of the reward model worker (compatibility only, see COMPAT)")
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
-    enable: bool = h("a model-based reward model; must be false (rule-based rewards only)")
+    enable: bool = h(
+        "a discriminative reward model (`reward_model.model.path`) scores each response; verl's reward "
+        "loop uses it only where `custom_reward_function.path` is null, and then instead of the rule reward")
+    model: RewardModelModelConfig = h("the reward model's weights")
+    rollout: dict[str, Any] = h(
+        "verl's serving settings of the reward model (vLLM engine, memory, TP, lengths; compatibility "
+        "only, see COMPAT)")
+    num_workers: int | None = h("verl's reward-loop workers (compatibility only, see COMPAT)")
+    micro_batch_size_per_gpu: int | None = h("verl's reward model micro-batch (compatibility only, see COMPAT)")
     reward_manager: Literal["naive", "dapo", "batch"] = h(
         "how the reward function is called: `naive` once per response, `batch` once per step with "
         "lists (`data_sources`, `solution_strs`, `ground_truths`, `extra_infos`), `dapo` per response "
@@ -41,12 +60,31 @@ class RewardModelConfig:
         "default `data.max_response_length`); `naive` takes none")
 
 
-REWARD_MODEL_WORKER = ("model-based reward models (the reward model worker) are not supported; "
-                       "rule-based rewards via `data_source` and `custom_reward_function` are")
+REWARD_MODEL_WORKER = ("this setting belongs to the reward model worker of verl, not built here; the reward "
+                       "model (`reward_model.enable`, `reward_model.model.path`) runs in the trainer's process")
 
+_OWN_POOL = ("a reward model on a resource pool of its own (the reward model is placed with the trainer "
+             "here, scoring between rollout and training, as verl's colocated mode)")
 #: verl's reward keys this trainer does not implement (any other unknown `reward_model.*` key
 #: belongs to the reward model worker: `REWARD_MODEL_WORKER`).
-NOT_SUPPORTED: dict[str, str] = {}
+NOT_SUPPORTED: dict[str, str] = {
+    f"{section}.{key}": _OWN_POOL for section in ("reward_model", "reward.reward_model")
+    for key in ("enable_resource_pool", "nnodes", "n_gpus_per_node")}
+
+_SERVING = ("a discriminative reward model is served here by an HF forward on the actor's ranks, in "
+            "`dtype`, which the other vLLM settings do not shape; a generative one's vLLM server takes "
+            "`gpu_memory_utilization`, "
+            "`tensor_model_parallel_size` and `prompt_length + response_length` as its context, and no "
+            "setting changes the score it returns")
+#: Keys accepted that change nothing here, and why nothing is lost.
+COMPAT: dict[str, str] = {
+    "reward_model.rollout": _SERVING,
+    "reward_model.num_workers": "verl's reward-loop workers only share out the scoring",
+    "reward_model.micro_batch_size_per_gpu": "the reward model scores one response at a time here",
+    "reward_model.model.use_remove_padding": "each response is scored unpadded here",
+    "reward_model.model.fsdp_config": "the reward model is not sharded here; it is offloaded to the CPU "
+                                      "between scorings",
+}
 
 #: Newer verl spellings read as this trainer's key: verl 0.9.1's `reward.*` section (its
 #: `migrate_legacy_reward_impl` reads the older keys into it).
@@ -55,6 +93,12 @@ ALIASES: dict[str, str] = {
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
+    "reward.num_workers": "reward_model.num_workers",
+    **{f"reward.reward_model.rollout.{key}": f"reward_model.rollout.{key}" for key in (
+        "name", "dtype", "gpu_memory_utilization", "tensor_model_parallel_size", "prompt_length",
+        "response_length")},
 }
 
 #: What each reward manager accepts in `reward_model.reward_kwargs` (verl passes them to the
@@ -98,3 +142,26 @@ def validate_reward_kwargs(rm: RewardModelConfig, max_response_length: int) -> i
     require(isinstance(max_len, int) and not isinstance(max_len, bool) and max_len >= 1,
             f"`reward_model.reward_kwargs.max_resp_len={max_len!r}` must be a whole number of tokens >= 1")
     return int(max_len)
+
+
+def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> None:
+    """`reward_model.enable=true` asks for what verl 0.9.1's reward loop does with it
+    (`RewardLoopWorker.compute_score`): without `custom_reward_function.path`, the discriminative
+    model of `reward_model.model.path` scores every response; with one, the function is called
+    with the address of a server of that model (a generative reward model)."""
+    if not rm.enable:
+        return
+    require(rm.model.path is not None, (
+        "`reward_model.enable=true` needs the reward model, and `reward_model.model.path` is null. Fix: "
+        "set `reward_model.model.path=<dir>` (verl 0.9.1: `reward.reward_model.model_path`): a local "
+        "`AutoModelForSequenceClassification` directory, or with `custom_reward_function.path` the "
+        "generative model its server serves"))
+    require(custom.path is not None or not rm.launch_reward_fn_async, (
+        "`reward_model.launch_reward_fn_async=true` with a discriminative reward model: the model "
+        "scores on the actor's ranks, which compute the log-probs meanwhile (verl scores with its "
+        "reward model before launching the reward function). Fix: set "
+        "`reward_model.launch_reward_fn_async=false`"))
+    engine = rm.rollout.get("name")
+    require(custom.path is None or engine in (None, "vllm"), (
+        f"`reward_model.rollout.name={engine}`: a generative reward model is served here by vLLM's "
+        "OpenAI-compatible server only. Fix: set `reward_model.rollout.name=vllm`"))

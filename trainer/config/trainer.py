@@ -68,6 +68,12 @@ class TrainerConfig:
         "null or the same as `max_actor_ckpt_to_keep`: the critic is saved in the same checkpoint")
     balance_batch: bool = h("give data-parallel workers equal sample counts of similar token totals")
     seed: int = h("seed of model init, sampling and mini-batch shuffles")
+    rollout_data_dir: str | None = h(
+        "write each step's generations to `<dir>/<step>.jsonl` as verl does (input, output, gts, "
+        "score, step, and the reward extras); null = do not")
+    validation_data_dir: str | None = h(
+        "write each validation's generations, every row, to `<dir>/<step>.jsonl` as verl does "
+        "(the columns of `rollout_data_dir` and `reward`); null = do not")
 
 
 _OLD_PROFILER = ("verl's older profiler keys; verl now reads `global_profiler.*` and `<role>.profiler.*`, "
@@ -99,8 +105,6 @@ def visible_gpus() -> int:
 NOT_SUPPORTED: dict[str, str] = {
     "trainer.default_hdfs_dir": "HDFS upload",
     "trainer.del_local_ckpt_after_load": "",
-    "trainer.validation_data_dir": "",
-    "trainer.rollout_data_dir": "",
     "trainer.ray_wait_register_center_timeout": "",
     "trainer.esi_redundant_time": "",
     "trainer.profile_steps": _OLD_PROFILER,

@@ -1,5 +1,6 @@
 """The reward stage: decode each response, score it with its data source's function (verl's
-reward managers `naive`, `prime`, `dapo`, `batch`), and place the score on its last token."""
+reward managers `naive`, `prime`, `dapo`, `batch`) or with a discriminative reward model (verl's
+`reward_model.enable`), and place the score on its last token."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ from trainer.rewards import (
     score_batch,
     score_responses,
 )
+from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
+from trainer.rewards.server import RewardServer, RewardServerError, router_kwargs
+from trainer.workers.base import resolve_device
+from trainer.workers.group import WorkerGroup
 
-__all__ = ["SINGLE_TURN_FIELDS", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
+__all__ = ["SINGLE_TURN_FIELDS", "GenerativeRewardEngine", "ModelRewardEngine", "RewardEngine", "RuleRewardEngine", "build_reward_engine", "load_reward",
            "loop_reward_inputs", "score_rollouts", "set_reward_baselines"]
 
 
@@ -34,7 +39,12 @@ class RewardEngine(Protocol):
     step metrics it has (`reward_extra/<name>/mean`, a reward model's own timings). It may be
     called from a thread other than the driver's (`launch_reward_fn_async`, a rollouter), one call
     at a time per engine. `close()` releases what the engine started (a reward-model server, its
-    workers); scoring after it is an error."""
+    workers); scoring after it is an error.
+
+    An engine whose model runs on the actor's ranks also has `attach(group)`, which the driver
+    calls with the actor group once it is started; before that it scores in this process. Its
+    model wakes for each `score` and sleeps again before it returns (the actor trains with none
+    of its weights on the device), so a loop need not manage it (:class:`ModelRewardEngine`)."""
 
     def score(self, batch: StepBatch) -> dict[str, float]: ...
 
@@ -45,9 +55,9 @@ class RuleRewardEngine:
     """The rule rewards alone: `custom_reward_function.*` (or the default scorers) under verl's
     reward manager (:func:`score_rollouts`)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+    def __init__(self, cfg: Config, tokenizer: Any, **router: Any) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.reward_fn = load_reward(cfg)
+        self.reward_fn = load_reward(cfg, **router)
 
     def score(self, batch: StepBatch) -> dict[str, float]:
         return score_rollouts(batch, self.tokenizer, self.reward_fn, self.cfg.reward_model,
@@ -57,18 +67,132 @@ class RuleRewardEngine:
         pass
 
 
+class ModelRewardEngine:
+    """`reward_model.enable=true` without `custom_reward_function.path`: the discriminative reward
+    model of `reward_model.model.path` scores every response, and its score is the reward (verl
+    0.9.1 `RewardLoopWorker.compute_score` calls `compute_score_disrm` in place of the reward
+    manager; `assemble_rm_scores` puts it on the last attended response token as `rm_scores`,
+    which the trainer takes as `token_level_scores`, and the KL penalty applies to them as to a
+    rule score). There are no reward extras, as in verl's `{"reward_score": rm_score}`.
+
+    The prompts are rendered here (the reward model's tokenizer only); the model runs colocated
+    on the ranks of the actor group once :meth:`attach` gave it (each rank scores a contiguous
+    share of the rows with its own copy, asleep on the host while the actor trains:
+    :mod:`trainer.workers.reward`), else in this process. A row whose agent loop set its own
+    score keeps it (as in :func:`score_rollouts`)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        from transformers import AutoTokenizer
+
+        path = cfg.reward_model.model.path
+        assert path is not None, "checked by the config: `reward_model.model.path`"
+        self.path, self.tokenizer, self.device_name = path, tokenizer, cfg.trainer.device
+        self.dtype: str | None = cfg.reward_model.rollout.get("dtype")
+        self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
+        self.group: WorkerGroup | None = None
+        self.local: SequenceClassifierRM | None = None
+        self.closed = False
+
+    def attach(self, group: WorkerGroup) -> None:
+        """Score on the ranks of `group` (the actor's) from now on."""
+        self.group = group
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        if self.closed:
+            raise RuntimeError("the reward model engine was closed; build a new one to score")
+        attended = batch.response_attention
+        lengths = attended.sum(-1).long().tolist()
+        own = batch.loop_scores or [None] * len(batch)
+        todo = [i for i, score in enumerate(own) if score is None]
+        texts = [render_rm_prompt([dict(m) for m in batch.examples[i].prompt],
+                                  batch.responses[i, :lengths[i]].tolist(), self.tokenizer, self.rm_tokenizer)
+                 for i in todo]
+        scores = [float(s) if s is not None else 0.0 for s in own]
+        for i, value in zip(todo, self._scores(texts) if texts else [], strict=True):
+            scores[i] = value
+        batch.sequence_scores = torch.tensor(scores, dtype=torch.float32)
+        batch.reward_extras = {}
+        batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
+        return {}
+
+    def _scores(self, texts: list[str]) -> list[float]:
+        if self.group is None:
+            if self.local is None:
+                self.local = SequenceClassifierRM(self.path, resolve_device(self.device_name), self.dtype)
+            try:
+                return self.local.score_texts(texts)
+            finally:
+                self.local.sleep()
+        shares = np.array_split(np.arange(len(texts)), self.group.world_size)
+        parts = self.group.run_each("score_reward_model",
+                                    [(self.path, self.dtype, [texts[i] for i in share]) for share in shares])
+        return [float(x) for part in parts for x in part]
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.sleep()
+        self.closed = True
+
+
+class GenerativeRewardEngine:
+    """`reward_model.enable=true` with `custom_reward_function.path`: a generative reward model.
+    `reward_model.model.path` is served by an OpenAI-compatible server
+    (:class:`trainer.rewards.server.RewardServer`) and the reward function, under its reward
+    manager as for rule rewards, receives `reward_router_address` (the server's `host:port`) and
+    `reward_model_tokenizer` on every call, as verl 0.9.1's reward loop passes them
+    (`NaiveRewardManager.run_single`).
+
+    The server is checked before each scoring; a dead server, or a call through it that fails or
+    times out, fails the step with a :class:`RewardServerError` naming the address. The batch
+    is left unscored and the step's metrics and checkpoint are not written: a resumed run scores
+    that step again."""
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        from transformers import AutoTokenizer
+
+        path = cfg.reward_model.model.path
+        assert path is not None, "checked by the config: `reward_model.model.path`"
+        rm_tokenizer = AutoTokenizer.from_pretrained(path)
+        self.server = RewardServer.start(path, cfg.reward_model.rollout)
+        try:
+            self.rules = RuleRewardEngine(cfg, tokenizer, **router_kwargs(self.server, rm_tokenizer))
+        except BaseException:
+            self.server.close()
+            raise
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        self.server.check()
+        try:
+            return self.rules.score(batch)
+        except Exception as e:
+            self.server.check(timeout_s=5.0)  # a dead server says so first
+            raise RewardServerError(
+                f"scoring through the reward model server at `{self.server.address}` failed: {e!r}; "
+                "the step is not logged or saved (a resumed run scores it again)") from e
+
+    def close(self) -> None:
+        self.server.close()
+
+
 def build_reward_engine(cfg: Config, tokenizer: Any) -> RewardEngine:
-    """The reward engine the config asks for: the rule rewards (the only one built so far)."""
+    """The reward engine the config asks for (verl 0.9.1 `RewardLoopWorker.compute_score`): with
+    `reward_model.enable=true`, the generative reward model when `custom_reward_function.path` is
+    set, else the discriminative one; without it, the rule rewards."""
+    if cfg.reward_model.enable:
+        if cfg.custom_reward_function.path is not None:
+            return GenerativeRewardEngine(cfg, tokenizer)
+        return ModelRewardEngine(cfg, tokenizer)
     return RuleRewardEngine(cfg, tokenizer)
 
 
-def load_reward(cfg: Config) -> Callable[..., Any]:
+def load_reward(cfg: Config, **router: Any) -> Callable[..., Any]:
     """The reward function of `custom_reward_function.*` (the default scorers without one),
-    checked for the keywords the reward manager passes."""
+    checked for the keywords the reward manager passes; `router`: a reward model server's
+    `reward_router_address` and `reward_model_tokenizer`, passed on every call."""
     rm = cfg.reward_model
     keywords = [*BATCH_ARGS, *rm.reward_kwargs] if rm.reward_manager == "batch" else PER_RESPONSE_ARGS
     custom = cfg.custom_reward_function
-    return load_reward_fn(custom.path, custom.name, custom.reward_kwargs, keywords=keywords)
+    return load_reward_fn(custom.path, custom.name, {**custom.reward_kwargs, **router}, keywords=keywords)
 
 
 #: The `extra_fields` of verl 0.9.1's single-turn loop (`single_turn_agent_loop.py`, "keeping the

@@ -42,6 +42,7 @@ from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.rollout.vllm_server import ReplicaMember, ServerEngine, replica_devices, server_mode
 from trainer.workers.base import Worker
+from trainer.workers.reward import score_on_rank
 
 __all__ = ["ActorRolloutRefWorker"]
 
@@ -370,6 +371,10 @@ class ActorRolloutRefWorker(Worker):
                 "device_name": self.device_name(), "flops_fields": flops_fields(self.model.config)}
 
     # ------------------------------------------------------------------ checkpoints
+
+    def score_reward_model(self, path: str, dtype: str | None, texts: list[str]) -> list[float]:
+        """A colocated discriminative reward model's scores (:mod:`trainer.workers.reward`)."""
+        return score_on_rank(self, path, dtype, texts)
 
     def save_checkpoint(self, tmp: str) -> float:
         """The actor's checkpoint, taken with the rollout engine asleep: it is awake since the
