@@ -21,6 +21,8 @@ Sections, each timed; one that raises is reported and the next runs:
   computes) against one row per sequence, for transformers' `sdpa`, the trainer's own packed path
   (`trainer.models.PACKED_SDPA`), flash-attn where installed and `flex_attention`; time and peak
   memory.
+- `reward_model`: the colocated discriminative reward model on the device in bf16 against fp32
+  on the CPU (score agreement, time per response, device peak, memory left after it sleeps).
 - `trainer`: `python -m trainer`'s loop on one rank, GRPO with the HF rollout, offload on, in
   bf16: tokens/s (verl's `perf/throughput`), step time, the actor update's MFU (verl's FLOPs
   count, `perf/mfu/actor`) and each phase's peak.
@@ -358,8 +360,58 @@ def trainer_steps(check: Check) -> dict[str, Any]:
     return out
 
 
+def reward_model(check: Check) -> dict[str, Any]:
+    """The colocated discriminative reward model (:class:`trainer.rewards.model.SequenceClassifierRM`)
+    on the device in its default dtype (bf16 on a GPU) against the same weights in fp32 on the
+    CPU: the scores' agreement, the time per response, the device peak while scoring, and the
+    device memory left after it sleeps (it must hold none while the actor trains)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from trainer.rewards.model import SequenceClassifierRM
+    from trainer.tiny import build_tokenizer
+
+    out = check.root / ("rm-tiny" if check.dry else "rm-qwen2-7b-shapes-2l")
+    tok = build_tokenizer()
+    config = LlamaConfig(**(TINY if check.dry else QWEN2_7B), num_hidden_layers=2, num_labels=1,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "is"]
+    gen = torch.Generator().manual_seed(1)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=gen))
+             for n in torch.randint(8, 64, (32,), generator=gen).tolist()]
+    reference = SequenceClassifierRM(str(out), torch.device("cpu"), "fp32").score_texts(texts)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rm = SequenceClassifierRM(str(out), device, None)
+    figures: dict[str, Any] = {"dtype": str(next(rm.model.parameters()).dtype),
+                               "weights_gib": round(rm.weight_bytes / GIB, 3), "responses": len(texts)}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    began = time.perf_counter()
+    scores = rm.score_texts(texts)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    figures["ms_per_response"] = round(1000 * (time.perf_counter() - began) / len(texts), 2)
+    rm.sleep()
+    if device.type == "cuda":
+        figures["peak_added_gib"] = round((torch.cuda.max_memory_allocated() - before) / GIB, 3)
+        figures["left_on_device_after_sleep_bytes"] = torch.cuda.memory_allocated() - before
+    ref, got = torch.tensor(reference), torch.tensor(scores)
+    figures["max_abs_diff_vs_cpu_fp32"] = round(float((ref - got).abs().max()), 5)
+    figures["score_std"] = round(float(ref.std()), 5)
+    figures["correlation_vs_cpu_fp32"] = round(float(torch.corrcoef(torch.stack([ref, got]))[0, 1]), 5)
+    return figures
+
+
 SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
-    "environment": environment, "fsdp2": fsdp2, "trainer": trainer_steps, "attention": attention}
+    "environment": environment, "fsdp2": fsdp2, "trainer": trainer_steps, "attention": attention,
+    "reward_model": reward_model}
 
 
 def main(argv: list[str] | None = None) -> int:
