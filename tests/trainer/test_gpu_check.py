@@ -25,7 +25,7 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "4 sections" in done.stdout and "0 failed" in done.stdout
+    assert "5 sections" in done.stdout and "0 failed" in done.stdout
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     for precision in ("bf16", "fp32"):
         run = figures["fsdp2"][precision]
@@ -38,6 +38,8 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     packed = figures["attention"]["hpcrl_packed_sdpa 128 tokens packed"]  # the trainer's path runs
     assert isinstance(packed, dict) and packed["s"] > 0, packed
     assert figures["trainer"]["steps"] == 2 and figures["trainer"]["tokens/s/GPU"] > 0
+    rm = figures["reward_model"]  # fp32 on the CPU against itself: the same scores
+    assert rm["responses"] == 32 and rm["max_abs_diff_vs_cpu_fp32"] == 0.0 and rm["score_std"] > 0
     rows = read_jsonl(tmp_path / "trainer-bf16" / "metrics.jsonl")
     assert len(rows) == 2 and rows[-1]["perf/max_memory_allocated_gb"] == 0.0  # the CPU reads 0
 
