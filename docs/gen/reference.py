@@ -76,6 +76,19 @@ def _profile_rows(cls: type, prefix: str) -> list[str]:
     return rows
 
 
+def _as_written(value: object) -> object:
+    """A shipped profile's value with this machine's paths written back as the references the
+    file holds (`${sys:prefix}` ...), so that the page is the same in every checkout."""
+    if isinstance(value, list):
+        return [_as_written(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    refs = sorted(((profiles._sys_value(n), n) for n in profiles.SYS_REFS), key=lambda r: -len(r[0]))
+    for path, name in refs:
+        value = value.replace(path, "${sys:" + name + "}")
+    return value
+
+
 def site_profile_page() -> str:
     out = [GENERATED, "# Site profile keys\n\n",
            "Every key a site profile may set, with its type, its default (what applies when no "
@@ -102,7 +115,7 @@ def site_profile_page() -> str:
                 continue
             src = profiles.source_of(loaded.provenance, key)
             src = os.path.relpath(src, ROOT) if os.path.isabs(src) else src
-            out.append(f"| `{key}` | {_cell(value)} | `{src}` |\n")
+            out.append(f"| `{key}` | {_cell(_as_written(value))} | `{src}` |\n")
     return "".join(out)
 
 
