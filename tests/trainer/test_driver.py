@@ -376,8 +376,8 @@ def test_remax_baseline_is_the_score_of_the_greedy_response(
 
 
 def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
-    """`batch` (one call with lists) scored in a thread while the workers compute gives the run
-    that `naive` scored inline gives; `dapo`'s overlong penalty lands in the scores and metrics."""
+    """`batch` (one call with lists) scored in a thread while the workers compute, and `prime`
+    (one process per call), give the run that `naive` scored inline gives; `dapo`'s overlong penalty lands in the scores and metrics."""
     fn = tmp_path / "reward.py"
     fn.write_text("from trainer.rewards.toy import toy_digits_score\n\n"
                   "def per_row(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -398,6 +398,9 @@ def test_reward_managers_and_async_scoring_in_a_run(tiny_model_dir: Path, toy_da
     batch = run("batch", "custom_reward_function.name=rows", "reward_model.reward_manager=batch",
                 "reward_model.launch_reward_fn_async=true")
     assert [r["critic/score/mean"] for r in batch] == [r["critic/score/mean"] for r in naive]
+    # `prime`: the same function called positionally in worker processes gives the same run
+    prime = run("prime", "reward_model.reward_manager=prime")
+    assert [r["critic/score/mean"] for r in prime] == [r["critic/score/mean"] for r in naive]
     dapo = run("dapo", "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
                "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.log=true")
     first = dapo[0]  # same seed: the first rollout equals naive's; only the penalty differs

@@ -47,10 +47,11 @@ class RewardModelConfig:
         "only, see COMPAT)")
     num_workers: int | None = h("verl's reward-loop workers (compatibility only, see COMPAT)")
     micro_batch_size_per_gpu: int | None = h("verl's reward model micro-batch (compatibility only, see COMPAT)")
-    reward_manager: Literal["naive", "dapo", "batch"] = h(
+    reward_manager: Literal["naive", "dapo", "batch", "prime"] = h(
         "how the reward function is called: `naive` once per response, `batch` once per step with "
         "lists (`data_sources`, `solution_strs`, `ground_truths`, `extra_infos`), `dapo` per response "
-        "plus the overlong penalty")
+        "plus the overlong penalty, `prime` per response in up to 64 processes under one 300 s "
+        "deadline (a failure or a timeout scores 0)")
     launch_reward_fn_async: bool = h("score the responses in a thread while the log-probs are computed")
     overlong_buffer: OverlongBufferConfig = h("DAPO's soft overlong punishment")
     reward_kwargs: dict[str, Any] = h(
@@ -104,7 +105,7 @@ ALIASES: dict[str, str] = {
 #: What each reward manager accepts in `reward_model.reward_kwargs` (verl passes them to the
 #: manager's constructor: `batch` forwards any to the reward function, `naive` takes none).
 MANAGER_KWARGS: dict[str, tuple[str, ...] | None] = {
-    "naive": (), "dapo": ("overlong_buffer_cfg", "max_resp_len"), "batch": None}
+    "naive": (), "dapo": ("overlong_buffer_cfg", "max_resp_len"), "batch": None, "prime": ()}
 OVERLONG_FIELDS = ("enable", "len", "penalty_factor", "log")
 
 

@@ -22,6 +22,7 @@ from trainer.rewards import (
     score_responses,
 )
 from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
+from trainer.rewards.prime import score_prime
 from trainer.rewards.server import RewardServer, RewardServerError, router_kwargs
 from trainer.workers.base import resolve_device
 from trainer.workers.group import WorkerGroup
@@ -261,6 +262,8 @@ def _reward_fn_scores(batch: StepBatch, rows: list[int], lengths: list[int], tok
             [e.ground_truth for e in examples], [e.extra_info for e in examples])
     if rm.reward_manager == "batch":
         scores, extras = score_batch(*args, rm.reward_kwargs)
+    elif rm.reward_manager == "prime":  # verl's legacy PrimeRewardManager: positional, pooled
+        scores, extras = score_prime(*args), {}
     elif rm.reward_manager == "naive":  # verl 0.9.1's reward loop `naive` manager (`run_single`)
         fields, turns = loop_reward_inputs(batch)
         scores, extras = score_responses(*args, [fields[i] for i in rows], [turns[i] for i in rows])
