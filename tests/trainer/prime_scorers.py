@@ -26,3 +26,10 @@ def slow(data_source, solution_str, ground_truth, extra_info=None):
 
 def as_dict(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 1.0}
+
+
+def term_default(data_source, solution_str, ground_truth, extra_info=None):
+    """1 when SIGTERM ends this worker (its default action), 0 when a handler would catch it."""
+    import signal
+
+    return float(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)

@@ -50,6 +50,23 @@ def test_a_row_past_the_deadline_scores_zero_and_its_process_is_ended() -> None:
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]  # ended, not left running
 
 
+def test_workers_end_at_once_under_the_trainer_s_stop_handlers() -> None:
+    """The trainer catches SIGTERM (a stop request); the forked workers must not inherit that, or
+    the batch's end would wait out each worker's grace before killing it."""
+    import signal
+
+    from trainer.stop import StopRequest
+
+    stop = StopRequest()
+    stop.install()
+    try:
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        assert score_prime(_fn("term_default"), ["a"] * 4, ["x"] * 4, [None] * 4, [None] * 4,
+                           processes=4) == [1.0] * 4
+    finally:
+        stop.uninstall()
+
+
 def test_a_dict_result_is_refused_naming_the_fix() -> None:
     with pytest.raises(RewardError, match=r"returned a dict for row 0 .*reward_manager=naive"):
         score_prime(_fn("as_dict"), ["a"], ["x"], [None], [None])

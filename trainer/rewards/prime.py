@@ -28,7 +28,6 @@ name in a fresh interpreter, so it is never pickled; each task sends only its ro
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, wait
@@ -42,6 +41,13 @@ PRIME_PROCESSES = 64
 PRIME_TIMEOUT_S = 300.0
 
 _FN: Callable[..., Any] | None = None  # the reward function, inherited by the forked workers
+
+
+def _default_signals() -> None:
+    """A forked worker inherits the trainer's stop handlers (SIGTERM, SIGUSR1/2 request a
+    checkpoint there): here they are reset, so that the terminate at the batch's end ends it."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _call(args: tuple[Any, ...]) -> Any:
@@ -79,7 +85,7 @@ def score_prime(fn: Callable[..., Any], data_sources: Sequence[str], responses: 
         return []
     _FN = fn
     pool = ProcessPoolExecutor(max_workers=max(1, min(processes, len(rows))),
-                               mp_context=multiprocessing.get_context("fork"))
+                               mp_context=multiprocessing.get_context("fork"), initializer=_default_signals)
     try:
         futures: list[Future[Any]] = [pool.submit(_call, row) for row in rows]
         wait(futures, timeout=timeout_s)
@@ -104,7 +110,7 @@ def _shutdown(pool: ProcessPoolExecutor) -> None:
             proc.terminate()
     for proc in procs:
         proc.join(5)
-        if proc.is_alive() and proc.pid is not None:
-            os.kill(proc.pid, signal.SIGKILL)
+        if proc.is_alive():
+            proc.kill()  # multiprocessing's own signal: a process gone meanwhile is no error
             proc.join(5)
     pool.shutdown(wait=False, cancel_futures=True)
