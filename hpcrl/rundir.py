@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl.diagnosis import read_diagnoses
 from trainer.checkpoint.layout import (
     is_complete,
     latest_run_checkpoint,
@@ -827,6 +828,8 @@ class RunReport:
     records: list[dict[str, Any]]
     checkpoint: tuple[int, Path] | None
     metrics: Path | None
+    diagnoses: list[dict[str, Any]] = field(default_factory=list)
+    """What the trainer found out about a failure (:mod:`hpcrl.diagnosis`), oldest first."""
 
     @property
     def last(self) -> dict[str, Any] | None:
@@ -859,6 +862,9 @@ class RunReport:
                    if self.checkpoint else "  last checkpointed step: none yet")
         if self.metrics:
             out.append(f"  metrics: {self.metrics}")
+        for d in self.diagnoses[-3:]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.get("time", 0)))
+            out.append(f"  diagnosis ({d.get('kind', '?')}, {when}): {d['summary']}")
         return out
 
 
@@ -880,5 +886,6 @@ def run_report(run_dir: Path, alive: bool | None = None, job_id: str | None = No
             alive = pid_alive(last.head_pid) if last.head_host == socket.gethostname() else None
         state = restart_state(last, alive)
     metrics = find_metrics(run_dir)
+    where = metrics.parent if metrics else trainer_dirs(run_dir)[0]
     return RunReport(run_dir=run_dir, state=state, restarts=restarts, records=read_metrics(metrics),
-                     checkpoint=latest_checkpoint(run_dir), metrics=metrics)
+                     checkpoint=latest_checkpoint(run_dir), metrics=metrics, diagnoses=read_diagnoses(where))

@@ -195,6 +195,23 @@ def test_report_and_status_command(run: Path) -> None:
     assert proc.stdout.startswith("job local-1\n") and "steps: 3 of 6" in proc.stdout
 
 
+def test_status_shows_the_trainer_s_diagnoses_beside_its_metrics(run: Path) -> None:
+    """A diagnosis the trainer wrote (:mod:`hpcrl.diagnosis`) is in `hpcrl status`, newest three,
+    read from the directory of the metrics; a line cut short is skipped."""
+    from hpcrl.diagnosis import DIAGNOSIS_FILE, write_diagnosis
+
+    make_restart(run, 0, exit_code=1)
+    write_metrics(run / "metrics.jsonl", [record(1, 0, reward=0.1)])
+    for n in range(4):
+        write_diagnosis(run, "hang", f"rank {n} stopped in update_actor", rank=n)
+    with (run / DIAGNOSIS_FILE).open("a") as f:
+        f.write('{"kind": "oom", "summ')
+    proc = run_hpcrl(["status", str(run)], {"PATH": "/usr/bin:/bin", "HOME": str(run)})
+    assert proc.returncode == 0, proc.stderr
+    shown = [ln for ln in proc.stdout.splitlines() if "diagnosis (hang," in ln]
+    assert [ln.split(": ", 1)[1] for ln in shown] == [f"rank {n} stopped in update_actor" for n in (1, 2, 3)]
+
+
 def test_a_resumed_jobs_state_is_its_own_not_the_earlier_jobs(run: Path) -> None:
     """After `--resume`, the run directory's state is the new job's: before its first run
     starts it is not the cancelled job's end, and each run names its job."""

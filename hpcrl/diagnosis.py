@@ -1,0 +1,49 @@
+"""A run's diagnoses: what the trainer found out about a failure that nothing else reports (a
+rank that stopped making progress, a rank killed for memory), kept beside its metrics so that
+`hpcrl status` shows it after the job has gone.
+
+`<trainer run dir>/diagnosis.jsonl`, one JSON object a line, appended: ``time`` (epoch seconds),
+``kind`` (``"hang"``, ``"oom"``, ...), ``summary`` (one line, the words a user reads first) and any
+further fields the writer has (ranks, nodes, figures, files). Standard library only: the trainer
+writes it, the launcher on a login node reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DIAGNOSIS_FILE", "read_diagnoses", "write_diagnosis"]
+
+DIAGNOSIS_FILE = "diagnosis.jsonl"
+
+
+def write_diagnosis(run_dir: Path | str, kind: str, summary: str, **details: Any) -> Path:
+    """Append one diagnosis to `run_dir`'s file (made if missing); return the file."""
+    path = Path(run_dir) / DIAGNOSIS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"time": round(time.time(), 3), "kind": kind, "summary": summary, **details}
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(record, default=str) + "\n")
+    return path
+
+
+def read_diagnoses(run_dir: Path | str) -> list[dict[str, Any]]:
+    """Every diagnosis written to `run_dir` (none: an empty list); a line that is not a JSON
+    object (a write cut short) is skipped."""
+    path = Path(run_dir) / DIAGNOSIS_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("summary"), str):
+            out.append(record)
+    return out
