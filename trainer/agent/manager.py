@@ -90,34 +90,47 @@ class AgentRollout:
         return built[name]
 
     def run(self, examples: Sequence[Example], params: SamplingParams, server: TokenServer,
-            runner: Callable[[Any], Any] = asyncio.run, trace: TraceInfo | None = None
-            ) -> tuple[RolloutBatch, list[dict[str, float]]]:
+            runner: Callable[[Any], Any] = asyncio.run, trace: TraceInfo | None = None,
+            trajectories: Sequence[int] | None = None) -> tuple[RolloutBatch, list[dict[str, float]]]:
         """`params.n` trajectories per example, all concurrently (on a new event loop, or by
         `runner`: a server-mode replica's own loop); the rows and each row's metrics (seconds in
         generation and tool calls, tool-call counts). `trace`: the rollout's step, whether it
-        validates, and the tracking store, for `rollout.trace.*`."""
+        validates, and the tracking store, for `rollout.trace.*`. `trajectories`: the batch is
+        shared with other replicas and this one runs only these (trajectory `t` is sample
+        `t % n` of example `t // n`); its rows then carry their place in the batch."""
         trace = trace or TraceInfo()
         if self.tracer is None:
             self.tracer = Tracer(self.cfg, self.tokenizer, trace.store)
         ctx = self.context(server)
-        outputs = runner(self._run_all(examples, params, ctx, trace))
+        done = runner(self._run_all(examples, params, ctx, trace, trajectories))
         self.tracer.flush()
-        prompt_index = torch.arange(len(examples)).repeat_interleave(params.n)
+        order = torch.tensor([t for t, _ in done], dtype=torch.long)
+        outputs = [o for _, o in done]
         pad = self.tokenizer.pad_token_id
-        batch = pack_outputs(outputs, prompt_index, pad, self.cfg.data.max_response_length,
+        batch = pack_outputs(outputs, order // params.n, pad, self.cfg.data.max_response_length,
                              want_log_probs=self.cfg.actor_rollout_ref.rollout.calculate_log_probs)
+        if trajectories is not None:
+            batch.trajectory = order
         return batch, [o.metrics for o in outputs]
 
     async def _run_all(self, examples: Sequence[Example], params: SamplingParams, ctx: AgentContext,
-                       trace: TraceInfo) -> list[AgentOutput]:
+                       trace: TraceInfo, trajectories: Sequence[int] | None = None
+                       ) -> list[tuple[int, AgentOutput]]:
+        """(trajectory index, output) of each of `trajectories` (None: every one of the batch),
+        all run at once."""
         one = replace(params, n=1)  # each trajectory is one sample
         built: dict[str, AgentLoop] = {}
         assert self.tracer is not None
         traced = self.tracer.chosen(len(examples), trace.step)
-        tasks = [self._one(self.loop_for(e, ctx, built), e, one, ctx.server,
-                           (k, trace) if i in traced else None)
-                 for i, e in enumerate(examples) for k in range(params.n)]
-        return list(await asyncio.gather(*tasks))
+
+        async def trajectory(t: int) -> tuple[int, AgentOutput]:
+            i, k = divmod(t, params.n)
+            e = examples[i]
+            return t, await self._one(self.loop_for(e, ctx, built), e, one, ctx.server,
+                                      (k, trace) if i in traced else None)
+
+        chosen = range(len(examples) * params.n) if trajectories is None else trajectories
+        return list(await asyncio.gather(*(trajectory(t) for t in chosen)))
 
     async def _one(self, loop: AgentLoop, example: Example, params: SamplingParams, server: TokenServer,
                    traced: tuple[int, TraceInfo] | None = None) -> AgentOutput:

@@ -116,6 +116,9 @@ class RolloutBatch:
     """Per agent-loop row, its loop's ``extra_fields`` (``turn_scores``, ``tool_rewards``, ...)."""
     reward_scores: list[float | None] | None = None
     """Per agent-loop row, the score its loop set itself (verl's ``reward_score``), else None."""
+    trajectory: torch.Tensor | None = None
+    """``(rows,)`` each row's place in the whole batch (prompt x n + sample), when the rows were
+    dealt out across replicas (:mod:`trainer.agent.dispatch`); None: ``prompt_index`` order."""
 
     @property
     def input_ids(self) -> torch.Tensor:

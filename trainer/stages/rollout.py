@@ -20,7 +20,7 @@ from trainer.rollout.vllm_server import server_mode
 from trainer.stages.logprobs import Note
 from trainer.workers.group import WorkerGroup
 
-__all__ = ["SALT", "Rollout", "agent_loop_sampling", "sampling_params"]
+__all__ = ["SALT", "Rollout", "agent_loop_sampling", "deal", "sampling_params"]
 
 #: Seed salts: the training rollout, validation, ReMax's greedy baseline and PF-PPO's redraw of
 #: the rows (:func:`trainer.stages.advantage.resample_pf_ppo`) draw apart.
@@ -59,6 +59,9 @@ class Rollout:
         """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
         self.server_mode = server_mode(cfg)
         """Server-mode replicas (`rollout.mode=async`): every row through its agent loop."""
+        self.dealt = self.server_mode and self.world // self.tp > 1
+        """Several server-mode replicas: each rollout's trajectories are dealt out to them
+        (:func:`deal`), not its prompts split."""
         self.trace_store: str | None = None
         """Where `rollout.trace.*` sends traces (the driver's tracking URI), when tracing."""
 
@@ -80,11 +83,17 @@ class Rollout:
                    or any(e.agent_name != SINGLE_TURN_AGENT for e in examples))
         if not validate and not greedy:
             self.agent_metrics = {}
+        dealt = agentic and self.dealt
         if agentic:  # every row through its agent loop, turn by turn
             trace = TraceInfo(step=step, validate=validate, store=self.trace_store)
             sampling = agent_loop_sampling(sampling, greedy)
-            results = self.actor.run_each("generate_agent", [([examples[i] for i in p], sampling, seed, trace)
-                                                             for p, seed in zip(parts, seeds, strict=True)])
+            if dealt:  # every replica sees the whole batch and runs the trajectories dealt to it
+                hands = deal(len(examples) * sampling.n, self.world // tp)
+                args = [(examples, sampling, seed, trace, hands[rank // tp]) if rank % tp == 0
+                        else ([], sampling, seed, trace) for rank, seed in enumerate(seeds)]
+            else:
+                args = [([examples[i] for i in p], sampling, seed, trace) for p, seed in zip(parts, seeds, strict=True)]
+            results = self.actor.run_each("generate_agent", args)
         else:  # single-turn rows only: verl's `single_turn_agent`, as one batched generate per engine
             ids, mask = M.left_pad([e.prompt_ids for e in examples], self.pad_token_id)
             results = self.actor.run_each("generate", [(ids[p], mask[p], sampling, seed)
@@ -92,10 +101,12 @@ class Rollout:
         outs: list[RolloutBatch] = []
         for rank, (part, (out, _info)) in enumerate(zip(parts, results, strict=True)):
             if out is not None and rank % tp == 0:  # one answer per engine
-                out.prompt_index = out.prompt_index + part[0]
+                if not dealt:  # a dealt row's prompt index is the batch's already
+                    out.prompt_index = out.prompt_index + part[0]
                 outs.append(out)
-        if not validate and not greedy:
-            note("gen_rows", [len(p) for p in parts])
+        if not validate and not greedy:  # prompts answered (dealt out: rows over `n`, a replica's share)
+            note("gen_rows", [len(p) for p in parts] if not dealt else
+                 [len(out.prompt_index) / sampling.n if out is not None else 0.0 for out, _ in results])
             note("gen_tokens", [info["gen_tokens"] for _, info in results])
             note("gen_s", [info["gen"] for _, info in results])
         rows = torch.cat([o.prompt_index for o in outs]).tolist()
@@ -114,10 +125,28 @@ class Rollout:
             batch.agent_extras = [fields for o in outs for fields in o.extra_fields or [{}] * len(o.prompt_index)]
             batch.loop_scores = [score for o in outs for score in o.reward_scores or [None] * len(o.prompt_index)]
             per_row = [row for rank, (_, info) in enumerate(results) if rank % tp == 0 for row in info["rows"]]
+            if dealt:  # back in the batch's order: prompt by prompt, sample by sample
+                order = torch.cat([need(o.trajectory, "trajectory") for o in outs]).argsort().tolist()
+                batch.take_rows(order)
+                per_row = [per_row[i] for i in order]
             if not validate and not greedy:
                 self.agent_metrics = agent_loop_metrics(per_row, batch.attention_mask[:, :-batch.response_length].sum(-1),
                                                         batch.response_attention.sum(-1))
         return batch
+
+
+def deal(trajectories: int, replicas: int) -> list[list[int]]:
+    """Trajectory `t` (sample `t % n` of prompt `t // n`) to replica `t % replicas`: in turn,
+    so that a prompt's samples, long or short alike, spread over the replicas.
+
+    This is where verl's balancer (`GlobalRequestLoadBalancer`, `verl/workers/rollout/router.py`,
+    verl 0.9.1: a new trajectory to the replica with the fewest requests in flight, every later
+    turn to the same one) sends the trajectories of a rollout, all of which start at once: each
+    first turn finds the replicas in turn least loaded. Ties go by index here, not at random. A
+    trajectory runs whole on its replica (sticky: its prefix cache holds the conversation). Split
+    by prompts instead, one replica gets all the samples of a hard prompt and holds the step
+    back (`python -m bench.replica_dealing`, bench/README.md)."""
+    return [list(range(r, trajectories, replicas)) for r in range(replicas)]
 
 
 def same_prompt_width(outs: list[RolloutBatch], pad_token_id: int) -> list[RolloutBatch]:

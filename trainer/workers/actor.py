@@ -156,11 +156,14 @@ class ActorRolloutRefWorker(Worker):
         return self._rolling_out(run, prompt_ids.shape[0] > 0, seed)
 
     def generate_agent(self, examples: list[Example], params: SamplingParams, seed: int,
-                       trace: TraceInfo | None = None) -> tuple[RolloutBatch | None, dict[str, Any]]:
+                       trace: TraceInfo | None = None, trajectories: list[int] | None = None
+                       ) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """`params.n` trajectories per example (rows may be none) through each row's agent loop
         (:mod:`trainer.agent.manager`), their turns batched into this rank's engine
         (:class:`trainer.agent.servers.BatchedServer`); the info carries each row's agent-loop
-        metrics (`rows`). `trace`: the step and store of `rollout.trace.*`."""
+        metrics (`rows`). `trace`: the step and store of `rollout.trace.*`. `trajectories`: a
+        server-mode replica shares `examples` with the other replicas and runs these of them
+        (:func:`trainer.stages.rollout.deal`)."""
         rows: list[dict[str, float]] = []
         followed: list[int] = []  # the tokens a later rank of a tensor-parallel engine generated
         group = self.engine_group
@@ -174,7 +177,7 @@ class ActorRolloutRefWorker(Worker):
 
         def run() -> RolloutBatch | None:
             if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
-                batch, per_row = agents().run(examples, params, self.rollout.server, self.rollout.run, trace)
+                batch, per_row = agents().run(examples, params, self.rollout.server, self.rollout.run, trace, trajectories)
             elif isinstance(self.rollout, ReplicaMember):  # the replica's first rank runs this engine's rows
                 return None
             elif group is None:  # an in-process engine: every live trajectory's turn in one engine call

@@ -231,3 +231,36 @@ def test_a_traced_run_logs_its_metrics_and_every_trajectory_to_one_mlflow_store(
     assert {t.info.tags["step"] for t in traces} == {"1"}
     assert all(sorted(s.name for s in t.data.spans) == ["agent_loop", "generate"] for t in traces)
     assert list(elsewhere.iterdir()) == [] and (tmp_path / "mlartifacts").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_server_mode_replicas_share_each_batch_and_its_rows_line_up(assets: Path, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    """Two Ray ranks, a server-mode replica each: every rollout's trajectories are dealt out to
+    both in turn (:func:`trainer.stages.rollout.deal`: a prompt's two samples on two replicas),
+    and the rows come back in the batch's order: vLLM's log-probs of each row equal the actor's
+    recomputation of that row (a row paired with another's log-probs would differ by far more)."""
+    import ray
+
+    from tests.trainer.rollout.vllm_support import require_vllm
+    from tests.trainer.test_distributed import no_ray_address
+
+    require_vllm()
+    no_ray_address(monkeypatch)
+    cfg = load_config(interaction_run_overrides(
+        assets, tmp_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=async",
+        "trainer.n_gpus_per_node=2"))
+    try:
+        driver = PPODriver(cfg)
+        assert driver.rollout.dealt
+        assert driver.fit() == 0
+    finally:
+        ray.shutdown()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["num_turns/max"] > 2, row
+        assert row["dp/rank_0/gen_rows"] == row["dp/rank_1/gen_rows"] == 2, row  # 8 trajectories, 4 each
+        assert row["dp/rank_0/gen_tokens"] > 0 and row["dp/rank_1/gen_tokens"] > 0, row
+        assert row["training/rollout_probs_diff_max"] < 1e-3, row
