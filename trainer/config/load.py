@@ -223,6 +223,12 @@ def validate(cfg: Config) -> None:
         "ranks (`trainer.nnodes` x `trainer.n_gpus_per_node`): each group of that many ranks runs "
         "one rollout engine (verl's rollout mesh, dp x tp). Fix: pick a divisor of the world size",
     )
+    dp = rollout.data_parallel_size
+    require(dp >= 1 and world % (tp * dp) == 0,
+            f"`actor_rollout_ref.rollout.data_parallel_size={dp}` with `tensor_model_parallel_size={tp}`: verl's "
+            f"rollout server spans tp x dp = {tp * dp} GPUs, which must be at least 1 and divide the {world} ranks "
+            "(`trainer.nnodes` x `trainer.n_gpus_per_node`). Fix: a `data_parallel_size` with tp x dp dividing the "
+            "world size (here every one of those engines is a replica of its own either way)")
     require(
         not server_mode(cfg) or cfg.trainer.n_gpus_per_node % tp == 0,
         f"`actor_rollout_ref.rollout.mode=async` with `tensor_model_parallel_size={tp}` and "

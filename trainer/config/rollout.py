@@ -124,6 +124,11 @@ class RolloutConfig:
                             "backend always runs eagerly)")
     free_cache_engine: bool = h("vLLM on GPUs: release the KV cache (sleep) between rollouts")
     max_num_batched_tokens: int = h("vLLM: tokens per scheduler step")
+    data_parallel_size: int = h(
+        "verl: data-parallel engines per rollout server (its replica is `tensor_model_parallel_size` x this "
+        "many GPUs); here each of them is a replica of its own, the same engines with the batch's "
+        "trajectories dealt out to all (`rollout.mode=async`) or its prompts split (`sync`), so it changes "
+        "no number; `tensor_model_parallel_size` x this must divide the world size, as verl requires")
     max_num_seqs: int = h("vLLM: sequences per scheduler step")
     max_model_len: int | None = h("vLLM: context length; null = the model's `max_position_embeddings` (as verl)")
     enable_chunked_prefill: bool = h("vLLM: chunked prefill")

@@ -86,3 +86,22 @@ def test_one_replica_or_the_in_process_engine_still_splits_prompts(tmp_path: Pat
     assert not Rollout(one, ReplicaGroup(one, 1), 0).dealt
     sync = config(tmp_path, "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2")
     assert not Rollout(sync, ReplicaGroup(sync, 2), 0).dealt
+
+
+def test_verl_s_data_parallel_engines_are_replicas_here(tmp_path: Path) -> None:
+    """`rollout.data_parallel_size` (verl: data-parallel engines inside one rollout server): the
+    same engines, each a replica here; tp x dp must divide the world, as verl requires."""
+    import pytest
+
+    from trainer.config import ConfigError
+
+    cfg = config(tmp_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=async",
+                 "actor_rollout_ref.rollout.data_parallel_size=2", "trainer.n_gpus_per_node=4",
+                 "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    group = ReplicaGroup(cfg, 4)
+    rollout = Rollout(cfg, group, pad_token_id=TOK.pad_token_id)
+    rollout.generate(rows(2), 1, lambda k, v: 0.0)
+    assert rollout.dealt and [hand for _, hand in group.calls] == [[0], [1], [], []]
+    with pytest.raises(ConfigError, match=r"tp x dp = 6 GPUs, which must be at least 1 and divide the 4 ranks"):
+        config(tmp_path, "actor_rollout_ref.rollout.data_parallel_size=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+               "trainer.n_gpus_per_node=4")
