@@ -250,7 +250,7 @@ def test_on_policy_update_reuses_its_log_probs_and_matches_recomputation(
                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                                     "trainer.total_training_steps=2", "trainer.test_freq=-1"]))
         if name == "recompute":
-            t.reuses_update_log_probs = lambda batch: False  # type: ignore[method-assign]
+            t.stages.reuses_update_log_probs = lambda batch: False  # type: ignore[method-assign]
         assert t.fit() == 0
         runs[name] = (t, read_jsonl(tmp_path / name / "metrics.jsonl"))
     (reuse, reuse_rows), (recompute, recompute_rows) = runs["reuse"], runs["recompute"]
@@ -306,7 +306,7 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
         t = PPODriver(load_config([*over, "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward}",
                                     "trainer.test_freq=-1", "trainer.use_legacy_worker_impl=disable"]))
         if name == "every_row":
-            t._rows_to_update = lambda mini: list(range(len(mini)))  # type: ignore[method-assign]
+            t.stages.rows_to_update = lambda mini: list(range(len(mini)))  # type: ignore[method-assign]
         assert t.fit() == 0
         runs[name] = (t, [r["actor/skipped_row_frac"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")])
     (skip, skipped), (every_row, none_skipped) = runs["skip"], runs["every_row"]
@@ -323,9 +323,9 @@ def test_rows_with_zero_advantage_skip_the_update_and_change_nothing(
 
 def test_default_worker_keeps_rows_of_zero_advantage() -> None:
     """Under verl's default worker a row counts in its micro-batch's mean: none is skipped."""
-    from types import SimpleNamespace
-
     from trainer.batch import StepBatch
+    from trainer.stages import update
+    from trainer.step import Stages
 
     mask = torch.ones(3, 2)
     mini = StepBatch(examples=[], uids=[], input_ids=torch.zeros(3, 4, dtype=torch.long),
@@ -334,9 +334,9 @@ def test_default_worker_keeps_rows_of_zero_advantage() -> None:
     for impl, every_row in (("auto", True), ("enable", True), ("disable", False)):
         cfg = load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
                            f"trainer.use_legacy_worker_impl={impl}"])
-        assert PPODriver._keeps_every_row(SimpleNamespace(cfg=cfg), False) is every_row, impl  # type: ignore[arg-type]
-        assert PPODriver._keeps_every_row(SimpleNamespace(cfg=cfg), True), impl  # type: ignore[arg-type]
-    assert PPODriver._rows_to_update(mini) == [1]
+        assert update.keeps_every_row(cfg, False) is every_row, impl
+        assert update.keeps_every_row(cfg, True), impl
+    assert Stages.rows_to_update(mini) == [1]
 
 
 def test_remax_baseline_is_the_score_of_the_greedy_response(
@@ -356,7 +356,7 @@ def test_remax_baseline_is_the_score_of_the_greedy_response(
     t = PPODriver(load_config(over))
     examples = t.loader.next_batch()
     batch = t.generate(examples)
-    t.compute_reward_baselines(examples, batch)
+    t.stages.compute_reward_baselines(examples, batch, t.global_step)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = load_actor(tiny_model_dir).eval()
     expected = []
