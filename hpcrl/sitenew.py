@@ -61,6 +61,12 @@ class Flags:
     account: str | None = None
     runtime: str | None = None
     image: str | None = None
+    interactive: bool = True
+    """Whether a question can be asked (a terminal); if not, its default is taken."""
+
+    def chosen(self, what: str) -> str:
+        """How a value chosen by a question came to be: asked, or its default taken."""
+        return "asked" if self.interactive else f"the default: no terminal to ask on ({what} chooses)"
 
 
 @dataclass
@@ -116,14 +122,19 @@ def _partition(facts: Facts, flags: Flags, want_gpus: bool, ask: Ask, plan: Plan
         plan.notes.append("no partitions (`scontrol show partition` gave none): `slurm.partition` "
                           "is left to the cluster's default; pass `--partition NAME` to set one")
         return None
-    with_gpus = [p for p in facts.partitions if any(n.gres for n in _nodes_of(facts, p))]
-    candidates = (with_gpus if want_gpus and with_gpus else list(facts.partitions))
+    candidates = _candidates(facts, want_gpus)
     default = next((p for p in candidates if p.default), candidates[0])
     if len(candidates) == 1:
         return default
     answer = ask(f"partition ({', '.join(p.name for p in candidates)})", default.name,
                  [p.name for p in candidates])
     return next(p for p in candidates if p.name == answer)
+
+
+def _candidates(facts: Facts, want_gpus: bool) -> list[Partition]:
+    """The partitions to choose from: those with GPUs when GPUs are wanted and some have them."""
+    with_gpus = [p for p in facts.partitions if any(n.gres for n in _nodes_of(facts, p))]
+    return with_gpus if want_gpus and with_gpus else list(facts.partitions)
 
 
 def _nodes_of(facts: Facts, p: Partition) -> list[Node]:
@@ -136,8 +147,9 @@ def plan_slurm(facts: Facts, parent: SiteProfile | None, flags: Flags, ask: Ask,
     part = _partition(facts, flags, want_gpus, ask, plan)
     if part is None:
         return None
+    several = not flags.partition and len(_candidates(facts, want_gpus)) > 1
     plan.set("slurm.partition", part.name, f"scontrol show partition: {part.record}"
-             + (" (--partition)" if flags.partition else ""))
+             + (" (--partition)" if flags.partition else f" ({flags.chosen('`--partition`')})" if several else ""))
     nodes = _nodes_of(facts, part)
     if parent and parent.slurm.nodes > part.total_nodes > 0:
         plan.set("slurm.nodes", part.total_nodes, f"scontrol show partition: TotalNodes={part.total_nodes}")
@@ -244,7 +256,8 @@ def plan_container(facts: Facts, parent: SiteProfile | None, flags: Flags, vendo
         default = {"apptainer": "${env:HOME}/images/hpcrl.sif", "enroot": "${env:HOME}/images/hpcrl.sqsh"
                    }.get(runtime, "localhost/hpcrl:latest")
         image = flags.image or ask(f"container image for {runtime}", default, [])
-        plan.set("container.image", image, "--image" if flags.image else "asked (build it: `hpcrl image build`)")
+        plan.set("container.image", image, "--image" if flags.image
+                 else f"{flags.chosen('`--image`')} (build it: `hpcrl image build`)")
 
 
 # ----------------------------------------------------------------------------- network

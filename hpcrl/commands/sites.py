@@ -95,8 +95,10 @@ def new_site(args: argparse.Namespace) -> int:
     if path.exists() and not args.force:
         raise ProfileError(f"{path} exists; pass `--force` to replace it, or choose another name")
     parent: SiteProfile | None = load_profile(args.extends).profile if args.extends else None
-    flags = sitenew.Flags(args.partition, args.account, args.runtime, args.image)
+    flags = sitenew.Flags(args.partition, args.account, args.runtime, args.image, interactive=sys.stdin.isatty())
     plan = sitenew.plan(sitenew.gather(Probe()), parent, flags, ask_terminal)
+    for note in plan.notes:  # what could not be detected, beside the profile's comments
+        print(f"note: {note}", file=sys.stderr)
     text = sitenew.render(args.name, args.extends, plan)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".yaml.tmp")

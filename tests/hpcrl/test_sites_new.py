@@ -196,7 +196,12 @@ def test_no_terminal_takes_defaults_and_says_so(tmp_path: Path) -> None:
     assert "note: not a terminal, partition (cpu, mi300x): cpu" in proc.stderr
     written = tmp_path / "cfg" / "hpcrl" / "sites" / "gpu1.yaml"
     assert written.is_file() and "hpcrl doctor --site gpu1" in proc.stdout
-    assert 'image: "localhost/hpcrl:latest"' in written.read_text()
+    text = written.read_text()
+    assert 'image: "localhost/hpcrl:latest"' in text
+    # the profile never says it asked: each default taken is named as such, with its flag
+    assert "asked" not in text
+    assert "the default: no terminal to ask on (`--partition` chooses)" in text
+    assert "the default: no terminal to ask on (`--image` chooses)" in text
     again = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, text=True, capture_output=True, timeout=60)
     assert again.returncode != 0 and "--force" in again.stderr
     with_flag = subprocess.run([*argv, "--extends", "mi300-cluster", "--force"], env=env,
@@ -219,4 +224,6 @@ def test_a_failing_scontrol_is_noted_and_the_profile_still_loads(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "cfg" / "hpcrl" / "sites" / "noslurm.yaml").read_text()
     assert "# - `scontrol show partition --oneliner` failed (1): scontrol: error: resolve_ctls" in text
+    # what could not be detected is said on stderr too, not only in the file's comments
+    assert "note: `scontrol show partition --oneliner` failed (1): scontrol: error: resolve_ctls" in proc.stderr
     assert all(line.startswith("#") or not line.startswith("scontrol") for line in text.splitlines())
