@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcrl.diagnosis import write_diagnosis
 from trainer import models as M
 from trainer import run_state, startup
 from trainer.agent.manager import agent_data_args
@@ -47,7 +48,7 @@ from trainer.step import Stages
 from trainer.stop import StopRequest
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
-from trainer.workers.group import LocalWorkerGroup, WorkerGroup
+from trainer.workers.group import LocalWorkerGroup, WorkerFailure, WorkerGroup
 from trainer.workers.ray_group import connect, make_placement_group, start_colocated
 
 __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
@@ -296,6 +297,11 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
     try:
         driver = PPODriver(cfg, stop)
         return driver.fit()
+    except WorkerFailure as err:  # kept beside the metrics for `hpcrl status`, after the job is gone
+        t = cfg.trainer
+        run_dir = Path(t.run_dir) if t.run_dir else Path(t.default_local_dir or ".")
+        write_diagnosis(run_dir, "oom" if "killed for memory" in str(err) else "worker", str(err))
+        raise
     finally:
         if driver is not None:
             driver.reward.close()

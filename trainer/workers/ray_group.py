@@ -28,7 +28,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any
 
 from trainer.config import Config, ConfigError
 from trainer.workers.group import WorkerFailure, WorkerGroup
+from trainer.workers.memory_death import describe, kernel_death, parse_ray_oom
 
 __all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group",
            "start_colocated"]
@@ -219,9 +220,14 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
     return {name: RayWorkerGroup(name, actors) for name in roles}
 
 
-def _describe_error(err: BaseException) -> str:
+def _describe_error(err: BaseException, node: Mapping[str, Any] | None = None) -> str:
+    """What happened to a rank, in words; `node`: the rank's `node_info()` (host, pid), to look
+    for the kernel's OOM kill of a process that died."""
     import ray
 
+    death = parse_ray_oom(str(err)) if isinstance(err, ray.exceptions.RayError) else None
+    if death is not None:  # Ray's memory monitor: a task's OutOfMemoryError, or the actor's death cause
+        return describe(death)
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = err.as_instanceof_cause()
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
@@ -231,6 +237,10 @@ def _describe_error(err: BaseException) -> str:
         lines = [line for line in str(getattr(err, "error_msg", "")).strip().splitlines() if line.strip()]
         return "failed to start: " + (lines[-1].strip() if lines else type(err).__name__)
     if isinstance(err, ray.exceptions.RayActorError):
+        pid, host = (node or {}).get("pid"), (node or {}).get("hostname")
+        killed = kernel_death(int(pid), str(host)) if isinstance(pid, int) and host else None
+        if killed is not None:
+            return describe(killed)
         return f"died ({type(err).__name__}: the worker process or its node is gone)"
     return f"failed ({type(err).__name__}: {err})"
 
@@ -294,12 +304,12 @@ class RayWorkerGroup(WorkerGroup):
                 dead = None if isinstance(err, ray.exceptions.RayActorError) else _dead_peer(pending, rank_of)
                 self.kill()  # the peers may be blocked in a collective the failed rank left
                 if dead is None:
-                    raise WorkerFailure(f"{self.where(rank)} {_describe_error(err)} during "
+                    raise WorkerFailure(f"{self.where(rank)} {_describe_error(err, self.nodes[rank])} during "
                                         f"`{method}`") from err
                 # a peer's death makes the survivors' collectives fail: report the death first
                 dead_rank, cause = dead
                 raise WorkerFailure(
-                    f"{self.where(dead_rank)} {_describe_error(cause)} during `{method}` "
+                    f"{self.where(dead_rank)} {_describe_error(cause, self.nodes[dead_rank])} during `{method}` "
                     f"(then rank {rank} {_describe_error(err)})") from cause
         return [results[r] for r in refs]
 

@@ -1,0 +1,168 @@
+"""A rank killed for memory is named: the process, its node, what it held, the limit, the fix.
+The parsers read text captured on this machine (`tests/data/memory/`); then real kills: Ray's
+memory monitor and the kernel's OOM killer each kill a real Ray rank that allocates, and the
+run's error says who killed which process holding how much."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+from trainer.workers.memory_death import describe, parse_kernel_kill, parse_ray_oom
+
+DATA = REPO / "tests" / "data" / "memory"
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def test_ray_s_memory_monitor_message_is_read() -> None:
+    death = parse_ray_oom((DATA / "ray_memory_monitor.txt").read_text())
+    assert death is not None
+    assert (death.pid, death.process, death.resident_gb) == (29603, "ray::Hog.eat", 4.81)
+    assert (death.node, death.node_used_gb, death.node_limit_gb) == ("192.0.2.2", 5.91, 23.54)
+    text = describe(death)
+    assert text.startswith("was killed for memory by Ray's memory monitor: process 29603 (ray::Hog.eat) "
+                           "holding 4.81 GB; node 192.0.2.2 used 5.91 GB of 23.54 GB (kill threshold 25.0%")
+    assert "Fix: " in text and "slurm.mem" in text
+    assert parse_ray_oom("The actor died unexpectedly before finishing this task.") is None
+
+
+def test_the_kernel_log_s_oom_kill_is_read_for_its_process_only() -> None:
+    log = (DATA / "kernel_oom_cgroup_v1.txt").read_text()
+    death = parse_kernel_kill(log, 29956)
+    assert death is not None and (death.process, round(death.resident_gb or 0, 3)) == ("python3", 0.157)
+    assert death.threshold == "cgroup /hpcrl-oomtest"  # the kernel enforced that cgroup's limit
+    assert parse_kernel_kill(log, 29957) is None  # another process's kill is not this one's
+    assert "by the kernel's OOM killer: process 29956 (python3) holding 0.16 GB" in describe(death)
+
+
+class Hog:
+    """A rank that allocates host memory until something kills it; `cgroup`: a memory cgroup
+    directory to move into first (its limit then applies)."""
+
+    def __init__(self, cfg: Any, rank: int, world_size: int, total_steps: int) -> None:
+        self.rank = rank
+
+    def node_info(self) -> dict[str, Any]:
+        import socket
+
+        return {"rank": self.rank, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}
+
+    def eat(self, gib: float, cgroup: str | None = None) -> int:
+        import time
+
+        if cgroup:
+            Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+        blocks = []
+        for _ in range(int(gib * 8)):
+            block = bytearray(128 << 20)
+            block[::4096] = b"\x01" * len(block[::4096])  # touch every page: resident, not only reserved
+            blocks.append(block)
+            time.sleep(0.02)
+        return len(blocks)
+
+
+@pytest.fixture
+def ray_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local Ray whose memory monitor kills at `threshold` of the node's memory (set per test)."""
+    import ray
+
+    from trainer.workers.ray_group import private_token_auth
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started: list[Any] = []
+
+    def start(threshold: float | None) -> Any:
+        if threshold is not None:
+            monkeypatch.setenv("RAY_memory_usage_threshold", f"{threshold:.3f}")
+            monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "100")
+        private_token_auth()
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        started.append(ray)
+        return ray
+
+    yield start
+    if started:
+        ray.shutdown()
+
+
+def _group() -> Any:
+    from trainer.workers.ray_group import make_placement_group, start_colocated
+
+    return start_colocated({"actor": Hog}, None, 1, slot=make_placement_group(1, 1), world_size=1)["actor"]
+
+
+def _used_fraction() -> tuple[float, float]:
+    info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()}
+    return 1 - info["MemAvailable"] / info["MemTotal"], info["MemTotal"] / (1 << 30)
+
+
+@pytest.mark.slow
+def test_a_rank_ray_s_memory_monitor_kills_is_named_with_its_node_and_memory(ray_at: Any) -> None:
+    from trainer.workers.group import WorkerFailure
+
+    used, total_gib = _used_fraction()
+    ray_at(min(0.95, used + 1.5 / total_gib))  # about 1.5 GiB above what the node uses now
+    group = _group()
+    pid = group.nodes[0]["pid"]
+    with pytest.raises(WorkerFailure) as failed:
+        group.run("eat", 6.0)
+    text = str(failed.value)
+    assert "worker group `actor` rank 0" in text and "during `eat`" in text, text
+    assert f"was killed for memory by Ray's memory monitor: process {pid} (ray::" in text, text
+    assert " GB of " in text and "Fix: " in text, text
+
+
+def _memory_cgroup(limit_bytes: int) -> Path | None:
+    """A new memory cgroup with `limit_bytes` (v1's memory controller or v2), or None when this
+    process cannot make one (not root, or no writable memory controller)."""
+    for root, limit in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"), (Path("/sys/fs/cgroup"), "memory.max")):
+        if not (root / limit).exists() and not (root / "cgroup.controllers").exists():
+            continue
+        group = root / f"hpcrl-test-oom-{os.getpid()}"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / limit).write_text(str(limit_bytes))
+            return group
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at: Any) -> None:
+    from trainer.workers.group import WorkerFailure
+
+    cgroup = _memory_cgroup(512 << 20)
+    if cgroup is None:
+        reason = "needs root and a writable memory cgroup (v1 memory controller or v2) to limit a rank"
+        if CI:
+            pytest.fail(reason + ", but CI=true requires this test to run")
+        pytest.skip(reason)
+    try:
+        ray_at(None)
+        group = _group()
+        pid = group.nodes[0]["pid"]
+        with pytest.raises(WorkerFailure) as failed:
+            group.run("eat", 2.0, str(cgroup))
+        text = str(failed.value)
+        assert "worker group `actor` rank 0" in text, text
+        assert f"was killed for memory by the kernel's OOM killer: process {pid} (" in text, text
+        import re
+
+        held = float(re.search(r"holding ([\d.]+) GB", text).group(1))  # type: ignore[union-attr]
+        assert 0.3 < held < 1.5, text  # about the 512 MiB limit (pages charged before the move count too)
+        assert f"the limit of its cgroup /{cgroup.name} is 0.54 GB" in text, text
+    finally:
+        for _ in range(50):  # the killed process leaves the cgroup as it is reaped
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
