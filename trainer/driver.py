@@ -46,6 +46,7 @@ from trainer.stages.reward import build_reward_engine
 from trainer.stages.validate import VAL_GENERATIONS_FILE
 from trainer.step import Stages
 from trainer.stop import StopRequest
+from trainer.watchdog import Bounds
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerFailure, WorkerGroup
@@ -97,8 +98,13 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
                                     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
         roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
                                   **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
-        groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world)
+        w = t.watchdog
+        stacks = Path(t.run_dir or t.default_local_dir or ".") / "stacks" if w.enable else None
+        groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world, stacks=stacks)
         actor, critic = groups["actor_rollout_ref"], groups.get("critic")
+        if w.enable:  # every call to the ranks timed and bounded (trainer.watchdog)
+            for group in groups.values():
+                group.watchdog = Bounds(w.floor_s, w.multiple, w.min_s, w.warmup, w.poll_s)
     clock.mark("workers_spawned")
     for group in (actor, critic):
         if group is not None:
@@ -300,7 +306,8 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
     except WorkerFailure as err:  # kept beside the metrics for `hpcrl status`, after the job is gone
         t = cfg.trainer
         run_dir = Path(t.run_dir) if t.run_dir else Path(t.default_local_dir or ".")
-        write_diagnosis(run_dir, "oom" if "killed for memory" in str(err) else "worker", str(err))
+        kind = "oom" if "killed for memory" in str(err) else err.kind
+        write_diagnosis(run_dir, kind, str(err), **err.details)
         raise
     finally:
         if driver is not None:

@@ -237,6 +237,11 @@ def validate(cfg: Config) -> None:
         "`tensor_model_parallel_size` that divides `trainer.n_gpus_per_node`, or `rollout.mode=sync` "
         "(the in-process engine, whose ranks may span nodes)",
     )
+    w = cfg.trainer.watchdog
+    require(w.floor_s > 0 and w.multiple >= 1 and w.min_s >= 0 and w.warmup >= 1 and w.poll_s > 0,
+            f"`trainer.watchdog`: floor_s={w.floor_s:g}, multiple={w.multiple:g}, min_s={w.min_s:g}, "
+            f"warmup={w.warmup}, poll_s={w.poll_s:g}: need floor_s > 0, multiple >= 1, min_s >= 0, warmup >= 1 "
+            "and poll_s > 0 (to switch it off: `trainer.watchdog.enable=false`)")
     require(not cfg.trainer.val_only or bool(data.val_files),
              "`trainer.val_only=true` validates and exits, and needs a validation set: set "
              "`data.val_files`")

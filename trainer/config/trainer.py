@@ -11,6 +11,17 @@ from trainer.config.base import GPUS_ENV, PROFILER, ConfigError, h
 
 
 @dataclass(frozen=True)
+class WatchdogConfig:
+    enable: bool = h("end a run whose call to the ranks runs far past its usual time, naming the ranks "
+                     "that did not answer, with their stacks (`<run_dir>/stacks/`); Ray ranks only")
+    floor_s: float = h("a call's bound until it has `warmup` durations (the first steps load and compile)")
+    multiple: float = h("afterwards the bound is this many times the median of the call's earlier durations")
+    min_s: float = h("... and at least this many seconds")
+    warmup: int = h("durations of a call before its median sets the bound")
+    poll_s: float = h("how often the driver checks a call still running")
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     total_epochs: int = h("passes over the training data")
     total_training_steps: int | None = h("stop after this many steps; null = epochs x batches")
@@ -63,6 +74,7 @@ class TrainerConfig:
         "launcher to stop and requeue: the trainer checkpoints and stops by itself when one more "
         "step and a checkpoint would not fit"
     )
+    watchdog: WatchdogConfig = h("the progress watchdog (`trainer.watchdog.*`)")
     max_actor_ckpt_to_keep: int | None = h("keep the newest K checkpoints; null = all")
     max_critic_ckpt_to_keep: int | None = h(
         "null or the same as `max_actor_ckpt_to_keep`: the critic is saved in the same checkpoint")

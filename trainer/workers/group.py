@@ -20,7 +20,13 @@ __all__ = ["LocalWorkerGroup", "WorkerFailure", "WorkerGroup"]
 
 
 class WorkerFailure(RuntimeError):
-    """A worker raised or died; the message names the group, rank, node and process."""
+    """A worker raised or died, or stopped answering; the message names the group, rank, node and
+    process. `kind`: `worker`, `oom` (killed for memory) or `hang` (the watchdog's); `details`:
+    what the diagnosis records beside the message."""
+
+    def __init__(self, message: str, kind: str = "worker", details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.details = kind, details or {}
 
 
 class WorkerGroup:

@@ -28,6 +28,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, ConfigError
+from trainer.watchdog import Bounds, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import describe, kernel_death, parse_ray_oom
 
@@ -193,8 +195,10 @@ class ColocatedWorker:
     time."""
 
     def __init__(self, roles: dict[str, type], cfg: Config, rank: int, world_size: int,
-                 total_steps: int) -> None:
+                 total_steps: int, stacks: str | None = None) -> None:
         self.ignores_sigterm = ignore_sigterm()  # before any role starts a thread
+        if stacks:  # the watchdog's stack dumps (`trainer.watchdog`)
+            register_stack_dump(Path(stacks) / f"rank_{rank}.txt")
         self.workers = {name: cls(cfg, rank, world_size, total_steps) for name, cls in roles.items()}
 
     def call(self, role: str, method: str, *args: Any) -> Any:
@@ -202,7 +206,7 @@ class ColocatedWorker:
 
 
 def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, slot: WorkerSlot,
-                    world_size: int) -> dict[str, RayWorkerGroup]:
+                    world_size: int, stacks: Path | None = None) -> dict[str, RayWorkerGroup]:
     """One :class:`ColocatedWorker` per rank in its bundle (a whole GPU, or one CPU), and one
     worker group per role over them."""
     import ray
@@ -216,8 +220,8 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
             num_cpus=0 if slot.use_gpu else 1, num_gpus=1 if slot.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             max_restarts=0, max_task_retries=0,
-        ).remote(roles, cfg, rank, world_size, total_steps))
-    return {name: RayWorkerGroup(name, actors) for name in roles}
+        ).remote(roles, cfg, rank, world_size, total_steps, str(stacks) if stacks else None))
+    return {name: RayWorkerGroup(name, actors, stacks) for name in roles}
 
 
 def _describe_error(err: BaseException, node: Mapping[str, Any] | None = None) -> str:
@@ -266,8 +270,11 @@ def _dead_peer(pending: list[Any], rank_of: dict[Any, int], wait_s: float = 5.0
 class RayWorkerGroup(WorkerGroup):
     """One role (`name`) of the colocated workers, one Ray actor per rank."""
 
-    def __init__(self, name: str, actors: list[Any]) -> None:
+    def __init__(self, name: str, actors: list[Any], stacks: Path | None = None) -> None:
         self.name, self.world_size, self.actors = name, len(actors), actors
+        self.stacks = stacks
+        self.watchdog: Bounds | None = None
+        """Set by the driver (`trainer.watchdog`): each call is timed and bounded."""
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
         self.nodes = self.run("node_info")
 
@@ -294,8 +301,13 @@ class RayWorkerGroup(WorkerGroup):
         ranks = ranks if ranks is not None else list(range(len(refs)))
         rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
         pending, results = list(refs), {}
+        began, key = time.monotonic(), f"{self.name}.{method}"
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=self.watchdog.poll_s if self.watchdog else None)
+            if not done:  # only with a watchdog: has the call run past its bound?
+                self._check_progress(method, key, began, [rank_of[r] for r in pending])
+                continue
             ref = done[0]
             try:
                 results[ref] = ray.get(ref)
@@ -311,7 +323,22 @@ class RayWorkerGroup(WorkerGroup):
                 raise WorkerFailure(
                     f"{self.where(dead_rank)} {_describe_error(cause, self.nodes[dead_rank])} during `{method}` "
                     f"(then rank {rank} {_describe_error(err)})") from cause
+        if self.watchdog is not None:
+            self.watchdog.record(key, time.monotonic() - began)
         return [results[r] for r in refs]
+
+    def _check_progress(self, method: str, key: str, began: float, stuck: list[int]) -> None:
+        """Past the call's bound: dump every rank's stack, name the ranks that did not answer
+        (:func:`trainer.watchdog.diagnose`), end the group and the run."""
+        assert self.watchdog is not None
+        elapsed = time.monotonic() - began
+        if elapsed <= self.watchdog.bound(key):
+            return
+        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog.describe(key),
+                                    self.stacks)
+        print(f"trainer: watchdog: {summary}", flush=True)
+        self.kill()  # its ranks may hold GPUs in a collective that never ends
+        raise WorkerFailure(summary, kind="hang", details=details)
 
     def kill(self) -> None:
         import ray

@@ -1,0 +1,140 @@
+"""A call to the ranks that runs far past its usual time: stacks dumped, the ranks that did not
+answer named with their process state, the run ended with the diagnosis.
+
+Every call the driver makes to a Ray worker group (a phase of a step: `generate`,
+`compute_log_prob`, `update_actor`, the weight sync, a checkpoint) is timed per group and
+method. Its bound (:meth:`Bounds.bound`) is `trainer.watchdog.multiple` times the median of that
+call's earlier durations in this run, at least `trainer.watchdog.min_s`; until the call has
+`trainer.watchdog.warmup` durations, `trainer.watchdog.floor_s` (the first steps compile, load
+and warm caches). Past it, :func:`diagnose`:
+
+- asks every rank's process for its Python stack: each rank registered :data:`STACK_SIGNAL`
+  with `faulthandler` at start (:func:`register_stack_dump`), writing `<run_dir>/stacks/rank_<r>.txt`
+  (the run directory is shared across nodes); the signal is sent from the driver to a rank on its
+  own node, through a Ray task pinned to the node otherwise;
+- reads each rank's process state (`/proc/<pid>/stat`: `T` stopped, `D` in uninterruptible
+  I/O, `Z` gone, `R`/`S` running or waiting);
+- names the ranks that have not answered while the others have, with node, pid and state.
+
+The driver then ends the run with that diagnosis (a :class:`~trainer.workers.group.WorkerFailure`
+of kind `hang`, kept in `diagnosis.jsonl` for `hpcrl status`); the next run resumes from the last
+checkpoint. A rank stopped or in `D` state points at its node (say so in the diagnosis); nothing
+here excludes the node yet.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STACK_SIGNAL", "Bounds", "diagnose", "process_state", "register_stack_dump"]
+
+STACK_SIGNAL = int(signal.SIGRTMIN) + 3
+"""The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
+
+_STATES = {"R": "running", "S": "sleeping (waiting)", "D": "in uninterruptible I/O (D)", "T": "stopped (T)",
+           "t": "stopped by a tracer (t)", "Z": "a zombie (gone)", "X": "dead"}
+
+
+def register_stack_dump(path: Path) -> None:
+    """Dump every thread's stack into `path` (made, truncated) whenever :data:`STACK_SIGNAL`
+    arrives. The file stays open for the process's life (faulthandler writes from the handler)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = path.open("w")
+    faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
+    register_stack_dump.files.append(out)  # type: ignore[attr-defined]
+
+
+register_stack_dump.files = []  # type: ignore[attr-defined]
+
+
+@dataclass
+class Bounds:
+    """How long each call may take before the watchdog fires (see the module's docstring)."""
+
+    floor_s: float = 600.0
+    multiple: float = 5.0
+    min_s: float = 60.0
+    warmup: int = 3
+    poll_s: float = 5.0
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+    def bound(self, key: str) -> float:
+        seen = self.history.get(key, [])
+        if len(seen) < self.warmup:
+            return self.floor_s
+        return max(self.min_s, self.multiple * statistics.median(seen))
+
+    def record(self, key: str, seconds: float) -> None:
+        self.history.setdefault(key, []).append(seconds)
+
+    def describe(self, key: str) -> str:
+        seen = self.history.get(key, [])
+        if len(seen) < self.warmup:
+            return f"the first calls' floor, {self.floor_s:g} s (`trainer.watchdog.floor_s`)"
+        return (f"{self.multiple:g} x the median of {len(seen)} earlier calls ({statistics.median(seen):.1f} s), "
+                f"at least {self.min_s:g} s")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of `pid` on this host (`/proc/<pid>/stat`), None when it is not here."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def _here(pid: int, dump: bool) -> str | None:
+    state = process_state(pid)
+    if dump and state is not None:
+        try:
+            os.kill(pid, STACK_SIGNAL)  # a stopped process takes it when it runs again; the others now
+        except OSError:
+            pass
+    return state
+
+
+def _on_node(ip: str, pid: int, dump: bool) -> str | None:
+    """:func:`_here` run on the node whose address is `ip` (a Ray task pinned there)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerAddress") == ip), None)
+    if node_id is None:
+        return None
+    task = ray.remote(num_cpus=0)(_here).options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    try:
+        return ray.get(task.remote(pid, dump), timeout=30)  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a node that does not answer: its state stays unknown
+        return None
+
+
+def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: str, elapsed: float,
+             bound: str, stacks: Path | None) -> tuple[str, dict[str, Any]]:
+    """The summary and details of a call past its bound: each rank's state (stacks dumped into
+    `stacks`), the ranks that did not answer first."""
+    ranks: list[dict[str, Any]] = []
+    for rank, node in enumerate(nodes):
+        pid, host = node.get("pid"), node.get("hostname")
+        if not isinstance(pid, int):
+            continue
+        state = _here(pid, True) if host == socket.gethostname() else _on_node(str(node.get("ip")), pid, True)
+        ranks.append({"rank": rank, "node": host, "pid": pid, "state": state, "answered": rank not in stuck,
+                      **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})})
+    lagging = [r for r in ranks if not r["answered"]]
+    named = "; ".join(f"rank {r['rank']} on node `{r['node']}` (pid {r['pid']}, "
+                      f"{_STATES.get(r['state'] or '', 'state unknown')})" for r in lagging)
+    node_fault = [r for r in lagging if r["state"] in ("T", "t", "D")]
+    summary = (f"worker group `{group}`: `{method}` has run {elapsed:.0f} s, past its bound ({bound}); "
+               f"{len(lagging)} of {len(nodes)} rank(s) have not answered: {named}"
+               + (". A stopped or D-state process points at its node" if node_fault else "")
+               + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else ""))
+    return summary, {"group": group, "method": method, "elapsed_s": round(elapsed, 1), "bound": bound,
+                     "ranks": ranks}
