@@ -127,6 +127,35 @@ def _gpu_rows(r: Mapping[str, Any], vendor: str | None, gpu_gib: float) -> list[
     return rows
 
 
+NODE_MARKS = "doctor-nodes"
+MIN_PYTHON = (3, 11)
+
+
+def prerequisite_rows(reports: Sequence[Mapping[str, Any]], run_dir: Path) -> list[dict[str, str]]:
+    """The cluster path's prerequisites (docs/quickstart-cluster.md): the interpreter the nodes'
+    processes run, alike on every node and new enough; and the run directory one filesystem for
+    all: each node left a file in it (:func:`node_report`), which this head must see."""
+    pythons = sorted({(r.get("python"), r.get("python_version")) for r in reports})
+    versions_ok = all(tuple(int(x) for x in str(v).split(".")[:2]) >= MIN_PYTHON for _, v in pythons if v)
+    same = len(pythons) == 1 and pythons[0][0] is not None
+    detail = "; ".join(f"{path} (Python {version}) on " + ", ".join(sorted(r["hostname"] for r in reports
+                       if (r.get("python"), r.get("python_version")) == (path, version)))
+                       for path, version in pythons)
+    rows = [row("one interpreter on every node, Python >= 3.11", same and versions_ok, detail,
+                "every node must run the same interpreter at the same path (the site profile's `python:`, else "
+                "the one `hpcrl submit` ran with), Python 3.11 or newer: install it there, or set `python:` to "
+                "one that every node has")]
+    marks = run_dir / NODE_MARKS
+    seen = {p.name for p in marks.iterdir()} if marks.is_dir() else set()
+    missing = sorted(r["hostname"] for r in reports if r["hostname"] not in seen)
+    rows.append(row("run directory shared by every node", not missing,
+                    f"{len(reports) - len(missing)} of {len(reports)} node(s) wrote a file this head sees under {marks}"
+                    + (f"; not seen: {', '.join(missing)}" if missing else ""),
+                    "`run_root` must be on a filesystem that the login node and every compute node mount at the "
+                    "same path (a parallel or NFS filesystem, not a node's /tmp)"))
+    return rows
+
+
 def allreduce_rows(results: Sequence[Mapping[str, Any]], floor_gbps: float,
                    nccl_log: str) -> list[dict[str, str]]:
     seconds = max(o["seconds"] for o in results)
@@ -165,9 +194,19 @@ def _host_driver() -> tuple[str | None, str | None]:
         return None, None
 
 
-def node_report(gpus_granted: int) -> dict[str, Any]:
-    """What one node's process sees: container, torch, its GPUs (a matmul on each), its memory."""
+def node_report(gpus_granted: int, run_dir: str | None = None) -> dict[str, Any]:
+    """What one node's process sees: container, torch, its GPUs (a matmul on each), its memory,
+    its interpreter; with `run_dir`, it leaves a file there named after the node
+    (`doctor-nodes/<host>`), which the head then looks for (:func:`prerequisite_rows`)."""
+    import platform
+    import sys
+
     import torch
+
+    if run_dir:
+        marks = Path(run_dir) / NODE_MARKS
+        marks.mkdir(parents=True, exist_ok=True)
+        (marks / socket.gethostname()).write_text(f"{os.getpid()}\n")
 
     devices, kernel, kernel_ok = [], "no GPU", True
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
@@ -183,7 +222,7 @@ def node_report(gpus_granted: int) -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "container": running_in(), "torch": torch.__version__,
             "hip": torch.version.hip, "cuda": torch.version.cuda, "devices": devices,
             "granted": gpus_granted, "kernel": kernel, "kernel_ok": kernel_ok, "driver": driver,
-            "driver_problem": problem}
+            "driver_problem": problem, "python": sys.executable, "python_version": platform.python_version()}
 
 
 def allreduce_rank(rank: int, world: int, master: str, port: int, run_dir: str) -> dict[str, Any]:
@@ -327,10 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     run_dir = Path(os.environ["HPCRL_RUN_DIR"])
     rows, alive = check_ray(args.nodes)
-    reports = _per_node(node_report, alive, args.gpus, gpus=args.gpus)
+    reports = _per_node(node_report, alive, args.gpus, str(run_dir), gpus=args.gpus)
     for report, node in zip(reports, alive, strict=True):  # what the agent gave Ray on the node
         report["memory_bytes"] = sum(node["Resources"].get(k, 0) for k in ("memory", "object_store_memory"))
     rows += check_nodes(reports, args.runtime, None if args.vendor == "any" else args.vendor, args.gpu_gib)
+    rows += prerequisite_rows(reports, run_dir)
     rows += check_allreduce(alive, args.gpus, args.floor_gbps, run_dir)
     rows.append(check_sandbox(alive))
     rows.append(check_vllm(alive, args.gpus, args.model))

@@ -16,8 +16,10 @@ from hpcrl.doctor_check import (
     bus_bandwidth_gbps,
     check_nodes,
     cuda_driver_problem,
+    node_report,
     parse_nccl_transport,
     parse_nvidia_driver,
+    prerequisite_rows,
     sandbox_report,
     sandbox_row,
 )
@@ -96,6 +98,28 @@ def test_node_rows_pass_and_fail_with_fixes() -> None:
     assert status(small, "gpu01: host RAM vs the GPUs' memory") == "FAIL"
     for r in small:
         assert (r["status"] == "FAIL") == bool(r["fix"]), r
+
+
+def test_prerequisite_rows_check_one_interpreter_and_a_shared_run_directory(tmp_path: Path) -> None:
+    """This host's real `node_report` leaves its file in the run directory; a second node's
+    report, as it came back from a node whose file this head does not see and whose interpreter
+    differs, fails both rows, naming the node and the paths."""
+    import socket
+    import sys
+
+    here = node_report(0, str(tmp_path))
+    assert (tmp_path / "doctor-nodes" / socket.gethostname()).is_file() and here["python"] == sys.executable
+    rows = prerequisite_rows([here], tmp_path)
+    assert status(rows, "one interpreter on every node, Python >= 3.11") == "PASS"
+    assert status(rows, "run directory shared by every node") == "PASS"
+    other = {**here, "hostname": "gpu02", "python": "/usr/bin/python3", "python_version": "3.9.2"}
+    rows = prerequisite_rows([here, other], tmp_path)
+    interp = next(r for r in rows if r["check"].startswith("one interpreter"))
+    shared = next(r for r in rows if r["check"] == "run directory shared by every node")
+    assert interp["status"] == "FAIL" and "/usr/bin/python3 (Python 3.9.2) on gpu02" in interp["detail"]
+    assert "`python:`" in interp["fix"]
+    assert shared["status"] == "FAIL" and "1 of 2 node(s)" in shared["detail"] and "not seen: gpu02" in shared["detail"]
+    assert "`run_root`" in shared["fix"]
 
 
 def test_the_h200_node_report() -> None:
