@@ -133,18 +133,21 @@ MIN_PYTHON = (3, 11)
 
 def prerequisite_rows(reports: Sequence[Mapping[str, Any]], run_dir: Path) -> list[dict[str, str]]:
     """The cluster path's prerequisites (docs/quickstart-cluster.md): the interpreter the nodes'
-    processes run, alike on every node and new enough; and the run directory one filesystem for
-    all: each node left a file in it (:func:`node_report`), which this head must see."""
+    payload processes run (the image's in a container), alike on every node and new enough; and
+    the run directory one filesystem for all: each node left a file in it (:func:`node_report`),
+    which this head must see. The agents' own interpreter is met once every node has joined Ray
+    (the `Ray: every node joined` row): an agent that cannot start never joins."""
     pythons = sorted({(r.get("python"), r.get("python_version")) for r in reports})
     versions_ok = all(tuple(int(x) for x in str(v).split(".")[:2]) >= MIN_PYTHON for _, v in pythons if v)
     same = len(pythons) == 1 and pythons[0][0] is not None
     detail = "; ".join(f"{path} (Python {version}) on " + ", ".join(sorted(r["hostname"] for r in reports
                        if (r.get("python"), r.get("python_version")) == (path, version)))
                        for path, version in pythons)
-    rows = [row("one interpreter on every node, Python >= 3.11", same and versions_ok, detail,
-                "every node must run the same interpreter at the same path (the site profile's `python:`, else "
-                "the one `hpcrl submit` ran with), Python 3.11 or newer: install it there, or set `python:` to "
-                "one that every node has")]
+    rows = [row("the payload's interpreter: one on every node, Python >= 3.11", same and versions_ok, detail,
+                "every node must run the payload with one interpreter, Python 3.11 or newer: in a container "
+                "the image's (rebuild it, `hpcrl image build`); with `container.runtime: none` the site "
+                "profile's `python:`, else the one `hpcrl submit` ran with (install it at that path on every "
+                "node, or set `python:` to one every node has)")]
     marks = run_dir / NODE_MARKS
     seen = {p.name for p in marks.iterdir()} if marks.is_dir() else set()
     missing = sorted(r["hostname"] for r in reports if r["hostname"] not in seen)

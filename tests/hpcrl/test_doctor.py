@@ -110,11 +110,11 @@ def test_prerequisite_rows_check_one_interpreter_and_a_shared_run_directory(tmp_
     here = node_report(0, str(tmp_path))
     assert (tmp_path / "doctor-nodes" / socket.gethostname()).is_file() and here["python"] == sys.executable
     rows = prerequisite_rows([here], tmp_path)
-    assert status(rows, "one interpreter on every node, Python >= 3.11") == "PASS"
+    assert status(rows, "the payload's interpreter: one on every node, Python >= 3.11") == "PASS"
     assert status(rows, "run directory shared by every node") == "PASS"
     other = {**here, "hostname": "gpu02", "python": "/usr/bin/python3", "python_version": "3.9.2"}
     rows = prerequisite_rows([here, other], tmp_path)
-    interp = next(r for r in rows if r["check"].startswith("one interpreter"))
+    interp = next(r for r in rows if r["check"].startswith("the payload's interpreter"))
     shared = next(r for r in rows if r["check"] == "run directory shared by every node")
     assert interp["status"] == "FAIL" and "/usr/bin/python3 (Python 3.9.2) on gpu02" in interp["detail"]
     assert "`python:`" in interp["fix"]

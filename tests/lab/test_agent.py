@@ -373,7 +373,7 @@ def test_sites_new_profile_runs_a_job_unchanged(lab, lab_images, tmp_path):
                   "PASS  node1: GPUs torch sees = granted", "PASS  all-reduce across nodes: result",
                   "PASS  all-reduce across nodes: bus bandwidth", "SKIP  all-reduce across nodes: transport",
                   "SKIP  vLLM loads and generates on one GPU",
-                  "PASS  one interpreter on every node, Python >= 3.11", "PASS  run directory shared by every node"]:
+                  "PASS  the payload's interpreter: one on every node, Python >= 3.11", "PASS  run directory shared by every node"]:
         assert check in table, table
     assert "FAIL" not in table and "0 x none (0 GiB) via CPU, granted 0" in table
     assert (tmp_path / "state" / "hpcrl" / "doctor" / "labnew.json").is_file()
