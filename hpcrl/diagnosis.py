@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIAGNOSIS_FILE", "read_diagnoses", "write_diagnosis"]
+__all__ = ["DIAGNOSIS_FILE", "blamed_nodes", "read_diagnoses", "write_diagnosis"]
 
 DIAGNOSIS_FILE = "diagnosis.jsonl"
 
@@ -24,7 +24,7 @@ def write_diagnosis(run_dir: Path | str, kind: str, summary: str, **details: Any
     """Append one diagnosis to `run_dir`'s file (made if missing); return the file."""
     path = Path(run_dir) / DIAGNOSIS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"time": round(time.time(), 3), "kind": kind, "summary": summary, **details}
+    record = {"time": time.time(), "kind": kind, "summary": summary, **details}
     with path.open("a", encoding="utf-8") as out:
         out.write(json.dumps(record, default=str) + "\n")
     return path
@@ -47,3 +47,15 @@ def read_diagnoses(run_dir: Path | str) -> list[dict[str, Any]]:
         if isinstance(record, dict) and isinstance(record.get("summary"), str):
             out.append(record)
     return out
+
+
+def blamed_nodes(run_dir: Path | str, since: float) -> list[str]:
+    """The nodes the trainer's watchdog blamed for a stuck rank (a stopped or D-state process:
+    `suspect_nodes` of a `hang` diagnosis) in diagnoses written at or after `since` (epoch
+    seconds: this run's start)."""
+    out: set[str] = set()
+    for record in read_diagnoses(run_dir):
+        nodes = record.get("suspect_nodes")
+        if record.get("kind") == "hang" and float(record.get("time", 0)) >= since and isinstance(nodes, list):
+            out.update(str(n) for n in nodes)
+    return sorted(out)

@@ -17,9 +17,10 @@ and warm caches). Past it, :func:`diagnose`:
 - names the ranks that have not answered while the others have, with node, pid and state.
 
 The driver then ends the run with that diagnosis (a :class:`~trainer.workers.group.WorkerFailure`
-of kind `hang`, kept in `diagnosis.jsonl` for `hpcrl status`); the next run resumes from the last
-checkpoint. A rank stopped or in `D` state points at its node (say so in the diagnosis); nothing
-here excludes the node yet.
+of kind `hang`, kept in `diagnosis.jsonl` for `hpcrl status`). A rank stopped or in `D` state
+points at its node: the diagnosis lists such nodes (`suspect_nodes`), and hpcrl's head agent
+requeues the job without them, as after a node loss (:func:`hpcrl.diagnosis.blamed_nodes`); the
+rerun resumes from the last checkpoint. Otherwise the run ends with the diagnosis.
 """
 
 from __future__ import annotations
@@ -137,4 +138,4 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
                + (". A stopped or D-state process points at its node" if node_fault else "")
                + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else ""))
     return summary, {"group": group, "method": method, "elapsed_s": round(elapsed, 1), "bound": bound,
-                     "ranks": ranks}
+                     "ranks": ranks, "suspect_nodes": sorted({str(r["node"]) for r in node_fault})}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.agent import requeue as rq
@@ -27,9 +27,10 @@ from hpcrl.agent.watch import (
     signalled_before_payload,
     stop_requested,
 )
+from hpcrl.diagnosis import blamed_nodes
 from hpcrl.netaddr import format_host
 from hpcrl.payloads import verl
-from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED, gpus_env
+from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED, gpus_env, trainer_dirs
 from hpcrl.slurm import SlurmError, run_slurm
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
@@ -42,6 +43,8 @@ class Head:
     heartbeat: Heartbeat
     inbox: SignalInbox
     launcher: Launcher
+    started: float = field(default_factory=time.time)
+    """When this run's head started: diagnoses older than this are an earlier run's."""
 
     def run(self) -> Outcome:
         node = self.node
@@ -175,9 +178,14 @@ class Head:
                             failed.cause)  # first: Slurm may end this agent meanwhile
         dead = dead_nodes(self.node, self.heartbeat)
         cut = [(r, h) for r, h in watch.cut_off() if r not in {r for r, _ in dead}]
-        if not dead and not cut:
-            return failed
         hosts = [host for _, host in dead + cut]
+        blamed = [h for h in self._blamed() if h not in hosts]
+        if blamed:  # alive, but the trainer's watchdog found a rank stopped or in D state there
+            self.node.log.error("%s; the trainer's watchdog blamed node(s) %s (a stuck rank's process "
+                                "stopped or in uninterruptible I/O)", failed.cause, ", ".join(blamed))
+            hosts += blamed
+        if not hosts:
+            return failed
         if dead:
             self.node.log.error("%s; node(s) %s died", failed.cause,
                                 ", ".join(h for _, h in dead))
@@ -186,6 +194,14 @@ class Head:
                                 "beat: their network is cut off", failed.cause,
                                 ", ".join(h for _, h in cut))
         return requeuer.after_node_loss(hosts, failed.cause)
+
+    def _blamed(self) -> list[str]:
+        """Nodes the trainer's watchdog blamed in this run (:func:`hpcrl.diagnosis.blamed_nodes`,
+        from the trainer's run directory); none when it wrote nothing or cannot be read."""
+        try:
+            return blamed_nodes(trainer_dirs(self.node.run_dir)[0], since=self.started)
+        except (OSError, ValueError):
+            return []
 
     def _cancelled_before_payload(self, stop: StopControl) -> Outcome | None:
         why = stop.check_cancel()

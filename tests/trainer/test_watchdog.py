@@ -107,6 +107,7 @@ def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped
     assert "A stopped or D-state process points at its node" in text, text
     ranks = {r["rank"]: r for r in err.details["ranks"]}
     assert ranks[1]["state"] == "T" and not ranks[1]["answered"] and ranks[0]["answered"]
+    assert err.details["suspect_nodes"] == [group.nodes[1]["hostname"]]  # for the head's requeue without it
     assert 2 < took < 30, took  # fired at its learned bound, not at the floor
     for _ in range(100):  # the answering rank dumps its threads' stacks on the signal
         if "File" in (stacks / "rank_0.txt").read_text():
