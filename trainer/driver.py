@@ -3,8 +3,8 @@
 The driver builds the run and keeps the synchronous loop (when to validate, to save, to stop);
 one step's stages are :class:`trainer.step.Stages` (each stage a unit of its own in
 :mod:`trainer.stages`), the run's state (step, data position, checkpoints, resume, the metrics
-file) :class:`trainer.run_state.RunState`. Both are the driver's parts, not its copies: another
-loop orders the same stages over the same state. The models live in
+file) :class:`trainer.run_state.RunState`. Both serve any loop: an asynchronous one orders the
+same stages in its own way and keeps its step in a `RunState` of its own. The models live in
 worker groups (:mod:`trainer.workers`): actor + reference + rollout, and the critic when the
 estimator needs one. A group is one rank in this process
 (:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray actor per
