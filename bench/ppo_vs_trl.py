@@ -160,7 +160,7 @@ def run_ours(s: Setup) -> SideResult:
         skipped: list[float] = []
         for _ in range(s.warmup + s.steps):
             examples = trainer.loader.next_batch()
-            trainer.global_step += 1
+            trainer.state.global_step += 1
             metrics = trainer.train_step(examples)
             ends.append(clocks())
             totals.append((totals[-1] if totals else 0) + metrics["perf/total_num_tokens"])

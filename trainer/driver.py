@@ -1,8 +1,10 @@
 """The PPO driver: one loop for one rank in this process or many ranks on Ray.
 
-The driver keeps the synchronous loop and the run's state (the step, the data position, the stop
-request); one step's stages are :class:`trainer.step.Stages` (each stage a unit of its own in
-:mod:`trainer.stages`), the checkpoints and resume :mod:`trainer.run_state`. The models live in
+The driver builds the run and keeps the synchronous loop (when to validate, to save, to stop);
+one step's stages are :class:`trainer.step.Stages` (each stage a unit of its own in
+:mod:`trainer.stages`), the run's state (step, data position, checkpoints, resume, the metrics
+file) :class:`trainer.run_state.RunState`. Both serve any loop: an asynchronous one orders the
+same stages in its own way and keeps its step in a `RunState` of its own. The models live in
 worker groups (:mod:`trainer.workers`): actor + reference + rollout, and the critic when the
 estimator needs one. A group is one rank in this process
 (:class:`~trainer.workers.group.LocalWorkerGroup`, the embedded default) or one Ray actor per
@@ -32,16 +34,16 @@ from typing import Any
 
 from hpcrl.diagnosis import write_diagnosis
 from trainer import models as M
-from trainer import run_state, startup
+from trainer import startup
 from trainer.agent.manager import agent_data_args
 from trainer.batch import StepBatch, seed_everything
-from trainer.checkpoint import full_state as ckpt
 from trainer.config import Config, check_run
 from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainer.metrics import MetricsLogger
 from trainer.mlflow_tracking import import_mlflow, tracking_uri
+from trainer.run_state import RunState, run_dir_of
 from trainer.stages.reward import build_reward_engine
 from trainer.stages.validate import VAL_GENERATIONS_FILE
 from trainer.step import Stages
@@ -99,7 +101,7 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
                                   **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
         w = t.watchdog
-        stacks = Path(t.run_dir or t.default_local_dir or ".") / "stacks" if w.enable else None
+        stacks = run_dir_of(cfg) / "stacks" if w.enable else None
         groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world, stacks=stacks)
         actor, critic = groups["actor_rollout_ref"], groups.get("critic")
         if w.enable:  # every call to the ranks timed and bounded (trainer.watchdog)
@@ -114,29 +116,27 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
 
 
 class PPODriver:
-    """The synchronous loop, the data and the run's state; one step's stages are
-    :class:`trainer.step.Stages`, the checkpoints :mod:`trainer.run_state`."""
+    """The run's construction and its synchronous loop; one step's stages are `stages`
+    (:class:`trainer.step.Stages`), the step, data position and checkpoints `state`
+    (:class:`trainer.run_state.RunState`)."""
 
     def __init__(self, cfg: Config, stop: StopRequest | None = None) -> None:
         check_run(cfg)  # verl's start-time checks, before anything is loaded
         self.cfg = cfg
         self.clock = startup.Clock()
         t = cfg.trainer
-        self.ckpt_root = Path(t.default_local_dir or ".")
-        self.run_dir = Path(t.run_dir) if t.run_dir else self.ckpt_root
         if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # missing: stop before any model loads
             import_mlflow("`actor_rollout_ref.rollout.trace.backend=mlflow`")
-        self._run: ckpt.RunIdentity | None = None
         seed_everything(t.seed)
         fetch_models(cfg)
         tokenizer_path, tokenizer_trust = cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         self.reward = build_reward_engine(cfg, self.tokenizer)
         self._build_data()
+        self.state = RunState(cfg, self.loader)
         self.stop = stop or StopRequest()
         self.stop.watch(self.run_dir)
         self.deadline = Deadline.from_env(os.environ, t.deadline_margin_s)
-        self.global_step = 0
         start = time.perf_counter()
         self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
@@ -144,7 +144,7 @@ class PPODriver:
             self.reward.attach(self.actor_group)
         self.stages = Stages(cfg, self.actor_group, self.critic_group, self.reward, self.tokenizer, self.clock)
         if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # the metrics logger's store
-            self.rollout.trace_store = tracking_uri(self.run_dir)
+            self.stages.rollout.trace_store = tracking_uri(self.run_dir)
         self._write_workers()
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")
@@ -175,13 +175,14 @@ class PPODriver:
         (self.run_dir / "workers.json").write_text(json.dumps(layout, indent=1))
 
     @property
-    def rollout(self) -> Any:
-        """The rollout stage (:class:`trainer.stages.rollout.Rollout`)."""
-        return self.stages.rollout
+    def run_dir(self) -> Path:
+        """The run's directory (:attr:`trainer.run_state.RunState.run_dir`)."""
+        return self.state.run_dir
 
     @property
-    def kl_ctrl(self) -> Any:
-        return self.stages.kl_ctrl
+    def global_step(self) -> int:
+        """The last step begun (:attr:`trainer.run_state.RunState.global_step`)."""
+        return self.state.global_step
 
     # ------------------------------------------------------------------------------ one step
 
@@ -202,30 +203,6 @@ class PPODriver:
         assert self.val_set is not None
         return self.stages.validate(self.val_set, self.global_step, self.run_dir)
 
-    # ------------------------------------------------------------------------------ checkpoints
-
-    @property
-    def run(self) -> ckpt.RunIdentity:
-        """This run (its run directory's persisted id): whose checkpoints it resumes and prunes."""
-        if self._run is None:
-            self._run = ckpt.run_identity(self.run_dir)
-        return self._run
-
-    def save_checkpoint(self) -> Path:
-        """`<default_local_dir>/global_step_N/` (:func:`trainer.run_state.save`)."""
-        return run_state.save(self)
-
-    def load_checkpoint(self, path: Path) -> int | str:
-        """Load a checkpoint written on any number of ranks; returns that number."""
-        return run_state.load(self, path)
-
-    def resume(self) -> Path | None:
-        """Load the checkpoint `trainer.resume_mode` selects and give the rollout its weights;
-        return the checkpoint (None: fresh start)."""
-        path = run_state.resume(self)
-        self.stages.sync_weights()
-        return path
-
     # ------------------------------------------------------------------------------ the loop
 
     def _due(self, freq: int) -> bool:
@@ -234,8 +211,9 @@ class PPODriver:
     def fit(self) -> int:
         """Run to `total_steps` or to a stop request; return the process exit code."""
         t = self.cfg.trainer
-        resumed = self.resume() is not None
-        logger = run_state.open_metrics(self, resumed)
+        resumed = self.state.resume(self.stages) is not None
+        self.stages.sync_weights()  # the rollout gets the trained (or the loaded) weights
+        logger = self.state.open_metrics(resumed)
         owned = not self.stop.installed  # `python -m trainer` keeps its handlers to the end
         self.stop.install()
         try:
@@ -269,7 +247,7 @@ class PPODriver:
     def _maybe_save(self, stopping: str | None) -> None:
         if self._due(self.cfg.trainer.save_freq) or stopping or self.global_step == self.total_steps:
             start = time.perf_counter()
-            path = self.save_checkpoint()
+            path = self.state.save(self.stages)
             self.deadline.record_save(time.perf_counter() - start)
             print(f"trainer: saved {path} in {time.perf_counter() - start:.1f}s", flush=True)
 
@@ -277,7 +255,7 @@ class PPODriver:
         while self.global_step < self.total_steps:
             began = time.time()
             examples = self.loader.next_batch()
-            self.global_step += 1
+            self.state.global_step += 1
             metrics = self.train_step(examples)
             self._maybe_validate(metrics)
             # Metrics first: a kill between the two leaves a line that resume drops, never a gap.
@@ -304,10 +282,8 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
         driver = PPODriver(cfg, stop)
         return driver.fit()
     except WorkerFailure as err:  # kept beside the metrics for `hpcrl status`, after the job is gone
-        t = cfg.trainer
-        run_dir = Path(t.run_dir) if t.run_dir else Path(t.default_local_dir or ".")
         kind = "oom" if "killed for memory" in str(err) else err.kind
-        write_diagnosis(run_dir, kind, str(err), **err.details)
+        write_diagnosis(run_dir_of(cfg), kind, str(err), **err.details)
         raise
     finally:
         if driver is not None:

@@ -1,8 +1,11 @@
-"""A run's state across its stops: what the driver saves beside the workers' shards, how a run
-resumes, and how the metrics file is reopened after a resume.
+"""A run's state across its stops (:class:`RunState`): the step, the data position, which run
+this is and where its checkpoints and metrics live; saving it beside the workers' shards,
+resuming it, and reopening the metrics file after a resume.
 
-The driver owns little: the step, the data position, the KL controller and the RNG, small and
-independent of the number of ranks (:func:`trainer_state`). The workers' shards are
+Any loop over :class:`trainer.step.Stages` keeps its state here: the synchronous loop
+(:class:`trainer.driver.PPODriver`) and an asynchronous one alike. What the state saves of its
+own is small and independent of the number of ranks (:meth:`RunState.trainer_state`): the step,
+the data position, the stages' KL controller, the RNG. The workers' shards are
 :func:`trainer.stages.checkpoint.save`'s. A resume loads both, from a checkpoint written on any
 number of ranks, and says how many logged steps are done again.
 """
@@ -11,69 +14,90 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer.checkpoint import full_state as ckpt
-from trainer.config import config_to_dict, dump_config
+from trainer.config import Config, config_to_dict, dump_config
+from trainer.data import PromptLoader
 from trainer.metrics import METRICS_FILE, MetricsLogger, last_step
 from trainer.stages import checkpoint
+from trainer.step import Stages
 
-if TYPE_CHECKING:
-    from trainer.driver import PPODriver
-
-__all__ = ["load", "open_metrics", "resume", "save", "trainer_state"]
+__all__ = ["RunState", "run_dir_of", "say_redone"]
 
 
-def trainer_state(driver: PPODriver) -> dict[str, Any]:
-    """What the driver owns: step, data position, KL controller, RNG (small, world-size free)."""
-    return {"global_step": driver.global_step, "loader": driver.loader.state_dict(),
-            "kl_ctrl": driver.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(), "world_size": driver.world}
+def run_dir_of(cfg: Config) -> Path:
+    """`trainer.run_dir`, or where the checkpoints go when it is unset."""
+    t = cfg.trainer
+    return Path(t.run_dir) if t.run_dir else Path(t.default_local_dir or ".")
 
 
-def save(driver: PPODriver) -> Path:
-    """`<default_local_dir>/global_step_N/` (:func:`trainer.stages.checkpoint.save`)."""
-    return checkpoint.save(
-        driver.ckpt_root, driver.global_step, driver.run, driver.stages.groups(), trainer_state(driver),
-        files={"config.yaml": dump_config(driver.cfg)},
-        metadata={"global_step": driver.global_step, "epoch": driver.loader.epoch, "world_size": driver.world},
-        keep_last=driver.cfg.trainer.max_actor_ckpt_to_keep)
+class RunState:
+    """The step, the data position (`loader`), the run's identity and directories; saved with
+    the workers' shards of the stages it is given, and restored into them."""
 
+    def __init__(self, cfg: Config, loader: PromptLoader) -> None:
+        self.cfg, self.loader = cfg, loader
+        self.ckpt_root = Path(cfg.trainer.default_local_dir or ".")
+        self.run_dir = run_dir_of(cfg)
+        self.global_step = 0
+        self._run: ckpt.RunIdentity | None = None
 
-def load(driver: PPODriver, path: Path) -> int | str:
-    """Load a checkpoint written on any number of ranks into `driver`; returns that number."""
-    state = checkpoint.load(path, driver.actor_group, driver.critic_group, driver.cfg.algorithm.adv_estimator)
-    driver.global_step = int(state["global_step"])
-    driver.loader.load_state_dict(state["loader"])
-    driver.kl_ctrl.load_state_dict(state["kl_ctrl"])
-    ckpt.restore_rng_state(state["rng"])
-    return state.get("world_size", "?")  # type: ignore[no-any-return]
+    @property
+    def run(self) -> ckpt.RunIdentity:
+        """This run (its run directory's persisted id): whose checkpoints it resumes and prunes."""
+        if self._run is None:
+            self._run = ckpt.run_identity(self.run_dir)
+        return self._run
 
+    def trainer_state(self, stages: Stages) -> dict[str, Any]:
+        """What the loop owns: step, data position, KL controller, RNG (small, world-size free)."""
+        return {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                "kl_ctrl": stages.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(), "world_size": stages.world}
 
-def resume(driver: PPODriver) -> Path | None:
-    """Load the checkpoint `trainer.resume_mode` selects; return it (None: a fresh start)."""
-    t = driver.cfg.trainer
-    start = time.perf_counter()
-    path = ckpt.resolve_resume(driver.ckpt_root, t.resume_mode, t.resume_from_path, run=driver.run)
-    others = ckpt.others_checkpoints(driver.ckpt_root, driver.run) if t.resume_mode == "auto" else []
-    if others:
-        print(f"trainer: note: `{driver.ckpt_root}` also holds checkpoints of other runs "
-              f"({ckpt.describe_others(others)}); auto-resume takes only this run's "
-              f"(`{driver.run.run_id}`)", flush=True)
-    if path is not None:
-        saved_on = load(driver, path)
-        print(f"trainer: resumed from {path} (step {driver.global_step}) (saved on {saved_on} rank(s)) "
-              f"on {driver.world} rank(s) in {time.perf_counter() - start:.1f}s", flush=True)
-    return path
+    def save(self, stages: Stages) -> Path:
+        """`<default_local_dir>/global_step_N/` (:func:`trainer.stages.checkpoint.save`)."""
+        return checkpoint.save(
+            self.ckpt_root, self.global_step, self.run, stages.groups(), self.trainer_state(stages),
+            files={"config.yaml": dump_config(self.cfg)},
+            metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": stages.world},
+            keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
 
+    def load(self, path: Path, stages: Stages) -> int | str:
+        """Load a checkpoint written on any number of ranks into this state and `stages`' worker
+        groups; returns that number."""
+        state = checkpoint.load(path, stages.actor_group, stages.critic_group, self.cfg.algorithm.adv_estimator)
+        self.global_step = int(state["global_step"])
+        self.loader.load_state_dict(state["loader"])
+        stages.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        ckpt.restore_rng_state(state["rng"])
+        return state.get("world_size", "?")  # type: ignore[no-any-return]
 
-def open_metrics(driver: PPODriver, resumed: bool) -> MetricsLogger:
-    """The run's metrics logger, the lines past the resumed step dropped."""
-    t = driver.cfg.trainer
-    logged = last_step(driver.run_dir / METRICS_FILE)
-    if resumed or logged:  # a run killed before its first checkpoint starts over
-        say_redone(driver.global_step, logged)
-    return MetricsLogger(driver.run_dir, t.logger, keep_through=driver.global_step if resumed else -1,
-                         project=t.project_name, experiment=t.experiment_name, config=config_to_dict(driver.cfg))
+    def resume(self, stages: Stages) -> Path | None:
+        """Load the checkpoint `trainer.resume_mode` selects; return it (None: a fresh start).
+        The rollout gets the loaded weights from the caller's sync stage."""
+        t = self.cfg.trainer
+        start = time.perf_counter()
+        path = ckpt.resolve_resume(self.ckpt_root, t.resume_mode, t.resume_from_path, run=self.run)
+        others = ckpt.others_checkpoints(self.ckpt_root, self.run) if t.resume_mode == "auto" else []
+        if others:
+            print(f"trainer: note: `{self.ckpt_root}` also holds checkpoints of other runs "
+                  f"({ckpt.describe_others(others)}); auto-resume takes only this run's "
+                  f"(`{self.run.run_id}`)", flush=True)
+        if path is not None:
+            saved_on = self.load(path, stages)
+            print(f"trainer: resumed from {path} (step {self.global_step}) (saved on {saved_on} rank(s)) "
+                  f"on {stages.world} rank(s) in {time.perf_counter() - start:.1f}s", flush=True)
+        return path
+
+    def open_metrics(self, resumed: bool) -> MetricsLogger:
+        """The run's metrics logger, the lines past the resumed step dropped."""
+        t = self.cfg.trainer
+        logged = last_step(self.run_dir / METRICS_FILE)
+        if resumed or logged:  # a run killed before its first checkpoint starts over
+            say_redone(self.global_step, logged)
+        return MetricsLogger(self.run_dir, t.logger, keep_through=self.global_step if resumed else -1,
+                             project=t.project_name, experiment=t.experiment_name, config=config_to_dict(self.cfg))
 
 
 def say_redone(step: int, logged: int) -> None:

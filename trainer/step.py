@@ -1,12 +1,16 @@
 """The stages of one PPO step over the run's worker groups, each a call of its own.
 
 :class:`Stages` owns what a step needs and no loop: the worker groups, the rollout, the reward
-engine, the KL controller, the per-rank figures. Every stage takes the step it belongs to, so a
-loop may run stages of different steps side by side: the synchronous loop
-(:class:`trainer.driver.PPODriver`) runs :meth:`Stages.train_step`, `generate -> prepare ->
-update` in turn; an asynchronous loop generates step k+1's batch while it prepares and updates on
-step k's. Each stage itself lives in :mod:`trainer.stages`; this class orders them and keeps their
-metrics under verl's names.
+engine, the KL controller, the per-rank figures. A training step is four calls, which a loop
+makes in its own order: :meth:`Stages.begin` (the step's seed and timer), :meth:`Stages.sample`
+(rollout, and ReMax's greedy baselines), :meth:`Stages.prepare` (reward, old and reference
+log-probs, values, advantages, the rollout dump) and :meth:`Stages.update` (critic and actor
+updates, weight sync); then :meth:`Stages.step_metrics`. The synchronous loop
+(:class:`trainer.driver.PPODriver`) makes them in turn through :meth:`Stages.train_step`. Every
+stage takes the step it belongs to, so an asynchronous loop may sample step k+1's batch while it
+prepares and updates on step k's; the per-rank figures and the rollout's agent-loop metrics are
+kept for the last step begun, not per step. Each stage itself lives in :mod:`trainer.stages`;
+this class orders them and keeps their metrics under verl's names.
 """
 
 from __future__ import annotations
@@ -63,10 +67,27 @@ class Stages:
 
     # ------------------------------------------------------------------------------ before the updates
 
+    def begin(self, step: int) -> Timer:
+        """Start training step `step`: its torch seed, fresh per-rank figures; returns the timer
+        of its phases."""
+        torch.manual_seed(step_seed(self.cfg.trainer.seed, step))
+        self.rank_metrics = {}
+        return Timer()
+
     def generate(self, examples: list[Example], step: int, validate: bool = False, greedy: bool = False
                  ) -> StepBatch:
         """The rollout stage (:class:`trainer.stages.rollout.Rollout`), seeded by `step`."""
         return self.rollout.generate(examples, step, self.note, validate=validate, greedy=greedy)
+
+    def sample(self, examples: list[Example], step: int, timer: Timer) -> StepBatch:
+        """A training step's rollout (phase `gen`) and, for an estimator with a greedy baseline
+        (ReMax), each prompt's greedy response scored (phase `gen_max`)."""
+        with timer.phase("gen"):
+            batch = self.generate(examples, step)
+        if registry.adv_estimator(self.cfg.algorithm.adv_estimator).greedy_baseline:
+            with timer.phase("gen_max"):
+                self.compute_reward_baselines(examples, batch, step)
+        return batch
 
     def compute_rewards(self, batch: StepBatch) -> dict[str, float]:
         """The reward stage: the run's reward engine (:class:`trainer.stages.reward.RewardEngine`)."""
@@ -101,7 +122,8 @@ class Stages:
 
     def prepare(self, batch: StepBatch, step: int, timer: Timer) -> dict[str, float]:
         """Everything between rollout and the updates: reward, old and reference log-probs,
-        values, advantages."""
+        values, advantages; then the batch written to `trainer.rollout_data_dir` when set (where
+        verl dumps it, before the updates)."""
         metrics: dict[str, float] = {}
         rewards: Future[dict[str, float]] | None = None
         if self.cfg.reward_model.launch_reward_fn_async:  # scored while the workers compute
@@ -130,6 +152,8 @@ class Stages:
                 metrics.update(rewards.result())
         with timer.phase("adv"):
             metrics.update(self.compute_advantages(batch, step))
+        if self.cfg.trainer.rollout_data_dir:
+            dump_rollout(self.cfg.trainer.rollout_data_dir, step, batch, self.tokenizer)
         return metrics
 
     # ------------------------------------------------------------------------------ updates
@@ -175,20 +199,13 @@ class Stages:
     # ------------------------------------------------------------------------------ one step
 
     def train_step(self, examples: list[Example], step: int) -> tuple[StepBatch, dict[str, float], Timer]:
-        """One synchronous PPO step on a batch of prompts: its batch, metrics and phase times."""
-        torch.manual_seed(step_seed(self.cfg.trainer.seed, step))
-        self.rank_metrics = {}
-        timer = Timer()
+        """One synchronous PPO step on a batch of prompts, its stages in turn: its batch,
+        metrics and phase times."""
+        timer = self.begin(step)
         with timer.phase("step"):
-            with timer.phase("gen"):
-                batch = self.generate(examples, step)
-            if registry.adv_estimator(self.cfg.algorithm.adv_estimator).greedy_baseline:
-                with timer.phase("gen_max"):
-                    self.compute_reward_baselines(examples, batch, step)
+            batch = self.sample(examples, step, timer)
             self.clock.mark("first_rollout")
             metrics = self.prepare(batch, step, timer)
-            if self.cfg.trainer.rollout_data_dir:  # verl dumps after the advantages, before the updates
-                dump_rollout(self.cfg.trainer.rollout_data_dir, step, batch, self.tokenizer)
             metrics.update(self.update(batch, step, timer))
         return batch, metrics, timer
 

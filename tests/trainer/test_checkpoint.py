@@ -529,20 +529,21 @@ def test_driver_save_out_of_space_keeps_the_previous_checkpoint_and_refuses_old_
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "trainer.device=cpu", f"trainer.default_local_dir={run}", "trainer.logger=jsonl",
         "trainer.total_training_steps=3"]))
-    driver.global_step = 1
-    first = driver.save_checkpoint()
+    state, stages = driver.state, driver.stages
+    state.global_step = 1
+    first = state.save(stages)
     assert sharded.has_group_state(first, "actor") and ck.is_complete(first)
-    driver.global_step = 2
+    state.global_step = 2
     full = OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(sharded, "_storage_writer", _failing_writer(full))
     with pytest.raises(sharded.CheckpointWriteError, match=r"\.tmp-[0-9a-f]{16}-global_step_2-.*No space left on "
                        r"device \(ENOSPC\)\. The checkpoint needs about .* GiB \(\d+ bytes\)") as raised:
-        driver.save_checkpoint()
+        state.save(stages)
     assert str(run) in str(raised.value)
     assert ck.find_latest_checkpoint(run) == first and ck.read_latest_marker(run) == 1
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp-")]
-    assert driver.load_checkpoint(first) == 1 and driver.global_step == 1
+    assert state.load(first, stages) == 1 and state.global_step == 1
     old = ck.save_checkpoint(run, 3, {"actor": {"w": torch.zeros(1)}, "trainer_state": {"global_step": 3}})
     with pytest.raises(sharded.CheckpointFormatError, match="gathered full state .*`actor.pt`.*"
                        "trainer.resume_mode=disable"):
-        driver.load_checkpoint(old)
+        state.load(old, stages)

@@ -158,7 +158,7 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_model_dir: Path, toy_data
         assert torch.equal(tensor, weights(resumed)[name]), name
     for name, tensor in weights(whole, "critic").items():
         assert torch.equal(tensor, weights(resumed, "critic")[name]), name
-    assert resumed.kl_ctrl.value == whole.kl_ctrl.value
+    assert resumed.stages.kl_ctrl.value == whole.stages.kl_ctrl.value
     steps = [r["step"] for r in read_jsonl(broken / "metrics.jsonl")]
     assert steps == [1, 2, 3]
     assert scores(broken) == scores(straight)

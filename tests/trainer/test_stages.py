@@ -15,7 +15,7 @@ import torch
 from trainer.algos import core_algos
 from trainer.batch import StepBatch
 from trainer.config import ConfigError, load_config
-from trainer.data import Example, PromptDataset
+from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.stages import checkpoint, logprobs, update
 from trainer.stages.advantage import compute_advantages
 from trainer.stages.logprobs import split_batch
@@ -471,3 +471,54 @@ def test_remax_baseline_is_the_greedy_score_of_each_row_s_prompt() -> None:
     greedy.sequence_scores = torch.tensor([0.25, 0.75])
     set_reward_baselines(batch, greedy)
     assert batch.reward_baselines.tolist() == [0.75, 0.75, 0.25, 0.25]  # type: ignore[union-attr]
+
+
+def test_run_state_keeps_a_loop_s_step_data_position_and_kl_controller_across_a_stop(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A loop over the stages (here steps counted by hand, no driver) saves its state beside the
+    groups' shards; a new state on fresh stages resumes it: the step, the next batch, the KL
+    controller, and the metrics lines past the checkpoint dropped and said to be redone."""
+    from trainer.run_state import RunState
+    from trainer.startup import Clock
+    from trainer.step import Stages
+
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "toy", "prompt": [{"role": "user", "content": f"q{i}"}],
+         "reward_model": {"ground_truth": str(i)}} for i in range(8)]), data)
+
+    class Chat(WordTokenizer):
+        pad_token_id = 0
+
+        def apply_chat_template(self, messages: Any, **_: Any) -> str:
+            return messages[0]["content"]
+
+        def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+            return {"input_ids": [int(text[1:])]}
+
+    cfg = load_config([f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.run_dir={tmp_path / 'run'}",
+                       "trainer.logger=jsonl"])
+
+    def loop_parts() -> tuple[RunState, Stages, ShardGroup]:
+        actor = ShardGroup("actor")
+        loader = PromptLoader(PromptDataset([data], Chat(), max_prompt_length=4), 2, shuffle=True, seed=1)
+        stages = Stages(cfg, actor, ShardGroup("critic"), None, Chat(), Clock())  # type: ignore[arg-type]
+        return RunState(cfg, loader), stages, actor
+
+    state, stages, _ = loop_parts()
+    assert state.resume(stages) is None and state.global_step == 0
+    for _ in range(2):
+        state.loader.next_batch()
+        state.global_step += 1
+    stages.kl_ctrl.value = 0.25
+    path = state.save(stages)
+    assert path == tmp_path / "ckpt" / "global_step_2"
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3)))
+
+    again, fresh, actor = loop_parts()
+    assert again.resume(fresh) == path and actor.loaded == [str(path)]
+    assert again.global_step == 2 and fresh.kl_ctrl.value == 0.25
+    assert [e.index for e in again.loader.next_batch()] == [e.index for e in state.loader.next_batch()]
+    again.open_metrics(resumed=True).close()
+    assert "trainer: 1 step(s) redone (step 3): the last run logged step 3" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -253,7 +253,7 @@ def test_two_server_mode_replicas_share_each_batch_and_its_rows_line_up(assets: 
         "trainer.n_gpus_per_node=2"))
     try:
         driver = PPODriver(cfg)
-        assert driver.rollout.dealt
+        assert driver.stages.rollout.dealt
         assert driver.fit() == 0
     finally:
         ray.shutdown()
