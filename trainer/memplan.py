@@ -519,10 +519,20 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
     """The plan of a loaded trainer configuration (its actor model's `config.json`), in the
     configuration's precision unless `param_dtype` / `reduce_dtype` say otherwise; with
     `host_gib` (the job's memory per node) the host-memory phase too."""
-    s = settings_from_config(cfg, device_gib, host_gib)
+    shape, s = _config_settings(cfg, device_gib, host_gib)
     s = replace(s, param_dtype=param_dtype or s.param_dtype, reduce_dtype=reduce_dtype or s.reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
-    shape = read_model(path)
+    made = plan(shape, s, name=Path(path).name or path, layers=layers)
+    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
+        made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
+                                    "gradients and AdamW moments of every weight, an over-estimate"))
+    return made
+
+
+def _config_settings(cfg: Any, device_gib: float, host_gib: float) -> tuple[ModelShape, Settings]:
+    """The actor model's shape and the plan's settings as a loaded configuration gives them."""
+    s = settings_from_config(cfg, device_gib, host_gib)
+    shape = read_model(cfg.actor_rollout_ref.model.path)
     try:  # the engine's context as `rollout_knobs` sizes it: the model's, unless set
         s = replace(s, max_model_len=max_model_len(cfg.actor_rollout_ref.rollout.max_model_len, shape.config))
     except ValueError as err:
@@ -531,8 +541,13 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
     if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
         wbytes = DTYPE_BYTES[_plan_dtype(rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`)
         s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * wbytes)
-    made = plan(shape, s, name=Path(path).name or path, layers=layers)
-    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
-        made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
-                                    "gradients and AdamW moments of every weight, an over-estimate"))
-    return made
+    return shape, s
+
+
+def host_plan(cfg: Any) -> Phase:
+    """The plan's host-memory phase of a loaded configuration (the busiest node: its GPU workers
+    and the driver), without tracing anything: the figure a rank killed for memory is set beside
+    (:mod:`trainer.workers.memory_samples`). Its limit is unset (the job's `slurm.mem` is the
+    launcher's to know)."""
+    shape, s = _config_settings(cfg, 0.0, 0.0)
+    return host_phase(shape, s)

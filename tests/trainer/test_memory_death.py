@@ -1,11 +1,15 @@
-"""A rank killed for memory is named: the process, its node, what it held, the limit, the fix.
-The parsers read text captured on this machine (`tests/data/memory/`); then real kills: Ray's
-memory monitor and the kernel's OOM killer each kill a real Ray rank that allocates, and the
-run's error says who killed which process holding how much."""
+"""A rank killed for memory is named: the process, its node, what it held, the limit, the
+memory plan's host figure, the fix. The parsers read text captured on this machine
+(`tests/data/memory/`); then real kills: Ray's memory monitor and the kernel's OOM killer each
+kill a real Ray rank that allocates, and the run's error says who killed which process holding
+how much, with the rank's own last memory sample; where the kernel's log cannot be read, its
+cgroup's `oom_kill` count tells."""
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,7 @@ import pytest
 
 from tests.conftest import REPO
 from trainer.workers.memory_death import describe, parse_kernel_kill, parse_ray_oom
+from trainer.workers.memory_samples import read_sample, write_plan
 
 DATA = REPO / "tests" / "data" / "memory"
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -52,17 +57,20 @@ class Hog:
 
         return {"rank": self.rank, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}
 
-    def eat(self, gib: float, cgroup: str | None = None) -> int:
-        import time
+    def join(self, cgroup: str) -> None:
+        """Move into the memory cgroup `cgroup` (its limit then applies)."""
+        Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
 
+    def eat(self, gib: float, cgroup: str | None = None, pace_s: float = 0.02) -> int:
+        """Allocate `gib` GiB, 128 MiB every `pace_s` seconds."""
         if cgroup:
-            Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+            self.join(cgroup)
         blocks = []
         for _ in range(int(gib * 8)):
             block = bytearray(128 << 20)
             block[::4096] = b"\x01" * len(block[::4096])  # touch every page: resident, not only reserved
             blocks.append(block)
-            time.sleep(0.02)
+            time.sleep(pace_s)
         return len(blocks)
 
 
@@ -90,10 +98,21 @@ def ray_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         ray.shutdown()
 
 
-def _group() -> Any:
+def _group(samples: Path) -> Any:
+    """One rank that samples its memory into `samples`, as the driver starts them."""
     from trainer.workers.ray_group import make_placement_group, start_colocated
 
-    return start_colocated({"actor": Hog}, None, 1, slot=make_placement_group(1, 1), world_size=1)["actor"]
+    group = start_colocated({"actor": Hog}, None, 1, slot=make_placement_group(1, 1), world_size=1,
+                            samples=samples)["actor"]
+    _wait_for(lambda: read_sample(samples, 0) is not None, "the rank's first memory sample")
+    return group
+
+
+def _wait_for(condition: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.1)
 
 
 def _used_fraction() -> tuple[float, float]:
@@ -102,19 +121,27 @@ def _used_fraction() -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_a_rank_ray_s_memory_monitor_kills_is_named_with_its_node_and_memory(ray_at: Any) -> None:
+def test_a_rank_ray_s_memory_monitor_kills_is_named_with_its_node_and_memory(ray_at: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
 
     used, total_gib = _used_fraction()
     ray_at(min(0.95, used + 1.5 / total_gib))  # about 1.5 GiB above what the node uses now
-    group = _group()
+    write_plan(tmp_path, None, use_gpu=False)  # as the driver does on a CPU cluster
+    group = _group(tmp_path)
     pid = group.nodes[0]["pid"]
     with pytest.raises(WorkerFailure) as failed:
-        group.run("eat", 6.0)
+        group.run("eat", 6.0, None, 0.25)  # slow enough for the sampler (1 s) to see it grow
     text = str(failed.value)
-    assert "worker group `actor` rank 0" in text and "during `eat`" in text, text
+    assert f"worker group `actor` rank 0 on node `{socket.gethostname()}`" in text and "during `eat`" in text, text
     assert f"was killed for memory by Ray's memory monitor: process {pid} (ray::" in text, text
     assert " GB of " in text and "Fix: " in text, text
+    assert "; its last memory sample (" in text and " GB resident, peak " in text, text
+    assert "under a limit of " in text and "; no memory plan for this run (the memory plan is made for GPU" in text
+    details = failed.value.details
+    assert failed.value.kind == "oom" and (details["rank"], details["pid"]) == (0, pid), details
+    # Ray's figure at the kill, and the rank's own: the node's other load moves the moment of the kill
+    assert details["resident_gb"] > 0.3 and details["limit_gb"] > details["resident_gb"], details
+    assert details["sampled_rss_gb"] > 0.1 and time.time() - details["sampled_at"] < 60, details
 
 
 def _memory_cgroup(limit_bytes: int) -> Path | None:
@@ -134,7 +161,7 @@ def _memory_cgroup(limit_bytes: int) -> Path | None:
 
 
 @pytest.mark.slow
-def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at: Any) -> None:
+def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
 
     cgroup = _memory_cgroup(512 << 20)
@@ -145,24 +172,70 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at:
         pytest.skip(reason)
     try:
         ray_at(None)
-        group = _group()
+        from trainer.config import load_config
+        from trainer.memplan import GIB, host_plan
+
+        cfg = load_config([f"actor_rollout_ref.model.path={REPO / 'tests/data/model_configs/Qwen2.5-0.5B'}"])
+        write_plan(tmp_path, cfg, use_gpu=True)  # as the driver does on a GPU cluster
+        group = _group(tmp_path)
         pid = group.nodes[0]["pid"]
         with pytest.raises(WorkerFailure) as failed:
             group.run("eat", 2.0, str(cgroup))
         text = str(failed.value)
-        assert "worker group `actor` rank 0" in text, text
+        assert f"worker group `actor` rank 0 on node `{socket.gethostname()}`" in text, text
         assert f"was killed for memory by the kernel's OOM killer: process {pid} (" in text, text
         import re
 
         held = float(re.search(r"holding ([\d.]+) GB", text).group(1))  # type: ignore[union-attr]
         assert 0.3 < held < 1.5, text  # about the 512 MiB limit (pages charged before the move count too)
         assert f"the limit of its cgroup /{cgroup.name} is 0.54 GB" in text, text
+        head = sum(b for _, b in host_plan(cfg).terms) / GIB
+        assert f"the memory plan's host figure for the head node `{socket.gethostname()}`: {head:.2f} GiB" in text
+        assert failed.value.kind == "oom" and failed.value.details["plan_host_gib"] == round(head, 2)
     finally:
-        for _ in range(50):  # the killed process leaves the cgroup as it is reaped
-            try:
-                cgroup.rmdir()
-                break
-            except OSError:
-                import time
+        _remove(cgroup)
 
-                time.sleep(0.1)
+
+def _remove(cgroup: Path) -> None:
+    for _ in range(50):  # the killed process leaves the cgroup as it is reaped
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_rank_the_kernel_kills_is_named_from_its_cgroup_s_count_where_the_log_is_unreadable(
+        ray_at: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not root (or the rank on another node): no kernel log; the rank's cgroup's `oom_kill`
+    count, read against its last sample, says the kernel killed it."""
+    from trainer.workers import memory_death
+    from trainer.workers.group import WorkerFailure
+
+    cgroup = _memory_cgroup(512 << 20)
+    if cgroup is None:
+        reason = "needs root and a writable memory cgroup (v1 memory controller or v2) to limit a rank"
+        if CI:
+            pytest.fail(reason + ", but CI=true requires this test to run")
+        pytest.skip(reason)
+    monkeypatch.setattr(memory_death, "kernel_log", lambda: None)  # the one seam: `dmesg` unreadable
+    try:
+        ray_at(None)
+        group = _group(tmp_path)
+        pid = group.nodes[0]["pid"]
+        group.run("join", str(cgroup))  # a job's ranks live in its cgroup from their start
+        _wait_for(lambda: getattr(read_sample(tmp_path, 0), "cgroup", None) == str(cgroup), "sample in the cgroup")
+        with pytest.raises(WorkerFailure) as failed:
+            group.run("eat", 2.0)
+        text = str(failed.value)
+        assert f"worker group `actor` rank 0 on node `{socket.gethostname()}`" in text, text
+        assert (f"was killed for memory by the kernel's OOM killer: process {pid} (ray::" in text
+                and f"(the `oom_kill` count of its cgroup `{cgroup}` rose from 0 to 1 after its last sample)"
+                in text), text
+        assert "; it lived under a limit of 0.54 GB on node " in text, text  # the cgroup's limit
+        assert "; its last memory sample (" in text, text
+        assert "; no memory plan for this run" in text, text  # none written
+        assert failed.value.details["limit_gb"] == pytest.approx(0.537, abs=0.001)
+    finally:
+        _remove(cgroup)

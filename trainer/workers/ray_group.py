@@ -15,7 +15,9 @@ placing worker groups, calling them.
   :class:`RayWorkerGroup`.
 - :class:`RayWorkerGroup` runs a method of one role on every rank. A rank
   that raises or whose process dies ends the call at once with :class:`WorkerFailure`, naming
-  the group, rank, node and process.
+  the group, rank, node and process; a rank killed for memory is named so, with its figures
+  (:mod:`trainer.workers.memory_death`, from each rank's own samples:
+  :mod:`trainer.workers.memory_samples`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Any
 from trainer.config import Config, ConfigError
 from trainer.watchdog import Bounds, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
-from trainer.workers.memory_death import describe, kernel_death, parse_ray_oom
+from trainer.workers.memory_death import death_details, describe, find_death, last_seen
+from trainer.workers.memory_samples import RssSampler
 
 __all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group",
            "start_colocated"]
@@ -195,8 +198,10 @@ class ColocatedWorker:
     time."""
 
     def __init__(self, roles: dict[str, type], cfg: Config, rank: int, world_size: int,
-                 total_steps: int, stacks: str | None = None) -> None:
+                 total_steps: int, stacks: str | None = None, samples: str | None = None) -> None:
         self.ignores_sigterm = ignore_sigterm()  # before any role starts a thread
+        if samples:  # its memory, for the driver to read should it die (`trainer.workers.memory_samples`)
+            RssSampler(Path(samples), rank).start()
         if stacks:  # the watchdog's stack dumps (`trainer.watchdog`)
             register_stack_dump(Path(stacks) / f"rank_{rank}.txt")
         self.workers = {name: cls(cfg, rank, world_size, total_steps) for name, cls in roles.items()}
@@ -206,9 +211,10 @@ class ColocatedWorker:
 
 
 def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, slot: WorkerSlot,
-                    world_size: int, stacks: Path | None = None) -> dict[str, RayWorkerGroup]:
+                    world_size: int, stacks: Path | None = None, samples: Path | None = None
+                    ) -> dict[str, RayWorkerGroup]:
     """One :class:`ColocatedWorker` per rank in its bundle (a whole GPU, or one CPU), and one
-    worker group per role over them."""
+    worker group per role over them. `samples`: the folder of the ranks' memory samples."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -220,18 +226,32 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
             num_cpus=0 if slot.use_gpu else 1, num_gpus=1 if slot.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             max_restarts=0, max_task_retries=0,
-        ).remote(roles, cfg, rank, world_size, total_steps, str(stacks) if stacks else None))
-    return {name: RayWorkerGroup(name, actors, stacks) for name in roles}
+        ).remote(roles, cfg, rank, world_size, total_steps, str(stacks) if stacks else None,
+                 str(samples) if samples else None))
+    return {name: RayWorkerGroup(name, actors, stacks, samples) for name in roles}
 
 
-def _describe_error(err: BaseException, node: Mapping[str, Any] | None = None) -> str:
-    """What happened to a rank, in words; `node`: the rank's `node_info()` (host, pid), to look
-    for the kernel's OOM kill of a process that died."""
+def _rank_failure(where: str, err: BaseException, node: Mapping[str, Any], samples: Path | None,
+                  after: str) -> WorkerFailure:
+    """The run's error for rank `node` (its `node_info()`) failing with `err`: killed for memory
+    (Ray's memory monitor, the kernel's OOM killer: :func:`~trainer.workers.memory_death.find_death`)
+    or any other failure; a rank that died also with its last memory sample. `where`: the rank
+    in words; `after`: the rest of the sentence."""
     import ray
 
-    death = parse_ray_oom(str(err)) if isinstance(err, ray.exceptions.RayError) else None
-    if death is not None:  # Ray's memory monitor: a task's OutOfMemoryError, or the actor's death cause
-        return describe(death)
+    died = isinstance(err, ray.exceptions.RayActorError) and not getattr(err, "actor_init_failed", False)
+    death = find_death(str(err), died, node, samples) if isinstance(err, ray.exceptions.RayError) else None
+    if death is not None:
+        return WorkerFailure(f"{where} {describe(death, time.time())} {after}", kind="oom",
+                             details=death_details(death, node))
+    seen = f"; {last_seen(node, samples, time.time())}" if died else ""
+    return WorkerFailure(f"{where} {_describe_error(err)}{seen} {after}")
+
+
+def _describe_error(err: BaseException) -> str:
+    """What happened to a rank, in words."""
+    import ray
+
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = err.as_instanceof_cause()
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
@@ -241,10 +261,6 @@ def _describe_error(err: BaseException, node: Mapping[str, Any] | None = None) -
         lines = [line for line in str(getattr(err, "error_msg", "")).strip().splitlines() if line.strip()]
         return "failed to start: " + (lines[-1].strip() if lines else type(err).__name__)
     if isinstance(err, ray.exceptions.RayActorError):
-        pid, host = (node or {}).get("pid"), (node or {}).get("hostname")
-        killed = kernel_death(int(pid), str(host)) if isinstance(pid, int) and host else None
-        if killed is not None:
-            return describe(killed)
         return f"died ({type(err).__name__}: the worker process or its node is gone)"
     return f"failed ({type(err).__name__}: {err})"
 
@@ -270,9 +286,10 @@ def _dead_peer(pending: list[Any], rank_of: dict[Any, int], wait_s: float = 5.0
 class RayWorkerGroup(WorkerGroup):
     """One role (`name`) of the colocated workers, one Ray actor per rank."""
 
-    def __init__(self, name: str, actors: list[Any], stacks: Path | None = None) -> None:
+    def __init__(self, name: str, actors: list[Any], stacks: Path | None = None,
+                 samples: Path | None = None) -> None:
         self.name, self.world_size, self.actors = name, len(actors), actors
-        self.stacks = stacks
+        self.stacks, self.samples = stacks, samples
         self.watchdog: Bounds | None = None
         """Set by the driver (`trainer.watchdog`): each call is timed and bounded."""
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
@@ -316,13 +333,12 @@ class RayWorkerGroup(WorkerGroup):
                 dead = None if isinstance(err, ray.exceptions.RayActorError) else _dead_peer(pending, rank_of)
                 self.kill()  # the peers may be blocked in a collective the failed rank left
                 if dead is None:
-                    raise WorkerFailure(f"{self.where(rank)} {_describe_error(err, self.nodes[rank])} during "
-                                        f"`{method}`") from err
+                    raise _rank_failure(self.where(rank), err, self.nodes[rank], self.samples,
+                                        f"during `{method}`") from err
                 # a peer's death makes the survivors' collectives fail: report the death first
                 dead_rank, cause = dead
-                raise WorkerFailure(
-                    f"{self.where(dead_rank)} {_describe_error(cause, self.nodes[dead_rank])} during `{method}` "
-                    f"(then rank {rank} {_describe_error(err)})") from cause
+                raise _rank_failure(self.where(dead_rank), cause, self.nodes[dead_rank], self.samples,
+                                    f"during `{method}` (then rank {rank} {_describe_error(err)})") from cause
         if self.watchdog is not None:
             self.watchdog.record(key, time.monotonic() - began)
         return [results[r] for r in refs]
