@@ -175,6 +175,13 @@ def test_killed_worker_ends_the_run_naming_node_and_rank(tiny_model_dir, toy, tm
     assert proc.returncode == 1, (proc.returncode, out[-2000:], err[-3000:])
     expected = f"worker group `actor_rollout_ref` rank 1 on node `{socket.gethostname()}` ({victim['ip']}, pid {victim['pid']}) died"
     assert expected in err, err[-3000:]
+    # a kill that is not for memory is not called one; the rank's last sample is said all the same
+    assert "killed for memory" not in err and "; its last memory sample (" in err, err[-3000:]
+    assert "; no memory plan for this run (the memory plan is made for GPU jobs" in err, err[-3000:]
+    from hpcrl.diagnosis import read_diagnoses
+
+    (kept,) = read_diagnoses(run)  # for `hpcrl status`, after the job is gone
+    assert kept["kind"] == "worker" and expected in kept["summary"], kept
 
 
 def test_sigterm_after_connecting_to_ray_is_a_stop_request(tmp_path) -> None:
