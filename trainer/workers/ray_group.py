@@ -41,7 +41,7 @@ from trainer.config import Config, ConfigError
 from trainer.watchdog import Bounds, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import death_details, describe, find_death, last_seen
-from trainer.workers.memory_samples import RssSampler
+from trainer.workers.memory_samples import MEMORY_DIR, RssSampler, write_plan
 
 __all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group",
            "start_colocated"]
@@ -214,9 +214,16 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
                     world_size: int, stacks: Path | None = None, samples: Path | None = None
                     ) -> dict[str, RayWorkerGroup]:
     """One :class:`ColocatedWorker` per rank in its bundle (a whole GPU, or one CPU), and one
-    worker group per role over them. `samples`: the folder of the ranks' memory samples."""
+    worker group per role over them. `samples`: the folder of the ranks' memory samples
+    (:mod:`trainer.workers.memory_samples`); by default `memory/` in the run directory, with the
+    memory plan's host figure written there first."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if samples is None and cfg is not None:
+        t = cfg.trainer
+        samples = Path(t.run_dir or t.default_local_dir or ".") / MEMORY_DIR
+        write_plan(samples, cfg, slot.use_gpu)
 
     remote: Any = ray.remote(ColocatedWorker)
     actors = []
