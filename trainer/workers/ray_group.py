@@ -221,8 +221,9 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if samples is None and cfg is not None:
-        t = cfg.trainer
-        samples = Path(t.run_dir or t.default_local_dir or ".") / MEMORY_DIR
+        from trainer.run_state import run_dir_of
+
+        samples = run_dir_of(cfg) / MEMORY_DIR
         write_plan(samples, cfg, slot.use_gpu)
 
     remote: Any = ray.remote(ColocatedWorker)
