@@ -2,8 +2,9 @@
 answer named with their process state, the run ended with the diagnosis.
 
 Every call the driver makes to a Ray worker group (a phase of a step: `generate`,
-`compute_log_prob`, `update_actor`, the weight sync, a checkpoint) is timed per group and
-method. Its bound (:meth:`Bounds.bound`) is `trainer.watchdog.multiple` times the median of that
+`compute_log_prob`, `update_actor`, the weight sync, a checkpoint) is timed per phase, group and
+method (:func:`call_key`: the step's phase, as its timer names it, or `validate`, set by
+:func:`at`; the validation's rollout is not bounded by the training rollout's durations). Its bound (:meth:`Bounds.bound`) is `trainer.watchdog.multiple` times the median of that
 call's earlier durations in this run, at least `trainer.watchdog.min_s`; until the call has
 `trainer.watchdog.warmup` durations, `trainer.watchdog.floor_s` (the first steps compile, load
 and warm caches). Past it, :func:`diagnose`:
@@ -14,7 +15,8 @@ and warm caches). Past it, :func:`diagnose`:
   own node, through a Ray task pinned to the node otherwise;
 - reads each rank's process state (`/proc/<pid>/stat`: `T` stopped, `D` in uninterruptible
   I/O, `Z` gone, `R`/`S` running or waiting);
-- names the ranks that have not answered while the others have, with node, pid and state.
+- names the ranks that have not answered while the others have, with node, pid and state, a
+  stopped (`T`) or `D`-state one first: the others may only be waiting on it in a collective.
 
 The driver then ends the run with that diagnosis (a :class:`~trainer.workers.group.WorkerFailure`
 of kind `hang`, kept in `diagnosis.jsonl` for `hpcrl status`). A rank stopped or in `D` state
@@ -30,17 +32,56 @@ import os
 import signal
 import socket
 import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STACK_SIGNAL", "Bounds", "diagnose", "process_state", "register_stack_dump"]
+__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "process_state",
+           "register_stack_dump", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
 
 _STATES = {"R": "running", "S": "sleeping (waiting)", "D": "in uninterruptible I/O (D)", "T": "stopped (T)",
            "t": "stopped by a tracer (t)", "Z": "a zombie (gone)", "X": "dead"}
+
+
+@dataclass(frozen=True)
+class Where:
+    """The driver's place in the run: the phase (`gen`, `update_actor`, ..., `validate`) and the step."""
+
+    phase: str | None = None
+    step: int | None = None
+
+
+_WHERE: ContextVar[Where | None] = ContextVar("trainer_watchdog_where", default=None)
+
+
+@contextmanager
+def at(phase: str | None = None, step: int | None = None) -> Iterator[None]:
+    """Calls to the ranks made inside are the phase `phase` of step `step` (each kept from the
+    enclosing :func:`at` when None): the watchdog keys their durations and names them so."""
+    outer = where()
+    token = _WHERE.set(Where(phase or outer.phase, outer.step if step is None else step))
+    try:
+        yield
+    finally:
+        _WHERE.reset(token)
+
+
+def where() -> Where:
+    """The phase and step of this thread's calls (:func:`at`)."""
+    return _WHERE.get() or Where()
+
+
+def call_key(group: str, method: str) -> str:
+    """The history a call's duration joins: `<phase>/<group>.<method>`, `<group>.<method>` outside a phase."""
+    phase = where().phase
+    return f"{phase}/{group}.{method}" if phase else f"{group}.{method}"
 
 
 def register_stack_dump(path: Path) -> None:
@@ -117,25 +158,53 @@ def _on_node(ip: str, pid: int, dump: bool) -> str | None:
         return None
 
 
+def _await_stacks(ranks: list[dict[str, Any]], timeout: float = 10.0) -> None:
+    """Wait (at most `timeout` s) until each running or waiting rank has written its stack: the
+    group is ended next, and a process killed before its handler ran leaves an empty file. A
+    stopped or `D`-state rank writes only when it runs again; the shared file system may also lag."""
+    waiting = [Path(r["stack"]) for r in ranks if r.get("stack") and r["state"] in ("R", "S")]
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        waiting = [p for p in waiting if not (p.is_file() and p.stat().st_size > 0)]
+        time.sleep(0.1)
+
+
+def _name(r: dict[str, Any]) -> str:
+    return (f"rank {r['rank']} on node `{r['node']}` (pid {r['pid']}, "
+            f"{_STATES.get(r['state'] or '', 'state unknown')})")
+
+
 def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: str, elapsed: float,
-             bound: str, stacks: Path | None) -> tuple[str, dict[str, Any]]:
+             bounds: Bounds, stacks: Path | None) -> tuple[str, dict[str, Any]]:
     """The summary and details of a call past its bound: each rank's state (stacks dumped into
-    `stacks`), the ranks that did not answer first."""
+    `stacks`), the ranks that did not answer first, a stopped or `D`-state one before them.
+    `elapsed`: seconds since the call began (the hang began then or later)."""
+    key = call_key(group, method)
+    bound = bounds.describe(key)
     ranks: list[dict[str, Any]] = []
     for rank, node in enumerate(nodes):
         pid, host = node.get("pid"), node.get("hostname")
         if not isinstance(pid, int):
             continue
-        state = _here(pid, True) if host == socket.gethostname() else _on_node(str(node.get("ip")), pid, True)
+        dump = stacks is not None  # only ranks that registered the handler: the signal ends the others
+        state = _here(pid, dump) if host == socket.gethostname() else _on_node(str(node.get("ip")), pid, dump)
         ranks.append({"rank": rank, "node": host, "pid": pid, "state": state, "answered": rank not in stuck,
                       **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})})
+    _await_stacks(ranks)
     lagging = [r for r in ranks if not r["answered"]]
-    named = "; ".join(f"rank {r['rank']} on node `{r['node']}` (pid {r['pid']}, "
-                      f"{_STATES.get(r['state'] or '', 'state unknown')})" for r in lagging)
     node_fault = [r for r in lagging if r["state"] in ("T", "t", "D")]
-    summary = (f"worker group `{group}`: `{method}` has run {elapsed:.0f} s, past its bound ({bound}); "
+    others = [r for r in lagging if r not in node_fault]
+    named = "; ".join(_name(r) for r in node_fault + others)
+    if node_fault and others:
+        named += f" (the other {len(others)} may only be waiting on the first in a collective)"
+    at_ = where()
+    during = "".join([f" in phase `{at_.phase}`" if at_.phase else "",
+                      f" of step {at_.step}" if at_.step is not None else ""])
+    summary = (f"worker group `{group}`: `{method}`{during} has run {elapsed:.0f} s, past its bound ({bound}); "
                f"{len(lagging)} of {len(nodes)} rank(s) have not answered: {named}"
                + (". A stopped or D-state process points at its node" if node_fault else "")
                + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else ""))
-    return summary, {"group": group, "method": method, "elapsed_s": round(elapsed, 1), "bound": bound,
-                     "ranks": ranks, "suspect_nodes": sorted({str(r["node"]) for r in node_fault})}
+    return summary, {"group": group, "method": method, "phase": at_.phase, "step": at_.step,
+                     "elapsed_s": round(elapsed, 1), "bound_s": round(bounds.bound(key), 1),
+                     "bound": bound, "ranks": ranks,
+                     "suspect_nodes": sorted({str(r["node"]) for r in node_fault})}

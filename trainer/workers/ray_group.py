@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, ConfigError
-from trainer.watchdog import Bounds, diagnose, register_stack_dump
+from trainer.watchdog import Bounds, call_key, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import describe, kernel_death, parse_ray_oom
 
@@ -301,7 +301,7 @@ class RayWorkerGroup(WorkerGroup):
         ranks = ranks if ranks is not None else list(range(len(refs)))
         rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
         pending, results = list(refs), {}
-        began, key = time.monotonic(), f"{self.name}.{method}"
+        began, key = time.monotonic(), call_key(self.name, method)
         while pending:
             done, pending = ray.wait(pending, num_returns=1,
                                      timeout=self.watchdog.poll_s if self.watchdog else None)
@@ -334,8 +334,7 @@ class RayWorkerGroup(WorkerGroup):
         elapsed = time.monotonic() - began
         if elapsed <= self.watchdog.bound(key):
             return
-        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog.describe(key),
-                                    self.stacks)
+        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog, self.stacks)
         print(f"trainer: watchdog: {summary}", flush=True)
         self.kill()  # its ranks may hold GPUs in a collective that never ends
         raise WorkerFailure(summary, kind="hang", details=details)
