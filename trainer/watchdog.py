@@ -40,11 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "process_state",
+__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "inspect", "process_state",
            "register_stack_dump", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
+
+NAMED = 4
+"""Running or waiting ranks named in a summary beyond the stopped and `D`-state ones (all in its details)."""
 
 _STATES = {"R": "running", "S": "sleeping (waiting)", "D": "in uninterruptible I/O (D)", "T": "stopped (T)",
            "t": "stopped by a tracer (t)", "Z": "a zombie (gone)", "X": "dead"}
@@ -133,29 +136,58 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2:].split()[0]
 
 
-def _here(pid: int, dump: bool) -> str | None:
-    state = process_state(pid)
-    if dump and state is not None:
-        try:
-            os.kill(pid, STACK_SIGNAL)  # a stopped process takes it when it runs again; the others now
-        except OSError:
-            pass
-    return state
+def inspect(pids: list[int], dump: bool) -> list[str | None]:
+    """On the node this runs on: each process's state (:func:`process_state`, None when it is not
+    here); with `dump`, each is sent :data:`STACK_SIGNAL` (a stopped process takes it when it runs
+    again, the others now)."""
+    states = [process_state(pid) for pid in pids]
+    for pid, state in zip(pids, states, strict=True):
+        if dump and state is not None:
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except OSError:
+                pass
+    return states
 
 
-def _on_node(ip: str, pid: int, dump: bool) -> str | None:
-    """:func:`_here` run on the node whose address is `ip` (a Ray task pinned there)."""
+def _inspect_nodes(procs: dict[str, list[int]], dump: bool, timeout: float = 30.0) -> dict[str, list[str | None]]:
+    """:func:`inspect` on each node (by address) of `procs`, through one Ray task pinned to each, all
+    at once; a node that is not in the cluster or does not answer within `timeout`: states unknown."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerAddress") == ip), None)
-    if node_id is None:
-        return None
-    task = ray.remote(num_cpus=0)(_here).options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    try:
-        return ray.get(task.remote(pid, dump), timeout=30)  # type: ignore[no-any-return]
-    except Exception:  # noqa: BLE001 - a node that does not answer: its state stays unknown
-        return None
+    ids = {n.get("NodeManagerAddress"): n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    task = ray.remote(num_cpus=0)(inspect)
+    refs = {ip: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)).remote(pids, dump)
+            for ip, pids in procs.items() if ip in ids}
+    deadline = time.monotonic() + timeout
+    out: dict[str, list[str | None]] = {ip: [None] * len(pids) for ip, pids in procs.items()}
+    for ip, ref in refs.items():
+        try:
+            out[ip] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a node that does not answer: its ranks' states stay unknown
+            pass
+    return out
+
+
+def _states(nodes: list[dict[str, Any]], dump: bool) -> list[str | None]:
+    """Each rank's process state (`nodes`: the ranks' `node_info`), read here for the ranks on this
+    host and on their own nodes for the others (:func:`_inspect_nodes`)."""
+    here = socket.gethostname()
+    placed: dict[str, list[int]] = {}  # "" (this host) or a node's address: its ranks
+    for rank, node in enumerate(nodes):
+        if isinstance(node.get("pid"), int):
+            placed.setdefault("" if node.get("hostname") == here else str(node.get("ip")), []).append(rank)
+    pids = {ip: [int(nodes[r]["pid"]) for r in ranks] for ip, ranks in placed.items()}
+    remote = {ip: p for ip, p in pids.items() if ip}
+    answers = _inspect_nodes(remote, dump) if remote else {}
+    if "" in pids:
+        answers[""] = inspect(pids[""], dump)
+    states: list[str | None] = [None] * len(nodes)
+    for ip, ranks in placed.items():
+        for rank, state in zip(ranks, answers[ip], strict=True):
+            states[rank] = state
+    return states
 
 
 def _await_stacks(ranks: list[dict[str, Any]], timeout: float = 10.0) -> None:
@@ -181,20 +213,17 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
     `elapsed`: seconds since the call began (the hang began then or later)."""
     key = call_key(group, method)
     bound = bounds.describe(key)
-    ranks: list[dict[str, Any]] = []
-    for rank, node in enumerate(nodes):
-        pid, host = node.get("pid"), node.get("hostname")
-        if not isinstance(pid, int):
-            continue
-        dump = stacks is not None  # only ranks that registered the handler: the signal ends the others
-        state = _here(pid, dump) if host == socket.gethostname() else _on_node(str(node.get("ip")), pid, dump)
-        ranks.append({"rank": rank, "node": host, "pid": pid, "state": state, "answered": rank not in stuck,
-                      **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})})
+    dump = stacks is not None  # only ranks that registered the handler: the signal ends the others
+    ranks = [{"rank": rank, "node": node.get("hostname"), "pid": node.get("pid"), "state": state,
+              "answered": rank not in stuck, **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})}
+             for rank, (node, state) in enumerate(zip(nodes, _states(nodes, dump), strict=True))]
     _await_stacks(ranks)
     lagging = [r for r in ranks if not r["answered"]]
     node_fault = [r for r in lagging if r["state"] in ("T", "t", "D")]
     others = [r for r in lagging if r not in node_fault]
-    named = "; ".join(_name(r) for r in node_fault + others)
+    named = "; ".join(_name(r) for r in node_fault + others[:NAMED])
+    if len(others) > NAMED:
+        named += f" and {len(others) - NAMED} more (every rank in `diagnosis.jsonl`)"
     if node_fault and others:
         named += f" (the other {len(others)} may only be waiting on the first in a collective)"
     at_ = where()

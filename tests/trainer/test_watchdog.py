@@ -154,6 +154,35 @@ def ray_local() -> Iterator[Any]:
             ray.shutdown()
 
 
+def test_ranks_on_other_nodes_are_read_there_all_at_once(ray_local: Any, tmp_path: Path) -> None:
+    """Ranks whose host is not the driver's: their states are read, and their stacks asked for, by
+    a task pinned to their node (here the one node of a local cluster, under another name); the
+    ranks of a node not in the cluster have an unknown state, and a long list is cut short."""
+    procs = _ranks_sleeping(tmp_path, 2)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        for _ in range(200):
+            if process_state(procs[1].pid) == "T":
+                break
+            time.sleep(0.05)
+        ip = ray_local.nodes()[0]["NodeManagerAddress"]
+        nodes = [{"rank": r, "hostname": "node-b", "ip": ip, "pid": p.pid} for r, p in enumerate(procs)]
+        nodes += [{"rank": r, "hostname": "node-c", "ip": "192.0.2.7", "pid": 4000 + r} for r in range(2, 8)]
+        summary, details = diagnose(nodes, list(range(8)), "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [r["state"] for r in details["ranks"]] == ["S", "T"] + [None] * 6
+    assert details["suspect_nodes"] == ["node-b"]
+    assert 'File "<string>", line 6 in <module>' in (tmp_path / "stacks" / "rank_0.txt").read_text()
+    assert (f"8 of 8 rank(s) have not answered: rank 1 on node `node-b` (pid {procs[1].pid}, stopped (T)); "
+            f"rank 0 on node `node-b` (pid {procs[0].pid}, sleeping (waiting)); rank 2 on node `node-c` "
+            "(pid 4002, state unknown); rank 3") in summary, summary
+    assert "rank 6" not in summary and "and 3 more (every rank in `diagnosis.jsonl`) (the other 7 may" in summary, summary
+    assert "past its bound (the first calls' floor, 600 s (`trainer.watchdog.floor_s`))" in summary, summary
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped(ray_local: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
