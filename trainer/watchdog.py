@@ -1,13 +1,14 @@
 """A call to the ranks that runs far past its usual time: stacks dumped, the ranks that did not
 answer named with their process state, the run ended with the diagnosis.
 
-Every call the driver makes to a Ray worker group (a phase of a step: `generate`,
-`compute_log_prob`, `update_actor`, the weight sync, a checkpoint) is timed per phase, group and
-method (:func:`call_key`: the step's phase, as its timer names it, or `validate`, set by
-:func:`at`; the validation's rollout is not bounded by the training rollout's durations). Its bound (:meth:`Bounds.bound`) is `trainer.watchdog.multiple` times the median of that
-call's earlier durations in this run, at least `trainer.watchdog.min_s`; until the call has
-`trainer.watchdog.warmup` durations, `trainer.watchdog.floor_s` (the first steps compile, load
-and warm caches). Past it, :func:`diagnose`:
+From the first step on (not while the ranks join and load their models), every call the driver
+makes to a Ray worker group (a phase of a step: `generate`, `compute_log_prob`, `update_actor`,
+the weight sync, a checkpoint) is timed per phase, group and method (:func:`call_key`: the step's
+phase as its timer names it, or `validate`, set by :func:`at`; a validation's rollout is not held
+to the training rollout's durations). Its bound (:meth:`Bounds.bound`) is
+`trainer.watchdog.multiple` times the median of that call's earlier durations in this run, at
+least `trainer.watchdog.min_s`; until the call has `trainer.watchdog.warmup` durations,
+`trainer.watchdog.floor_s` (the first steps compile, load and warm caches). Past it, :func:`diagnose`:
 
 - asks every rank's process for its Python stack: each rank registered :data:`STACK_SIGNAL`
   with `faulthandler` at start (:func:`register_stack_dump`), writing `<run_dir>/stacks/rank_<r>.txt`
