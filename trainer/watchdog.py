@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "inspect", "process_state",
-           "register_stack_dump", "where"]
+           "register_stack_dump", "suspect_nodes", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
@@ -207,6 +207,21 @@ def _name(r: dict[str, Any]) -> str:
             f"{_STATES.get(r['state'] or '', 'state unknown')})")
 
 
+def suspect_nodes(lagging: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """The nodes to requeue without, from the ranks that did not answer (`node`, `state`), and the
+    sentence that says why: a stopped process points at its node, so does one in uninterruptible
+    I/O (`D`) on one node; `D` on several nodes points at a shared file system instead, and no
+    node is blamed for it."""
+    stopped = {str(r["node"]) for r in lagging if r["state"] in ("T", "t")}
+    in_io = {str(r["node"]) for r in lagging if r["state"] == "D"}
+    if len(in_io) > 1:
+        return sorted(stopped), (f". Ranks in uninterruptible I/O (D) on {len(in_io)} nodes: a shared file system "
+                                 "that stopped answering is likelier than a node, and none is blamed for it"
+                                 + ("; a stopped process points at its node" if stopped else ""))
+    suspects = sorted(stopped | in_io)
+    return suspects, ". A stopped or D-state process points at its node" if suspects else ""
+
+
 def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: str, elapsed: float,
              bounds: Bounds, stacks: Path | None) -> tuple[str, dict[str, Any]]:
     """The summary and details of a call past its bound: each rank's state (stacks dumped into
@@ -220,21 +235,22 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
              for rank, (node, state) in enumerate(zip(nodes, _states(nodes, dump), strict=True))]
     _await_stacks(ranks)
     lagging = [r for r in ranks if not r["answered"]]
-    node_fault = [r for r in lagging if r["state"] in ("T", "t", "D")]
-    others = [r for r in lagging if r not in node_fault]
-    named = "; ".join(_name(r) for r in node_fault + others[:NAMED])
+    first = [r for r in lagging if r["state"] in ("T", "t", "D")]
+    others = [r for r in lagging if r not in first]
+    named = "; ".join(_name(r) for r in first + others[:NAMED])
     if len(others) > NAMED:
         named += f" and {len(others) - NAMED} more (every rank in `diagnosis.jsonl`)"
-    if node_fault and others:
+    if first and others:
         named += f" (the other {len(others)} may only be waiting on the first in a collective)"
+    suspects, why = suspect_nodes(lagging)
     at_ = where()
     during = "".join([f" in phase `{at_.phase}`" if at_.phase else "",
                       f" of step {at_.step}" if at_.step is not None else ""])
     summary = (f"worker group `{group}`: `{method}`{during} has run {elapsed:.0f} s, past its bound ({bound}); "
                f"{len(lagging)} of {len(nodes)} rank(s) have not answered: {named}"
-               + (". A stopped or D-state process points at its node" if node_fault else "")
+               + why
                + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else ""))
     return summary, {"group": group, "method": method, "phase": at_.phase, "step": at_.step,
                      "elapsed_s": round(elapsed, 1), "bound_s": round(bounds.bound(key), 1),
                      "bound": bound, "ranks": ranks,
-                     "suspect_nodes": sorted({str(r["node"]) for r in node_fault})}
+                     "suspect_nodes": suspects}

@@ -20,7 +20,7 @@ import pytest
 
 from hpcrl.diagnosis import read_diagnoses
 from tests.conftest import REPO
-from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, where
+from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, suspect_nodes, where
 
 
 def test_the_bound_is_the_floor_until_warmup_then_a_multiple_of_the_median() -> None:
@@ -49,6 +49,19 @@ def test_calls_are_keyed_by_the_phase_they_run_in() -> None:
             assert call_key("actor", "generate") == "validate/actor.generate" and where().step == 5
         assert where().phase is None and where().step == 4
     assert where().phase is None and where().step is None
+
+
+def test_a_stopped_rank_blames_its_node_d_state_on_several_nodes_blames_none() -> None:
+    def lagging(*pairs: tuple[str, str | None]) -> list[dict[str, Any]]:
+        return [{"node": node, "state": state} for node, state in pairs]
+
+    assert suspect_nodes(lagging(("a", "S"), ("b", "T"))) == (["b"], ". A stopped or D-state process points at its node")
+    assert suspect_nodes(lagging(("a", "D"), ("a", "S"), ("b", None)))[0] == ["a"]  # one node's I/O
+    assert suspect_nodes(lagging(("a", "S"), ("b", "R"), ("c", None))) == ([], "")  # waiting or unknown: no node
+    nodes, why = suspect_nodes(lagging(("a", "D"), ("b", "D"), ("c", "T")))
+    assert nodes == ["c"], nodes
+    assert why.startswith(". Ranks in uninterruptible I/O (D) on 2 nodes: a shared file system") and why.endswith(
+        "none is blamed for it; a stopped process points at its node"), why
 
 
 def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
