@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIAGNOSIS_FILE", "blamed_nodes", "read_diagnoses", "write_diagnosis"]
+__all__ = ["DIAGNOSIS_FILE", "as_job_nodes", "blamed_nodes", "read_diagnoses", "write_diagnosis"]
 
 DIAGNOSIS_FILE = "diagnosis.jsonl"
 
@@ -59,3 +60,20 @@ def blamed_nodes(run_dir: Path | str, since: float) -> list[str]:
         if record.get("kind") == "hang" and float(record.get("time", 0)) >= since and isinstance(nodes, list):
             out.update(str(n) for n in nodes)
     return sorted(out)
+
+
+def as_job_nodes(hosts: Sequence[str], job_nodes: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`hosts` (the host names the trainer's ranks report) as the job's Slurm node names: the same
+    name, or the same first label (`gpu017.cluster.local` is `gpu017`); and, apart, the hosts that
+    are no node of the job (a container with a host name of its own), which Slurm would refuse in
+    `ExcNodeList`."""
+    by_short = {n.split(".")[0]: n for n in job_nodes}
+    found: list[str] = []
+    strangers: list[str] = []
+    for host in hosts:
+        node = host if host in job_nodes else by_short.get(host.split(".")[0])
+        if node is None:
+            strangers.append(host)
+        elif node not in found:
+            found.append(node)
+    return found, strangers

@@ -91,7 +91,7 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
         actor: WorkerGroup = LocalWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps)
         critic: WorkerGroup | None = (LocalWorkerGroup("critic", CriticWorker, cfg, total_steps)
                                       if cfg.derived.use_critic else None)
-        where = "this process"
+        where, watched = "this process", []
     else:
         t, world = cfg.trainer, cfg.derived.world_size
         where = f"Ray at {connect(world)}"
@@ -100,17 +100,17 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
                                     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
         roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
                                   **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
-        w = t.watchdog
-        stacks = run_dir_of(cfg) / "stacks" if w.enable else None
+        stacks = run_dir_of(cfg) / "stacks" if t.watchdog.enable else None
         groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world, stacks=stacks)
         actor, critic = groups["actor_rollout_ref"], groups.get("critic")
-        if w.enable:  # every call to the ranks timed and bounded (trainer.watchdog)
-            for group in groups.values():
-                group.watchdog = Bounds(w.floor_s, w.multiple, w.min_s, w.warmup, w.poll_s)
+        watched = list(groups.values())
     clock.mark("workers_spawned")
     for group in (actor, critic):
         if group is not None:
             group.init_dist()
+    w = cfg.trainer.watchdog
+    for ray_group in watched if w.enable else []:  # from the first step: a large model may load for longer
+        ray_group.watchdog = Bounds(w.floor_s, w.multiple, w.min_s, w.warmup, w.poll_s)
     clock.mark("models_built")
     return actor, critic, where
 

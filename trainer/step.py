@@ -36,6 +36,7 @@ from trainer.stages.rollout import SALT, Rollout
 from trainer.stages.sync import sync_weights
 from trainer.stages.validate import log_generations, validate
 from trainer.startup import Clock
+from trainer.watchdog import at
 from trainer.workers.group import WorkerGroup
 
 __all__ = ["Stages"]
@@ -202,7 +203,7 @@ class Stages:
         """One synchronous PPO step on a batch of prompts, its stages in turn: its batch,
         metrics and phase times."""
         timer = self.begin(step)
-        with timer.phase("step"):
+        with at(step=step), timer.phase("step"):
             batch = self.sample(examples, step, timer)
             self.clock.mark("first_rollout")
             metrics = self.prepare(batch, step, timer)
@@ -225,9 +226,10 @@ class Stages:
         keeps are logged."""
         t = self.cfg.trainer
         dump = ValidationDump(t.validation_data_dir, self.tokenizer)
-        metrics, samples = validate(
-            val_set, self.cfg.data.val_batch_size, lambda examples: self.generate(examples, step, validate=True),
-            dump.scoring(self.compute_rewards), self.tokenizer, step, t.log_val_generations)
+        with at("validate", step):  # its rollout bounded by earlier validations', not by training's
+            metrics, samples = validate(
+                val_set, self.cfg.data.val_batch_size, lambda examples: self.generate(examples, step, validate=True),
+                dump.scoring(self.compute_rewards), self.tokenizer, step, t.log_val_generations)
         dump.write(step)
         if samples:
             log_generations(run_dir, samples, "console" in t.logger)

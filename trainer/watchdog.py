@@ -1,12 +1,14 @@
 """A call to the ranks that runs far past its usual time: stacks dumped, the ranks that did not
 answer named with their process state, the run ended with the diagnosis.
 
-Every call the driver makes to a Ray worker group (a phase of a step: `generate`,
-`compute_log_prob`, `update_actor`, the weight sync, a checkpoint) is timed per group and
-method. Its bound (:meth:`Bounds.bound`) is `trainer.watchdog.multiple` times the median of that
-call's earlier durations in this run, at least `trainer.watchdog.min_s`; until the call has
-`trainer.watchdog.warmup` durations, `trainer.watchdog.floor_s` (the first steps compile, load
-and warm caches). Past it, :func:`diagnose`:
+From the first step on (not while the ranks join and load their models), every call the driver
+makes to a Ray worker group (a phase of a step: `generate`, `compute_log_prob`, `update_actor`,
+the weight sync, a checkpoint) is timed per phase, group and method (:func:`call_key`: the step's
+phase as its timer names it, or `validate`, set by :func:`at`; a validation's rollout is not held
+to the training rollout's durations). Its bound (:meth:`Bounds.bound`) is
+`trainer.watchdog.multiple` times the median of that call's earlier durations in this run, at
+least `trainer.watchdog.min_s`; until the call has `trainer.watchdog.warmup` durations,
+`trainer.watchdog.floor_s` (the first steps compile, load and warm caches). Past it, :func:`diagnose`:
 
 - asks every rank's process for its Python stack: each rank registered :data:`STACK_SIGNAL`
   with `faulthandler` at start (:func:`register_stack_dump`), writing `<run_dir>/stacks/rank_<r>.txt`
@@ -14,7 +16,8 @@ and warm caches). Past it, :func:`diagnose`:
   own node, through a Ray task pinned to the node otherwise;
 - reads each rank's process state (`/proc/<pid>/stat`: `T` stopped, `D` in uninterruptible
   I/O, `Z` gone, `R`/`S` running or waiting);
-- names the ranks that have not answered while the others have, with node, pid and state.
+- names the ranks that have not answered while the others have, with node, pid and state, a
+  stopped (`T`) or `D`-state one first: the others may only be waiting on it in a collective.
 
 The driver then ends the run with that diagnosis (a :class:`~trainer.workers.group.WorkerFailure`
 of kind `hang`, kept in `diagnosis.jsonl` for `hpcrl status`). A rank stopped or in `D` state
@@ -30,17 +33,59 @@ import os
 import signal
 import socket
 import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STACK_SIGNAL", "Bounds", "diagnose", "process_state", "register_stack_dump"]
+__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "inspect", "process_state",
+           "register_stack_dump", "suspect_nodes", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
 
+NAMED = 4
+"""Running or waiting ranks named in a summary beyond the stopped and `D`-state ones (all in its details)."""
+
 _STATES = {"R": "running", "S": "sleeping (waiting)", "D": "in uninterruptible I/O (D)", "T": "stopped (T)",
            "t": "stopped by a tracer (t)", "Z": "a zombie (gone)", "X": "dead"}
+
+
+@dataclass(frozen=True)
+class Where:
+    """The driver's place in the run: the phase (`gen`, `update_actor`, ..., `validate`) and the step."""
+
+    phase: str | None = None
+    step: int | None = None
+
+
+_WHERE: ContextVar[Where | None] = ContextVar("trainer_watchdog_where", default=None)
+
+
+@contextmanager
+def at(phase: str | None = None, step: int | None = None) -> Iterator[None]:
+    """Calls to the ranks made inside are the phase `phase` of step `step` (each kept from the
+    enclosing :func:`at` when None): the watchdog keys their durations and names them so."""
+    outer = where()
+    token = _WHERE.set(Where(phase or outer.phase, outer.step if step is None else step))
+    try:
+        yield
+    finally:
+        _WHERE.reset(token)
+
+
+def where() -> Where:
+    """The phase and step of this thread's calls (:func:`at`)."""
+    return _WHERE.get() or Where()
+
+
+def call_key(group: str, method: str) -> str:
+    """The history a call's duration joins: `<phase>/<group>.<method>`, `<group>.<method>` outside a phase."""
+    phase = where().phase
+    return f"{phase}/{group}.{method}" if phase else f"{group}.{method}"
 
 
 def register_stack_dump(path: Path) -> None:
@@ -92,50 +137,120 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2:].split()[0]
 
 
-def _here(pid: int, dump: bool) -> str | None:
-    state = process_state(pid)
-    if dump and state is not None:
-        try:
-            os.kill(pid, STACK_SIGNAL)  # a stopped process takes it when it runs again; the others now
-        except OSError:
-            pass
-    return state
+def inspect(pids: list[int], dump: bool) -> list[str | None]:
+    """On the node this runs on: each process's state (:func:`process_state`, None when it is not
+    here); with `dump`, each is sent :data:`STACK_SIGNAL` (a stopped process takes it when it runs
+    again, the others now)."""
+    states = [process_state(pid) for pid in pids]
+    for pid, state in zip(pids, states, strict=True):
+        if dump and state is not None:
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except OSError:
+                pass
+    return states
 
 
-def _on_node(ip: str, pid: int, dump: bool) -> str | None:
-    """:func:`_here` run on the node whose address is `ip` (a Ray task pinned there)."""
+def _inspect_nodes(procs: dict[str, list[int]], dump: bool, timeout: float = 30.0) -> dict[str, list[str | None]]:
+    """:func:`inspect` on each node (by address) of `procs`, through one Ray task pinned to each, all
+    at once; a node that is not in the cluster or does not answer within `timeout`: states unknown."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerAddress") == ip), None)
-    if node_id is None:
-        return None
-    task = ray.remote(num_cpus=0)(_here).options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    try:
-        return ray.get(task.remote(pid, dump), timeout=30)  # type: ignore[no-any-return]
-    except Exception:  # noqa: BLE001 - a node that does not answer: its state stays unknown
-        return None
+    ids = {n.get("NodeManagerAddress"): n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    task = ray.remote(num_cpus=0)(inspect)
+    refs = {ip: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)).remote(pids, dump)
+            for ip, pids in procs.items() if ip in ids}
+    deadline = time.monotonic() + timeout
+    out: dict[str, list[str | None]] = {ip: [None] * len(pids) for ip, pids in procs.items()}
+    for ip, ref in refs.items():
+        try:
+            out[ip] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a node that does not answer: its ranks' states stay unknown
+            pass
+    return out
+
+
+def _states(nodes: list[dict[str, Any]], dump: bool) -> list[str | None]:
+    """Each rank's process state (`nodes`: the ranks' `node_info`), read here for the ranks on this
+    host and on their own nodes for the others (:func:`_inspect_nodes`)."""
+    here = socket.gethostname()
+    placed: dict[str, list[int]] = {}  # "" (this host) or a node's address: its ranks
+    for rank, node in enumerate(nodes):
+        if isinstance(node.get("pid"), int):
+            placed.setdefault("" if node.get("hostname") == here else str(node.get("ip")), []).append(rank)
+    pids = {ip: [int(nodes[r]["pid"]) for r in ranks] for ip, ranks in placed.items()}
+    remote = {ip: p for ip, p in pids.items() if ip}
+    answers = _inspect_nodes(remote, dump) if remote else {}
+    if "" in pids:
+        answers[""] = inspect(pids[""], dump)
+    states: list[str | None] = [None] * len(nodes)
+    for ip, ranks in placed.items():
+        for rank, state in zip(ranks, answers[ip], strict=True):
+            states[rank] = state
+    return states
+
+
+def _await_stacks(ranks: list[dict[str, Any]], timeout: float = 10.0) -> None:
+    """Wait (at most `timeout` s) until each running or waiting rank has written its stack: the
+    group is ended next, and a process killed before its handler ran leaves an empty file. A
+    stopped or `D`-state rank writes only when it runs again; the shared file system may also lag."""
+    waiting = [Path(r["stack"]) for r in ranks if r.get("stack") and r["state"] in ("R", "S")]
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        waiting = [p for p in waiting if not (p.is_file() and p.stat().st_size > 0)]
+        time.sleep(0.1)
+
+
+def _name(r: dict[str, Any]) -> str:
+    return (f"rank {r['rank']} on node `{r['node']}` (pid {r['pid']}, "
+            f"{_STATES.get(r['state'] or '', 'state unknown')})")
+
+
+def suspect_nodes(lagging: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """The nodes to requeue without, from the ranks that did not answer (`node`, `state`), and the
+    sentence that says why: a stopped process points at its node, so does one in uninterruptible
+    I/O (`D`) on one node; `D` on several nodes points at a shared file system instead, and no
+    node is blamed for it."""
+    stopped = {str(r["node"]) for r in lagging if r["state"] in ("T", "t")}
+    in_io = {str(r["node"]) for r in lagging if r["state"] == "D"}
+    if len(in_io) > 1:
+        return sorted(stopped), (f". Ranks in uninterruptible I/O (D) on {len(in_io)} nodes: a shared file system "
+                                 "that stopped answering is likelier than a node, and none is blamed for it"
+                                 + ("; a stopped process points at its node" if stopped else ""))
+    suspects = sorted(stopped | in_io)
+    return suspects, ". A stopped or D-state process points at its node" if suspects else ""
 
 
 def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: str, elapsed: float,
-             bound: str, stacks: Path | None) -> tuple[str, dict[str, Any]]:
+             bounds: Bounds, stacks: Path | None) -> tuple[str, dict[str, Any]]:
     """The summary and details of a call past its bound: each rank's state (stacks dumped into
-    `stacks`), the ranks that did not answer first."""
-    ranks: list[dict[str, Any]] = []
-    for rank, node in enumerate(nodes):
-        pid, host = node.get("pid"), node.get("hostname")
-        if not isinstance(pid, int):
-            continue
-        state = _here(pid, True) if host == socket.gethostname() else _on_node(str(node.get("ip")), pid, True)
-        ranks.append({"rank": rank, "node": host, "pid": pid, "state": state, "answered": rank not in stuck,
-                      **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})})
+    `stacks`), the ranks that did not answer first, a stopped or `D`-state one before them.
+    `elapsed`: seconds since the call began (the hang began then or later)."""
+    key = call_key(group, method)
+    bound = bounds.describe(key)
+    dump = stacks is not None  # only ranks that registered the handler: the signal ends the others
+    ranks = [{"rank": rank, "node": node.get("hostname"), "pid": node.get("pid"), "state": state,
+              "answered": rank not in stuck, **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})}
+             for rank, (node, state) in enumerate(zip(nodes, _states(nodes, dump), strict=True))]
+    _await_stacks(ranks)
     lagging = [r for r in ranks if not r["answered"]]
-    named = "; ".join(f"rank {r['rank']} on node `{r['node']}` (pid {r['pid']}, "
-                      f"{_STATES.get(r['state'] or '', 'state unknown')})" for r in lagging)
-    node_fault = [r for r in lagging if r["state"] in ("T", "t", "D")]
-    summary = (f"worker group `{group}`: `{method}` has run {elapsed:.0f} s, past its bound ({bound}); "
+    first = [r for r in lagging if r["state"] in ("T", "t", "D")]
+    others = [r for r in lagging if r not in first]
+    named = "; ".join(_name(r) for r in first + others[:NAMED])
+    if len(others) > NAMED:
+        named += f" and {len(others) - NAMED} more (every rank in `diagnosis.jsonl`)"
+    if first and others:
+        named += f" (the other {len(others)} may only be waiting on the first in a collective)"
+    suspects, why = suspect_nodes(lagging)
+    at_ = where()
+    during = "".join([f" in phase `{at_.phase}`" if at_.phase else "",
+                      f" of step {at_.step}" if at_.step is not None else ""])
+    summary = (f"worker group `{group}`: `{method}`{during} has run {elapsed:.0f} s, past its bound ({bound}); "
                f"{len(lagging)} of {len(nodes)} rank(s) have not answered: {named}"
-               + (". A stopped or D-state process points at its node" if node_fault else "")
+               + why
                + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else ""))
-    return summary, {"group": group, "method": method, "elapsed_s": round(elapsed, 1), "bound": bound,
-                     "ranks": ranks, "suspect_nodes": sorted({str(r["node"]) for r in node_fault})}
+    return summary, {"group": group, "method": method, "phase": at_.phase, "step": at_.step,
+                     "elapsed_s": round(elapsed, 1), "bound_s": round(bounds.bound(key), 1),
+                     "bound": bound, "ranks": ranks,
+                     "suspect_nodes": suspects}

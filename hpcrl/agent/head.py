@@ -27,7 +27,7 @@ from hpcrl.agent.watch import (
     signalled_before_payload,
     stop_requested,
 )
-from hpcrl.diagnosis import blamed_nodes
+from hpcrl.diagnosis import as_job_nodes, blamed_nodes
 from hpcrl.netaddr import format_host
 from hpcrl.payloads import verl
 from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED, gpus_env, trainer_dirs
@@ -179,7 +179,11 @@ class Head:
         dead = dead_nodes(self.node, self.heartbeat)
         cut = [(r, h) for r, h in watch.cut_off() if r not in {r for r, _ in dead}]
         hosts = [host for _, host in dead + cut]
-        blamed = [h for h in self._blamed() if h not in hosts]
+        blamed, strangers = as_job_nodes(self._blamed(), self.node.ctx.nodes)
+        if strangers:
+            self.node.log.error("the trainer's watchdog blamed host(s) %s, which are no node of this job (%s): "
+                                "not excluded", ", ".join(strangers), ", ".join(self.node.ctx.nodes))
+        blamed = [h for h in blamed if h not in hosts]
         if blamed:  # alive, but the trainer's watchdog found a rank stopped or in D state there
             self.node.log.error("%s; the trainer's watchdog blamed node(s) %s (a stuck rank's process "
                                 "stopped or in uninterruptible I/O)", failed.cause, ", ".join(blamed))

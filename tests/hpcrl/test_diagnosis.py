@@ -7,7 +7,13 @@ import json
 import time
 from pathlib import Path
 
-from hpcrl.diagnosis import DIAGNOSIS_FILE, blamed_nodes, read_diagnoses, write_diagnosis
+from hpcrl.diagnosis import (
+    DIAGNOSIS_FILE,
+    as_job_nodes,
+    blamed_nodes,
+    read_diagnoses,
+    write_diagnosis,
+)
 
 
 def test_only_this_run_s_hang_diagnoses_blame_nodes(tmp_path: Path) -> None:
@@ -22,3 +28,12 @@ def test_only_this_run_s_hang_diagnoses_blame_nodes(tmp_path: Path) -> None:
     assert blamed_nodes(tmp_path, old) == ["gpu001", "gpu017"]
     assert blamed_nodes(tmp_path / "nothing-here", since) == []
     assert len(read_diagnoses(tmp_path)) == 4
+
+
+def test_blamed_hosts_become_the_job_s_slurm_node_names_or_are_set_apart() -> None:
+    job = ["gpu017", "gpu018", "login.example"]
+    assert as_job_nodes(["gpu018"], job) == (["gpu018"], [])
+    assert as_job_nodes(["gpu017.cluster.local", "gpu017"], job) == (["gpu017"], [])  # one node, once
+    assert as_job_nodes(["login"], job) == (["login.example"], [])
+    assert as_job_nodes(["3f9c2a1b7d4e", "gpu018"], job) == (["gpu018"], ["3f9c2a1b7d4e"])  # a container's own name
+    assert as_job_nodes([], job) == ([], [])

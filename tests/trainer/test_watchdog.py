@@ -5,8 +5,10 @@ wedged rank would sit."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from trainer.watchdog import Bounds, process_state
+from hpcrl.diagnosis import read_diagnoses
+from tests.conftest import REPO
+from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, suspect_nodes, where
 
 
 def test_the_bound_is_the_floor_until_warmup_then_a_multiple_of_the_median() -> None:
@@ -32,6 +36,87 @@ def test_the_bound_is_the_floor_until_warmup_then_a_multiple_of_the_median() -> 
         b.record("actor.sync", 1.0)
     assert b.bound("actor.sync") == 60  # at least min_s
     assert "5 x the median of 3 earlier calls (20.0 s)" in b.describe("actor.generate")
+
+
+def test_calls_are_keyed_by_the_phase_they_run_in() -> None:
+    """The validation's rollout keeps a history of its own: a validation set many times the
+    training batch would otherwise run past the bound learned from the training rollouts."""
+    assert call_key("actor", "generate") == "actor.generate" and where().step is None
+    with at(step=4):
+        with at("gen"):
+            assert call_key("actor", "generate") == "gen/actor.generate" and where().step == 4
+        with at("validate", 5):
+            assert call_key("actor", "generate") == "validate/actor.generate" and where().step == 5
+        assert where().phase is None and where().step == 4
+    assert where().phase is None and where().step is None
+
+
+def test_a_stopped_rank_blames_its_node_d_state_on_several_nodes_blames_none() -> None:
+    def lagging(*pairs: tuple[str, str | None]) -> list[dict[str, Any]]:
+        return [{"node": node, "state": state} for node, state in pairs]
+
+    assert suspect_nodes(lagging(("a", "S"), ("b", "T"))) == (["b"], ". A stopped or D-state process points at its node")
+    assert suspect_nodes(lagging(("a", "D"), ("a", "S"), ("b", None)))[0] == ["a"]  # one node's I/O
+    assert suspect_nodes(lagging(("a", "S"), ("b", "R"), ("c", None))) == ([], "")  # waiting or unknown: no node
+    nodes, why = suspect_nodes(lagging(("a", "D"), ("b", "D"), ("c", "T")))
+    assert nodes == ["c"], nodes
+    assert why.startswith(". Ranks in uninterruptible I/O (D) on 2 nodes: a shared file system") and why.endswith(
+        "none is blamed for it; a stopped process points at its node"), why
+
+
+def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
+    """`n` processes that registered the stack dump as a rank does (`stacks/rank_<r>.txt`) and sleep."""
+    code = ("import sys, time\nfrom pathlib import Path\nfrom trainer.watchdog import register_stack_dump\n"
+            "register_stack_dump(Path(sys.argv[1]))\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "stacks" / f"rank_{r}.txt")],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in range(n)]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return procs
+
+
+def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written(tmp_path: Path) -> None:
+    """Every rank pending, as when one is stopped and the others wait on it in a collective: the
+    stopped one is named first, its node is the suspect, the waiting rank's stack is on disk by
+    the time :func:`diagnose` returns (the group is killed next), the stopped one's when it runs
+    again."""
+    procs = _ranks_sleeping(tmp_path, 2)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        for _ in range(200):
+            if process_state(procs[1].pid) == "T":
+                break
+            time.sleep(0.05)
+        host = socket.gethostname()
+        nodes = [{"rank": r, "hostname": host, "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
+        bounds = Bounds(floor_s=600, multiple=5, min_s=2, warmup=2)
+        for s in (1.0, 2.0):
+            bounds.record("update_actor/actor.update_actor", s)
+        with at("update_actor", 7):
+            summary, details = diagnose(nodes, [0, 1], "actor", "update_actor", 12.3, bounds, tmp_path / "stacks")
+        assert summary.startswith("worker group `actor`: `update_actor` in phase `update_actor` of step 7 has run "
+                                  "12 s, past its bound (5 x the median of 2 earlier calls (1.5 s), at least 2 s); "
+                                  f"2 of 2 rank(s) have not answered: rank 1 on node `{host}` (pid {procs[1].pid}, "
+                                  f"stopped (T)); rank 0 on node `{host}` (pid {procs[0].pid}, sleeping (waiting)) "
+                                  "(the other 1 may only be waiting on the first in a collective). A stopped or "
+                                  "D-state process points at its node"), summary
+        assert (details["phase"], details["step"], details["bound_s"], details["elapsed_s"]) == ("update_actor", 7, 7.5, 12.3)
+        assert details["suspect_nodes"] == [host]
+        assert [(r["rank"], r["state"], r["answered"]) for r in details["ranks"]] == [(0, "S", False), (1, "T", False)]
+        assert 'File "<string>", line 6 in <module>' in (tmp_path / "stacks" / "rank_0.txt").read_text()
+        stopped_stack = tmp_path / "stacks" / "rank_1.txt"
+        assert stopped_stack.read_text() == ""  # a stopped process runs no handler
+        os.kill(procs[1].pid, signal.SIGCONT)
+        for _ in range(200):
+            if "line 6 in <module>" in stopped_stack.read_text():
+                break
+            time.sleep(0.05)
+        assert 'File "<string>", line 6 in <module>' in stopped_stack.read_text()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_process_state_reads_a_stopped_process() -> None:
@@ -82,6 +167,35 @@ def ray_local() -> Iterator[Any]:
             ray.shutdown()
 
 
+def test_ranks_on_other_nodes_are_read_there_all_at_once(ray_local: Any, tmp_path: Path) -> None:
+    """Ranks whose host is not the driver's: their states are read, and their stacks asked for, by
+    a task pinned to their node (here the one node of a local cluster, under another name); the
+    ranks of a node not in the cluster have an unknown state, and a long list is cut short."""
+    procs = _ranks_sleeping(tmp_path, 2)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        for _ in range(200):
+            if process_state(procs[1].pid) == "T":
+                break
+            time.sleep(0.05)
+        ip = ray_local.nodes()[0]["NodeManagerAddress"]
+        nodes = [{"rank": r, "hostname": "node-b", "ip": ip, "pid": p.pid} for r, p in enumerate(procs)]
+        nodes += [{"rank": r, "hostname": "node-c", "ip": "192.0.2.7", "pid": 4000 + r} for r in range(2, 8)]
+        summary, details = diagnose(nodes, list(range(8)), "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [r["state"] for r in details["ranks"]] == ["S", "T"] + [None] * 6
+    assert details["suspect_nodes"] == ["node-b"]
+    assert 'File "<string>", line 6 in <module>' in (tmp_path / "stacks" / "rank_0.txt").read_text()
+    assert (f"8 of 8 rank(s) have not answered: rank 1 on node `node-b` (pid {procs[1].pid}, stopped (T)); "
+            f"rank 0 on node `node-b` (pid {procs[0].pid}, sleeping (waiting)); rank 2 on node `node-c` "
+            "(pid 4002, state unknown); rank 3") in summary, summary
+    assert "rank 6" not in summary and "and 3 more (every rank in `diagnosis.jsonl`) (the other 7 may" in summary, summary
+    assert "past its bound (the first calls' floor, 600 s (`trainer.watchdog.floor_s`))" in summary, summary
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped(ray_local: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
@@ -116,3 +230,66 @@ def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped
     assert "Thread 0x" in (stacks / "rank_0.txt").read_text() or "Current thread 0x" in (stacks / "rank_0.txt").read_text()
     with pytest.raises(ray_local.exceptions.RayActorError):  # the group was ended, the stopped rank too
         ray_local.get(group.actors[1].call.remote("actor", "node_info"), timeout=30)
+
+
+def _wait_for_rows(metrics: Path, rows: int, proc: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < rows:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the trainer ended early ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+        assert time.monotonic() < deadline, f"{metrics} did not reach {rows} rows within {timeout} s"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_stopped_rank_ends_with_the_diagnosis(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`python -m trainer` on two Ray ranks; after two steps (every call of a step then has its
+    two durations) rank 1 is stopped with SIGSTOP. The run ends (status 1) at the learned bound,
+    far below the floor, with a `hang` diagnosis naming rank 1 as stopped and its node as the
+    suspect; the other rank's stack is written; `hpcrl status` reads the summary from there."""
+    from tests.trainer.test_distributed import overrides
+    from trainer.rewards.toy import write_toy_digits
+
+    data, run = tmp_path / "toy", tmp_path / "run"
+    write_toy_digits(data, train_size=64, val_size=4, seed=0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "HPCRL_"))}
+    env["PYTHONPATH"] = str(REPO)
+    floor = 300
+    argv = [sys.executable, "-m", "trainer", *overrides(
+        tiny_model_dir, data, run, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=500", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        f"trainer.watchdog.floor_s={floor}", "trainer.watchdog.warmup=2", "trainer.watchdog.min_s=20",
+        "trainer.watchdog.poll_s=0.5")]
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    victim: dict[str, Any] = {}
+    try:
+        _wait_for_rows(run / "metrics.jsonl", 2, proc, timeout=400)
+        victim = json.loads((run / "workers.json").read_text())["actor_rollout_ref"][1]
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = proc.communicate(timeout=floor)
+        ended = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if victim and process_state(victim["pid"]) is not None:
+            os.kill(victim["pid"], signal.SIGKILL)
+    assert proc.returncode == 1, (proc.returncode, out[-2000:], err[-3000:])
+    hangs = [d for d in read_diagnoses(run) if d["kind"] == "hang"]
+    assert len(hangs) == 1, read_diagnoses(run)
+    hang = hangs[0]
+    host = socket.gethostname()
+    assert hang["group"] == "actor_rollout_ref" and hang["step"] >= 3 and hang["phase"], hang
+    assert hang["bound_s"] < floor and hang["elapsed_s"] <= hang["bound_s"] + 30, hang  # the learned bound
+    assert f"rank 1 on node `{host}` (pid {victim['pid']}, stopped (T))" in hang["summary"], hang["summary"]
+    assert hang["suspect_nodes"] == [host]
+    ranks = {r["rank"]: r for r in hang["ranks"]}
+    assert ranks[1]["state"] == "T" and not ranks[1]["answered"]
+    assert "File " in Path(ranks[0]["stack"]).read_text()  # the other rank's threads, written before the kill
+    assert "trainer: watchdog: worker group `actor_rollout_ref`" in out + err, (out[-2000:], err[-3000:])
+    assert ended < floor
+    status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=120)
+    assert f"rank 1 on node `{host}`" in status.stdout + status.stderr, status.stdout + status.stderr

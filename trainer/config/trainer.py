@@ -14,11 +14,12 @@ from trainer.config.base import GPUS_ENV, PROFILER, ConfigError, h
 class WatchdogConfig:
     enable: bool = h("end a run whose call to the ranks runs far past its usual time, naming the ranks "
                      "that did not answer, with their stacks (`<run_dir>/stacks/`); Ray ranks only")
-    floor_s: float = h("a call's bound until it has `warmup` durations (the first steps load and compile)")
+    floor_s: float = h("a call's bound until it has `warmup` durations in its phase (the first steps compile "
+                       "and warm caches; the ranks' start, loading the models, is not bounded)")
     multiple: float = h("afterwards the bound is this many times the median of the call's earlier durations")
     min_s: float = h("... and at least this many seconds")
     warmup: int = h("durations of a call before its median sets the bound")
-    poll_s: float = h("how often the driver checks a call still running")
+    poll_s: float = h("how often the driver checks a call still running (a hang is found at most this late)")
 
 
 @dataclass(frozen=True)

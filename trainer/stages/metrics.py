@@ -10,13 +10,15 @@ from contextlib import contextmanager
 from trainer.batch import StepBatch, need
 from trainer.config import DataConfig
 from trainer.metrics import data_metrics, throughput_metrics, timing_metrics
+from trainer.watchdog import at
 from trainer.workers.group import WorkerGroup
 
 __all__ = ["Timer", "memory_metrics", "step_metrics"]
 
 
 class Timer:
-    """Collects `timing_s/<phase>` durations for one step."""
+    """Collects `timing_s/<phase>` durations for one step; the calls to the ranks inside a phase
+    are that phase's for the progress watchdog (:func:`trainer.watchdog.at`)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -24,7 +26,8 @@ class Timer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        yield
+        with at(name):
+            yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 

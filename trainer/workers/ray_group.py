@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, ConfigError
-from trainer.watchdog import Bounds, diagnose, register_stack_dump
+from trainer.watchdog import Bounds, call_key, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import death_details, describe, find_death, last_seen
 from trainer.workers.memory_samples import MEMORY_DIR, RssSampler, write_plan
@@ -326,7 +326,7 @@ class RayWorkerGroup(WorkerGroup):
         ranks = ranks if ranks is not None else list(range(len(refs)))
         rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
         pending, results = list(refs), {}
-        began, key = time.monotonic(), f"{self.name}.{method}"
+        began, key = time.monotonic(), call_key(self.name, method)
         while pending:
             done, pending = ray.wait(pending, num_returns=1,
                                      timeout=self.watchdog.poll_s if self.watchdog else None)
@@ -358,8 +358,7 @@ class RayWorkerGroup(WorkerGroup):
         elapsed = time.monotonic() - began
         if elapsed <= self.watchdog.bound(key):
             return
-        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog.describe(key),
-                                    self.stacks)
+        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog, self.stacks)
         print(f"trainer: watchdog: {summary}", flush=True)
         self.kill()  # its ranks may hold GPUs in a collective that never ends
         raise WorkerFailure(summary, kind="hang", details=details)
