@@ -18,6 +18,7 @@ from typing import Any
 
 from trainer.checkpoint import full_state as ckpt
 from trainer.config import Config, config_to_dict, dump_config
+from trainer.config.trainer import run_dir_of
 from trainer.data import PromptLoader
 from trainer.metrics import METRICS_FILE, MetricsLogger, last_step
 from trainer.stages import checkpoint
@@ -26,10 +27,6 @@ from trainer.step import Stages
 __all__ = ["RunState", "run_dir_of", "say_redone"]
 
 
-def run_dir_of(cfg: Config) -> Path:
-    """`trainer.run_dir`, or where the checkpoints go when it is unset."""
-    t = cfg.trainer
-    return Path(t.run_dir) if t.run_dir else Path(t.default_local_dir or ".")
 
 
 class RunState:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config.base import GPUS_ENV, PROFILER, ConfigError, h
@@ -137,3 +138,10 @@ ACCEPTED_ONLY_AS: dict[str, Any] = {
     "trainer.default_hdfs_dir": None,
     "trainer.del_local_ckpt_after_load": False,
 }
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """The run's directory (metrics, STOP file, diagnoses, stacks, memory samples):
+    `trainer.run_dir`, or where the checkpoints go when it is unset."""
+    t = cfg.trainer
+    return Path(t.run_dir) if t.run_dir else Path(t.default_local_dir or ".")

@@ -29,12 +29,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.workers.memory_samples import Sample, read_plan, read_sample
+from trainer.workers.memory_samples import (
+    GB,
+    Sample,
+    cgroup_dir,
+    memcg_path,
+    memory_limit_bytes,
+    memory_limit_gb,
+    oom_kills,
+    read_plan,
+    read_sample,
+)
 
 __all__ = ["MemoryDeath", "cgroup_dir", "counter_death", "death_details", "describe", "find_death", "kernel_death", "kernel_log", "last_seen",
            "memory_limit_bytes", "memory_limit_gb", "oom_kills", "parse_kernel_kill", "parse_ray_oom"]
 
-GB = 1e9  # Ray prints decimal gigabytes
 
 
 @dataclass(frozen=True)
@@ -125,79 +134,6 @@ def kernel_log() -> str | None:
         return subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10, check=False).stdout or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def memcg_path(path: str) -> Path | None:
-    """The directory of the memory cgroup the kernel names (`oom_memcg=/...`): v1's memory
-    controller or v2's hierarchy, whichever has it."""
-    for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
-        candidate = root / path.lstrip("/")
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
-def cgroup_dir(pid: int | str = "self") -> Path | None:
-    """The memory cgroup directory of process `pid`: cgroup v2's (`0::` in `/proc/<pid>/cgroup`),
-    else v1's memory controller's (`N:memory:`)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):  # v1
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-    for line in lines:
-        if line.startswith("0::"):
-            return Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-    return None
-
-
-def oom_kills(cgroup: Path | None) -> int | None:
-    """The OOM kills counted in a memory cgroup: v2's `memory.events`, v1's `memory.oom_control`
-    (`oom_kill N`); None when neither is readable."""
-    if cgroup is None:
-        return None
-    for name in ("memory.events", "memory.oom_control"):
-        try:
-            text = (cgroup / name).read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
-    return None
-
-
-def memory_limit_bytes(cgroup: Path | None) -> int | None:
-    """The memory limit a process there lives under: the lowest of its cgroup's and its
-    ancestors' (v2 `memory.max`, v1 `memory.limit_in_bytes`: Slurm sets the job's, above the
-    step's and the task's), else the node's `MemTotal`."""
-    try:
-        total: int | None = next(int(line.split()[1]) * 1024 for line in
-                                 Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        total = None
-    limits = [total] if total is not None else []
-    for folder in [cgroup, *cgroup.parents] if cgroup is not None else []:
-        if folder in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"), Path("/")):
-            break
-        for name in ("memory.max", "memory.limit_in_bytes"):
-            try:
-                raw = (folder / name).read_text().strip()
-            except OSError:
-                continue
-            if raw.isdigit():  # v2 writes no limit as `max`, v1 as a huge number (the minimum drops it)
-                limits.append(int(raw))
-    return min(limits) if limits else None
-
-
-def memory_limit_gb(cgroup: Path | None) -> float | None:
-    """:func:`memory_limit_bytes` in (decimal) GB."""
-    limit = memory_limit_bytes(cgroup)
-    return limit / GB if limit is not None else None
 
 
 def counter_death(sample: Sample | None) -> MemoryDeath | None:

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.memplan import GIB, HOST_DRIVER, PlanError, host_plan
+
 __all__ = ["HEARTBEAT_S", "INTERVAL_S", "MEMORY_DIR", "PLAN_FILE", "RssSampler", "Sample", "read_plan",
            "read_sample", "read_status", "take_sample", "write_plan"]
 
@@ -82,6 +84,82 @@ def read_status(text: str) -> tuple[int, int]:
     return found["VmRSS"], found["VmHWM"]
 
 
+GB = 1e9  # Ray prints decimal gigabytes
+
+
+def memcg_path(path: str) -> Path | None:
+    """The directory of the memory cgroup the kernel names (`oom_memcg=/...`): v1's memory
+    controller or v2's hierarchy, whichever has it."""
+    for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+        candidate = root / path.lstrip("/")
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def cgroup_dir(pid: int | str = "self") -> Path | None:
+    """The memory cgroup directory of process `pid`: cgroup v2's (`0::` in `/proc/<pid>/cgroup`),
+    else v1's memory controller's (`N:memory:`)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    for line in lines:
+        if line.startswith("0::"):
+            return Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+    return None
+
+
+def oom_kills(cgroup: Path | None) -> int | None:
+    """The OOM kills counted in a memory cgroup: v2's `memory.events`, v1's `memory.oom_control`
+    (`oom_kill N`); None when neither is readable."""
+    if cgroup is None:
+        return None
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = (cgroup / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
+def memory_limit_bytes(cgroup: Path | None) -> int | None:
+    """The memory limit a process there lives under: the lowest of its cgroup's and its
+    ancestors' (v2 `memory.max`, v1 `memory.limit_in_bytes`: Slurm sets the job's, above the
+    step's and the task's), else the node's `MemTotal`."""
+    try:
+        total: int | None = next(int(line.split()[1]) * 1024 for line in
+                                 Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        total = None
+    limits = [total] if total is not None else []
+    for folder in [cgroup, *cgroup.parents] if cgroup is not None else []:
+        if folder in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"), Path("/")):
+            break
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            try:
+                raw = (folder / name).read_text().strip()
+            except OSError:
+                continue
+            if raw.isdigit():  # v2 writes no limit as `max`, v1 as a huge number (the minimum drops it)
+                limits.append(int(raw))
+    return min(limits) if limits else None
+
+
+def memory_limit_gb(cgroup: Path | None) -> float | None:
+    """:func:`memory_limit_bytes` in (decimal) GB."""
+    limit = memory_limit_bytes(cgroup)
+    return limit / GB if limit is not None else None
+
+
 def _title() -> str:
     try:
         raw = Path("/proc/self/cmdline").read_bytes()
@@ -92,8 +170,6 @@ def _title() -> str:
 
 def take_sample(rank: int) -> Sample:
     """This process's memory now."""
-    from trainer.workers.memory_death import cgroup_dir, memory_limit_bytes, oom_kills
-
     rss, hwm = read_status(Path("/proc/self/status").read_text())
     cgroup = cgroup_dir()
     return Sample(rank=rank, pid=os.getpid(), process=_title(), host=socket.gethostname(), time=time.time(),
@@ -166,8 +242,6 @@ def write_plan(folder: Path, cfg: Any, use_gpu: bool) -> dict[str, Any]:
     """The memory plan's host figure per node (:func:`trainer.memplan.host_plan`, the host phase
     `python -m trainer --plan-memory` and `hpcrl submit` check against `slurm.mem`), written to
     `folder/plan.json` for the description of a death; or why there is none (`none`)."""
-    from trainer.memplan import GIB, HOST_DRIVER, PlanError, host_plan
-
     record: dict[str, Any]
     if not use_gpu:
         record = {"none": "the memory plan is made for GPU jobs, and this run has no GPU"}

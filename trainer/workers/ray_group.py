@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, ConfigError
+from trainer.config.trainer import run_dir_of
 from trainer.watchdog import Bounds, call_key, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import death_details, describe, find_death, last_seen
@@ -221,8 +222,6 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if samples is None and cfg is not None:
-        from trainer.run_state import run_dir_of
-
         samples = run_dir_of(cfg) / MEMORY_DIR
         write_plan(samples, cfg, slot.use_gpu)
 
