@@ -12,8 +12,11 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,6 +168,32 @@ def run_hpcrl(args: list[str], env: dict[str, str], cwd: Path = REPO
     full = {**env, "PYTHONPATH": str(REPO)}
     return subprocess.run([PYTHON, "-m", "hpcrl", *args], env=full, cwd=cwd, text=True,
                           capture_output=True, timeout=60)
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s` (generous: a loaded
+    machine is slow, and the wait ends as soon as the condition holds)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(poll_s)
+
+
+@pytest.fixture
+def ray_local() -> Iterator[Any]:
+    """A private local Ray for one test (2 CPUs, no dashboard, its own token), shut down after."""
+    import ray
+
+    from trainer.workers.ray_group import private_token_auth
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAY_ADDRESS", raising=False)
+        private_token_auth()
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from trainer.workers.memory_death import describe, parse_kernel_kill, parse_ray_oom
 from trainer.workers.memory_samples import read_sample, write_plan
 
@@ -104,15 +104,8 @@ def _group(samples: Path) -> Any:
 
     group = start_colocated({"actor": Hog}, None, 1, slot=make_placement_group(1, 1), world_size=1,
                             samples=samples)["actor"]
-    _wait_for(lambda: read_sample(samples, 0) is not None, "the rank's first memory sample")
+    wait_until(lambda: read_sample(samples, 0) is not None, "the rank's first memory sample")
     return group
-
-
-def _wait_for(condition: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.1)
 
 
 def _used_fraction() -> tuple[float, float]:
@@ -197,12 +190,14 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at:
 
 
 def _remove(cgroup: Path) -> None:
-    for _ in range(50):  # the killed process leaves the cgroup as it is reaped
+    def removed() -> bool:  # the killed process leaves the cgroup as it is reaped
         try:
             cgroup.rmdir()
-            return
         except OSError:
-            time.sleep(0.1)
+            return False
+        return True
+
+    wait_until(removed, f"removal of {cgroup}")
 
 
 @pytest.mark.slow
@@ -225,7 +220,7 @@ def test_a_rank_the_kernel_kills_is_named_from_its_cgroup_s_count_where_the_log_
         group = _group(tmp_path)
         pid = group.nodes[0]["pid"]
         group.run("join", str(cgroup))  # a job's ranks live in its cgroup from their start
-        _wait_for(lambda: getattr(read_sample(tmp_path, 0), "cgroup", None) == str(cgroup), "sample in the cgroup")
+        wait_until(lambda: getattr(read_sample(tmp_path, 0), "cgroup", None) == str(cgroup), "sample in the cgroup")
         with pytest.raises(WorkerFailure) as failed:
             group.run("eat", 2.0)
         text = str(failed.value)

@@ -12,14 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hpcrl.diagnosis import read_diagnoses
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, suspect_nodes, where
 
 
@@ -84,10 +83,7 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
     procs = _ranks_sleeping(tmp_path, 2)
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
-        for _ in range(200):
-            if process_state(procs[1].pid) == "T":
-                break
-            time.sleep(0.05)
+        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
         host = socket.gethostname()
         nodes = [{"rank": r, "hostname": host, "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
         bounds = Bounds(floor_s=600, multiple=5, min_s=2, warmup=2)
@@ -108,10 +104,7 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
         stopped_stack = tmp_path / "stacks" / "rank_1.txt"
         assert stopped_stack.read_text() == ""  # a stopped process runs no handler
         os.kill(procs[1].pid, signal.SIGCONT)
-        for _ in range(200):
-            if "line 6 in <module>" in stopped_stack.read_text():
-                break
-            time.sleep(0.05)
+        wait_until(lambda: "line 6 in <module>" in stopped_stack.read_text(), "stack of the continued rank")
         assert 'File "<string>", line 6 in <module>' in stopped_stack.read_text()
     finally:
         for proc in procs:
@@ -124,10 +117,7 @@ def test_process_state_reads_a_stopped_process() -> None:
     try:
         assert process_state(os.getpid()) == "R"
         os.kill(child.pid, signal.SIGSTOP)
-        for _ in range(100):
-            if process_state(child.pid) == "T":
-                break
-            time.sleep(0.05)
+        wait_until(lambda: process_state(child.pid) == "T", "stopped state")
         assert process_state(child.pid) == "T"
     finally:
         child.kill()
@@ -151,22 +141,6 @@ class Worker:
         return self.rank
 
 
-@pytest.fixture
-def ray_local() -> Iterator[Any]:
-    import ray
-
-    from trainer.workers.ray_group import private_token_auth
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RAY_ADDRESS", raising=False)
-        private_token_auth()
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-
-
 def test_ranks_on_other_nodes_are_read_there_all_at_once(ray_local: Any, tmp_path: Path) -> None:
     """Ranks whose host is not the driver's: their states are read, and their stacks asked for, by
     a task pinned to their node (here the one node of a local cluster, under another name); the
@@ -174,10 +148,7 @@ def test_ranks_on_other_nodes_are_read_there_all_at_once(ray_local: Any, tmp_pat
     procs = _ranks_sleeping(tmp_path, 2)
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
-        for _ in range(200):
-            if process_state(procs[1].pid) == "T":
-                break
-            time.sleep(0.05)
+        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
         ip = ray_local.nodes()[0]["NodeManagerAddress"]
         nodes = [{"rank": r, "hostname": "node-b", "ip": ip, "pid": p.pid} for r, p in enumerate(procs)]
         nodes += [{"rank": r, "hostname": "node-c", "ip": "192.0.2.7", "pid": 4000 + r} for r in range(2, 8)]
@@ -223,10 +194,8 @@ def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped
     assert ranks[1]["state"] == "T" and not ranks[1]["answered"] and ranks[0]["answered"]
     assert err.details["suspect_nodes"] == [group.nodes[1]["hostname"]]  # for the head's requeue without it
     assert 2 < took < 30, took  # fired at its learned bound, not at the floor
-    for _ in range(100):  # the answering rank dumps its threads' stacks on the signal
-        if "File" in (stacks / "rank_0.txt").read_text():
-            break
-        time.sleep(0.05)
+    # the answering rank dumps its threads' stacks on the signal
+    wait_until(lambda: "File" in (stacks / "rank_0.txt").read_text(), "stack of the answering rank")
     assert "Thread 0x" in (stacks / "rank_0.txt").read_text() or "Current thread 0x" in (stacks / "rank_0.txt").read_text()
     with pytest.raises(ray_local.exceptions.RayActorError):  # the group was ended, the stopped rank too
         ray_local.get(group.actors[1].call.remote("actor", "node_info"), timeout=30)

@@ -7,7 +7,6 @@ Real Ray actors and a real gloo group; the blocked collective stands in for vLLM
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -49,23 +48,7 @@ class Engine:
         return int(value.item())
 
 
-@pytest.fixture
-def ray_cluster() -> Iterator[Any]:
-    import ray
-
-    from trainer.workers.ray_group import private_token_auth
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RAY_ADDRESS", raising=False)
-        private_token_auth()
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-
-
-def test_one_engines_error_fails_the_run_at_once_naming_its_rank(ray_cluster: Any) -> None:
+def test_one_engines_error_fails_the_run_at_once_naming_its_rank(ray_local: Any) -> None:
     from trainer.workers.group import WorkerFailure
     from trainer.workers.ray_group import make_placement_group, start_colocated
 
@@ -78,5 +61,5 @@ def test_one_engines_error_fails_the_run_at_once_naming_its_rank(ray_cluster: An
         group.run("generate")
     assert time.monotonic() - start < 60  # the group's timeout is 600 s
     for actor in group.actors:  # every rank is gone, the blocked one too: nothing waits 600 s
-        with pytest.raises(ray_cluster.exceptions.RayActorError):
-            ray_cluster.get(actor.call.remote("actor", "node_info"), timeout=30)
+        with pytest.raises(ray_local.exceptions.RayActorError):
+            ray_local.get(actor.call.remote("actor", "node_info"), timeout=30)
