@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIAGNOSIS_FILE", "as_job_nodes", "blamed_nodes", "read_diagnoses", "write_diagnosis"]
+__all__ = ["DIAGNOSIS_FILE", "as_job_nodes", "blamed_nodes", "json_lines", "read_diagnoses", "write_diagnosis"]
 
 DIAGNOSIS_FILE = "diagnosis.jsonl"
 
@@ -31,6 +31,20 @@ def write_diagnosis(run_dir: Path | str, kind: str, summary: str, **details: Any
     return path
 
 
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of `text`, one a line (the run directory's `.jsonl` files); a line cut
+    short by a kill, or not an object, is skipped."""
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
 def read_diagnoses(run_dir: Path | str) -> list[dict[str, Any]]:
     """Every diagnosis written to `run_dir` (none: an empty list); a line that is not a JSON
     object (a write cut short) is skipped."""
@@ -39,15 +53,7 @@ def read_diagnoses(run_dir: Path | str) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except OSError:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("summary"), str):
-            out.append(record)
-    return out
+    return [r for r in json_lines(text) if isinstance(r.get("summary"), str)]
 
 
 def blamed_nodes(run_dir: Path | str, since: float) -> list[str]:

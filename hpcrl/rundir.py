@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.diagnosis import read_diagnoses
+from hpcrl.diagnosis import json_lines, read_diagnoses
 from trainer.checkpoint.layout import (
     is_complete,
     latest_run_checkpoint,
@@ -680,16 +680,8 @@ def metrics_path(run_dir: Path) -> Path:
 
 
 def parse_metrics(text: str) -> list[dict[str, Any]]:
-    """One record per complete JSON line; a line cut short by a kill is skipped."""
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            out.append(record)
-    return out
+    """One record per complete JSON line with a step; a line cut short by a kill is skipped."""
+    return [r for r in json_lines(text) if isinstance(r.get("step"), int)]
 
 
 def read_metrics(path: Path | None) -> list[dict[str, Any]]:
