@@ -118,7 +118,7 @@ def test_a_tensor_parallel_engine_never_spans_nodes(ray_with_gpus: Any) -> None:
 
 
 def test_a_worker_granted_a_gpu_torch_cannot_see_fails_at_once_naming_it(ray_with_gpus: Any,
-                                                                          tiny_model_dir: Any) -> None:
+                                                                          tiny_model_dir: Any, tmp_path: Any) -> None:
     """Ray grants the actor a GPU (declared on this CPU machine, as a container started without
     its GPU flags would have it): the worker refuses at construction, and the group's failure
     names the rank, the GPU and the fix, instead of the rank training on the CPU over gloo."""
@@ -127,7 +127,8 @@ def test_a_worker_granted_a_gpu_torch_cannot_see_fails_at_once_naming_it(ray_wit
     from trainer.workers.group import WorkerFailure
     from trainer.workers.ray_group import make_placement_group, start_colocated
 
-    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    # its run directory (memory samples, the plan's figure) in the test's own folder, not the cwd
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"trainer.default_local_dir={tmp_path}"])
     slot = make_placement_group(1, 2, tp=1)
     try:
         with pytest.raises(WorkerFailure, match=r"rank [01] .*failed to start: .*given a GPU \(Ray granted GPU `\d`, "
