@@ -37,7 +37,7 @@ from trainer.config import (  # noqa: E402
 )
 from trainer.data import DataError  # noqa: E402
 from trainer.deadline import DeadlineError  # noqa: E402
-from trainer.driver import run_training  # noqa: E402
+from trainer.driver import PPODriver, run_training  # noqa: E402
 from trainer.exit_codes import (  # noqa: E402
     ABORTED_EXIT_CODE,
     NO_SPACE_EXIT_CODE,
@@ -99,16 +99,19 @@ def plan_memory(cfg: object, device_gib: float, host_gib: float = 0.0) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    stop = _STARTUP_STOP or StopRequest()
+def main(argv: Sequence[str] | None = None, driver_class: type[PPODriver] = PPODriver,
+         stop: StopRequest | None = None) -> int:
+    """The entry of `python -m trainer`; another loop's entry passes its driver
+    (`python -m trainer.one_step_off`) and the stop request it installed before its imports."""
+    stop = stop or _STARTUP_STOP or StopRequest()
     stop.install()  # first: a stop request during start-up is kept, not fatal
     try:
-        return _main(argv, stop)
+        return _main(argv, stop, driver_class)
     finally:
         stop.settle()  # the status is decided; a late stop signal must not turn it into a kill
 
 
-def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
+def _main(argv: Sequence[str] | None, stop: StopRequest, driver_class: type[PPODriver] = PPODriver) -> int:
     args = build_parser().parse_args(argv)
     if args.list_keys:
         for key, type_name, help_text in describe_keys():
@@ -118,7 +121,7 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
         overrides = [*file_overrides(args.config_path, args.config_name, args.overrides), *args.overrides]
         cfg = load_config(overrides)
         if args.plan_memory:  # what the start would refuse is not planned (a critic sized by nothing)
-            check_run(cfg)
+            check_run(cfg, driver_class.loop)
     except ConfigError as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
@@ -130,7 +133,7 @@ def _main(argv: Sequence[str] | None, stop: StopRequest) -> int:
     if args.plan_memory:
         return plan_memory(cfg, args.device_memory, args.host_memory)
     try:
-        return run_training(cfg, stop)
+        return run_training(cfg, stop, driver_class)
     except (ConfigError, DataError, RewardError, MetricsError, DeadlineError,
             FileNotFoundError, CheckpointOwnerError, CheckpointPermissionError) as err:
         print(f"python -m trainer: error: {err}", file=sys.stderr)

@@ -48,6 +48,9 @@ class StepBatch:
     loop_scores: list[float | None] = field(default_factory=list)
     """Per row, the score its agent loop set itself (verl's `reward_score`), else None; empty
     when the rows did not go through agent loops."""
+    weight_version: int | None = None
+    """The weight version that generated the batch (a rollout pool's; None where the rollout
+    shares the trainer's weights)."""
 
     @property
     def response_length(self) -> int:

@@ -30,7 +30,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hpcrl.diagnosis import write_diagnosis
 from trainer import models as M
@@ -38,6 +38,7 @@ from trainer import startup
 from trainer.agent.manager import agent_data_args
 from trainer.batch import StepBatch, seed_everything
 from trainer.config import Config, check_run
+from trainer.config.async_training import has_rollout_pool
 from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -52,7 +53,9 @@ from trainer.watchdog import Bounds
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerFailure, WorkerGroup
-from trainer.workers.ray_group import connect, make_placement_group, start_colocated
+from trainer.workers.memory_samples import MEMORY_DIR
+from trainer.workers.ray_group import connect, make_pools, start_colocated
+from trainer.workers.rollout_pool import RolloutWorker
 
 __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
 
@@ -61,6 +64,8 @@ __all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restar
 def use_ray(cfg: Config) -> bool:
     """`trainer.distributed`, or when null: Ray as soon as there is more than one worker."""
     chosen = cfg.trainer.distributed
+    if chosen is None and has_rollout_pool(cfg):  # the pool's ranks are processes of their own
+        return True
     return bool(chosen) if chosen is not None else cfg.derived.world_size > 1
 
 
@@ -83,36 +88,55 @@ def fetch_models(cfg: Config) -> None:
             M.resolve_model_path(path, key)
 
 
-def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock
-                        ) -> tuple[WorkerGroup, WorkerGroup | None, str]:
-    """The actor group and the critic group (None without a critic), on Ray or in this
-    process, with their process groups formed; and where they run, in words."""
+class WorkerGroups(NamedTuple):
+    actor: WorkerGroup
+    critic: WorkerGroup | None
+    """None without a critic."""
+    pool: WorkerGroup | None
+    """The rollout pool's ranks (a separate deployment), or None."""
+    where: str
+    """Where they run, in words."""
+
+
+def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock) -> WorkerGroups:
+    """The actor group, the critic group and the rollout pool's group, on Ray or in this
+    process, with their process groups formed. The pool (`rollout.nnodes` x
+    `rollout.n_gpus_per_node`, verl's `rollout_pool`) is placed on nodes of its own, beside the
+    trainer's (`trainer_pool`)."""
+    pool: WorkerGroup | None = None
     if not use_ray(cfg):
         actor: WorkerGroup = LocalWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps)
         critic: WorkerGroup | None = (LocalWorkerGroup("critic", CriticWorker, cfg, total_steps)
                                       if cfg.derived.use_critic else None)
         where, watched = "this process", []
     else:
-        t, world = cfg.trainer, cfg.derived.world_size
-        where = f"Ray at {connect(world)}"
+        t, world, r = cfg.trainer, cfg.derived.world_size, cfg.rollout
+        pool_size = r.nnodes * r.n_gpus_per_node if has_rollout_pool(cfg) else 0
+        where = f"Ray at {connect(world + pool_size)}"
         clock.mark("ray_connected")
-        slot = make_placement_group(t.nnodes, world // t.nnodes,
-                                    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)
+        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        slots = make_pools([(t.nnodes, world // t.nnodes)] + ([(r.nnodes, r.n_gpus_per_node)] if pool_size else []), tp)
         roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
                                   **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
-        stacks = run_dir_of(cfg) / "stacks" if t.watchdog.enable else None
-        groups = start_colocated(roles, cfg, total_steps, slot=slot, world_size=world, stacks=stacks)
+        run_dir = run_dir_of(cfg)
+        stacks = run_dir / "stacks" if t.watchdog.enable else None
+        groups = start_colocated(roles, cfg, total_steps, slot=slots[0], world_size=world, stacks=stacks)
         actor, critic = groups["actor_rollout_ref"], groups.get("critic")
         watched = list(groups.values())
+        if pool_size:  # its ranks' stacks and memory samples in folders of their own
+            pool = start_colocated({"rollout": RolloutWorker}, cfg, total_steps, slot=slots[1], world_size=pool_size,
+                                   stacks=stacks / "rollout" if stacks else None,
+                                   samples=run_dir / MEMORY_DIR / "rollout")["rollout"]
+            watched.append(pool)
     clock.mark("workers_spawned")
-    for group in (actor, critic):
+    for group in (actor, critic, pool):
         if group is not None:
             group.init_dist()
     w = cfg.trainer.watchdog
     for ray_group in watched if w.enable else []:  # from the first step: a large model may load for longer
         ray_group.watchdog = Bounds(w.floor_s, w.multiple, w.min_s, w.warmup, w.poll_s)
     clock.mark("models_built")
-    return actor, critic, where
+    return WorkerGroups(actor, critic, pool, where)
 
 
 class PPODriver:
@@ -120,8 +144,11 @@ class PPODriver:
     (:class:`trainer.step.Stages`), the step, data position and checkpoints `state`
     (:class:`trainer.run_state.RunState`)."""
 
+    loop = "sync"
+    """The loop this driver runs (:data:`trainer.config.async_training.LOOPS`)."""
+
     def __init__(self, cfg: Config, stop: StopRequest | None = None) -> None:
-        check_run(cfg)  # verl's start-time checks, before anything is loaded
+        check_run(cfg, self.loop)  # verl's start-time checks, before anything is loaded
         self.cfg = cfg
         self.clock = startup.Clock()
         t = cfg.trainer
@@ -138,11 +165,12 @@ class PPODriver:
         self.stop.watch(self.run_dir)
         self.deadline = Deadline.from_env(os.environ, t.deadline_margin_s)
         start = time.perf_counter()
-        self.actor_group, self.critic_group, where = start_worker_groups(cfg, self.total_steps, self.clock)
+        self.actor_group, self.critic_group, pool, where = start_worker_groups(cfg, self.total_steps, self.clock)
         self.world = self.actor_group.world_size
         if hasattr(self.reward, "attach"):  # a reward model colocated with the actor
             self.reward.attach(self.actor_group)
-        self.stages = Stages(cfg, self.actor_group, self.critic_group, self.reward, self.tokenizer, self.clock)
+        self.stages = Stages(cfg, self.actor_group, self.critic_group, self.reward, self.tokenizer, self.clock,
+                             pool=pool)
         if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # the metrics logger's store
             self.stages.rollout.trace_store = tracking_uri(self.run_dir)
         self._write_workers()
@@ -171,7 +199,8 @@ class PPODriver:
 
     def _write_workers(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        layout = {g.name: g.nodes for g in self.stages.groups()}
+        groups = [*self.stages.groups(), *([self.stages.pool] if self.stages.pool is not None else [])]
+        layout = {g.name: g.nodes for g in groups}
         (self.run_dir / "workers.json").write_text(json.dumps(layout, indent=1))
 
     @property
@@ -194,9 +223,13 @@ class PPODriver:
         """One PPO step on a batch of prompts; returns its metrics (verl names)."""
         batch, metrics, timer = self.stages.train_step(examples, self.global_step)
         metrics.update(self.stages.step_metrics(batch, timer))
-        metrics.update({"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
-                        "training/total_steps": self.total_steps, "training/restart": launcher_restart()})
+        metrics.update(self.progress_metrics())
         return metrics
+
+    def progress_metrics(self) -> dict[str, float]:
+        """Where the run is: step, epoch, total steps, which run of the job."""
+        return {"training/global_step": self.global_step, "training/epoch": self.loader.epoch,
+                "training/total_steps": self.total_steps, "training/restart": launcher_restart()}
 
     def validate(self) -> dict[str, float]:
         """The validation stage at this step (:meth:`trainer.step.Stages.validate`)."""
@@ -212,7 +245,7 @@ class PPODriver:
         """Run to `total_steps` or to a stop request; return the process exit code."""
         t = self.cfg.trainer
         resumed = self.state.resume(self.stages) is not None
-        self.stages.sync_weights()  # the rollout gets the trained (or the loaded) weights
+        self.stages.sync_weights(self.global_step)  # the rollout gets the trained (or the loaded) weights
         logger = self.state.open_metrics(resumed)
         owned = not self.stop.installed  # `python -m trainer` keeps its handlers to the end
         self.stop.install()
@@ -251,12 +284,16 @@ class PPODriver:
             self.deadline.record_save(time.perf_counter() - start)
             print(f"trainer: saved {path} in {time.perf_counter() - start:.1f}s", flush=True)
 
+    def next_step(self) -> dict[str, float]:
+        """Step `global_step` (just begun) on the next batch of prompts; its metrics. A loop of
+        another order overrides this alone (:class:`trainer.one_step_off.OneStepOffDriver`)."""
+        return self.train_step(self.loader.next_batch())
+
     def _loop(self, logger: MetricsLogger) -> int:
         while self.global_step < self.total_steps:
             began = time.time()
-            examples = self.loader.next_batch()
             self.state.global_step += 1
-            metrics = self.train_step(examples)
+            metrics = self.next_step()
             self._maybe_validate(metrics)
             # Metrics first: a kill between the two leaves a line that resume drops, never a gap.
             logger.log(self.global_step, metrics)
@@ -273,13 +310,14 @@ class PPODriver:
         return OK_EXIT_CODE
 
 
-def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
+def run_training(cfg: Config, stop: StopRequest | None = None, driver_class: type[PPODriver] | None = None) -> int:
     """Build the driver and its worker groups from `cfg` (on Ray when `trainer.distributed`
     says so), run it, and shut a Ray connection down; the return value is the exit code.
-    `stop`: a request whose handlers are already installed (`python -m trainer` does that)."""
+    `stop`: a request whose handlers are already installed (`python -m trainer` does that).
+    `driver_class`: the loop (default :class:`PPODriver`, the synchronous one)."""
     driver: PPODriver | None = None
     try:
-        driver = PPODriver(cfg, stop)
+        driver = (driver_class or PPODriver)(cfg, stop)
         return driver.fit()
     except WorkerFailure as err:  # kept beside the metrics for `hpcrl status`, after the job is gone
         kind = "oom" if "killed for memory" in str(err) else err.kind

@@ -38,6 +38,10 @@ class RunState:
         self.ckpt_root = Path(cfg.trainer.default_local_dir or ".")
         self.run_dir = run_dir_of(cfg)
         self.global_step = 0
+        self.data_position: dict[str, Any] | None = None
+        """The data position a checkpoint records when it is not the loader's own: a loop that
+        took the next batch ahead (one-step-off) sets the position before it, so that a resume
+        gives that batch out again. None: the loader's."""
         self._run: ckpt.RunIdentity | None = None
 
     @property
@@ -47,9 +51,13 @@ class RunState:
             self._run = ckpt.run_identity(self.run_dir)
         return self._run
 
+    def position(self) -> dict[str, Any]:
+        """The data position a checkpoint records (:attr:`data_position`, else the loader's)."""
+        return self.loader.state_dict() if self.data_position is None else self.data_position
+
     def trainer_state(self, stages: Stages) -> dict[str, Any]:
         """What the loop owns: step, data position, KL controller, RNG (small, world-size free)."""
-        return {"global_step": self.global_step, "loader": self.loader.state_dict(),
+        return {"global_step": self.global_step, "loader": self.position(),
                 "kl_ctrl": stages.kl_ctrl.state_dict(), "rng": ckpt.capture_rng_state(), "world_size": stages.world}
 
     def save(self, stages: Stages) -> Path:
@@ -57,7 +65,7 @@ class RunState:
         return checkpoint.save(
             self.ckpt_root, self.global_step, self.run, stages.groups(), self.trainer_state(stages),
             files={"config.yaml": dump_config(self.cfg)},
-            metadata={"global_step": self.global_step, "epoch": self.loader.epoch, "world_size": stages.world},
+            metadata={"global_step": self.global_step, "epoch": self.position()["epoch"], "world_size": stages.world},
             keep_last=self.cfg.trainer.max_actor_ckpt_to_keep)
 
     def load(self, path: Path, stages: Stages) -> int | str:

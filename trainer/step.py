@@ -15,6 +15,7 @@ this class orders them and keeps their metrics under verl's names.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from trainer.stages.logprobs import entropy_metric, reuses_update_log_probs, spl
 from trainer.stages.metrics import Timer, memory_metrics, step_metrics
 from trainer.stages.reward import RewardEngine, set_reward_baselines
 from trainer.stages.rollout import SALT, Rollout
-from trainer.stages.sync import sync_weights
+from trainer.stages.sync import sync_pool, sync_weights
 from trainer.stages.validate import log_generations, validate
 from trainer.startup import Clock
 from trainer.watchdog import at
@@ -47,13 +48,15 @@ class Stages:
     metrics) over the actor group and the critic group (None without a critic)."""
 
     def __init__(self, cfg: Config, actor: WorkerGroup, critic: WorkerGroup | None, reward: RewardEngine,
-                 tokenizer: Any, clock: Clock) -> None:
+                 tokenizer: Any, clock: Clock, pool: WorkerGroup | None = None) -> None:
         self.cfg, self.actor_group, self.critic_group, self.reward = cfg, actor, critic, reward
         self.tokenizer, self.clock = tokenizer, clock
         self.world = actor.world_size
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.rollout = Rollout(cfg, actor, tokenizer.pad_token_id)
+        self.pool = pool
+        """The rollout pool's group (a separate deployment), or None: the actor's ranks generate."""
+        self.rollout = Rollout(cfg, pool or actor, tokenizer.pad_token_id)
         self.rank_metrics: dict[str, float] = {}
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 
@@ -180,9 +183,32 @@ class Stages:
         """Rows of `mini` whose loss has a gradient (:func:`trainer.stages.update.rows_to_update`)."""
         return update.rows_to_update(mini)
 
-    def sync_weights(self) -> None:
-        """The sync stage (:func:`trainer.stages.sync.sync_weights`)."""
-        sync_weights(self.actor_group, self.note)
+    def sync_weights(self, version: int = 0) -> None:
+        """The sync stage: the actor's weights to its ranks' engines
+        (:func:`trainer.stages.sync.sync_weights`), or to the rollout pool as weight version
+        `version` (:func:`trainer.stages.sync.sync_pool`)."""
+        if self.pool is None:
+            sync_weights(self.actor_group, self.note)
+        else:
+            sync_pool(self.actor_group, self.pool, version, self.note)
+
+    def sample_ahead(self, examples: list[Example], step: int) -> tuple[StepBatch, dict[str, float]]:
+        """Step `step`'s rollout on the rollout pool, run beside the training of the step before
+        (a thread of the loop's): its batch, tagged with the weight version that generated it,
+        and its own metrics (verl's `timing_s/generate_async`, the agent loops', and the pool's
+        per-rank figures as `rollout_pool/rank_<r>/...`), kept apart from the step in training."""
+        metrics: dict[str, float] = {}
+
+        def note(phase: str, per_rank: list[float]) -> float:
+            for rank, value in enumerate(per_rank):
+                metrics[f"rollout_pool/rank_{rank}/{phase}"] = float(value)
+            return max(per_rank) if per_rank else 0.0
+
+        start = time.perf_counter()
+        batch = self.rollout.generate(examples, step, note)
+        metrics["timing_s/generate_async"] = time.perf_counter() - start
+        metrics.update(self.rollout.agent_metrics)
+        return batch, metrics
 
     def update(self, batch: StepBatch, step: int, timer: Timer) -> dict[str, float]:
         """Critic update, actor update (after `critic_warmup` steps), weight sync."""
@@ -193,8 +219,9 @@ class Stages:
         if self.cfg.trainer.critic_warmup <= step:
             with timer.phase("update_actor"):
                 metrics.update(self.update_actor(batch, step))
-            with timer.phase("update_weights"):  # verl's name for the weight sync
-                self.sync_weights()
+            if self.pool is None:  # a rollout pool is synced when its loop says
+                with timer.phase("update_weights"):  # verl's name for the weight sync
+                    self.sync_weights()
         return metrics
 
     # ------------------------------------------------------------------------------ one step
@@ -210,11 +237,12 @@ class Stages:
             metrics.update(self.update(batch, step, timer))
         return batch, metrics, timer
 
-    def step_metrics(self, batch: StepBatch, timer: Timer) -> dict[str, float]:
-        """The metrics stage's step metrics, the agent loops' and the ranks' figures, the peak
-        device memory of every group's ranks."""
+    def step_metrics(self, batch: StepBatch, timer: Timer, agent: dict[str, float] | None = None) -> dict[str, float]:
+        """The metrics stage's step metrics, the agent loops' (`agent`: those of the batch's own
+        rollout, where another may have run since) and the ranks' figures, the peak device memory
+        of every group's ranks."""
         metrics = step_metrics(batch, timer.seconds, self.cfg.data, self.world)
-        metrics.update(self.rollout.agent_metrics)
+        metrics.update(self.rollout.agent_metrics if agent is None else agent)
         metrics.update(self.rank_metrics)
         metrics.update(memory_metrics(self.groups()))
         return metrics

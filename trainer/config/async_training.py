@@ -262,15 +262,65 @@ def _check_unused(a: AsyncTrainingConfig) -> None:
             "async recipes), or remove the override")
 
 
-def check_separate_pools_built(cfg: Config) -> None:
-    """At the trainer's start: the loops of the separate deployment (one-step-off, fully async)
-    are not built yet; a config that asks for them is read and checked, and refused here."""
-    require(cfg.actor_rollout_ref.hybrid_engine,
-            f"`actor_rollout_ref.hybrid_engine=false` with a rollout pool of `rollout.nnodes={cfg.rollout.nnodes}` x "
-            f"`rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}`: the config is valid, but the "
-            "separate-pool loops (verl's one-step-off and fully-async recipes) are not built yet, so "
-            "nothing would run it. Fix: drop `hybrid_engine=false` and the `rollout.*`/`async_training.*` "
-            "overrides to train colocated")
+LOOPS = ("sync", "one_step_off", "fully_async")
+"""The trainer's loops, each with its entry: `python -m trainer` (the colocated, synchronous
+one), `python -m trainer.one_step_off`, `python -m trainer.fully_async` (not built)."""
+
+ENTRY = {"sync": "python -m trainer", "one_step_off": "python -m trainer.one_step_off",
+         "fully_async": "python -m trainer.fully_async"}
+
+
+def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
+    """At the trainer's start: the loop of the entry that started it (`loop`) fits the config.
+    A rollout pool runs under one-step-off (built) or fully async (not built); the colocated
+    trainer runs under the synchronous loop. Raises ConfigError naming the entry to use."""
+    if loop not in LOOPS:
+        raise ValueError(f"unknown loop {loop!r}; one of {', '.join(LOOPS)}")
+    pool = f"`rollout.nnodes={cfg.rollout.nnodes}` x `rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}`"
+    require(loop != "fully_async",
+            f"the fully-async loop (verl's `fully_async_policy`) is not built yet. Fix: run the same "
+            f"overrides with `{ENTRY['one_step_off']}` (generation one step ahead of training, on the "
+            "same rollout pool), or drop `hybrid_engine=false` and the pool to train colocated")
+    if loop == "sync":
+        require(cfg.actor_rollout_ref.hybrid_engine,
+                f"`actor_rollout_ref.hybrid_engine=false` with a rollout pool of {pool} asks for verl's "
+                "separate deployment, which the synchronous loop does not run. Fix: start it with "
+                f"`{ENTRY['one_step_off']}` (the same arguments: verl's `one_step_off_policy.main_ppo`), "
+                "or drop `hybrid_engine=false` and the `rollout.*` overrides to train colocated")
+        return
+    arr = cfg.actor_rollout_ref
+    require(not arr.hybrid_engine,
+            f"`{ENTRY[loop]}` generates on a rollout pool of its own, and this config has none "
+            "(`actor_rollout_ref.hybrid_engine=true`). Fix: `actor_rollout_ref.hybrid_engine=false "
+            "rollout.nnodes=N rollout.n_gpus_per_node=G` (verl's one-step-off scripts), or start with "
+            f"`{ENTRY['sync']}` to train colocated")
+    gen = cfg.data.gen_batch_size
+    require(gen in (None, cfg.data.train_batch_size),
+            f"`data.gen_batch_size={gen}` feeds verl's fully-async rollouter one prompt at a time; one-step-off "
+            f"generates a whole training batch (`data.train_batch_size={cfg.data.train_batch_size}`) ahead. "
+            "Fix: remove the override")
+    default = yaml.safe_load(DEFAULTS_FILE.read_text())["async_training"]
+    changed = _changed(asdict(cfg.async_training), default, "async_training.")
+    require(not changed,
+            f"`{changed[0] if changed else ''}`: verl's one-step-off reads no `async_training.*` (its queue, "
+            "staleness and sync interval belong to the fully-async recipe, not built yet): one-step-off "
+            "syncs after every step and trains each batch one step behind. Fix: remove the override")
+    require(arr.rollout.tensor_model_parallel_size == 1,
+            f"`actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size}` "
+            "on a rollout pool: each pool rank is an engine of its own here; tensor-parallel engines in a "
+            "pool are not built. Fix: `actor_rollout_ref.rollout.tensor_model_parallel_size=1`")
+    require(arr.rollout.mode != "async",
+            "`actor_rollout_ref.rollout.mode=async` (server-mode replicas) on a rollout pool is not built: "
+            "the pool's engines run in-process. Fix: `actor_rollout_ref.rollout.mode=sync`")
+    require(cfg.trainer.distributed is not False,
+            "a rollout pool runs on Ray (its own processes and GPUs), and `trainer.distributed=false` "
+            "keeps the trainer in this process. Fix: remove `trainer.distributed=false`")
+    from trainer.algos import registry
+
+    require(not registry.adv_estimator(cfg.algorithm.adv_estimator).greedy_baseline,
+            f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` scores a greedy baseline with the "
+            "weights that sampled each batch; on a rollout pool one step behind that is not built. Fix: "
+            "another estimator (e.g. grpo), or the colocated trainer")
 
 
 def _check_reachable(cfg: Config) -> None:

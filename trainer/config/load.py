@@ -285,12 +285,12 @@ def validate(cfg: Config) -> None:
         )
 
 
-def check_run(cfg: Config) -> None:
+def check_run(cfg: Config, loop: str = "sync") -> None:
     """The checks verl makes when its trainer starts rather than when the config is composed
     (`verl/utils/config.py::validate_config`, after `main_ppo` reads the config): the trainer's
     start (`PPODriver`), the launcher's preflight (:func:`check_overrides`) and `--plan-memory` run
     them; reading a config (:func:`load_config`, `--print-config`) does not. Raises ConfigError."""
-    check_separate_pools_built(cfg)
+    check_separate_pools_built(cfg, loop)
     c, actor = cfg.critic, cfg.actor_rollout_ref.actor
     dynamic = actor.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     require(

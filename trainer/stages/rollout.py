@@ -132,6 +132,9 @@ class Rollout:
             if not validate and not greedy:
                 self.agent_metrics = agent_loop_metrics(per_row, batch.attention_mask[:, :-batch.response_length].sum(-1),
                                                         batch.response_attention.sum(-1))
+        versions = [info["weight_version"] for _, info in results if "weight_version" in info]
+        if versions:  # a rollout pool's engines: the oldest weights any of them generated with
+            batch.weight_version = int(min(versions))
         return batch
 
 

@@ -23,30 +23,26 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import fields, replace
 from typing import Any
 
 import torch
 
 from trainer import models as M
 from trainer import parallel as P
-from trainer.agent.manager import AgentRollout, TraceInfo
-from trainer.agent.servers import BatchedServer, EngineLeader, follow_leader
 from trainer.algos import core_algos, rollout_corr
 from trainer.batch import MiniBatchShare, StepBatch, need
-from trainer.data import Example
 from trainer.lora import apply_lora
 from trainer.metrics import flops_fields
-from trainer.rollout.base import RolloutBatch, SamplingParams
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.rollout.vllm_server import ReplicaMember, ServerEngine, replica_devices, server_mode
 from trainer.workers.base import Worker
 from trainer.workers.reward import score_on_rank
+from trainer.workers.rollout_side import RolloutSide
 
 __all__ = ["ActorRolloutRefWorker"]
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(RolloutSide, Worker):
     """Actor + reference + rollout of one rank."""
 
     role = "actor_rollout_ref"
@@ -146,99 +142,39 @@ class ActorRolloutRefWorker(Worker):
                 self.rollout.wake_up(tags=["kv_cache"])
         return time.perf_counter() - start
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                 seed: int) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Sample `params.n` responses per prompt row (rows may be none) with the weights of the
-        last sync (see :meth:`_rolling_out`)."""
-        def run() -> RolloutBatch:
-            return self.rollout.generate(prompt_ids.to(self.device), prompt_mask.to(self.device), params)
+    def export_weights(self) -> list[Any]:
+        """The actor's current weights for a rollout pool of its own
+        (:meth:`trainer.workers.rollout_pool.RolloutWorker.load_weights`): gathered bucket by
+        bucket as for the colocated sync (a collective: every rank iterates), each bucket
+        copied to host memory by rank 0 and put in Ray's object store; rank 0 returns the
+        buckets' references in order, the other ranks none.
 
-        return self._rolling_out(run, prompt_ids.shape[0] > 0, seed)
+        The path is host memory on both sides: a device-to-host copy here, a host-to-device one
+        in the pool. verl's checkpoint engine (`checkpoint_engine.backend=nccl`) broadcasts the
+        buckets between the pools' GPUs instead (NCCL, no host copy); that path needs GPUs on
+        both sides and is not built. The whole model passes through the object store once per
+        sync (Ray spills it to disk when its memory is short)."""
+        import ray
 
-    def generate_agent(self, examples: list[Example], params: SamplingParams, seed: int,
-                       trace: TraceInfo | None = None, trajectories: list[int] | None = None
-                       ) -> tuple[RolloutBatch | None, dict[str, Any]]:
-        """`params.n` trajectories per example (rows may be none) through each row's agent loop
-        (:mod:`trainer.agent.manager`), their turns batched into this rank's engine
-        (:class:`trainer.agent.servers.BatchedServer`); the info carries each row's agent-loop
-        metrics (`rows`). `trace`: the step and store of `rollout.trace.*`. `trajectories`: a
-        server-mode replica shares `examples` with the other replicas and runs these of them
-        (:func:`trainer.stages.rollout.deal`)."""
-        rows: list[dict[str, float]] = []
-        followed: list[int] = []  # the tokens a later rank of a tensor-parallel engine generated
-        group = self.engine_group
-
-        def agents() -> AgentRollout:
-            """The loops' tools and interactions, loaded once per process, and only on a rank
-            that runs loops (not on the later ranks of an engine or replica)."""
-            if self.agents is None:
-                self.agents = AgentRollout(self.cfg, self.tokenizer)
-            return self.agents
-
-        def run() -> RolloutBatch | None:
-            if isinstance(self.rollout, ServerEngine):  # a server-mode replica: turns as they come
-                batch, per_row = agents().run(examples, params, self.rollout.server, self.rollout.run, trace, trajectories)
-            elif isinstance(self.rollout, ReplicaMember):  # the replica's first rank runs this engine's rows
-                return None
-            elif group is None:  # an in-process engine: every live trajectory's turn in one engine call
-                batch, per_row = agents().run(examples, params, BatchedServer(self.rollout), trace=trace)
-            elif group.rank() == 0:  # the first rank of a tensor-parallel engine runs the loops
-                leader = EngineLeader(self.rollout, group)
-                with leader.leading():
-                    batch, per_row = agents().run(examples, params, BatchedServer(leader), trace=trace)
-            else:  # its other ranks make the same engine calls; the first rank's rows stand
-                followed.append(follow_leader(self.rollout, group))
-                return None
-            rows.extend(per_row)
-            return batch
-
-        out, info = self._rolling_out(run, bool(examples), seed)
-        if followed:
-            info["gen_tokens"] = float(followed[0])
-        return out, {**info, "rows": rows}
-
-    def _rolling_out(self, run: Any, has_rows: bool, seed: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
-        """Run `run` (a rollout on this rank's engine) with the weights of the last sync; the
-        engine sleeps after it and the cache is emptied (verl's ``trainer_mode``). An engine
-        whose weights were discarded since (vLLM's level-2 sleep after a rollout with no update
-        behind it, `trainer.critic_warmup`, validation, or a checkpoint) gets them again first:
-        every rank's engine sleeps at the same points, so every rank syncs (the gathers are
-        collectives), as verl syncs before every rollout."""
-        if self.rollout.needs_sync:
-            self.sync_rollout_weights()
-        if not has_rows and not self.rollout.collective:
-            self._sleep_rollout()  # awake since the weight sync
-            return None, {"gen": 0.0, "gen_tokens": 0.0}
-        start = time.perf_counter()
-        torch.manual_seed(seed)
-        with self.phases.track("rollout"):
-            self.rollout.wake_up()
-            try:
-                if self.shares_weights:  # HF generate on the actor itself
-                    with self.phases.on_device("rollout", self.model):
-                        out = run()
-                else:
-                    out = run()
-            finally:
-                self._sleep_rollout()
-        if out is None or out.response_ids.shape[0] == 0:  # a rank of a collective engine with no rows of its own
-            return None, {"gen": time.perf_counter() - start, "gen_tokens": 0.0}
-        out = replace(out, **{f.name: getattr(out, f.name).cpu() for f in fields(out)
-                              if isinstance(getattr(out, f.name), torch.Tensor)})
-        return out, {"gen": time.perf_counter() - start, "gen_tokens": float(out.response_mask.sum())}
-
-    def rollout_kind(self) -> str:
-        """The class of this rank's rollout engine (for tests and logs)."""
-        return type(self.rollout).__name__
-
-    def runs_agent_loops(self) -> bool:
-        """Whether this rank has loaded the agent loops' tools (for tests): the first rank of
-        each engine or replica does on its first agent rollout, the others never."""
-        return self.agents is not None
-
-    def _sleep_rollout(self) -> None:
-        self.rollout.sleep()
+        refs: list[Any] = []
+        bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
+        with self.phases.track("weight_sync"), self.phases.on_device("weight_sync", self.model):
+            self.phases.require_resident(self.model, "the weight export (`full_tensor()`)")
+            for bucket in P.weight_buckets(self.model, bucket_bytes):
+                if self.rank == 0:  # the bucket is emptied in place for the next: copy it out
+                    refs.append(ray.put([(name, t.detach().to("cpu", copy=True)) for name, t in bucket]))
         self.phases.memory.empty_cache()
+        return refs
+
+    def weights_digest(self) -> dict[str, float]:
+        """Each state-dict entry's sum of absolute values, as the weight sync sends them (a
+        collective; rank 0's answer is the whole model's, the others' empty): for tests, which
+        compare it with the pool's (:meth:`trainer.workers.rollout_pool.RolloutWorker.weights_digest`)."""
+        out: dict[str, float] = {}
+        with self.phases.on_device("weight_sync", self.model):
+            for bucket in P.weight_buckets(self.model, 2**26):
+                out.update({name: float(t.double().abs().sum()) for name, t in bucket} if self.rank == 0 else {})
+        return out
 
     # ------------------------------------------------------------------ log-probs
 

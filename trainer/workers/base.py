@@ -52,6 +52,15 @@ def node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def ray_node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray): which pool's node a rank is on,
+    where several Ray nodes share a host name."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def container_runtime() -> str:
     """The container runtime this process runs in (`none` on the host): each runtime of
     `hpcrl.runtimes` says how it recognises its containers."""
@@ -139,7 +148,7 @@ class Worker:
             **{k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "LOCAL_RANK")}}
         return {"role": self.role, "rank": self.rank, "hostname": socket.gethostname(),
                 "ip": node_ip(), "pid": os.getpid(), "cuda": torch.cuda.is_available(),
-                "container": container_runtime(), "gpu": gpu}
+                "container": container_runtime(), "gpu": gpu, "ray_node": ray_node_id()}
 
     def free_port(self) -> int:
         return P.free_port(node_ip())

@@ -44,7 +44,7 @@ from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import death_details, describe, find_death, last_seen
 from trainer.workers.memory_samples import MEMORY_DIR, RssSampler, write_plan
 
-__all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group",
+__all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group", "make_pools",
            "start_colocated"]
 
 PLACEMENT_TIMEOUT_S = 180.0
@@ -136,6 +136,14 @@ def make_placement_group(nnodes: int, per_node: int, tp: int = 1) -> WorkerSlot:
     """`nnodes` distinct nodes, each with one placement group of `per_node` one-GPU bundles
     (one-CPU bundles when the cluster has no GPU). On GPUs `tp` (the rollout's tensor-parallel
     size) must divide `per_node`, so that no engine spans two nodes."""
+    return make_pools([(nnodes, per_node)], tp)[0]
+
+
+def make_pools(pools: Sequence[tuple[int, int]], tp: int = 1) -> list[WorkerSlot]:
+    """One :class:`WorkerSlot` per pool of `(nnodes, per_node)`, every pool on nodes of its own:
+    one reservation of whole nodes for all pools at once (`STRICT_SPREAD`: no two on one node),
+    split among the pools in order (the trainer's first, then the rollout pool's: verl's
+    `trainer_pool` and `rollout_pool`). `tp` applies to the first pool (the colocated engines)."""
     import ray
     from ray.util.placement_group import (
         placement_group,
@@ -144,24 +152,32 @@ def make_placement_group(nnodes: int, per_node: int, tp: int = 1) -> WorkerSlot:
     )
 
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    if use_gpu and per_node % tp:  # a CPU cluster's gloo engine may span nodes (the lab's seeds)
+    per_node0 = pools[0][1]
+    if use_gpu and per_node0 % tp:  # a CPU cluster's gloo engine may span nodes (the lab's seeds)
         raise ConfigError(
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size={tp}` does not divide "
-            f"`trainer.n_gpus_per_node={per_node}`: a tensor-parallel engine would span two nodes. "
+            f"`trainer.n_gpus_per_node={per_node0}`: a tensor-parallel engine would span two nodes. "
             "Fix: make the tensor-parallel size a divisor of the GPUs per node")
     unit = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
-    whole = {k: v * per_node for k, v in unit.items()}
-    strategy = "STRICT_SPREAD" if nnodes > 1 else "PACK"
-    reserve = placement_group([dict(whole) for _ in range(nnodes)], strategy=strategy)
-    _wait_placed(reserve, f"{nnodes} node bundle(s) of {whole} ({strategy}: one per node)")
-    nodes = [placement_group_table(reserve)["bundles_to_node_id"][i] for i in range(nnodes)]
+    wholes = [{k: v * per_node for k, v in unit.items()} for nnodes, per_node in pools for _ in range(nnodes)]
+    total = len(wholes)
+    strategy = "STRICT_SPREAD" if total > 1 else "PACK"
+    reserve = placement_group([dict(w) for w in wholes], strategy=strategy)
+    shapes = " + ".join(f"{nnodes} x {per_node}" for nnodes, per_node in pools)
+    _wait_placed(reserve, f"{total} node bundle(s) ({shapes} {'GPUs' if use_gpu else 'CPUs'}; {strategy}: "
+                 "one per node)")
+    nodes = [placement_group_table(reserve)["bundles_to_node_id"][i] for i in range(total)]
     remove_placement_group(reserve)
-    groups = tuple(placement_group([dict(unit) for _ in range(per_node)], strategy="STRICT_PACK",
-                                   bundle_label_selector=[{"ray.io/node-id": node}] * per_node)
-                   for node in nodes)
-    for node, pg in zip(nodes, groups, strict=True):
-        _wait_placed(pg, f"{per_node} bundle(s) of {unit} on node {node[:12]}")
-    return WorkerSlot(placement_groups=groups, per_node=per_node, use_gpu=use_gpu)
+    slots, first = [], 0
+    for nnodes, per_node in pools:
+        groups = tuple(placement_group([dict(unit) for _ in range(per_node)], strategy="STRICT_PACK",
+                                       bundle_label_selector=[{"ray.io/node-id": node}] * per_node)
+                       for node in nodes[first:first + nnodes])
+        for node, pg in zip(nodes[first:first + nnodes], groups, strict=True):
+            _wait_placed(pg, f"{per_node} bundle(s) of {unit} on node {node[:12]}")
+        slots.append(WorkerSlot(placement_groups=groups, per_node=per_node, use_gpu=use_gpu))
+        first += nnodes
+    return slots
 
 
 def _wait_placed(pg: Any, what: str) -> None:

@@ -69,16 +69,23 @@ def test_verl_fully_async_config_loads_with_its_values() -> None:
     assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True
     assert cfg.algorithm.rollout_correction.bypass_mode is True  # the rollout's log-probs are the old ones
     assert cfg.actor_rollout_ref.actor.use_rollout_log_probs is True  # declared by verl 0.9.1, read nowhere
-    with pytest.raises(ConfigError, match="separate-pool loops .* are not built yet"):
+    with pytest.raises(ConfigError, match=r"synchronous loop does not run. Fix: .*python -m trainer.one_step_off"):
         check_run(cfg)
+    with pytest.raises(ConfigError, match="fully-async loop .* not built yet"):
+        check_run(cfg, "fully_async")
+    with pytest.raises(ConfigError, match=r"`data.gen_batch_size=1`.*one-step-off"):
+        check_run(cfg, "one_step_off")
 
 
 def test_verl_one_step_off_config_loads_with_its_values() -> None:
-    cfg = load_config(without_not_built("one_step_off_ppo_trainer", SEPARATE), env={})
+    # verl's own start refuses its default estimator (gae) without a critic micro-batch too
+    cfg = load_config(without_not_built("one_step_off_ppo_trainer", [*SEPARATE, "critic.ppo_micro_batch_size_per_gpu=4"]),
+                      env={})
     assert (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) == (1, 8)
     assert cfg.actor_rollout_ref.rollout.free_cache_engine is False
     assert cfg.algorithm.rollout_correction.bypass_mode is True
-    with pytest.raises(ConfigError, match="not built yet"):
+    check_run(cfg, "one_step_off")  # runs as verl's file says (`python -m trainer.one_step_off`)
+    with pytest.raises(ConfigError, match=r"Fix: start it with `python -m trainer.one_step_off`"):
         check_run(cfg)
 
 
@@ -124,8 +131,11 @@ def test_async_keys_with_the_colocated_trainer_are_refused(key: str) -> None:
         load_config([f"{key}={str(other).lower()}"], env={})
     pooled = load_config([f"{key}={str(other).lower()}", *SEPARATE, "rollout.nnodes=1",
                           "rollout.n_gpus_per_node=8"], env={})
-    with pytest.raises(ConfigError, match="not built yet"):  # accepted in a pool config, and never ignored
-        check_run(pooled)
+    # accepted in a pool config, and never ignored: one-step-off reads none of them, fully async is not built
+    with pytest.raises(ConfigError, match=rf"`{key}=.*verl's one-step-off reads no `async_training"):
+        check_run(pooled, "one_step_off")
+    with pytest.raises(ConfigError, match="not built yet"):
+        check_run(pooled, "fully_async")
 
 
 def test_verl_asserts_on_the_async_keys() -> None:

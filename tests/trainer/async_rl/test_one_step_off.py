@@ -1,0 +1,162 @@
+"""verl's one-step-off loop (`python -m trainer.one_step_off`) on a real two-node Ray cluster on
+this machine (`ray.cluster_utils.Cluster`: two raylets, each declaring GPUs, so Ray places the
+pools and sets `CUDA_VISIBLE_DEVICES` per rank exactly as on GPU nodes; the ranks compute on the
+CPU with `trainer.device=cpu`): the trainer's two ranks on one node, the rollout pool's rank on
+the other; every batch's weights one step behind at most (0, then 1, 1), the pool's engine given
+exactly the trainer's weights at each sync, and a checkpoint taken while the next batch is in
+flight resuming on that same batch of prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.config.async_training import check_separate_pools_built
+from trainer.metrics import read_jsonl
+
+POOL = ("actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1")
+
+
+def base(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+        "data.max_prompt_length=16", "data.max_response_length=8", f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
+        f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.calculate_log_probs=true", *extra,
+    ]
+
+
+# ---------------------------------------------------------------------------- which loop runs what
+
+
+def test_each_entry_runs_only_the_configs_of_its_loop(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    pooled = load_config(base(tiny_model_dir, data, tmp_path, *POOL), env={})
+    colocated = load_config(base(tiny_model_dir, data, tmp_path), env={})
+    check_separate_pools_built(pooled, "one_step_off")
+    check_separate_pools_built(colocated, "sync")
+    with pytest.raises(ConfigError, match=r"python -m trainer\.one_step_off"):
+        check_separate_pools_built(pooled, "sync")
+    with pytest.raises(ConfigError, match="has none"):
+        check_separate_pools_built(colocated, "one_step_off")
+    with pytest.raises(ConfigError, match="fully-async loop .* not built"):
+        check_separate_pools_built(pooled, "fully_async")
+    stale = load_config(base(tiny_model_dir, data, tmp_path, *POOL, "async_training.staleness_threshold=0.5"), env={})
+    with pytest.raises(ConfigError, match=r"async_training.staleness_threshold=0.5.*reads no `async_training"):
+        check_separate_pools_built(stale, "one_step_off")
+    remax = load_config(base(tiny_model_dir, data, tmp_path, *POOL, "algorithm.adv_estimator=remax"), env={})
+    with pytest.raises(ConfigError, match="greedy baseline"):
+        check_separate_pools_built(remax, "one_step_off")
+    server = load_config(base(tiny_model_dir, data, tmp_path, *POOL, "actor_rollout_ref.rollout.mode=async"), env={})
+    with pytest.raises(ConfigError, match="server-mode"):
+        check_separate_pools_built(server, "one_step_off")
+
+
+# ---------------------------------------------------------------------------- on two Ray nodes
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Any]:
+    """Two Ray nodes on this machine: the trainer's (2 GPUs declared) and the pool's (1)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from trainer.workers.ray_group import private_token_auth
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "CUDA_VISIBLE_DEVICES"):
+            mp.delenv(name, raising=False)
+        private_token_auth()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 2,
+                                                                "include_dashboard": False})
+        cluster.add_node(num_cpus=1, num_gpus=1)
+        cluster.wait_for_nodes()
+        mp.setenv("RAY_ADDRESS", cluster.address)
+        try:
+            yield cluster
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.rewards.toy import write_toy_digits
+
+    out = tmp_path_factory.mktemp("toy")
+    write_toy_digits(out, train_size=256, val_size=8, seed=0)
+    return out
+
+
+def run_cfg(model: Path, data: Path, run: Path, *extra: str) -> Any:
+    return load_config(base(model, data, run, *POOL, "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
+                            "trainer.device=cpu", "trainer.save_freq=1", "trainer.total_training_steps=3",
+                            f"trainer.rollout_data_dir={run / 'rollouts'}", *extra), env={})
+
+
+def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_resumes_on_the_batch_in_flight(
+        two_nodes: Any, tiny_model_dir: Path, toy: Path, tmp_path: Path) -> None:
+    import ray
+
+    from trainer.async_rl.one_step_off import OneStepOffDriver
+
+    run = tmp_path / "run"
+    driver = OneStepOffDriver(run_cfg(tiny_model_dir, toy, run))
+    try:
+        assert driver.fit() == 0
+        # where the ranks are: the pools on nodes of their own, each rank its own GPU
+        layout = json.loads((run / "workers.json").read_text())
+        trainer_nodes = {n["ray_node"] for n in layout["actor_rollout_ref"]}
+        pool_nodes = {n["ray_node"] for n in layout["rollout"]}
+        assert len(trainer_nodes) == 1 and len(pool_nodes) == 1 and trainer_nodes != pool_nodes, layout
+        assert sorted(n["gpu"]["CUDA_VISIBLE_DEVICES"] for n in layout["actor_rollout_ref"]) == ["0", "1"]
+        assert [n["gpu"]["CUDA_VISIBLE_DEVICES"] for n in layout["rollout"]] == ["0"]
+        # every batch one step behind at most: the first with the weights it trains, then 1, 1
+        rows = read_jsonl(run / "metrics.jsonl")
+        assert [r["one_step_off/lag"] for r in rows] == [0, 1, 1]
+        assert [r["one_step_off/weight_version"] for r in rows] == [0, 0, 1]
+        assert rows[-1]["one_step_off/staleness/0"] == 1 and rows[-1]["one_step_off/staleness/1"] == 2
+        assert all(r["timing_s/generate_async"] > 0 and "timing_s/sync_rollout_weights" in r for r in rows[1:])
+        # step 1's batch came from the trainer's own weights: the pool's log-probs are the actor's
+        assert rows[0]["training/rollout_probs_diff_max"] < 1e-4, rows[0]
+        assert rows[1]["training/rollout_probs_diff_max"] > 1e-4, "the update changed nothing: no lag to see"
+        # the pool holds the weights of the last sync (version 2); the trainer has trained step 3
+        actor_digest = driver.actor_group.run("weights_digest")[0]
+        pool = driver.stages.pool
+        assert pool is not None
+        before = pool.run("weights_digest")[0]
+        assert actor_digest.keys() == before.keys()
+        assert max(abs(before[k] - v) / max(v, 1e-12) for k, v in actor_digest.items()) > 1e-6
+        driver.stages.sync_weights(3)
+        after = pool.run("weights_digest")[0]
+        for name, value in actor_digest.items():
+            assert math.isclose(after[name], value, rel_tol=1e-9, abs_tol=1e-9), name
+        assert pool.run("loaded_version") == [3]
+    finally:
+        ray.shutdown()
+
+    # a checkpoint of step 2 was taken while step 3's batch was in flight: resumed from it, the
+    # run generates that same batch again (the same prompts), and trains it with the saved weights
+    unbroken = (run / "rollouts" / "3.jsonl").read_text().splitlines()
+    shutil.rmtree(run / "rollouts")
+    shutil.rmtree(run / "global_step_3")
+    resumed = OneStepOffDriver(run_cfg(tiny_model_dir, toy, run))
+    try:
+        assert resumed.fit() == 0
+    finally:
+        ray.shutdown()
+    again = (run / "rollouts" / "3.jsonl").read_text().splitlines()
+    assert [json.loads(r)["input"] for r in again] == [json.loads(r)["input"] for r in unbroken]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["training/global_step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["one_step_off/lag"] == 0  # generated after the resume, with the checkpoint's weights
