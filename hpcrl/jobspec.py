@@ -119,9 +119,24 @@ class JobSpec:
                    version=data["version"], payload_start=start)
 
 
-def default_payload(python: str, overrides: Sequence[str]) -> tuple[str, ...]:
-    """`[python, -m, trainer, <overrides>]`: the PPO trainer with verl-style overrides."""
-    return (python, "-m", "trainer", *overrides)
+#: The trainer's loops (`hpcrl submit --loop`) and the module each runs: the colocated,
+#: synchronous trainer, and verl's one-step-off recipe on a rollout pool of its own.
+LOOP_MODULES = {"sync": "trainer", "one-step-off": "trainer.one_step_off"}
+
+
+def default_payload(python: str, overrides: Sequence[str], loop: str = "sync") -> tuple[str, ...]:
+    """`[python, -m, trainer, <overrides>]`: the PPO trainer with verl-style overrides (`loop`:
+    the module of another loop, :data:`LOOP_MODULES`)."""
+    return (python, "-m", LOOP_MODULES[loop], *overrides)
+
+
+def payload_loop(payload: Sequence[str]) -> str | None:
+    """The trainer loop a default payload runs, as the trainer names it (`sync`,
+    `one_step_off`); None for another command."""
+    for loop, module in LOOP_MODULES.items():
+        if list(payload[1:3]) == ["-m", module]:
+            return loop.replace("-", "_")
+    return None
 
 
 class RunDirError(ValueError):

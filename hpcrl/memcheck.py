@@ -33,13 +33,15 @@ def slurm_mem_gib(mem: str | None) -> float:
     return float(match.group(1)) * _MEM_UNITS[match.group(2) or "M"]
 
 
-def plan_command(overrides: Sequence[str], device_gib: float, host_gib: float = 0.0) -> list[str]:
-    return [sys.executable, "-m", "trainer", "--plan-memory", "--device-memory", str(device_gib),
+def plan_command(overrides: Sequence[str], device_gib: float, host_gib: float = 0.0, module: str = "trainer"
+                 ) -> list[str]:
+    """The plan of the job's trainer (`module`: its loop's entry, whose start checks it makes)."""
+    return [sys.executable, "-m", module, "--plan-memory", "--device-memory", str(device_gib),
             "--host-memory", str(host_gib), *overrides]
 
 
 def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any, job_env: Mapping[str, str],
-                 force: bool) -> str | None:
+                 force: bool, module: str = "trainer") -> str | None:
     """Run the plan for a GPU job; raise `PreflightError` with the plan's refusal, or return
     the text to print (the plan's table, or why there is none, or the refusal let through)."""
     if int(slurm.gpus_per_node or 0) <= 0:
@@ -53,7 +55,7 @@ def check_memory(overrides: Sequence[str], values: Mapping[str, Any], slurm: Any
                        "as on a login node)", slurm)
     env = {**os.environ, **job_env}
     host_gib = slurm_mem_gib(slurm.mem)
-    done = subprocess.run(plan_command(overrides, slurm.gpu_memory_gib, host_gib), env=env,
+    done = subprocess.run(plan_command(overrides, slurm.gpu_memory_gib, host_gib, module), env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode == 0:
         return done.stdout.rstrip("\n")

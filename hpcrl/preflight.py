@@ -58,14 +58,14 @@ def check_local_nodes(site: str, scheduler: str, nodes: int) -> list[str]:
 # ----------------------------------------------------------------------------- overrides
 
 
-def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = None
+def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = None, loop: str = "sync"
                     ) -> tuple[dict[str, Any], list[str]]:
     """The trainer overrides among `args`, read by the trainer's own rules (verl's grammar,
     interpolations resolved, with `job_env`: what the agent will give the trainer): the value
     each key ends with, or the problem the trainer would stop on at its start."""
     try:
         values = override_values(args, job_env)
-        check_overrides(args, job_env)
+        check_overrides(args, job_env, loop)
         return values, []
     except ConfigError as err:
         return {}, [f"the trainer overrides are refused: {err}"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl import preflight as pf
+from hpcrl.jobspec import payload_loop
 from hpcrl.memcheck import check_memory
 from hpcrl.rundir import reading_env
 
@@ -37,10 +38,11 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any) -> None:
         return
     run_dir = Path(req.run_dir)
     job_env = reading_env(req.spec.nodes, run_dir, req.spec.profile)
-    overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]), job_env)
+    loop = payload_loop(req.spec.payload) or "sync"
+    overrides, problems = pf.parse_overrides(list(req.spec.payload[3:]), job_env, loop)
     pf.report(problems, fatal=True)
     text = check_memory(list(req.spec.payload[3:]), overrides, profile.slurm, job_env,
-                        getattr(args, "force", False))
+                        getattr(args, "force", False), req.spec.payload[2])
     if text:
         print(text, file=sys.stderr)
     inputs = pf.check_job_inputs(overrides, run_dir, hub_env={**os.environ, **profile.env})

@@ -11,6 +11,7 @@ from typing import Any
 from hpcrl.containers import ContainerError
 from hpcrl.jobs import resolve
 from hpcrl.jobspec import (
+    LOOP_MODULES,
     UPDATE_SPEC,
     JobSpec,
     JobSpecError,
@@ -157,6 +158,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run verl itself: the arguments after `--` are overrides of "
                         "`python3 -m verl.trainer.main_ppo` (the verl of the image or venv); "
                         "hpcrl fills the checkpoint directory, nodes and GPUs and saves at stops")
+    parser.add_argument("--loop", choices=sorted(LOOP_MODULES), default="sync",
+                        help="the trainer's loop: `sync` (colocated, `python -m trainer`) or "
+                        "`one-step-off` (verl's one-step-off recipe on a rollout pool of its own, "
+                        "`python -m trainer.one_step_off`: `actor_rollout_ref.hybrid_engine=false "
+                        "rollout.nnodes=N rollout.n_gpus_per_node=G`, the job's nodes are "
+                        "`trainer.nnodes` + `rollout.nnodes`)")
     parser.add_argument("payload", nargs=argparse.REMAINDER,
                         help="after `--`: trainer overrides (e.g. `trainer.nnodes=2`)")
 
@@ -198,7 +205,13 @@ def prepare(args: argparse.Namespace) -> Any:
                                "`hpcrl submit --command -- env`")
         argv, start = tuple(payload), "all-joined"
     else:  # the trainer waits for its nodes (its placement group): start it with the head
-        argv = default_payload(profile.container.python or python, elastic_world(profile, payload))
+        loop = getattr(args, "loop", "sync")
+        if loop != "sync" and profile.slurm.node_range:
+            raise RequestError(f"`--loop {loop}` places a rollout pool on `rollout.nnodes` of the job's nodes and "
+                               f"the trainer on the rest, which a node range ({profile.slurm.node_range}) would "
+                               "change at each requeue. Fix: ask for exactly `trainer.nnodes` + `rollout.nnodes` "
+                               "nodes (`--nodes N`)")
+        argv = default_payload(profile.container.python or python, elastic_world(profile, payload), loop)
         start = "head-alive"
     spec = make_spec(profile, argv, payload_start=start)
     via = getattr(args, "via", "sbatch")

@@ -193,3 +193,23 @@ def test_the_trainers_gpus_per_node_follow_the_sites_gpus(tmp_path: Path) -> Non
     assert ok.returncode == 0, ok.stderr
     cpu = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "slurmlab", "--", *grpo], env)
     assert cpu.returncode == 2 and "must divide the 1 ranks" in cpu.stderr, cpu.stderr
+
+
+def test_a_rollout_pool_is_submitted_with_its_loop_and_sized_with_the_trainers_nodes(tmp_path: Path) -> None:
+    """verl's one-step-off line: the synchronous trainer refuses it naming `--loop one-step-off`;
+    with that loop the job runs `python -m trainer.one_step_off`, and its nodes must hold both
+    pools (`trainer.nnodes` + `rollout.nnodes`), refused before the queue otherwise."""
+    pool = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
+            "rollout.n_gpus_per_node=8", "trainer.nnodes=1", "data.train_batch_size=64",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=4"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    sync = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "2",
+                      "--", *pool], env)
+    assert sync.returncode == 2 and "`hpcrl submit --loop one-step-off`" in sync.stderr, sync.stderr
+    ok = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "2",
+                    "--loop", "one-step-off", "--", *pool], env)
+    assert ok.returncode == 0, ok.stderr
+    assert "-m trainer.one_step_off" in ok.stdout, ok.stdout
+    short = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "1",
+                       "--loop", "one-step-off", "--", *pool], env)
+    assert short.returncode == 2 and "`trainer.nnodes=1` + `rollout.nnodes=1` = 2 nodes" in short.stderr, short.stderr

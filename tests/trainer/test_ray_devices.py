@@ -137,3 +137,23 @@ def test_a_worker_granted_a_gpu_torch_cannot_see_fails_at_once_naming_it(ray_wit
     finally:
         for pg in slot.placement_groups:
             ray_with_gpus.util.remove_placement_group(pg)
+
+
+def test_pools_share_a_node_only_when_the_job_has_fewer_nodes_than_they_ask(ray_with_gpus: Any,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """One node with 4 GPUs: a trainer of 2 and a rollout pool of 1 share it (as verl's resource
+    pools may), each rank a GPU of its own. (With a node for each, they are kept apart:
+    `tests/trainer/async_rl/test_one_step_off.py` on two Ray nodes.)"""
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    from trainer.workers import ray_group
+
+    monkeypatch.delenv("HPCRL_NUM_NODES", raising=False)
+    trainer, pool = ray_group.make_pools([(1, 2), (1, 1)])
+    try:
+        assert trainer.use_gpu and (trainer.per_node, pool.per_node) == (2, 1)
+        for slot in (trainer, pool):
+            assert all(placement_group_table(pg)["state"] == "CREATED" for pg in slot.placement_groups)
+    finally:
+        for pg in (*trainer.placement_groups, *pool.placement_groups):
+            remove_placement_group(pg)

@@ -285,7 +285,8 @@ def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
         require(cfg.actor_rollout_ref.hybrid_engine,
                 f"`actor_rollout_ref.hybrid_engine=false` with a rollout pool of {pool} asks for verl's "
                 "separate deployment, which the synchronous loop does not run. Fix: start it with "
-                f"`{ENTRY['one_step_off']}` (the same arguments: verl's `one_step_off_policy.main_ppo`), "
+                f"`{ENTRY['one_step_off']}` (the same arguments: verl's `one_step_off_policy.main_ppo`; "
+                "`hpcrl submit --loop one-step-off`), "
                 "or drop `hybrid_engine=false` and the `rollout.*` overrides to train colocated")
         return
     arr = cfg.actor_rollout_ref

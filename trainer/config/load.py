@@ -289,7 +289,8 @@ def check_run(cfg: Config, loop: str = "sync") -> None:
     """The checks verl makes when its trainer starts rather than when the config is composed
     (`verl/utils/config.py::validate_config`, after `main_ppo` reads the config): the trainer's
     start (`PPODriver`), the launcher's preflight (:func:`check_overrides`) and `--plan-memory` run
-    them; reading a config (:func:`load_config`, `--print-config`) does not. Raises ConfigError."""
+    them; reading a config (:func:`load_config`, `--print-config`) does not. `loop`: the loop of
+    the entry that runs the config (`sync`: `python -m trainer`; `one_step_off`). Raises ConfigError."""
     check_separate_pools_built(cfg, loop)
     c, actor = cfg.critic, cfg.actor_rollout_ref.actor
     dynamic = actor.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
@@ -424,12 +425,13 @@ def override_values(args: Sequence[str], job_env: Mapping[str, str] | None = Non
     return {key: _lookup(tree, key)[1] for key in keys}
 
 
-def check_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = None) -> Config:
+def check_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = None, loop: str = "sync") -> Config:
     """The trainer's whole check of the overrides among `args` (types, ranges, the settings it
-    refuses), as its start on the job's nodes runs it, with `job_env` as in `override_values`;
-    files are not looked at (they may exist only on the compute nodes). Raises ConfigError."""
+    refuses), as its start on the job's nodes runs it (`loop`: the entry's, as in
+    :func:`check_run`), with `job_env` as in `override_values`; files are not looked at (they
+    may exist only on the compute nodes). Raises ConfigError."""
     with _reading_env(job_env):
         cfg = load_config(expand_args(args), env=dict(os.environ))
-        check_run(cfg)
+        check_run(cfg, loop)
         return cfg
 

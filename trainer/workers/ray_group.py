@@ -140,10 +140,13 @@ def make_placement_group(nnodes: int, per_node: int, tp: int = 1) -> WorkerSlot:
 
 
 def make_pools(pools: Sequence[tuple[int, int]], tp: int = 1) -> list[WorkerSlot]:
-    """One :class:`WorkerSlot` per pool of `(nnodes, per_node)`, every pool on nodes of its own:
-    one reservation of whole nodes for all pools at once (`STRICT_SPREAD`: no two on one node),
-    split among the pools in order (the trainer's first, then the rollout pool's: verl's
-    `trainer_pool` and `rollout_pool`). `tp` applies to the first pool (the colocated engines)."""
+    """One :class:`WorkerSlot` per pool of `(nnodes, per_node)`, in order (the trainer's first,
+    then the rollout pool's: verl's `trainer_pool` and `rollout_pool`). Where the job has a node
+    for each pool's each node (`HPCRL_NUM_NODES`, else the cluster's live nodes), every pool gets
+    nodes of its own: one reservation of whole nodes for all pools at once (`STRICT_SPREAD`: no
+    two on one node), split among them. With fewer (one machine with 8 GPUs: 4 to train, 4 to
+    generate) each pool is reserved apart and pools may share a node, as verl's resource pools
+    may. `tp` applies to the first pool (the colocated engines)."""
     import ray
     from ray.util.placement_group import (
         placement_group,
@@ -159,15 +162,20 @@ def make_pools(pools: Sequence[tuple[int, int]], tp: int = 1) -> list[WorkerSlot
             f"`trainer.n_gpus_per_node={per_node0}`: a tensor-parallel engine would span two nodes. "
             "Fix: make the tensor-parallel size a divisor of the GPUs per node")
     unit = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
-    wholes = [{k: v * per_node for k, v in unit.items()} for nnodes, per_node in pools for _ in range(nnodes)]
-    total = len(wholes)
-    strategy = "STRICT_SPREAD" if total > 1 else "PACK"
-    reserve = placement_group([dict(w) for w in wholes], strategy=strategy)
-    shapes = " + ".join(f"{nnodes} x {per_node}" for nnodes, per_node in pools)
-    _wait_placed(reserve, f"{total} node bundle(s) ({shapes} {'GPUs' if use_gpu else 'CPUs'}; {strategy}: "
-                 "one per node)")
-    nodes = [placement_group_table(reserve)["bundles_to_node_id"][i] for i in range(total)]
-    remove_placement_group(reserve)
+    total = sum(nnodes for nnodes, _ in pools)
+    known = os.environ.get("HPCRL_NUM_NODES", "").strip()
+    have = int(known) if known.isdigit() else sum(1 for n in ray.nodes() if n.get("Alive"))
+    apart = [list(pools)] if total <= have or len(pools) == 1 else [[p] for p in pools]
+    nodes: list[str] = []
+    for part in apart:  # each reservation: whole nodes, one per bundle
+        wholes = [{k: v * per_node for k, v in unit.items()} for nnodes, per_node in part for _ in range(nnodes)]
+        strategy = "STRICT_SPREAD" if len(wholes) > 1 else "PACK"
+        reserve = placement_group([dict(w) for w in wholes], strategy=strategy)
+        shapes = " + ".join(f"{nnodes} x {per_node}" for nnodes, per_node in part)
+        _wait_placed(reserve, f"{len(wholes)} node bundle(s) ({shapes} {'GPUs' if use_gpu else 'CPUs'}; {strategy}: "
+                     "one per node)")
+        nodes += [placement_group_table(reserve)["bundles_to_node_id"][i] for i in range(len(wholes))]
+        remove_placement_group(reserve)
     slots, first = [], 0
     for nnodes, per_node in pools:
         groups = tuple(placement_group([dict(unit) for _ in range(per_node)], strategy="STRICT_PACK",
