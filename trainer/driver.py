@@ -320,8 +320,7 @@ def run_training(cfg: Config, stop: StopRequest | None = None, driver_class: typ
         driver = (driver_class or PPODriver)(cfg, stop)
         return driver.fit()
     except WorkerFailure as err:  # kept beside the metrics for `hpcrl status`, after the job is gone
-        kind = "oom" if "killed for memory" in str(err) else err.kind
-        write_diagnosis(run_dir_of(cfg), kind, str(err), **err.details)
+        write_diagnosis(run_dir_of(cfg), err.kind, str(err), **err.details)
         raise
     finally:
         if driver is not None:

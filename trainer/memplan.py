@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.config.async_training import has_rollout_pool
 from trainer.config.rollout import server_mode
 from trainer.rollout.vllm import SLEEP_LEVEL, max_model_len
 
@@ -184,6 +185,7 @@ class Settings:
     server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
     enforce_eager: bool = False  # vLLM without CUDA graphs
     reward_model_bytes: int = 0  # a discriminative reward model's weights (a copy per actor rank; asleep on the host)
+    pool: bool = False  # the rollout on a pool of its own (`hybrid_engine=false`): its devices hold the engine alone
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -233,7 +235,8 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
         reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
         rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
         node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and arr.model.lora_rank == 0
-        and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg), enforce_eager=r.enforce_eager)
+        and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg), enforce_eager=r.enforce_eager,
+        pool=has_rollout_pool(cfg))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -455,7 +458,8 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
     ref_res = params * 4 // s.world if s.ref_resident else 0
     trainer_held = [("actor shards + AdamW moments", actor_res), ("critic shards + AdamW moments", critic_res),
                     ("reference shards", ref_res), ("CUDA context", CUDA_CONTEXT)]
-    engine_idle = 0 if s.free_cache_engine else share  # asleep: weights and KV cache freed
+    # asleep: weights and KV cache freed; on a pool of its own, the engine is not on these devices
+    engine_idle = 0 if s.free_cache_engine or s.pool else share
     # server mode: vLLM's worker on this GPU is a process of its own, whose CUDA context stays while
     # it sleeps (inside vLLM's share while it generates, so not counted in the rollout phase)
     replica = [("server-mode vLLM worker's CUDA context", CUDA_CONTEXT if s.server_mode and vllm else 0)]
@@ -468,18 +472,24 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
         notes.append(f"training phases traced with 2 and 3 layers, extrapolated to {shape.layers} (shards, "
                      "moments and saved activations per layer; one unit's gathered and temporary terms)")
     phases = []
+    bucket = max(s.bucket_bytes, shape.largest_param() * 4)
+    pool = "rollout pool: " if s.pool else ""  # the phases of the pool's devices, named so
+    if s.pool:
+        notes.append("a rollout pool of its own: the trainer's devices hold no engine; the pool's hold "
+                     "the engine alone (phases `rollout pool: ...`)")
     if vllm:
         activations = (s.max_num_batched_tokens * (4 * shape._get("hidden_size") + 3 * shape._get(
             "intermediate_size")) // s.tp * wbytes + s.max_num_seqs * shape._get("vocab_size") * 4 * 2)
         kv_needed = shape.kv_bytes_per_token(wbytes) * s.max_model_len // s.tp
         graphs = 0 if s.enforce_eager else CUDA_GRAPHS
         kv_room = share - engine_weights - activations - graphs
-        phases.append(Phase("rollout", (*trainer_held, ("vLLM share (gpu_memory_utilization x total)", share)),
-                            "a lower `actor_rollout_ref.rollout.gpu_memory_utilization`, or offload "
-                            "(`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
-                            "`optimizer_offload=true`, `actor_rollout_ref.ref.fsdp_config.param_offload=true`)",
+        held = ((("CUDA context", CUDA_CONTEXT),) if s.pool else trainer_held)
+        phases.append(Phase(f"{pool}rollout", (*held, ("vLLM share (gpu_memory_utilization x total)", share)),
+                            "a lower `actor_rollout_ref.rollout.gpu_memory_utilization`" + ("" if s.pool else
+                            ", or offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
+                            "`optimizer_offload=true`, `actor_rollout_ref.ref.fsdp_config.param_offload=true`)"),
                             s.device_bytes))
-        phases.append(Phase("vLLM KV cache", (("vLLM weights", engine_weights), ("vLLM activations", activations),
+        phases.append(Phase(f"{pool}vLLM KV cache", (("vLLM weights", engine_weights), ("vLLM activations", activations),
                                               ("CUDA graphs (`enforce_eager=false`)", graphs),
                                               ("KV cache of one max_model_len sequence", kv_needed)),
                             "a higher `actor_rollout_ref.rollout.tensor_model_parallel_size` or a higher "
@@ -497,13 +507,22 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
         phases.append(_update_phase("critic update", critic_peaks[0], s.critic,
                                     [("actor shards + AdamW moments", actor_res), ("reference shards", ref_res),
                                      ("idle vLLM", engine_idle), *replica], s, "critic", "critic.model"))
-    bucket = max(s.bucket_bytes, shape.largest_param() * 4)
-    sync_engine = engine_weights if vllm else engine_weights  # the HF engine holds its own copy too
-    phases.append(Phase("weight sync", (*trainer_held, ("rollout engine weights", sync_engine),
-                                        ("gathered bucket", bucket), *replica),
-                        "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
-                        "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
-                        s.device_bytes))
+    if s.pool:  # the trainer gathers and sends; the pool's engine loads a bucket at a time
+        phases.append(Phase("weight sync", (*trainer_held, ("gathered bucket", bucket)),
+                            "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, or offload "
+                            "(`fsdp_config.param_offload=true`)", s.device_bytes))
+        if not vllm:  # vLLM's weights are inside its share (above)
+            phases.append(Phase(f"{pool}HF engine", (("CUDA context", CUDA_CONTEXT), ("engine weights", engine_weights),
+                                                      ("loaded bucket", bucket)),
+                                "a smaller model per pool device, or vLLM (`actor_rollout_ref.rollout.name=vllm`)",
+                                s.device_bytes))
+    else:
+        sync_engine = engine_weights  # vLLM's or the HF engine's own copy
+        phases.append(Phase("weight sync", (*trainer_held, ("rollout engine weights", sync_engine),
+                                            ("gathered bucket", bucket), *replica),
+                            "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, a higher "
+                            "`tensor_model_parallel_size`, or offload (`fsdp_config.param_offload=true`)",
+                            s.device_bytes))
     if s.reward_model_bytes:  # awake between rollout and training, as the rollout engine sleeps
         phases.append(Phase("reward model", (*trainer_held, ("reward model weights", s.reward_model_bytes),
                                              *replica),

@@ -271,3 +271,26 @@ def test_cuda_graphs_take_their_room_from_the_kv_cache_unless_eager(monkeypatch:
         return float(re.match(r"vLLM KV cache: ([\d.]+) GiB", note).group(1))
 
     assert kv_gib(b) - kv_gib(a) == pytest.approx(CUDA_GRAPHS / GIB, abs=0.11)
+
+
+def test_a_rollout_pool_is_planned_by_role(capsys: pytest.CaptureFixture[str]) -> None:
+    """The share that the colocated trainer refuses (vLLM's 0.9 beside the trainer's shards) is
+    planned on the pool's own devices under one-step-off: the trainer's phases hold no engine,
+    the pool's hold the engine alone, each named."""
+    overrides = [*FLAGSHIP, "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
+                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+                 "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.hybrid_engine=false",
+                 "rollout.nnodes=1", "rollout.n_gpus_per_node=8"]
+    cfg = load_config(overrides, env={})
+    made = plan_config(cfg, 80)
+    names = [p.name for p in made.phases]
+    assert "rollout" not in names and {"rollout pool: rollout", "rollout pool: vLLM KV cache"} <= set(names), names
+    pool_rollout = next(p for p in made.phases if p.name == "rollout pool: rollout")
+    assert {t for t, _ in pool_rollout.terms} == {"CUDA context", "vLLM share (gpu_memory_utilization x total)"}
+    sync = next(p for p in made.phases if p.name == "weight sync")
+    assert "rollout engine weights" not in {t for t, _ in sync.terms}
+    update = next(p for p in made.phases if p.name == "actor update")
+    assert dict(update.terms).get("idle vLLM", 0) == 0
+    assert main(["--plan-memory", *overrides[:-3]]) == 2  # colocated: refused (the test above)
+    capsys.readouterr()
