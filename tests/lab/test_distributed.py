@@ -1,7 +1,9 @@
 """Distributed PPO on the Slurm lab, driven by the node agent: `hpcrl submit --via sbatch -- <trainer
 overrides>` trains the tiny model across the 3 nodes (one rank per node, in Podman), every node
 generates and trains (per-rank metrics, `workers.json`), reward rises, a checkpoint is written,
-and a rerun on 2 bare nodes resumes from it."""
+and a rerun on 2 bare nodes resumes from it; then verl's one-step-off recipe
+(`hpcrl submit --loop one-step-off`) resumes it once more on 2 nodes, the trainer on one and
+the rollout pool on the other, each batch generated one step ahead."""
 
 from __future__ import annotations
 
@@ -48,10 +50,11 @@ def trainer_overrides(shared: Path, nnodes: int, steps: int) -> list[str]:
     ]
 
 
-def submit_ppo(lab, sites: Path, site: str, run_dir: Path, nodes: int, overrides: list[str]) -> int:
+def submit_ppo(lab, sites: Path, site: str, run_dir: Path, nodes: int, overrides: list[str],
+               *flags: str) -> int:
     env = {**lab.env, "HPCRL_SITE_PATH": str(sites)}
     proc = run_hpcrl(["submit", "--site", site, "--via", "sbatch", "--run-dir", str(run_dir),
-                      "--nodes", str(nodes), "--", *overrides], env)
+                      "--nodes", str(nodes), *flags, "--", *overrides], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return int(proc.stdout.split("job id: ")[1].split()[0])
 
@@ -103,5 +106,26 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert [r["step"] for r in rows] == list(range(1, 19))
     check_ranks(shared, rows[-2:], ["node1", "node2"], "none")
     assert ckpt.find_latest_checkpoint(shared / "ppo") == shared / "ppo" / "global_step_18"
+
+    # one-step-off on two nodes: the trainer's rank on one, the rollout pool's on the other
+    run_off = shared / "runs" / "one-step-off"
+    pool = ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.calculate_log_probs=true"]
+    job = submit_ppo(lab, sites, "lab-ppo-bare", run_off, 2, [*trainer_overrides(shared, 1, 21), *pool],
+                     "--loop", "one-step-off")
+    rec = finished(lab, job, run_off, timeout=900)
+    off_log = payload_log(run_off)
+    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_off), off_log[-4000:])
+    assert json.loads((run_off / "job.json").read_text())["payload"][1:3] == ["-m", "trainer.one_step_off"]
+    assert "(saved on 2 rank(s)) on 1 rank(s)" in off_log, off_log[-4000:]
+    layout = json.loads((shared / "ppo" / "workers.json").read_text())
+    (trainer_node,), (pool_node,) = ({w["hostname"] for w in layout[g]} for g in ("actor_rollout_ref", "rollout"))
+    assert trainer_node != pool_node and {trainer_node, pool_node} <= {"node1", "node2", "node3"}, layout
+    rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 22))
+    # the first batch after the resume is generated with the checkpoint's weights, then one step behind
+    assert [r["one_step_off/lag"] for r in rows[-3:]] == [0, 1, 1], rows[-3:]
+    assert [r["one_step_off/weight_version"] for r in rows[-3:]] == [18, 18, 19]
+    assert all(r["rollout_pool/rank_0/gen_rows"] == 24 for r in rows[-3:])
     print(f"python: {sys.executable}; checkpoint timings:\n" + "\n".join(
-        line for line in (payload_log(run3) + log).splitlines() if "saved" in line or "resumed" in line))
+        line for line in (payload_log(run3) + log + off_log).splitlines() if "saved" in line or "resumed" in line))
