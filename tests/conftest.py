@@ -180,20 +180,35 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0,
 
 
 @pytest.fixture
-def ray_local() -> Iterator[Any]:
-    """A private local Ray for one test (2 CPUs, no dashboard, its own token), shut down after."""
+def ray_starter() -> Iterator[Callable[..., Any]]:
+    """Starts a private local Ray for one test when called (2 CPUs, no dashboard, its own token),
+    with `env` set first (what Ray reads when it starts: `RAY_memory_usage_threshold`, ...); shut
+    down after the test."""
     import ray
 
     from trainer.workers.ray_group import private_token_auth
 
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RAY_ADDRESS", raising=False)
-        private_token_auth()
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
+
+        def start(**env: str) -> Any:
+            for name, value in env.items():
+                mp.setenv(name, value)
+            private_token_auth()
+            ray.init(address="local", num_cpus=2, include_dashboard=False)
+            return ray
+
         try:
-            yield ray
+            yield start
         finally:
-            ray.shutdown()
+            if ray.is_initialized():
+                ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(ray_starter: Callable[..., Any]) -> Any:
+    """A private local Ray for one test, started at once (:func:`ray_starter`)."""
+    return ray_starter()
 
 
 @pytest.fixture

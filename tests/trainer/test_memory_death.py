@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,28 +73,11 @@ class Hog:
         return len(blocks)
 
 
-@pytest.fixture
-def ray_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A local Ray whose memory monitor kills at `threshold` of the node's memory (set per test)."""
-    import ray
-
-    from trainer.workers.ray_group import private_token_auth
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    started: list[Any] = []
-
-    def start(threshold: float | None) -> Any:
-        if threshold is not None:
-            monkeypatch.setenv("RAY_memory_usage_threshold", f"{threshold:.3f}")
-            monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "100")
-        private_token_auth()
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        started.append(ray)
-        return ray
-
-    yield start
-    if started:
-        ray.shutdown()
+def ray_at(start: Any, threshold: float | None) -> Any:
+    """A local Ray whose memory monitor kills at `threshold` of the node's memory (None: Ray's own)."""
+    env = {} if threshold is None else {"RAY_memory_usage_threshold": f"{threshold:.3f}",
+                                        "RAY_memory_monitor_refresh_ms": "100"}
+    return start(**env)
 
 
 def _group(samples: Path) -> Any:
@@ -114,11 +96,11 @@ def _used_fraction() -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_a_rank_ray_s_memory_monitor_kills_is_named_with_its_node_and_memory(ray_at: Any, tmp_path: Path) -> None:
+def test_a_rank_ray_s_memory_monitor_kills_is_named_with_its_node_and_memory(ray_starter: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
 
     used, total_gib = _used_fraction()
-    ray_at(min(0.95, used + 1.5 / total_gib))  # about 1.5 GiB above what the node uses now
+    ray_at(ray_starter, min(0.95, used + 1.5 / total_gib))  # about 1.5 GiB above what the node uses now
     write_plan(tmp_path, None, use_gpu=False)  # as the driver does on a CPU cluster
     group = _group(tmp_path)
     pid = group.nodes[0]["pid"]
@@ -154,7 +136,7 @@ def _memory_cgroup(limit_bytes: int) -> Path | None:
 
 
 @pytest.mark.slow
-def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at: Any, tmp_path: Path) -> None:
+def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_starter: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
 
     cgroup = _memory_cgroup(512 << 20)
@@ -164,7 +146,7 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_at:
             pytest.fail(reason + ", but CI=true requires this test to run")
         pytest.skip(reason)
     try:
-        ray_at(None)
+        ray_at(ray_starter, None)
         from trainer.config import load_config
         from trainer.memplan import GIB, host_plan
 
@@ -202,7 +184,7 @@ def _remove(cgroup: Path) -> None:
 
 @pytest.mark.slow
 def test_a_rank_the_kernel_kills_is_named_from_its_cgroup_s_count_where_the_log_is_unreadable(
-        ray_at: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        ray_starter: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not root (or the rank on another node): no kernel log; the rank's cgroup's `oom_kill`
     count, read against its last sample, says the kernel killed it."""
     from trainer.workers import memory_death
@@ -216,7 +198,7 @@ def test_a_rank_the_kernel_kills_is_named_from_its_cgroup_s_count_where_the_log_
         pytest.skip(reason)
     monkeypatch.setattr(memory_death, "kernel_log", lambda: None)  # the one seam: `dmesg` unreadable
     try:
-        ray_at(None)
+        ray_at(ray_starter, None)
         group = _group(tmp_path)
         pid = group.nodes[0]["pid"]
         group.run("join", str(cgroup))  # a job's ranks live in its cgroup from their start
