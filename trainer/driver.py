@@ -49,6 +49,7 @@ from trainer.stages.reward import build_reward_engine
 from trainer.stages.validate import VAL_GENERATIONS_FILE
 from trainer.step import Stages
 from trainer.stop import StopRequest
+from trainer.stragglers import StragglerWatch
 from trainer.watchdog import Bounds
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
@@ -174,6 +175,8 @@ class PPODriver:
         if cfg.actor_rollout_ref.rollout.trace.backend == "mlflow":  # the metrics logger's store
             self.stages.rollout.trace_store = tracking_uri(self.run_dir)
         self._write_workers()
+        w = cfg.trainer.watchdog
+        self.stragglers = StragglerWatch(self.actor_group.nodes, w.slow_factor, w.slow_steps)
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")
         print(f"trainer: {self.world} rank(s) on {hosts} node(s) in {where}, ready in "
@@ -269,6 +272,17 @@ class PPODriver:
             return self.deadline.describe()
         return None
 
+    def _note_slow_nodes(self, metrics: dict[str, float]) -> None:
+        """Each node's time this step into `metrics`; a node slow for long enough named
+        (:mod:`trainer.stragglers`) in the log and the run's diagnoses."""
+        per_node, slow = self.stragglers.observe(self.stages.rank_metrics)
+        metrics.update(per_node)
+        for node in slow:
+            summary = node.summary(self.stragglers.factor)
+            print(f"trainer: {summary}", flush=True)
+            write_diagnosis(self.run_dir, "slow", summary, step=self.global_step, nodes=[node.host],
+                            ranks=list(node.ranks), pace_s_per_token=node.pace, others_s_per_token=node.others)
+
     def _maybe_validate(self, metrics: dict[str, float]) -> None:
         t = self.cfg.trainer
         if self.val_set is not None and t.test_freq > 0 and (self._due(t.test_freq)
@@ -294,6 +308,7 @@ class PPODriver:
             began = time.time()
             self.state.global_step += 1
             metrics = self.next_step()
+            self._note_slow_nodes(metrics)
             self._maybe_validate(metrics)
             # Metrics first: a kill between the two leaves a line that resume drops, never a gap.
             logger.log(self.global_step, metrics)

@@ -242,6 +242,10 @@ def validate(cfg: Config) -> None:
             f"`trainer.watchdog`: floor_s={w.floor_s:g}, multiple={w.multiple:g}, min_s={w.min_s:g}, "
             f"warmup={w.warmup}, poll_s={w.poll_s:g}: need floor_s > 0, multiple >= 1, min_s >= 0, warmup >= 1 "
             "and poll_s > 0 (to switch it off: `trainer.watchdog.enable=false`)")
+    require(w.slow_factor > 1 and w.slow_steps >= 1,
+            f"`trainer.watchdog.slow_factor={w.slow_factor:g}` and `slow_steps={w.slow_steps}`: a node is named slow "
+            "when its rollout is slower per token than `slow_factor` (> 1) times the others' for `slow_steps` (>= 1) steps "
+            "in a row. Fix: e.g. `trainer.watchdog.slow_factor=2 trainer.watchdog.slow_steps=3`")
     require(not cfg.trainer.val_only or bool(data.val_files),
              "`trainer.val_only=true` validates and exits, and needs a validation set: set "
              "`data.val_files`")

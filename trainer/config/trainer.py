@@ -21,6 +21,10 @@ class WatchdogConfig:
     min_s: float = h("... and at least this many seconds")
     warmup: int = h("durations of a call before its median sets the bound")
     poll_s: float = h("how often the driver checks a call still running (a hang is found at most this late)")
+    slow_factor: float = h("a node whose rollout is slower per generated token than this many times the median "
+                           "of the other nodes' in a step is past the bound (`trainer.stragglers`); above 1")
+    slow_steps: int = h("steps in a row past the bound before the node is named slow (in the log and as a "
+                        "diagnosis `hpcrl status` shows; the run goes on)")
 
 
 @dataclass(frozen=True)
