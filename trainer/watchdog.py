@@ -11,8 +11,8 @@ least `trainer.watchdog.min_s`; until the call has `trainer.watchdog.warmup` dur
 `trainer.watchdog.floor_s` (the first steps compile, load and warm caches). Past it, :func:`diagnose`:
 
 - asks every rank's process for its Python stack: each rank registered :data:`STACK_SIGNAL`
-  with `faulthandler` at start (:func:`register_stack_dump`), writing `<run_dir>/stacks/rank_<r>.txt`
-  (the run directory is shared across nodes); the signal is sent from the driver to a rank on its
+  with `faulthandler` at start (:func:`register_stack_dump`), appending to `<run_dir>/stacks/rank_<r>.txt`
+  (the run directory is shared across nodes; a requeued run's ranks append after the earlier ones); the signal is sent from the driver to a rank on its
   own node, through a Ray task pinned to the node otherwise;
 - reads each rank's process state (`/proc/<pid>/stat`: `T` stopped, `D` in uninterruptible
   I/O, `Z` gone, `R`/`S` running or waiting);
@@ -89,10 +89,15 @@ def call_key(group: str, method: str) -> str:
 
 
 def register_stack_dump(path: Path) -> None:
-    """Dump every thread's stack into `path` (made, truncated) whenever :data:`STACK_SIGNAL`
-    arrives. The file stays open for the process's life (faulthandler writes from the handler)."""
+    """Dump every thread's stack into `path` whenever :data:`STACK_SIGNAL` arrives. The file is
+    appended to, after a line naming this process: the run directory outlives a run, and a
+    requeued run's ranks must not erase the stacks of the hang that ended the run before. The file
+    stays open for the process's life (faulthandler writes from the handler)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = path.open("w")
+    out = path.open("a")
+    out.write(f"# pid {os.getpid()} on {socket.gethostname()}, started "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+    out.flush()
     faulthandler.register(STACK_SIGNAL, file=out, all_threads=True, chain=False)
     register_stack_dump.files.append(out)  # type: ignore[attr-defined]
 
@@ -191,14 +196,22 @@ def _states(nodes: list[dict[str, Any]], dump: bool) -> list[str | None]:
     return states
 
 
-def _await_stacks(ranks: list[dict[str, Any]], timeout: float = 10.0) -> None:
-    """Wait (at most `timeout` s) until each running or waiting rank has written its stack: the
-    group is ended next, and a process killed before its handler ran leaves an empty file. A
-    stopped or `D`-state rank writes only when it runs again; the shared file system may also lag."""
-    waiting = [Path(r["stack"]) for r in ranks if r.get("stack") and r["state"] in ("R", "S")]
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _await_stacks(ranks: list[dict[str, Any]], sizes: dict[int, int], timeout: float = 10.0) -> None:
+    """Wait (at most `timeout` s) until each running or waiting rank has written its stack (its
+    file has grown past its size before the signal, `sizes` by rank): the group is ended next, and
+    a process killed before its handler ran writes nothing. A stopped or `D`-state rank writes only
+    when it runs again; the shared file system may also lag."""
+    waiting = [(Path(r["stack"]), sizes.get(r["rank"], 0)) for r in ranks if r.get("stack") and r["state"] in ("R", "S")]
     deadline = time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
-        waiting = [p for p in waiting if not (p.is_file() and p.stat().st_size > 0)]
+        waiting = [(p, before) for p, before in waiting if _size(p) <= before]
         time.sleep(0.1)
 
 
@@ -230,10 +243,12 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
     key = call_key(group, method)
     bound = bounds.describe(key)
     dump = stacks is not None  # only ranks that registered the handler: the signal ends the others
+    sizes = {rank: _size(stacks / f"rank_{rank}.txt") for rank in range(len(nodes))} if stacks else {}
     ranks = [{"rank": rank, "node": node.get("hostname"), "pid": node.get("pid"), "state": state,
-              "answered": rank not in stuck, **({"stack": str(stacks / f"rank_{rank}.txt")} if stacks else {})}
+              "answered": rank not in stuck,
+              **({"stack": str(stacks / f"rank_{rank}.txt"), "stack_offset": sizes[rank]} if stacks else {})}
              for rank, (node, state) in enumerate(zip(nodes, _states(nodes, dump), strict=True))]
-    _await_stacks(ranks)
+    _await_stacks(ranks, sizes)
     lagging = [r for r in ranks if not r["answered"]]
     first = [r for r in lagging if r["state"] in ("T", "t", "D")]
     others = [r for r in lagging if r not in first]

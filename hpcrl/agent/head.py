@@ -197,7 +197,10 @@ class Head:
             self.node.log.error("%s; node(s) %s left the Ray cluster while their agents still "
                                 "beat: their network is cut off", failed.cause,
                                 ", ".join(h for _, h in cut))
-        return requeuer.after_node_loss(hosts, failed.cause)
+        why = {**{h: "was cut off (it left the Ray cluster while its agent beat on)" for _, h in cut},
+               **{h: "holds a stuck rank (its process stopped or in uninterruptible I/O: the trainer's "
+                     "watchdog, `hpcrl status`)" for h in blamed}}
+        return requeuer.after_node_loss(hosts, failed.cause, why)
 
     def _blamed(self) -> list[str]:
         """Nodes the trainer's watchdog blamed in this run (:func:`hpcrl.diagnosis.blamed_nodes`,

@@ -113,17 +113,19 @@ def shrunk_nodes(nodes: int, lost: int, spares: int, min_nodes: int | None) -> i
 
 
 def node_loss_message(lost: Sequence[str], decision: RequeueDecision, excluded: str,
-                      shrunk: tuple[int, int] | None = None) -> str:
+                      shrunk: tuple[int, int] | None = None, why: Mapping[str, str] | None = None) -> str:
     """What the log and the summary say when lost nodes end the job; `shrunk`: (nodes asked
-    for now, before)."""
+    for now, before); `why`: what happened to each node (by name; `died` where not given)."""
     nodes = ", ".join(f"`{h}`" for h in lost)
+    what = (f"node {nodes} died" if not why else
+            "; ".join(f"node `{h}` {why.get(h, 'died')}" for h in lost))
     if decision.action != REQUEUE:
-        return f"node {nodes} died; {decision.message}"
+        return f"{what}; {decision.message}"
     where = ("on the nodes Slurm gives it next (it waits while the partition has no spare node)"
              if shrunk is None else
              f"on {shrunk[0]} nodes instead of {shrunk[1]} (no spare node was free; "
              "`slurm.min_nodes` allows it), the trainer on as many")
-    return (f"node {nodes} died; {decision.message}, excluding {nodes} (`ExcNodeList={excluded}`"
+    return (f"{what}; {decision.message}, excluding {nodes} (`ExcNodeList={excluded}`"
             f"); the run resumes from its newest complete checkpoint {where}")
 
 

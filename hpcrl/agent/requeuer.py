@@ -9,7 +9,7 @@ import functools
 import logging
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,13 +68,13 @@ class Requeuer:
     def terminated_by(self) -> str | None:
         return self.stop.terminated_by if self.stop else None
 
-    def after_node_loss(self, lost: list[str], what: str) -> Outcome:
+    def after_node_loss(self, lost: list[str], what: str, why: Mapping[str, str] | None = None) -> Outcome:
         """Nodes died or were cut off: the job is requeued at once, as after a requeue request
         (same decision and `max_requeues`), with the lost nodes added to the job's
         `ExcNodeList` once it is pending again (Slurm refuses that for a running job), so that
         the rerun resumes on other nodes, or on fewer (`slurm.min_nodes`) when no spare is
         free. The last complete checkpoint stands; nothing could be saved, since a rank is
-        gone."""
+        gone. `why`: what happened to each node, for the message (`died` where not given)."""
         decision = rq.decide_requeue(self.ctx, self.job.max_requeues, str(self.run_dir),
                                      self.terminated_by)
         excluded, count, info = "", None, {}
@@ -83,7 +83,7 @@ class Requeuer:
             excluded = rq.merged_exclusions(info.get("ExcNodeList", ""), lost)
             count = self._shrunk(info.get("Partition", ""), excluded, len(lost))
         shrunk = None if count is None else (count, self.ctx.num_nodes)
-        message = rq.node_loss_message(lost, decision, excluded, shrunk)
+        message = rq.node_loss_message(lost, decision, excluded, shrunk, why)
         requeue = decision.action == rq.REQUEUE
         (self.log.info if requeue else self.log.error)("%s", message)
         state_writer(self.run_dir, self.ctx).append(

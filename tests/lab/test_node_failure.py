@@ -1,16 +1,21 @@
-"""Whole nodes failing mid-run on the Slurm lab, with the real trainer on three nodes, then two.
+"""Nodes failing mid-run on the Slurm lab, with the real trainer on three nodes, then two.
 
-First a worker node's network is cut (its link goes down: slurmd, Ray and the trainer's rank
-lose every peer while its agent goes on beating through the shared run directory, so only the
-GCS can tell), then, in the requeued run, the head node dies (every process of the node:
-slurmd, its job steps, the agent, Ray and the trainer's rank, killed at once). Each time the surviving
-agents notice within 30 s, the job is requeued with the lost node added to its `ExcNodeList`
+First the trainer's rank on a worker node is stopped (SIGSTOP, as a wedged rank sits: its node,
+its agent and Ray stay alive, so only the trainer's progress watchdog can tell): the watchdog
+names the rank and its node, with the other ranks' stacks, the run ends with that diagnosis and
+the job is requeued without the node. Then, in the rerun, a worker node's network is cut (its link
+goes down: slurmd, Ray and the trainer's rank lose every peer while its agent goes on beating
+through the shared run directory, so only the GCS can tell); then, in the next rerun, the head
+node dies (every process of the node: slurmd, its job steps, the agent, Ray and the trainer's
+rank, killed at once). Each time the job is requeued with the node added to its `ExcNodeList`
 (keeping the user's `--exclude`), and the rerun resumes from the newest complete checkpoint on a
-spare node, or on one node fewer when none is left. Slurm itself keeps the requeued job `COMPLETING` until it marks the dead node down
+spare node, or on one node fewer when none is left. The lost nodes are noticed within 30 s by the
+surviving agents; Slurm itself keeps the requeued job `COMPLETING` until it marks a dead node down
 (`SlurmdTimeout`, 300 s by default; 30 s in this lab), so the rerun starts after that."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.diagnosis import read_diagnoses
 from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE, read_state
+from tests.conftest import run_hpcrl
 from tests.lab.test_requeue import (
     assets,  # noqa: F401 - the module fixture: tiny model and toy task
     check_metrics,
@@ -38,6 +45,12 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 SLURMD_TIMEOUT = "30"
 """How long Slurm waits before it marks a silent node down (the lab's; real sites: 300 s)."""
+
+WATCHDOG_S = 30
+"""The watchdog's floor and least bound for this run (`trainer.watchdog.floor_s`, `min_s`; the
+defaults, 600 s and 60 s, are for real models): a stopped rank is found this long after its call
+began. Above the 10-14 s Ray takes to end the calls to a node cut off (its health checks), so
+that the cut is seen as a lost node, not as a hang."""
 
 
 def kill_node(lab, host: str) -> int:
@@ -73,57 +86,112 @@ def node_loss(run_dir: Path, restart: int, timeout: float = 60) -> tuple[dict, d
     raise AssertionError(f"no requeue after the node loss in run {restart}\n{logs(run_dir)}")
 
 
-def test_a_cut_off_worker_then_a_dead_head_requeue_on_a_spare_then_on_one_node_fewer(
+def stop_rank(run_dir: Path, node: str) -> dict:
+    """SIGSTOP the trainer's rank on `node` (its process, from `workers.json`; Ray numbers the ranks
+    in its own order, not the job's nodes'), as a rank wedged in a collective sits; returns its
+    entry (`rank`, `hostname`, `pid`)."""
+    ranks = json.loads((run_dir / "workers.json").read_text())["actor_rollout_ref"]
+    victim = next(r for r in ranks if r["hostname"] == node)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    return victim
+
+
+def check_hang(lab, job: int, run_dir: Path, victim: dict, stopped_at: float) -> float:
+    """The hang diagnosis of the stopped rank `victim` (node, state, bound, the others' stacks), as
+    `hpcrl status` shows it; returns the seconds from the stop to the diagnosis."""
+    hangs = [d for d in read_diagnoses(run_dir) if d["kind"] == "hang"]
+    assert len(hangs) == 1, (read_diagnoses(run_dir), logs(run_dir))
+    hang = hangs[0]
+    node, stopped = victim["hostname"], victim["rank"]
+    assert hang["suspect_nodes"] == [node], hang
+    assert f"rank {stopped} on node `{node}` (pid {victim['pid']}, stopped (T))" in hang["summary"], hang["summary"]
+    ranks = {r["rank"]: r for r in hang["ranks"]}
+    assert (ranks[stopped]["node"], ranks[stopped]["state"], ranks[stopped]["answered"]) == (node, "T", False), hang
+    # the floor (the call's first durations) or the learned bound, at least `min_s`
+    assert hang["bound_s"] >= WATCHDOG_S and ("`trainer.watchdog.floor_s`" in hang["bound"]
+                                              or f"at least {WATCHDOG_S} s" in hang["bound"]), hang
+    detected = hang["time"] - stopped_at
+    # fired at the bound after the call began (at most the bound after the stop), then poll, states, stacks
+    assert 0 < detected < hang["bound_s"] + 90, f"{detected:.1f} s from the stop to the hang diagnosis"
+    assert hang["elapsed_s"] >= hang["bound_s"], hang
+    for rank in set(ranks) - {stopped}:  # the others' stacks, written before their group was ended
+        assert ranks[rank]["state"] in ("R", "S"), hang
+        stack = Path(ranks[rank]["stack"]).read_text()[ranks[rank]["stack_offset"]:]
+        assert 'File "' in stack and "(most recent call first)" in stack, (rank, stack)
+    status = run_hpcrl(["status", str(run_dir)], lab.env)
+    assert "diagnosis (hang," in status.stdout and f"rank {stopped} on node `{node}`" in status.stdout, (
+        status.stdout + status.stderr)
+    agent_log = next((run_dir / "0" / "logs").glob("agent-0-*.log")).read_text()
+    assert f"the trainer's watchdog blamed node(s) {node}" in agent_log, agent_log[-3000:]
+    return detected
+
+
+def test_a_stopped_rank_then_a_cut_off_worker_then_a_dead_head_requeue_on_spares_then_on_one_node_fewer(
         lab_manager, sites, assets, tmp_path):  # noqa: F811 - fixtures
-    """A 3-node job that may run on 2 (`slurm.min_nodes: 2`) on a lab of 5 nodes, one excluded
-    by the user: run 0 on 3 nodes loses a worker (network cut) and resumes on the spare; run 1
-    loses its head and, with no spare left, resumes on the 2 survivors with a world of 2 ranks
-    from the checkpoint 3 ranks wrote."""
-    lab = lab_manager.get(nodes=5, extra={"SlurmdTimeout": SLURMD_TIMEOUT})
+    """A 3-node job that may run on 2 (`slurm.min_nodes: 2`) on a lab of 6 nodes, one excluded
+    by the user: run 0 on 3 nodes has the rank on its second node stopped (the watchdog's
+    diagnosis blames the node) and resumes on a spare; run 1 loses a worker (network cut) and
+    resumes on the last spare; run 2 loses its head and, with no spare left, resumes on the 2
+    survivors with a world of 2 ranks from the checkpoint 3 ranks wrote."""
+    lab = lab_manager.get(nodes=6, extra={"SlurmdTimeout": SLURMD_TIMEOUT})
     try:
-        write_site(sites, "nodefail", tmp_path / "runs", nodes=3, slow_s=0.25, slow_runs="0,1")
+        write_site(sites, "nodefail", tmp_path / "runs", nodes=3, slow_s=0.25, slow_runs="0,1,2")
         site = sites / "nodefail.yaml"  # with the user's own exclusion, kept through every requeue
         site.write_text(site.read_text().replace(
             "slurm:\n", "slurm:\n  min_nodes: 2\n  extra_sbatch: ['--exclude=node5']\n"))
         run_dir = tmp_path / "runs" / "nodefail"
         args = [a.replace("=4", "=6") if "batch_size" in a else a  # splits over 3 and 2 ranks
-                for a in overrides(assets, steps=12, save_freq=2)]
+                for a in overrides(assets, steps=16, save_freq=2)]
+        args += [f"trainer.watchdog.floor_s={WATCHDOG_S}", f"trainer.watchdog.min_s={WATCHDOG_S}",
+                 "trainer.watchdog.poll_s=1"]
         job = submit(lab, sites, "nodefail", run_dir, args)
-        placed, noticed = [], []
-        for restart, rank in ((0, 1), (1, 0)):  # a worker is cut off, then the head dies
+        placed, noticed, figures = [], [], {}
+        for restart, rank, how in ((0, 1, "stop"), (1, 1, "cut"), (2, 0, "kill")):
             wait_for_step(lab, job, run_dir, restart, (restart + 1) * 4 - 1, timeout=400)
             nodes = lab.run("scontrol", "show", "hostnames", lab.job(job)["NodeList"]).stdout.split()
             assert len(nodes) == 3, nodes
             placed.append(nodes)
             victim = nodes[rank]
             t0 = time.time()
-            if rank == 1:
+            if how == "stop":
+                stopped = stop_rank(run_dir, victim)
+            elif how == "cut":
                 cut_network(lab, victim)
             else:
                 assert kill_node(lab, victim) > 0
-            decided, done = node_loss(run_dir, restart)
+            decided, done = node_loss(run_dir, restart, timeout=150 if how == "stop" else 60)
             assert decided["lost_nodes"] == [victim], decided
             noticed.append(decided["time"] - t0)
-            assert noticed[-1] < 30, f"{noticed[-1]:.1f} s to notice that {victim} failed"
+            if how == "stop":
+                assert f"node `{victim}` holds a stuck rank" in decided["message"], decided
+                figures["diagnosed"] = check_hang(lab, job, run_dir, stopped, t0)
+                figures["requeued"] = done["time"] - t0
+            else:
+                assert noticed[-1] < 30, f"{noticed[-1]:.1f} s to notice that {victim} failed"
             assert "set `ExcNodeList=" in done["message"], done
             shrunk = "and `NumNodes=2-2 NumTasks=2 NumCPUs=" in done["message"]
-            assert shrunk == (restart == 1), done  # no spare left the second time
+            assert shrunk == (restart == 2), done  # no spare left the third time
             newest = max(saved(run_dir, restart))
             wait_for_step(lab, job, run_dir, restart + 1, newest + 1, timeout=300)
             assert resumed_from(run_dir, restart + 1) == newest, logs(run_dir)
+            if how == "stop":
+                figures["resumed"] = time.time() - t0  # its first step logged (polled every 0.2 s)
+                assert victim in lab.job(job)["ExcNodeList"].split(","), lab.job(job)
         rec = finished(lab, job, run_dir)
-        assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "2", (rec, logs(run_dir))
-        lost = [placed[0][1], placed[1][0]]
+        assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "3", (rec, logs(run_dir))
+        lost = [placed[0][1], placed[1][1], placed[2][0]]
         assert rec["ExcNodeList"] == ",".join(["node5", *lost]), rec
         last = lab.run("scontrol", "show", "hostnames", rec["NodeList"]).stdout.split()
         assert len(last) == 2 and not set(last) & {"node5", *lost}, (last, lost)
-        agent_log = next((run_dir / "2" / "logs").glob("agent-0-*.log")).read_text()
+        agent_log = next((run_dir / "3" / "logs").glob("agent-0-*.log")).read_text()
         assert agent_log.count("job asked for 3 nodes, the allocation has 2; using 2") == 1
-        payload_log = (run_dir / "2" / "logs" / "payload.log").read_text()
+        payload_log = (run_dir / "3" / "logs" / "payload.log").read_text()
         assert "(saved on 3 rank(s)) on 2 rank(s)" in payload_log, payload_log[-2000:]
         assert "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}" in agent_log
-        check_metrics(run_dir, 12)
-        print(f"noticed the cut-off worker after {noticed[0]:.1f} s, the dead head after "
-              f"{noticed[1]:.1f} s; the last run had {len(last)} nodes")
+        check_metrics(run_dir, 16)
+        print(f"the stopped rank diagnosed after {figures['diagnosed']:.1f} s, the job requeued after "
+              f"{figures['requeued']:.1f} s, its first step resumed after {figures['resumed']:.1f} s; "
+              f"noticed the cut-off worker after {noticed[1]:.1f} s, the dead head after "
+              f"{noticed[2]:.1f} s; the last run had {len(last)} nodes")
     finally:
         lab_manager.discard()  # one of its nodes is cut off, one dead

@@ -102,14 +102,37 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
         assert [(r["rank"], r["state"], r["answered"]) for r in details["ranks"]] == [(0, "S", False), (1, "T", False)]
         assert 'File "<string>", line 6 in <module>' in (tmp_path / "stacks" / "rank_0.txt").read_text()
         stopped_stack = tmp_path / "stacks" / "rank_1.txt"
-        assert stopped_stack.read_text() == ""  # a stopped process runs no handler
+        assert stopped_stack.read_text().startswith("# pid ") and "File " not in stopped_stack.read_text()  # a stopped process runs no handler
         os.kill(procs[1].pid, signal.SIGCONT)
-        wait_until(lambda: "line 6 in <module>" in stopped_stack.read_text(), "stack of the continued rank")
-        assert 'File "<string>", line 6 in <module>' in stopped_stack.read_text()
+        wait_until(lambda: 'File "<string>", line' in stopped_stack.read_text(), "stack of the continued rank")
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_later_run_appends_to_the_stacks_of_the_run_before(tmp_path: Path) -> None:
+    """A requeued run's ranks register their dump in the same run directory: the stacks of the
+    hang that ended the run before stay, and the next dump is waited for past the old one."""
+    procs = _ranks_sleeping(tmp_path, 1)
+    try:
+        nodes = [{"rank": 0, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": procs[0].pid}]
+        _, first = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+    procs = _ranks_sleeping(tmp_path, 1)  # the rerun's rank 0
+    try:
+        nodes = [{"rank": 0, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": procs[0].pid}]
+        _, second = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+    text = (tmp_path / "stacks" / "rank_0.txt").read_text()
+    offset = second["ranks"][0]["stack_offset"]
+    assert first["ranks"][0]["stack_offset"] > 0 and offset > first["ranks"][0]["stack_offset"]
+    assert text.count("# pid ") == 2 and text.count('File "<string>", line') == 2, text  # line 5 or 6: printing or asleep
+    assert 'File "<string>", line' in text[offset:], text
 
 
 def test_process_state_reads_a_stopped_process() -> None:

@@ -220,6 +220,17 @@ def test_lost_nodes_requeue_the_job_then_exclude_them_once_pending(
     assert out.then is None and "max_requeues reached" in out.cause and len(calls) == 3
 
 
+def test_the_node_loss_message_says_what_happened_to_each_node() -> None:
+    """A node the trainer's watchdog blamed, or one cut off, is not called dead; one without a
+    word is."""
+    decision = rq.RequeueDecision(rq.REQUEUE, "requeueing job 77 (restart 1 of at most 3)")
+    text = rq.node_loss_message(["node2", "node3"], decision, "node2,node3",
+                                why={"node2": "holds a stuck rank"})
+    assert text.startswith("node `node2` holds a stuck rank; node `node3` died; requeueing job 77 "
+                           "(restart 1 of at most 3), excluding `node2`, `node3` (`ExcNodeList=node2,node3`)"), text
+    assert rq.node_loss_message(["node2"], decision, "node2").startswith("node `node2` died; requeueing")
+
+
 # ------------------------------------------------------------------------------ real agent
 
 
