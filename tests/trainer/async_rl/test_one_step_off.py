@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,20 +99,32 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_cfg(model: Path, data: Path, run: Path, *extra: str) -> Any:
     return load_config(base(model, data, run, *POOL, "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
-                            "trainer.device=cpu", "trainer.save_freq=1", "trainer.total_training_steps=3",
+                            "trainer.device=cpu", "trainer.total_training_steps=3",
                             f"trainer.rollout_data_dir={run / 'rollouts'}", *extra), env={})
 
 
-def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_resumes_on_the_batch_in_flight(
+def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_the_batch_in_flight(
         two_nodes: Any, tiny_model_dir: Path, toy: Path, tmp_path: Path) -> None:
     import ray
 
     from trainer.async_rl.one_step_off import OneStepOffDriver
+    from trainer.data import PromptLoader
+    from trainer.exit_codes import REQUEUE_EXIT_CODE
+    from trainer.stop import STOP_FILE
+
+    class StoppedAfterStep2(OneStepOffDriver):
+        """A stop asked (the run directory's STOP file) while step 2 trains and batch 3 is generated."""
+
+        def next_step(self) -> dict[str, float]:
+            metrics = super().next_step()
+            if self.global_step == 2:
+                (self.run_dir / STOP_FILE).write_text("test")
+            return metrics
 
     run = tmp_path / "run"
-    driver = OneStepOffDriver(run_cfg(tiny_model_dir, toy, run))
+    driver = StoppedAfterStep2(run_cfg(tiny_model_dir, toy, run))
     try:
-        assert driver.fit() == 0
+        assert driver.fit() == REQUEUE_EXIT_CODE
         # where the ranks are: the pools on nodes of their own, each rank its own GPU
         layout = json.loads((run / "workers.json").read_text())
         trainer_nodes = {n["ray_node"] for n in layout["actor_rollout_ref"]}
@@ -121,42 +132,43 @@ def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_resumes_on_the_bat
         assert len(trainer_nodes) == 1 and len(pool_nodes) == 1 and trainer_nodes != pool_nodes, layout
         assert sorted(n["gpu"]["CUDA_VISIBLE_DEVICES"] for n in layout["actor_rollout_ref"]) == ["0", "1"]
         assert [n["gpu"]["CUDA_VISIBLE_DEVICES"] for n in layout["rollout"]] == ["0"]
-        # every batch one step behind at most: the first with the weights it trains, then 1, 1
+        # the first batch with the weights it trains, the next one step behind
         rows = read_jsonl(run / "metrics.jsonl")
-        assert [r["one_step_off/lag"] for r in rows] == [0, 1, 1]
-        assert [r["one_step_off/weight_version"] for r in rows] == [0, 0, 1]
-        assert rows[-1]["one_step_off/staleness/0"] == 1 and rows[-1]["one_step_off/staleness/1"] == 2
-        assert all(r["timing_s/generate_async"] > 0 and "timing_s/sync_rollout_weights" in r for r in rows[1:])
+        assert [r["one_step_off/lag"] for r in rows] == [0, 1]
+        assert [r["one_step_off/weight_version"] for r in rows] == [0, 0]
+        assert rows[-1]["one_step_off/staleness/0"] == 1 and rows[-1]["one_step_off/staleness/1"] == 1
+        assert rows[1]["timing_s/generate_async"] > 0 and "timing_s/sync_rollout_weights" in rows[1]
         # step 1's batch came from the trainer's own weights: the pool's log-probs are the actor's
         assert rows[0]["training/rollout_probs_diff_max"] < 1e-4, rows[0]
         assert rows[1]["training/rollout_probs_diff_max"] > 1e-4, "the update changed nothing: no lag to see"
-        # the pool holds the weights of the last sync (version 2); the trainer has trained step 3
+        # the pool holds the weights of the last sync (version 1); the trainer has trained step 2
         actor_digest = driver.actor_group.run("weights_digest")[0]
         pool = driver.stages.pool
         assert pool is not None
         before = pool.run("weights_digest")[0]
         assert actor_digest.keys() == before.keys()
         assert max(abs(before[k] - v) / max(v, 1e-12) for k, v in actor_digest.items()) > 1e-6
-        driver.stages.sync_weights(3)
+        driver.stages.sync_weights(2)
         after = pool.run("weights_digest")[0]
         for name, value in actor_digest.items():
             assert math.isclose(after[name], value, rel_tol=1e-9, abs_tol=1e-9), name
-        assert pool.run("loaded_version") == [3]
+        assert pool.run("loaded_version") == [2]
     finally:
         ray.shutdown()
 
-    # a checkpoint of step 2 was taken while step 3's batch was in flight: resumed from it, the
-    # run generates that same batch again (the same prompts), and trains it with the saved weights
-    unbroken = (run / "rollouts" / "3.jsonl").read_text().splitlines()
-    shutil.rmtree(run / "rollouts")
-    shutil.rmtree(run / "global_step_3")
+    # the checkpoint of step 2 was taken while batch 3 was in flight: the resumed run generates
+    # that same batch (the data order's third), with the checkpoint's weights
+    assert not (run / STOP_FILE).exists()
     resumed = OneStepOffDriver(run_cfg(tiny_model_dir, toy, run))
     try:
         assert resumed.fit() == 0
+        order = PromptLoader(resumed.train_set, 8, shuffle=True, seed=resumed.cfg.data.seed)
+        third = [order.next_batch() for _ in range(3)][-1]
+        expected = sorted(resumed.tokenizer.decode(e.prompt_ids, skip_special_tokens=True) for e in third)
     finally:
         ray.shutdown()
-    again = (run / "rollouts" / "3.jsonl").read_text().splitlines()
-    assert [json.loads(r)["input"] for r in again] == [json.loads(r)["input"] for r in unbroken]
+    trained = sorted({json.loads(r)["input"] for r in (run / "rollouts" / "3.jsonl").read_text().splitlines()})
+    assert trained == sorted(set(expected))
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["training/global_step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["one_step_off/lag"] == 0  # generated after the resume, with the checkpoint's weights
