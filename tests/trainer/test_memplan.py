@@ -5,7 +5,10 @@ configuration accepted. The traces run for real (a subprocess with torch and tra
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +28,29 @@ FLAGSHIP = [f"actor_rollout_ref.model.path={QWEN_7B}", "algorithm.adv_estimator=
             "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.actor.use_kl_loss=True",
             "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
             "trainer.n_gpus_per_node=8", "trainer.nnodes=1"]
+
+
+#: The traces already run in this session, by their specs (JSON): a trace is a pure function of its
+#: spec (a fake process group, fake tensors), and several tests plan the same configuration
+#: (`FLAGSHIP` alone and with offload, which traces the same update).
+_TRACED: dict[str, list[dict[str, int]]] = {}
+
+
+@pytest.fixture(autouse=True)
+def each_trace_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans of this module run each distinct trace (a subprocess importing torch and
+    transformers) once; every plan still comes from the real traces of its own specs."""
+    import trainer.memplan as memplan
+
+    real = memplan.run_traces
+
+    def once(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
+        key = json.dumps(specs, sort_keys=True)
+        if key not in _TRACED:
+            _TRACED[key] = real(specs)
+        return copy.deepcopy(_TRACED[key])
+
+    monkeypatch.setattr(memplan, "run_traces", once)
 
 
 @pytest.mark.parametrize(("name", "billions"), [("Qwen2.5-0.5B", 0.494), ("Qwen2.5-7B-Instruct", 7.616),

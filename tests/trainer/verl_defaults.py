@@ -84,9 +84,13 @@ def outcomes(version: str) -> dict[str, str]:
             if not is_interpolation(value) and not is_mandatory(value)}
 
 
-def counts(version: str) -> dict[str, int]:
+def counts(version: str, judged: dict[str, str] | None = None) -> dict[str, int]:
+    """The leaves, interpolations and mandatory values of `version`'s config, and its outcomes
+    by kind; `judged`: its :func:`outcomes` when already at hand (judging every leaf loads the
+    config once per leaf, several hundred times)."""
     all_leaves = list(leaves(verl_tree(version)))
-    found = Counter(o.split(":", 1)[0] for o in outcomes(version).values())
+    judged = outcomes(version) if judged is None else judged
+    found = Counter(o.split(":", 1)[0] for o in judged.values())
     return {"leaves": len(all_leaves),
             "interpolations": sum(is_interpolation(v) for _, v in all_leaves),
             "mandatory": sum(is_mandatory(v) for _, v in all_leaves),
@@ -98,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print every key not accepted")
     args = parser.parse_args(argv)
     for version in VERSIONS:
-        print(version, counts(version))
+        judged = outcomes(version)
+        print(version, counts(version, judged))
         if args.list:
-            for key, result in outcomes(version).items():
+            for key, result in judged.items():
                 if result != "accepted":
                     print(f"  {key}: {result[:300]}")
     return 0
