@@ -35,6 +35,7 @@ from trainer.config import (  # noqa: E402
     file_overrides,
     load_config,
 )
+from trainer.config.async_training import ENTRY_DEFAULTS  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.deadline import DeadlineError  # noqa: E402
 from trainer.driver import PPODriver, run_training  # noqa: E402
@@ -118,7 +119,9 @@ def _main(argv: Sequence[str] | None, stop: StopRequest, driver_class: type[PPOD
             print(f"{key}  ({type_name})\n    {help_text}")
         return 0
     try:
-        overrides = [*file_overrides(args.config_path, args.config_name, args.overrides), *args.overrides]
+        # without `--config-name`, the entry's own file beneath the overrides, as verl composes it
+        entry = ENTRY_DEFAULTS[driver_class.loop] if args.config_name is None else ()
+        overrides = [*entry, *file_overrides(args.config_path, args.config_name, args.overrides), *args.overrides]
         cfg = load_config(overrides)
         if args.plan_memory:  # what the start would refuse is not planned (a critic sized by nothing)
             check_run(cfg, driver_class.loop)

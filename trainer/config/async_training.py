@@ -269,6 +269,19 @@ one), `python -m trainer.one_step_off`, `python -m trainer.fully_async` (not bui
 ENTRY = {"sync": "python -m trainer", "one_step_off": "python -m trainer.one_step_off",
          "fully_async": "python -m trainer.fully_async"}
 
+#: What an entry's own config file sets beneath the command line's overrides, as verl's entry
+#: composes its file (`@hydra.main(config_name=...)`) when no `--config-name` is given: verl
+#: 0.9.1's `one_step_off_ppo_trainer.yaml` (the pool's size, the engine kept awake, the rollout's
+#: log-probs computed and used as the old ones), less `rollout.checkpoint_engine.backend=nccl`
+#: (verl's NCCL weight sync between the pools; the sync here is `trainer.stages.sync.sync_pool`).
+ENTRY_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "sync": (),
+    "one_step_off": ("rollout.nnodes=1", "rollout.n_gpus_per_node=8", "actor_rollout_ref.rollout.free_cache_engine=false",
+                     "actor_rollout_ref.rollout.calculate_log_probs=true",
+                     "algorithm.rollout_correction.bypass_mode=true"),
+    "fully_async": (),
+}
+
 
 def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
     """At the trainer's start: the loop of the entry that started it (`loop`) fits the config.

@@ -16,12 +16,13 @@ from trainer.config import at_default
 from trainer.config.actor import validate_checkpoint, validate_lora
 from trainer.config.algorithm import estimator, validate_pf_ppo, validate_rollout_correction
 from trainer.config.async_training import (
+    ENTRY_DEFAULTS,
     check_allocation,
     check_separate_pools_built,
     validate_pools,
 )
 from trainer.config.base import RUN_DIR_ENV, ConfigError, check_optim, require
-from trainer.config.compose import expand_args
+from trainer.config.compose import expand_args, split_config_flags
 from trainer.config.overrides import (
     Override,
     _apply,
@@ -435,7 +436,8 @@ def check_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
     :func:`check_run`), with `job_env` as in `override_values`; files are not looked at (they
     may exist only on the compute nodes). Raises ConfigError."""
     with _reading_env(job_env):
-        cfg = load_config(expand_args(args), env=dict(os.environ))
+        named = split_config_flags(args)[1] is not None  # else the entry's own file, as its start reads it
+        cfg = load_config([*(() if named else ENTRY_DEFAULTS[loop]), *expand_args(args)], env=dict(os.environ))
         check_run(cfg, loop)
         return cfg
 

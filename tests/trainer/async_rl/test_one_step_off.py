@@ -172,3 +172,25 @@ def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["training/global_step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["one_step_off/lag"] == 0  # generated after the resume, with the checkpoint's weights
+
+
+def test_the_entry_composes_verls_one_step_off_file_beneath_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    """As verl's `one_step_off_policy.main_ppo` composes `one_step_off_ppo_trainer.yaml`: the engine
+    kept awake, the rollout's log-probs computed and used as the old ones (bypass), a pool of 1 x 8;
+    the command line still wins, and a `--config-name` replaces the file."""
+    from trainer.one_step_off import main
+
+    assert main(["--print-config", "actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=4"]) == 0
+    out = capsys.readouterr().out
+    import yaml
+
+    cfg = yaml.safe_load(out)
+    arr = cfg["actor_rollout_ref"]
+    assert (arr["rollout"]["free_cache_engine"], arr["rollout"]["calculate_log_probs"]) == (False, True)
+    assert cfg["algorithm"]["rollout_correction"]["bypass_mode"] is True
+    assert (cfg["rollout"]["nnodes"], cfg["rollout"]["n_gpus_per_node"]) == (1, 4)
+    # the synchronous entry composes none of it
+    from trainer.__main__ import main as sync_main
+
+    assert sync_main(["--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["algorithm"]["rollout_correction"]["bypass_mode"] is False
