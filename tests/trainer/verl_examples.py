@@ -35,6 +35,10 @@ MULTI_TURN = tuple(f"examples/sglang_multiturn/{name}" for name in (
     "run_qwen2.5-3b_gsm8k_multiturn.sh", "run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh",
     "run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh"))
 ENTRY = "verl.trainer.main_ppo"
+#: verl's one-step-off scripts (FSDP2; the SGLang and Megatron ones aside) and their entry, kept in
+#: the fixture under `async` (`python -m tests.trainer.verl_examples extract` reads them too).
+ONE_STEP_OFF_ENTRY = "verl.experimental.one_step_off_policy.main_ppo"
+ONE_STEP_OFF_FOLDER = "verl/experimental/one_step_off_policy/shell"
 HOME = "/home/user"
 #: Where the scripts run (verl's checkout, `$(pwd)`), as the arguments kept spell it.
 VERL_ROOT = f"{HOME}/verl"
@@ -61,15 +65,15 @@ def _git(git_dir: Path, *args: str) -> str:
                           text=True).stdout
 
 
-def script_args(text: str) -> list[str]:
-    """The arguments one example script passes after `verl.trainer.main_ppo`, as bash expands
-    them (no command but the stubbed python runs)."""
+def script_args(text: str, entry: str = ENTRY) -> list[str]:
+    """The arguments one example script passes after its `entry` module (`verl.trainer.main_ppo`),
+    as bash expands them (no command but the stubbed python runs)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = os.path.realpath(tmp)
         out = Path(tmp, "args")
         out.touch()
         script = Path(tmp, "script.sh")
-        script.write_text(_STUB + "\n" + text)
+        script.write_text(_STUB.replace(ENTRY, entry) + "\n" + text)
         env = {"HOME": HOME, "PATH": str(Path(tmp, "empty")), "VERL_ARGS_OUT": str(out)}
         subprocess.run(["/bin/bash", str(script)], cwd=tmp, env=env, capture_output=True,
                        timeout=30, check=False)
@@ -94,7 +98,11 @@ def extract(git_dir: Path) -> dict[str, Any]:
         for name in _git(git_dir, "ls-tree", "--name-only", "HEAD", f"{rel}/").split():
             if name.endswith(".yaml"):
                 configs[name] = _git(git_dir, "show", f"HEAD:{name}")
-    return {"verl_commit": commit, "examples": examples, "configs": configs}
+    scripts = sorted(_git(git_dir, "ls-tree", "--name-only", "HEAD", f"{ONE_STEP_OFF_FOLDER}/").split())
+    one_step_off = {name: script_args(_git(git_dir, "show", f"HEAD:{name}"), ONE_STEP_OFF_ENTRY) for name in scripts
+                    if name.endswith(".sh") and "fsdp2" in name and "sglang" not in name}
+    one_step_off = {name: args for name, args in one_step_off.items() if args}  # `colocate` runs main_ppo
+    return {"verl_commit": commit, "examples": examples, "configs": configs, "one_step_off": one_step_off}
 
 
 def outcome(args: list[str], configs: dict[str, str] | None = None) -> str:
@@ -113,6 +121,19 @@ def outcome(args: list[str], configs: dict[str, str] | None = None) -> str:
     return "accepted"
 
 
+def one_step_off_outcome(args: list[str]) -> str:
+    """`accepted`, or `refused: <message>`: `args` as `python -m trainer.one_step_off` reads them
+    (its entry's file beneath them) and checks them at its start."""
+    from trainer.config import ConfigError, check_run, expand_args, load_config
+    from trainer.config.async_training import ENTRY_DEFAULTS
+
+    try:
+        check_run(load_config([*ENTRY_DEFAULTS["one_step_off"], *expand_args(args)], env={}), "one_step_off")
+    except ConfigError as err:
+        return f"refused: {err}"
+    return "accepted"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -128,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(FIXTURE.read_text())
     for name, overrides in data["examples"].items():
         print(f"{os.path.basename(name)}: {outcome(overrides, data.get('configs'))}")
+    for name, overrides in data.get("one_step_off", {}).items():
+        print(f"{os.path.basename(name)} (python -m trainer.one_step_off): {one_step_off_outcome(overrides)}")
     return 0
 
 

@@ -34,6 +34,9 @@ class DataConfig:
         "allow code shipped with the tokenizer (verl loads the trainer's tokenizer with it); the "
         "tokenizer loads with remote code when this or `actor_rollout_ref.model.trust_remote_code` is set")
     use_shm: bool = h("verl: copy the data files to shared memory first (compatibility only, see COMPAT)")
+    dataloader_num_workers: int = h("verl: the data loader's worker processes (compatibility only, see COMPAT)")
+    filter_overlong_prompts_workers: int = h(
+        "verl: processes filtering over-long prompts (compatibility only, see COMPAT)")
     apply_chat_template_kwargs: dict[str, Any] = h(
         "extra keyword arguments of the tokenizer's `apply_chat_template` when the prompts are "
         "rendered, as verl passes them (e.g. `data.apply_chat_template_kwargs.enable_thinking=false`); "
@@ -53,8 +56,6 @@ NOT_SUPPORTED: dict[str, str] = {
                             "to the model, which this trainer would leave out")
        for kind in ("image", "video", "audio")},
     "data.custom_cls": "custom dataset classes",
-    "data.dataloader_num_workers": "",
-    "data.filter_overlong_prompts_workers": "",
     "data.sampler": "custom samplers",
     "data.datagen": "",
 }
@@ -67,4 +68,8 @@ COMPAT: dict[str, str] = {
     "data.return_raw_chat": ("every prompt's chat messages are kept with its batch anyway "
                              "(`Example.prompt`)"),
     "data.use_shm": "the data files are read from their path; verl's copy to shared memory only speeds the read",
+    "data.dataloader_num_workers": ("verl's data-loader worker processes only read ahead (its sampler, in the "
+                                    "main process, fixes the order); the batches are the same"),
+    "data.filter_overlong_prompts_workers": ("verl's processes for filtering over-long prompts only filter "
+                                             "faster; the same prompts are kept"),
 }

@@ -194,3 +194,27 @@ def test_the_entry_composes_verls_one_step_off_file_beneath_the_overrides(capsys
 
     assert sync_main(["--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["algorithm"]["rollout_correction"]["bypass_mode"] is False
+
+
+#: verl's one-step-off scripts (FSDP2, vLLM) at the verl commit followed, as
+#: `python -m trainer.one_step_off` reads them, and what still turns each away.
+ONE_STEP_OFF_SCRIPTS = {
+    "dapo_7b_math_fsdp2_4_12.sh": "override_config.max_position_embeddings` is not supported",
+    "dapo_7b_math_fsdp2_64_64.sh": "override_config.max_position_embeddings` is not supported",
+    "dapo_7b_math_fsdp2_64_64_ris.sh": "override_config.max_position_embeddings` is not supported",
+    "grpo_0.6b_gsm8k_fsdp2_2_6.sh": "tensor-parallel engines in a pool are not built",
+    "grpo_3b_gsm8k_fsdp2_2_6.sh": "tensor-parallel engines in a pool are not built",
+    "grpo_qwen3_8b_gsm8k_fsdp2_8_8_npu.sh": "fsdp_config.fsdp_size=8`: FSDP wrapping and sharding options",
+}
+
+
+def test_verls_one_step_off_scripts_are_read_as_the_entry_reads_them() -> None:
+    """Each refusal names one feature; a script that comes to be accepted, or refused for another
+    reason, shows here (and in `python -m tests.trainer.verl_examples check`)."""
+    from tests.trainer.verl_examples import FIXTURE, one_step_off_outcome
+
+    scripts = json.loads(FIXTURE.read_text())["one_step_off"]
+    got = {Path(name).name: one_step_off_outcome(args) for name, args in scripts.items()}
+    assert got.keys() == ONE_STEP_OFF_SCRIPTS.keys()
+    for name, words in ONE_STEP_OFF_SCRIPTS.items():
+        assert got[name].startswith("refused: ") and words in got[name], (name, got[name])
