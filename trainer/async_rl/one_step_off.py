@@ -23,13 +23,13 @@ checkpoint's weights (its first batch has lag 0, where the unbroken run's had la
 is dropped or trained twice.
 
 Validation runs on the pool's engines, with the weights of the last sync (one step behind the
-trainer's), queued behind the generation in flight.
+trainer's), once the generation in flight has finished.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from trainer.async_rl.queue import StalenessError
@@ -114,6 +114,14 @@ class OneStepOffDriver(PPODriver):
                         **{f"one_step_off/staleness/{k}": n for k, n in sorted(self.lags.items())},
                         **self.progress_metrics()})
         return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Validation on the pool, once the generation in flight has finished: the pool's ranks
+        run one call at a time, so a validation sent now would wait for it, and the watchdog
+        would time that wait as the validation's own."""
+        if self.pending is not None:
+            wait([self.pending])  # its result, or its failure, is the next step's
+        return super().validate()
 
     def _check_lag(self, batch: StepBatch, step: int) -> int:
         """The versions `batch`'s weights lag those it is trained at (step - 1 trained so far);
