@@ -319,3 +319,19 @@ def test_a_rollout_pool_is_planned_by_role() -> None:
     update = next(p for p in made.phases if p.name == "actor update")
     assert dict(update.terms).get("idle vLLM", 0) == 0
     assert made.refusal() is None  # colocated, this share is refused (the test above)
+
+
+def test_the_one_step_off_entry_plans_the_pool_the_launcher_asks_it_to(capsys: pytest.CaptureFixture[str]) -> None:
+    """What `hpcrl submit --loop one-step-off` runs before the queue (`python -m trainer.one_step_off
+    --plan-memory`): the pool's phases in the table; the synchronous entry refuses the same overrides."""
+    from trainer.one_step_off import main as one_step_off_main
+
+    pool = [*FLAGSHIP, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.hybrid_engine=false",
+            "rollout.nnodes=1", "rollout.n_gpus_per_node=8"]
+    assert one_step_off_main(["--plan-memory", "--device-memory", "80", *pool]) == 0
+    out = capsys.readouterr().out
+    assert "rollout pool: rollout" in out and "rollout pool: vLLM KV cache" in out, out
+    assert main(["--plan-memory", *pool]) == 2
+    assert "python -m trainer.one_step_off" in capsys.readouterr().err
