@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from trainer.algos import registry
 from trainer.config.base import ConfigError, h, require
 
 if TYPE_CHECKING:
@@ -329,8 +330,6 @@ def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
     require(cfg.trainer.distributed is not False,
             "a rollout pool runs on Ray (its own processes and GPUs), and `trainer.distributed=false` "
             "keeps the trainer in this process. Fix: remove `trainer.distributed=false`")
-    from trainer.algos import registry
-
     require(not registry.adv_estimator(cfg.algorithm.adv_estimator).greedy_baseline,
             f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` scores a greedy baseline with the "
             "weights that sampled each batch; on a rollout pool one step behind that is not built. Fix: "
