@@ -73,6 +73,17 @@ class Hog:
         return len(blocks)
 
 
+def _memory_cgroup_or_skip(limit: int) -> Path:
+    """A memory cgroup limited to `limit` bytes; without one the test skips (fails under CI=true)."""
+    cgroup = _memory_cgroup(limit)
+    if cgroup is None:
+        reason = "needs root and a writable memory cgroup (v1 memory controller or v2) to limit a rank"
+        if CI:
+            pytest.fail(reason + ", but CI=true requires this test to run")
+        pytest.skip(reason)
+    return cgroup
+
+
 def ray_at(start: Any, threshold: float | None) -> Any:
     """A local Ray whose memory monitor kills at `threshold` of the node's memory (None: Ray's own)."""
     env = {} if threshold is None else {"RAY_memory_usage_threshold": f"{threshold:.3f}",
@@ -139,12 +150,7 @@ def _memory_cgroup(limit_bytes: int) -> Path | None:
 def test_a_rank_the_kernel_kills_for_memory_is_named_from_the_kernel_log(ray_starter: Any, tmp_path: Path) -> None:
     from trainer.workers.group import WorkerFailure
 
-    cgroup = _memory_cgroup(512 << 20)
-    if cgroup is None:
-        reason = "needs root and a writable memory cgroup (v1 memory controller or v2) to limit a rank"
-        if CI:
-            pytest.fail(reason + ", but CI=true requires this test to run")
-        pytest.skip(reason)
+    cgroup = _memory_cgroup_or_skip(512 << 20)
     try:
         ray_at(ray_starter, None)
         from trainer.config import load_config
@@ -190,12 +196,7 @@ def test_a_rank_the_kernel_kills_is_named_from_its_cgroup_s_count_where_the_log_
     from trainer.workers import memory_death
     from trainer.workers.group import WorkerFailure
 
-    cgroup = _memory_cgroup(512 << 20)
-    if cgroup is None:
-        reason = "needs root and a writable memory cgroup (v1 memory controller or v2) to limit a rank"
-        if CI:
-            pytest.fail(reason + ", but CI=true requires this test to run")
-        pytest.skip(reason)
+    cgroup = _memory_cgroup_or_skip(512 << 20)
     monkeypatch.setattr(memory_death, "kernel_log", lambda: None)  # the one seam: `dmesg` unreadable
     try:
         ray_at(ray_starter, None)

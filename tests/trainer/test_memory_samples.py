@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from trainer.config import load_config
 from trainer.memplan import GIB, HOST_PROCESS, host_plan, read_model
 from trainer.workers.memory_death import (
@@ -93,14 +92,15 @@ def test_the_sampling_thread_keeps_sampling_until_stopped(tmp_path: Path) -> Non
     sampler = RssSampler(tmp_path, rank=0, interval_s=0.05, heartbeat_s=0.0)  # every sample written
     sampler.start()
     try:
-        deadline = time.monotonic() + 30
         seen: set[float] = set()
-        while len(seen) < 3 and time.monotonic() < deadline:
+
+        def three_seen() -> bool:
             sample = read_sample(tmp_path, 0)
             if sample is not None:
                 seen.add(sample.time)
-            time.sleep(0.02)
-        assert len(seen) >= 3, seen
+            return len(seen) >= 3
+
+        wait_until(three_seen, "three distinct samples", timeout_s=30, poll_s=0.02)
     finally:
         sampler.stop()
         sampler.join(timeout=10)

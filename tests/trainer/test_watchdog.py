@@ -114,20 +114,18 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
 def test_a_later_run_appends_to_the_stacks_of_the_run_before(tmp_path: Path) -> None:
     """A requeued run's ranks register their dump in the same run directory: the stacks of the
     hang that ended the run before stay, and the next dump is waited for past the old one."""
-    procs = _ranks_sleeping(tmp_path, 1)
-    try:
-        nodes = [{"rank": 0, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": procs[0].pid}]
-        _, first = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
-    finally:
-        procs[0].kill()
-        procs[0].wait()
-    procs = _ranks_sleeping(tmp_path, 1)  # the rerun's rank 0
-    try:
-        nodes = [{"rank": 0, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": procs[0].pid}]
-        _, second = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
-    finally:
-        procs[0].kill()
-        procs[0].wait()
+    def one_run() -> dict[str, Any]:
+        """A run's rank 0, sleeping, diagnosed as stuck: the diagnosis' details."""
+        procs = _ranks_sleeping(tmp_path, 1)
+        try:
+            nodes = [{"rank": 0, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": procs[0].pid}]
+            return diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")[1]
+        finally:
+            procs[0].kill()
+            procs[0].wait()
+
+    first = one_run()
+    second = one_run()  # the rerun's rank 0
     text = (tmp_path / "stacks" / "rank_0.txt").read_text()
     offset = second["ranks"][0]["stack_offset"]
     assert first["ranks"][0]["stack_offset"] > 0 and offset > first["ranks"][0]["stack_offset"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.trainer.test_distributed import overrides, toy  # noqa: F401 (a fixture)
 from trainer.config import ConfigError, load_config
 from trainer.config.async_training import check_separate_pools_built
 from trainer.metrics import read_jsonl
@@ -24,14 +25,10 @@ POOL = ("actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_
 
 
 def base(model: Path, data: Path, run: Path, *extra: str) -> list[str]:
-    return [
-        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        "data.max_prompt_length=16", "data.max_response_length=8", f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
-        f"trainer.default_local_dir={run}", "trainer.logger=jsonl", "data.train_batch_size=8",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.calculate_log_probs=true", *extra,
-    ]
+    """The distributed tests' small GRPO run (:func:`tests.trainer.test_distributed.overrides`),
+    with a learning rate that moves the weights within a step and the rollout's log-probs kept."""
+    return overrides(model, data, run, "actor_rollout_ref.actor.optim.lr=1e-2", "algorithm.adv_estimator=grpo",
+                     "actor_rollout_ref.rollout.calculate_log_probs=true", *extra)
 
 
 # ---------------------------------------------------------------------------- which loop runs what
@@ -88,15 +85,6 @@ def two_nodes() -> Iterator[Any]:
             cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.rewards.toy import write_toy_digits
-
-    out = tmp_path_factory.mktemp("toy")
-    write_toy_digits(out, train_size=256, val_size=8, seed=0)
-    return out
-
-
 def run_cfg(model: Path, data: Path, run: Path, *extra: str) -> Any:
     return load_config(base(model, data, run, *POOL, "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
                             "trainer.device=cpu", "trainer.total_training_steps=3",
@@ -104,7 +92,7 @@ def run_cfg(model: Path, data: Path, run: Path, *extra: str) -> Any:
 
 
 def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_the_batch_in_flight(
-        two_nodes: Any, tiny_model_dir: Path, toy: Path, tmp_path: Path) -> None:
+        two_nodes: Any, tiny_model_dir: Path, toy: Path, tmp_path: Path) -> None:  # noqa: F811
     import ray
 
     from trainer.async_rl.one_step_off import OneStepOffDriver
