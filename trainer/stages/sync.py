@@ -3,6 +3,8 @@ rollout pool's engines (a separate deployment: :mod:`trainer.workers.rollout_poo
 
 from __future__ import annotations
 
+import time
+
 from trainer.stages.logprobs import Note
 from trainer.workers.group import WorkerGroup
 
@@ -20,8 +22,6 @@ def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note) -
     the actor's ranks gather them bucket by bucket into the object store
     (`ActorRolloutRefWorker.export_weights`), every pool rank loads them. The actor's seconds
     are noted as `export_weights_s`, the pool's as `rollout_pool/load_weights_s`."""
-    import time
-
     start = time.perf_counter()
     refs = actor.run("export_weights")[0]  # rank 0 holds the buckets' references
     note("export_weights_s", [time.perf_counter() - start] * actor.world_size)

@@ -23,6 +23,7 @@ import torch
 from trainer import models as M
 from trainer import parallel as P
 from trainer.config import Config
+from trainer.phases import Phases
 from trainer.rollout.base import RolloutBatch
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -60,7 +61,7 @@ class RolloutWorker(RolloutSide, Worker):
         """Take this rank's device (the GPU Ray assigned, or the CPU) and build the engine; a
         pool rank joins no process group (each is an engine of its own)."""
         self.ctx = P.single_rank(resolve_device(self.cfg.trainer.device))
-        self.phases = type(self.phases)(self.device, offload_optimizer=False)
+        self.phases = Phases(self.device, offload_optimizer=False)
         self.build()
         return {"backend": "none", "fsdp": False, "threads": torch.get_num_threads()}
 
