@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpcrl import rundir
+from hpcrl import rundir, runreport
 
 DEFAULT_DIR = "~/hpcrl-demo"
 TASK = "toy_digits: answer with sevens; reward = share of 7s among the first 4 answer tokens"
@@ -146,9 +146,9 @@ def plot(run: Path) -> Path | None:
 
 def summary(run: Path, seconds: float, plot_path: Path | None, task: str = TASK) -> list[str]:
     """The closing lines: steps, reward before -> after, checkpoint and plot."""
-    report = rundir.run_report(run, alive=False)
+    report = runreport.run_report(run, alive=False)
     steps = report.last["step"] if report.last else 0
-    lines = [f"demo: {report.state}: {steps} GRPO steps in {rundir.format_duration(seconds)} "
+    lines = [f"demo: {report.state}: {steps} GRPO steps in {runreport.format_duration(seconds)} "
              f"(task {task})"]
     change = report.reward_change()
     if change:

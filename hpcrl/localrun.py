@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcrl import rundir
+from hpcrl import rundir, runreport
 from hpcrl.progress import Progress, RunWatcher, waiting_text
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
@@ -105,7 +105,7 @@ def run_foreground(argv: list[str], run_dir: Path, resume_hint: str,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     progress.close()
-    report = rundir.run_report(run_dir, alive=False)
+    report = runreport.run_report(run_dir, alive=False)
     for line in end_lines(report, code, run_dir, resume_hint):
         print(line, file=stream)
     return code
@@ -154,7 +154,7 @@ def log_tail(path: Path, lines: int = 15) -> list[str]:
         return []
 
 
-def end_lines(report: rundir.RunReport, code: int, run_dir: Path, resume_hint: str) -> list[str]:
+def end_lines(report: runreport.RunReport, code: int, run_dir: Path, resume_hint: str) -> list[str]:
     """What the terminal shows when the job script ends."""
     restart = report.restarts[-1].index if report.restarts else 0
     out = report.lines()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrl import rundir
+from hpcrl import rundir, runreport
 from hpcrl.agent.requeue import REQUEUE
 
 
@@ -32,12 +32,12 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", rundir.REWARD, "mean score"),
-    Panel("validation", rundir.VALIDATION, "mean on the validation set"),
-    Panel("KL", rundir.KL, "KL"),
-    Panel("entropy", rundir.ENTROPY, "nats/token"),
-    Panel("response length", rundir.RESPONSE_LENGTH, "tokens"),
-    Panel("step time", rundir.STEP_TIME, "seconds"),
+    Panel("reward", runreport.REWARD, "mean score"),
+    Panel("validation", runreport.VALIDATION, "mean on the validation set"),
+    Panel("KL", runreport.KL, "KL"),
+    Panel("entropy", runreport.ENTROPY, "nats/token"),
+    Panel("response length", runreport.RESPONSE_LENGTH, "tokens"),
+    Panel("step time", runreport.STEP_TIME, "seconds"),
 )
 
 
@@ -67,7 +67,7 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
 
     fig = Figure(figsize=(8, 13), layout="constrained")
     axes = fig.subplots(len(PANELS), 1, sharex=True)
-    restarts = rundir.restart_starts(records)
+    restarts = runreport.restart_starts(records)
     for ax, panel in zip(axes, PANELS, strict=True):
         name, steps, values = series(records, panel)
         if name is None:
@@ -75,7 +75,7 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
                     va="center", transform=ax.transAxes, color="gray")
         else:
             ax.plot(steps, values, marker="o", markersize=3, label=name)
-            sem = rundir.sem_name(name)
+            sem = runreport.sem_name(name)
             errors = {int(r["step"]): r[sem] for r in records
                       if sem is not None and isinstance(r.get(sem), int | float)}
             if errors and set(errors) >= set(steps):
@@ -121,11 +121,11 @@ def restart_endings(run_dir: Path) -> dict[int, str]:
 
 def plot_run(run_dir: Path, output: Path | None = None) -> tuple[Path, Any]:
     """Write the PNG of `run_dir` (default `RUN/metrics.png`); return (path, figure)."""
-    metrics = rundir.find_metrics(run_dir)
+    metrics = runreport.find_metrics(run_dir)
     if metrics is None:
         raise PlotError(f"no `metrics.jsonl` in `{run_dir}` (searched 3 levels deep): is it a run "
                         "directory, and has the trainer logged a step yet?")
-    fig = build_figure(rundir.read_metrics(metrics), title=str(run_dir),
+    fig = build_figure(runreport.read_metrics(metrics), title=str(run_dir),
                        endings=restart_endings(run_dir))
     out = output or rundir.RunDir(run_dir).plot
     out.parent.mkdir(parents=True, exist_ok=True)

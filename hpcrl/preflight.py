@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rundir import reading_env, trainer_dirs
+from hpcrl.runreport import reading_env, trainer_dirs
 from trainer import hub
 from trainer.algos import registry
 from trainer.config import ConfigError, check_overrides, load_defaults, override_values

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcrl import rundir
-from hpcrl.rundir import format_step
+from hpcrl import rundir, runreport
+from hpcrl.runreport import format_step
 
 
 def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) -> float | None:
@@ -32,7 +32,7 @@ def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) ->
     remaining = total - int(last["step"])
     if remaining <= 0:
         return None
-    found = rundir.pick(last, rundir.STEP_TIME)
+    found = runreport.pick(last, runreport.STEP_TIME)
     per_step = found[1] if found else 0.0
     if len(arrivals) >= 2:  # never below the trainer's own step time (lines read in a batch)
         recent = arrivals[-6:]
@@ -81,7 +81,7 @@ class RunWatcher:
 
     def _read_new(self) -> list[dict[str, Any]]:
         if self._path is None:
-            self._path = rundir.find_metrics(self.run_dir)
+            self._path = runreport.find_metrics(self.run_dir)
             if self._path is None:
                 return []
         try:
@@ -95,7 +95,7 @@ class RunWatcher:
             return []
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self._offset += len(complete)
-        return rundir.parse_metrics(complete.decode(errors="replace"))
+        return runreport.parse_metrics(complete.decode(errors="replace"))
 
     def new_steps(self) -> list[dict[str, Any]]:
         """Records of this restart not returned before (all restarts when none is set)."""

@@ -18,7 +18,8 @@ from typing import Any
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
-from hpcrl.rundir import RunPaths, find_metrics, latest_checkpoint, read_metrics
+from hpcrl.rundir import RunPaths
+from hpcrl.runreport import find_metrics, latest_checkpoint, read_metrics
 from hpcrl.runtimes import get as runtime
 from hpcrl.slurm import SlurmError, kill_wait_s
 from hpcrl.slurm_env import JobContext

@@ -12,7 +12,7 @@ from typing import Any
 from hpcrl import preflight as pf
 from hpcrl.jobspec import payload_loop
 from hpcrl.memcheck import check_memory
-from hpcrl.rundir import reading_env
+from hpcrl.runreport import reading_env
 
 __all__ = ["PASSED", "preflight"]
 

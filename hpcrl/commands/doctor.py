@@ -19,7 +19,7 @@ from hpcrl.commands._common import user_errors
 from hpcrl.doctor_record import RESULT, record_pass, row
 from hpcrl.memcheck import check_memory
 from hpcrl.profiles import ProfileError, SiteProfile, load_profile, profile_to_dict
-from hpcrl.rundir import reading_env
+from hpcrl.runreport import reading_env
 
 HELP = "check a site on the cluster with a short job: container, GPUs, all-reduce, Ray, vLLM"
 

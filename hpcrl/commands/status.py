@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from hpcrl.commands._common import run_dir_of, user_errors
-from hpcrl.rundir import run_report, submitted_job_id
+from hpcrl.rundir import submitted_job_id
+from hpcrl.runreport import run_report
 from hpcrl.slurm import SlurmUnavailable, describe_job, queue_entries, show_job
 
 HELP = "show a job's state, restarts, last checkpoint and latest metrics (job id or run directory)"

@@ -12,7 +12,8 @@ from hpcrl.commands._common import add_job_arguments, prepare, user_errors
 from hpcrl.doctor_record import suggestion
 from hpcrl.jobspec import prepare_run_dir
 from hpcrl.progress import NO_ANSWER, Progress, follow
-from hpcrl.rundir import restart_indices, run_report
+from hpcrl.rundir import restart_indices
+from hpcrl.runreport import run_report
 from hpcrl.slurm import SlurmError, SlurmUnavailable, queue_entries
 from hpcrl.submission import (
     LOCAL_VIA,

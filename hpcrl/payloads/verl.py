@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.agent import requeue as rq
-from hpcrl.rundir import CHECKPOINTS, RunPaths, parse_metrics, restart_indices, tracked_checkpoint
+from hpcrl.rundir import CHECKPOINTS, RunPaths, restart_indices
+from hpcrl.runreport import parse_metrics, tracked_checkpoint
 from hpcrl.slurm import SlurmError, kill_wait_s, parse_slurm_time, show_job
 from trainer.metrics import METRICS_FILE
 

@@ -26,7 +26,7 @@ def env_for(tmp_path: Path) -> dict[str, str]:
 
 
 def steps_of(metrics: Path) -> list[tuple[int, int]]:
-    from hpcrl.rundir import read_metrics
+    from hpcrl.runreport import read_metrics
 
     return [(r["step"], r["training/restart"]) for r in read_metrics(metrics)]
 

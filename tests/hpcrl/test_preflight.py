@@ -181,7 +181,7 @@ def test_the_trainers_gpus_per_node_follow_the_sites_gpus(tmp_path: Path) -> Non
     """verl's ROCm GRPO line sets no `trainer.n_gpus_per_node` (verl: 8): on a site that asks
     Slurm for 8 GPUs per node it is checked with 8 ranks a node (a rollout engine of 2 fits), on
     a CPU site with one, and refused there."""
-    from hpcrl.rundir import reading_env
+    from hpcrl.runreport import reading_env
 
     assert reading_env(2, tmp_path, {"slurm": {"gpus_per_node": 8}})["HPCRL_GPUS_PER_NODE"] == "8"
     assert reading_env(2, tmp_path)["HPCRL_GPUS_PER_NODE"] == "0"

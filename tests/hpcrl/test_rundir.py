@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir
+from hpcrl import rundir, runreport
 from hpcrl.progress import Progress, RunWatcher, eta_seconds, waiting_text
-from hpcrl.rundir import format_duration, format_step
+from hpcrl.runreport import format_duration, format_step
 from tests.conftest import DATA, run_hpcrl
 
 HOST = socket.gethostname()
@@ -103,11 +103,11 @@ def test_states_from_exit_codes(run: Path) -> None:
 
 
 def test_trainer_dirs_follow_overrides_and_defaults(run: Path) -> None:
-    assert rundir.trainer_dirs(run) == (run, run / "checkpoints")
+    assert runreport.trainer_dirs(run) == (run, run / "checkpoints")
     # launched by hpcrl, the trainer defaults both into the run directory (trainer.config)
-    assert rundir.trainer_dirs(run, {}) == (run, run / "checkpoints")
-    assert rundir.trainer_dirs(run, {"trainer.default_local_dir": "/ck"}) == (run, Path("/ck"))
-    assert rundir.trainer_dirs(run, {"trainer.default_local_dir": "null",
+    assert runreport.trainer_dirs(run, {}) == (run, run / "checkpoints")
+    assert runreport.trainer_dirs(run, {"trainer.default_local_dir": "/ck"}) == (run, Path("/ck"))
+    assert runreport.trainer_dirs(run, {"trainer.default_local_dir": "null",
                                      "trainer.run_dir": "m"}) == (run / "m", run / "checkpoints")
 
 
@@ -115,7 +115,7 @@ def test_trainer_defaults_agree_with_trainer_config(tmp_path: Path) -> None:
     from trainer.config import load_config
 
     cfg = load_config([], env={"HPCRL_RUN_DIR": str(tmp_path)})
-    assert rundir.trainer_dirs(tmp_path, {}) == (Path(cfg.trainer.run_dir),
+    assert runreport.trainer_dirs(tmp_path, {}) == (Path(cfg.trainer.run_dir),
                                                  Path(cfg.trainer.default_local_dir))
 
 
@@ -131,20 +131,20 @@ def test_completeness_agrees_with_the_trainer(tmp_path: Path) -> None:
     (bare / "manifest.json").unlink()  # killed before the manifest
     renamed = moved.rename(tmp_path / "global_step_9")  # manifest names another step
     # what `hpcrl status` lists is what the trainer would resume from: the complete one only
-    assert [p for _, p in rundir.checkpoints(tmp_path)] == ckpt.list_checkpoints(tmp_path) == [good]
-    assert [s for s, _ in rundir.checkpoints(tmp_path)] == [2]
+    assert [p for _, p in runreport.checkpoints(tmp_path)] == ckpt.list_checkpoints(tmp_path) == [good]
+    assert [s for s, _ in runreport.checkpoints(tmp_path)] == [2]
     assert not any(ckpt.is_complete(p) for p in (cut, bare, renamed, tmp_path / "global_step_77"))
 
 
 def test_metrics_found_and_partial_lines_skipped(run: Path) -> None:
-    assert rundir.find_metrics(run) is None
+    assert runreport.find_metrics(run) is None
     nested = run / "checkpoints" / "hpcrl" / "run" / "metrics.jsonl"
     write_metrics(nested, [record(1)])
-    assert rundir.find_metrics(run) == nested  # found by search when overrides point elsewhere
+    assert runreport.find_metrics(run) == nested  # found by search when overrides point elsewhere
     write_metrics(run / "metrics.jsonl", [record(1), record(2)])
     with (run / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 3, "critic/sc')  # cut short by a kill
-    assert [r["step"] for r in rundir.read_metrics(rundir.find_metrics(run))] == [1, 2]
+    assert [r["step"] for r in runreport.read_metrics(runreport.find_metrics(run))] == [1, 2]
 
 
 def test_latest_complete_checkpoint(run: Path) -> None:
@@ -153,7 +153,7 @@ def test_latest_complete_checkpoint(run: Path) -> None:
     make_checkpoint(run / "checkpoints", 12, complete=False)
     cut = make_checkpoint(run / "checkpoints", 14)
     (cut / "model.pt").write_bytes(b"w")  # killed while writing, manifest from a reused name
-    step, path = rundir.latest_checkpoint(run)
+    step, path = runreport.latest_checkpoint(run)
     assert (step, path.name) == (10, "global_step_10")
 
 
@@ -166,14 +166,14 @@ def test_latest_checkpoint_is_the_runs_own_newest_commit(run: Path) -> None:
     ckpt.save_checkpoint(root, 20, {"s": 20}, run=other)
     ckpt.save_checkpoint(root, 8, {"s": 8}, run=me)
     ckpt.save_checkpoint(root, 6, {"s": 6}, run=me)  # resumed from an earlier step
-    step, path = rundir.latest_checkpoint(run)
+    step, path = runreport.latest_checkpoint(run)
     assert (step, path) == (6, root / "global_step_6")
 
 
 def test_restart_starts_from_markers() -> None:
     records = [record(s, 0) for s in (1, 2, 3)] + [record(s, 1) for s in (4, 5)] + [record(6, 2)]
-    assert rundir.restart_starts(records) == [(1, 4), (2, 6)]
-    assert rundir.restart_starts([{"step": 1}, {"step": 2}]) == []
+    assert runreport.restart_starts(records) == [(1, 4), (2, 6)]
+    assert runreport.restart_starts([{"step": 1}, {"step": 2}]) == []
 
 
 def test_report_and_status_command(run: Path) -> None:
@@ -182,7 +182,7 @@ def test_report_and_status_command(run: Path) -> None:
     write_metrics(run / "metrics.jsonl", [record(1, 0, reward=0.1), record(2, 0, reward=0.2),
                                           record(3, 1, reward=0.5)])
     make_checkpoint(run / "checkpoints", 3)
-    report = rundir.run_report(run)
+    report = runreport.run_report(run)
     assert report.state == "finished" and report.reward_change() == (0.1, 0.5)
     text = "\n".join(report.lines())
     assert "finished (2 runs: 1 restart)" in text and "  restarts: 1\n" in text
@@ -216,12 +216,12 @@ def test_a_resumed_jobs_state_is_its_own_not_the_earlier_jobs(run: Path) -> None
     """After `--resume`, the run directory's state is the new job's: before its first run
     starts it is not the cancelled job's end, and each run names its job."""
     make_restart(run, 0, exit_code=3, job="12")
-    assert rundir.run_report(run, alive=False).state == "stopped"
-    waiting = rundir.run_report(run, alive=True, job_id="13")
+    assert runreport.run_report(run, alive=False).state == "stopped"
+    waiting = runreport.run_report(run, alive=True, job_id="13")
     assert waiting.state == "job 13 not started yet (queued); run 0 was job 12's"
     assert "  run 0: job 12 restart 0: payload exited with status 3" in "\n".join(waiting.lines())
     make_restart(run, 1, exit_code=None, job="13")
-    started = rundir.run_report(run, alive=True, job_id="13")
+    started = runreport.run_report(run, alive=True, job_id="13")
     assert started.state == "running" and started.restarts[-1].job_id == "13"
 
 
@@ -231,7 +231,7 @@ def test_report_sees_a_dead_agent(run: Path, tmp_path: Path) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
     make_restart(run, 0, exit_code=None, pid=gone.pid)
-    assert rundir.run_report(run).state == "lost"
+    assert runreport.run_report(run).state == "lost"
 
 
 def test_logs_of_one_restart(run: Path) -> None:
@@ -496,6 +496,7 @@ APPENDER = """
 import sys
 from pathlib import Path
 from hpcrl import rundir
+from hpcrl import runreport
 run, rank, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 writer = rundir.StateWriter(run, 0, rank, "node%d" % rank)
 for i in range(count):

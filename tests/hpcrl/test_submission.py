@@ -343,7 +343,7 @@ def test_a_node_range_lets_the_trainer_run_on_the_nodes_granted(tmp_path: Path,
     assert spec.nodes == 3 and spec.profile["slurm"]["min_nodes"] == 2
     assert spec.payload[-1] == "trainer.nnodes=${oc.env:HPCRL_NUM_NODES}"
     # the launcher reads it as the agent will give it (the nodes asked for), leaving no trace
-    from hpcrl.rundir import payload_overrides
+    from hpcrl.runreport import payload_overrides
 
     assert payload_overrides(run_dir)["trainer.nnodes"] == 3
     assert "HPCRL_NUM_NODES" not in os.environ

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rundir import read_metrics
+from hpcrl.runreport import read_metrics
 from tests.conftest import run_hpcrl
 from tests.lab import FINISHED
 from tests.lab.test_agent import finished, run_logs

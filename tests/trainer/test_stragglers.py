@@ -65,7 +65,7 @@ def test_the_driver_names_a_slow_node_in_its_metrics_and_diagnoses_and_hpcrl_sta
     """The driver's step hook (`PPODriver._note_slow_nodes`) on a step's per-rank figures."""
     from types import SimpleNamespace
 
-    from hpcrl.rundir import run_report
+    from hpcrl.runreport import run_report
     from trainer.driver import PPODriver
 
     driver = SimpleNamespace(stragglers=StragglerWatch(NODES, 2.0, 1), run_dir=tmp_path, global_step=7,

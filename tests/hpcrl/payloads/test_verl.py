@@ -16,7 +16,8 @@ import pytest
 
 from hpcrl.jobspec import JobSpec
 from hpcrl.payloads import verl
-from hpcrl.rundir import RunPaths, latest_checkpoint, run_report
+from hpcrl.rundir import RunPaths
+from hpcrl.runreport import latest_checkpoint, run_report
 from tests.conftest import REPO, run_hpcrl
 from tests.trainer.test_config import SEEDS, seed_command_lines
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.payloads import verl as kind
-from hpcrl.rundir import TRACKER_FILE, tracked_checkpoint
+from hpcrl.runreport import TRACKER_FILE, tracked_checkpoint
 from tests.conftest import REPO, require_verl
 
 STANDIN = REPO / "tests" / "payloads" / "verl_standin" / "verl" / "trainer" / "main_ppo.py"
