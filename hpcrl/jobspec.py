@@ -120,8 +120,8 @@ class JobSpec:
 
 
 #: The trainer's loops (`hpcrl submit --loop`) and the module each runs: the colocated,
-#: synchronous trainer, and verl's one-step-off recipe on a rollout pool of its own.
-LOOP_MODULES = {"sync": "trainer", "one-step-off": "trainer.one_step_off"}
+#: synchronous trainer, and verl's one-step-off and fully-async recipes on a rollout pool of its own.
+LOOP_MODULES = {"sync": "trainer", "one-step-off": "trainer.one_step_off", "fully-async": "trainer.fully_async"}
 
 
 def default_payload(python: str, overrides: Sequence[str], loop: str = "sync") -> tuple[str, ...]:
@@ -132,7 +132,7 @@ def default_payload(python: str, overrides: Sequence[str], loop: str = "sync") -
 
 def payload_loop(payload: Sequence[str]) -> str | None:
     """The trainer loop a default payload runs, as the trainer names it (`sync`,
-    `one_step_off`); None for another command."""
+    `one_step_off`, `fully_async`); None for another command."""
     for loop, module in LOOP_MODULES.items():
         if list(payload[1:3]) == ["-m", module]:
             return loop.replace("-", "_")

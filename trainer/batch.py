@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MiniBatchShare", "StepBatch", "micro_batch_rows", "need", "seed_everything", "step_seed"]
+__all__ = ["MiniBatchShare", "StepBatch", "concat_batches", "micro_batch_rows", "need", "seed_everything", "step_seed"]
 
 
 @dataclass
@@ -99,6 +99,64 @@ class StepBatch:
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
+
+
+_SEQUENCE = ("input_ids", "attention_mask")
+"""Fields laid out prompt then response: left-padded prompts, right-padded responses."""
+
+
+def concat_batches(batches: list[StepBatch], pad_token_id: int) -> StepBatch:
+    """The rows of `batches` in one batch, in order: prompts left-padded to the widest prompt,
+    responses right-padded to the longest (pad token in `input_ids`, 0 elsewhere), as the
+    rollout lays a batch out. Per-token fields are the response's width; per-row fields and lists
+    are joined; the weight version is the oldest. For samples generated apart (the fully-async
+    rollouter's) that are trained together."""
+    if not batches:
+        raise ValueError("no batches to join")
+    width = max(b.response_length for b in batches)
+    prompt = max(int(b.input_ids.shape[1]) - b.response_length for b in batches)
+    out: dict[str, Any] = {}
+    for f in fields(StepBatch):
+        values = [getattr(b, f.name) for b in batches]
+        if f.name == "weight_version":
+            known = [v for v in values if v is not None]
+            out[f.name] = min(known) if known else None
+        elif all(v is None for v in values):
+            out[f.name] = None
+        elif any(v is None for v in values) and any(isinstance(v, torch.Tensor) for v in values):
+            raise ValueError(f"`{f.name}` is set in some batches and not in others: they were not "
+                             "generated alike")
+        elif isinstance(values[0], torch.Tensor):
+            out[f.name] = torch.cat([_widen(f.name, v, b.response_length, prompt, width, pad_token_id)
+                                     for v, b in zip(values, batches, strict=True)])
+        elif isinstance(values[0], list):
+            if any(values) and not all(len(v) == len(b) for v, b in zip(values, batches, strict=True)):
+                raise ValueError(f"`{f.name}` is per row in some batches and empty in others")
+            out[f.name] = [x for v in values for x in v]
+        elif isinstance(values[0], dict):
+            keys = set(values[0])
+            if any(set(v) != keys for v in values):
+                raise ValueError(f"`{f.name}` has different keys across the batches: "
+                                 f"{sorted({k for v in values for k in v})}")
+            out[f.name] = {k: [x for v in values for x in v[k]] for k in values[0]}
+        else:
+            raise TypeError(f"`{f.name}`: cannot join {type(values[0]).__name__} values")
+    return StepBatch(**out)
+
+
+def _widen(name: str, value: torch.Tensor, response: int, prompt: int, width: int, pad_token_id: int) -> torch.Tensor:
+    """`value` of one batch padded to the joined widths (see :func:`concat_batches`)."""
+    if value.dim() < 2:  # per row
+        return value
+    fill = pad_token_id if name == "input_ids" else 0
+    if name in _SEQUENCE:
+        head, tail = value[:, :value.shape[1] - response], value[:, value.shape[1] - response:]
+        left = value.new_full((value.shape[0], prompt - head.shape[1]), fill)
+        right = value.new_full((value.shape[0], width - response), fill)
+        return torch.cat([left, head, tail, right], 1)
+    if value.shape[1] != response:
+        raise ValueError(f"`{name}` is {value.shape[1]} wide, not the response's {response}")
+    return torch.cat([value, value.new_full((value.shape[0], width - response), 0)], 1)
 
 
 def micro_batch_rows(rows: int, micro_batch_size: int | None) -> list[list[int]]:

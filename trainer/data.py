@@ -330,6 +330,13 @@ class PromptLoader:
             self._order_epoch = epoch
         return self._order
 
+    def example_at(self, position: int) -> Example:
+        """The prompt at `position` of the run's prompt order, epoch after epoch (position
+        `epoch * len(dataset) + i` is the `i`-th of that epoch's order): the fully-async
+        rollouter hands prompts out one at a time by position."""
+        epoch, i = divmod(position, len(self.dataset))
+        return self.dataset[self._order_of(epoch)[i]]
+
     def next_batch(self) -> list[Example]:
         """The next batch; moves to the next epoch when this one is used up."""
         if self.index >= self.batches_per_epoch:

@@ -193,12 +193,20 @@ class PPODriver:
                                   "chat_template_kwargs": data.apply_chat_template_kwargs,
                                   **agent_data_args(self.cfg)}
         self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
-        self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        self.loader = PromptLoader(self.train_set, self.loader_batch_size(), shuffle=data.shuffle, seed=data.seed)
         t = self.cfg.trainer
         needs_val = t.val_before_train or t.test_freq > 0 or t.val_only
         self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
-        per_epoch = self.loader.batches_per_epoch * t.total_epochs
-        self.total_steps = t.total_training_steps or per_epoch
+        self.total_steps = self.run_steps()
+
+    def loader_batch_size(self) -> int:
+        """Prompts the loader hands out at once: a training batch (`data.train_batch_size`)."""
+        return self.cfg.data.train_batch_size
+
+    def run_steps(self) -> int:
+        """The run's steps: `trainer.total_training_steps`, else every batch of every epoch."""
+        t = self.cfg.trainer
+        return t.total_training_steps or self.loader.batches_per_epoch * t.total_epochs
 
     def _write_workers(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,9 @@ class RunState:
         """The data position a checkpoint records when it is not the loader's own: a loop that
         took the next batch ahead (one-step-off) sets the position before it, so that a resume
         gives that batch out again. None: the loader's."""
+        self.loaded_position: dict[str, Any] | None = None
+        """The data position of the checkpoint resumed from (None: a fresh start), for a loop
+        that keeps more of it than the loader does (the fully-async prompt cursor)."""
         self._run: ckpt.RunIdentity | None = None
 
     @property
@@ -74,6 +77,7 @@ class RunState:
         state = checkpoint.load(path, stages.actor_group, stages.critic_group, self.cfg.algorithm.adv_estimator)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
+        self.loaded_position = dict(state["loader"])
         stages.kl_ctrl.load_state_dict(state["kl_ctrl"])
         ckpt.restore_rng_state(state["rng"])
         return state.get("world_size", "?")  # type: ignore[no-any-return]

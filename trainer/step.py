@@ -56,7 +56,9 @@ class Stages:
         self.kl_ctrl = core_algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.pool = pool
         """The rollout pool's group (a separate deployment), or None: the actor's ranks generate."""
-        self.rollout = Rollout(cfg, pool or actor, tokenizer.pad_token_id)
+        # a pool's ranks run their engines in-process whatever `rollout.mode` says (agent loops
+        # under `mode=async`, verl's only mode for its pools: the same sampling as its servers')
+        self.rollout = Rollout(cfg, pool or actor, tokenizer.pad_token_id, in_process=pool is not None)
         self.rank_metrics: dict[str, float] = {}
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 

@@ -159,11 +159,11 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         "`python3 -m verl.trainer.main_ppo` (the verl of the image or venv); "
                         "hpcrl fills the checkpoint directory, nodes and GPUs and saves at stops")
     parser.add_argument("--loop", choices=sorted(LOOP_MODULES), default="sync",
-                        help="the trainer's loop: `sync` (colocated, `python -m trainer`) or "
-                        "`one-step-off` (verl's one-step-off recipe on a rollout pool of its own, "
-                        "`python -m trainer.one_step_off`: `actor_rollout_ref.hybrid_engine=false "
-                        "rollout.nnodes=N rollout.n_gpus_per_node=G`, the job's nodes are "
-                        "`trainer.nnodes` + `rollout.nnodes`)")
+                        help="the trainer's loop: `sync` (colocated, `python -m trainer`), "
+                        "`one-step-off` or `fully-async` (verl's recipes on a rollout pool of its own, "
+                        "`python -m trainer.one_step_off`, `python -m trainer.fully_async`: "
+                        "`actor_rollout_ref.hybrid_engine=false rollout.nnodes=N "
+                        "rollout.n_gpus_per_node=G`, the job's nodes are `trainer.nnodes` + `rollout.nnodes`)")
     parser.add_argument("payload", nargs=argparse.REMAINDER,
                         help="after `--`: trainer overrides (e.g. `trainer.nnodes=2`)")
 

@@ -265,7 +265,7 @@ def _check_unused(a: AsyncTrainingConfig) -> None:
 
 LOOPS = ("sync", "one_step_off", "fully_async")
 """The trainer's loops, each with its entry: `python -m trainer` (the colocated, synchronous
-one), `python -m trainer.one_step_off`, `python -m trainer.fully_async` (not built)."""
+one), `python -m trainer.one_step_off`, `python -m trainer.fully_async`."""
 
 ENTRY = {"sync": "python -m trainer", "one_step_off": "python -m trainer.one_step_off",
          "fully_async": "python -m trainer.fully_async"}
@@ -280,7 +280,12 @@ ENTRY_DEFAULTS: dict[str, tuple[str, ...]] = {
     "one_step_off": ("rollout.nnodes=1", "rollout.n_gpus_per_node=8", "actor_rollout_ref.rollout.free_cache_engine=false",
                      "actor_rollout_ref.rollout.calculate_log_probs=true",
                      "algorithm.rollout_correction.bypass_mode=true"),
-    "fully_async": (),
+    # verl 0.9.1's `fully_async_ppo_trainer.yaml`, less `checkpoint_engine.backend=nccl` (as above),
+    # with verl's `rollout.mode=async` (the default of verl's `ppo_trainer`, not of this one) and
+    # its `async_training.*` (already this trainer's defaults, `async_training.yaml`)
+    "fully_async": ("rollout.nnodes=1", "rollout.n_gpus_per_node=8", "rollout.n=4", "rollout.total_rollout_steps=100",
+                    "data.gen_batch_size=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                    "actor_rollout_ref.rollout.mode=async", "algorithm.rollout_correction.bypass_mode=true"),
 }
 
 
@@ -291,10 +296,6 @@ def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
     if loop not in LOOPS:
         raise ValueError(f"unknown loop {loop!r}; one of {', '.join(LOOPS)}")
     pool = f"`rollout.nnodes={cfg.rollout.nnodes}` x `rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node}`"
-    require(loop != "fully_async",
-            f"the fully-async loop (verl's `fully_async_policy`) is not built yet. Fix: run the same "
-            f"overrides with `{ENTRY['one_step_off']}` (generation one step ahead of training, on the "
-            "same rollout pool), or drop `hybrid_engine=false` and the pool to train colocated")
     if loop == "sync":
         require(cfg.actor_rollout_ref.hybrid_engine,
                 f"`actor_rollout_ref.hybrid_engine=false` with a rollout pool of {pool} asks for verl's "
@@ -309,24 +310,14 @@ def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
             "(`actor_rollout_ref.hybrid_engine=true`). Fix: `actor_rollout_ref.hybrid_engine=false "
             "rollout.nnodes=N rollout.n_gpus_per_node=G` (verl's one-step-off scripts), or start with "
             f"`{ENTRY['sync']}` to train colocated")
-    gen = cfg.data.gen_batch_size
-    require(gen in (None, cfg.data.train_batch_size),
-            f"`data.gen_batch_size={gen}` feeds verl's fully-async rollouter one prompt at a time; one-step-off "
-            f"generates a whole training batch (`data.train_batch_size={cfg.data.train_batch_size}`) ahead. "
-            "Fix: remove the override")
-    default = yaml.safe_load(DEFAULTS_FILE.read_text())["async_training"]
-    changed = _changed(asdict(cfg.async_training), default, "async_training.")
-    require(not changed,
-            f"`{changed[0] if changed else ''}`: verl's one-step-off reads no `async_training.*` (its queue, "
-            "staleness and sync interval belong to the fully-async recipe, not built yet): one-step-off "
-            "syncs after every step and trains each batch one step behind. Fix: remove the override")
+    if loop == "fully_async":
+        _check_fully_async(cfg)
+    else:
+        _check_one_step_off(cfg)
     require(arr.rollout.tensor_model_parallel_size == 1,
             f"`actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size}` "
             "on a rollout pool: each pool rank is an engine of its own here; tensor-parallel engines in a "
             "pool are not built. Fix: `actor_rollout_ref.rollout.tensor_model_parallel_size=1`")
-    require(arr.rollout.mode != "async",
-            "`actor_rollout_ref.rollout.mode=async` (server-mode replicas) on a rollout pool is not built: "
-            "the pool's engines run in-process. Fix: `actor_rollout_ref.rollout.mode=sync`")
     require(cfg.trainer.distributed is not False,
             "a rollout pool runs on Ray (its own processes and GPUs), and `trainer.distributed=false` "
             "keeps the trainer in this process. Fix: remove `trainer.distributed=false`")
@@ -334,6 +325,56 @@ def check_separate_pools_built(cfg: Config, loop: str = "sync") -> None:
             f"`algorithm.adv_estimator={cfg.algorithm.adv_estimator}` scores a greedy baseline with the "
             "weights that sampled each batch; on a rollout pool one step behind that is not built. Fix: "
             "another estimator (e.g. grpo), or the colocated trainer")
+
+
+def _check_one_step_off(cfg: Config) -> None:
+    gen = cfg.data.gen_batch_size
+    require(gen in (None, cfg.data.train_batch_size),
+            f"`data.gen_batch_size={gen}` feeds verl's fully-async rollouter one prompt at a time; one-step-off "
+            f"generates a whole training batch (`data.train_batch_size={cfg.data.train_batch_size}`) ahead. "
+            f"Fix: remove the override, or start with `{ENTRY['fully_async']}`")
+    default = yaml.safe_load(DEFAULTS_FILE.read_text())["async_training"]
+    changed = _changed(asdict(cfg.async_training), default, "async_training.")
+    require(not changed,
+            f"`{changed[0] if changed else ''}`: verl's one-step-off reads no `async_training.*` (its queue, "
+            "staleness and sync interval belong to the fully-async recipe): one-step-off syncs after every "
+            f"step and trains each batch one step behind. Fix: remove the override, or start with "
+            f"`{ENTRY['fully_async']}`")
+
+
+def _check_fully_async(cfg: Config) -> None:
+    """verl's assertions when its fully-async rollouter starts (`FullyAsyncRollouter.__init__`,
+    `_init_async_rollout_manager`, verl 0.9.1), and what is not built here."""
+    d, a, arr = cfg.data, cfg.async_training, cfg.actor_rollout_ref
+    require(d.train_batch_size == 0,
+            f"`data.train_batch_size={d.train_batch_size}`: verl's fully-async trainer takes `ppo_mini_batch_size` "
+            "x `async_training.require_batches` prompts per update from its queue, not training batches, and "
+            "asserts `data.train_batch_size=0` ('train_batch_size must be zero'). Fix: `data.train_batch_size=0`")
+    require(d.gen_batch_size == 1,
+            f"`data.gen_batch_size={d.gen_batch_size}`: verl's fully-async rollouter hands out one prompt at a "
+            "time and asserts it ('gen_batch_size must be one'). Fix: `data.gen_batch_size=1`")
+    require(arr.rollout.calculate_log_probs,
+            "`actor_rollout_ref.rollout.calculate_log_probs=false`: verl's fully-async rollouter asserts it is "
+            "true ('must rollout calculate log_probs'): each sample keeps the log-probs of the weights that "
+            "generated it. Fix: `actor_rollout_ref.rollout.calculate_log_probs=true`")
+    require(arr.rollout.mode == "async",
+            f"`actor_rollout_ref.rollout.mode={arr.rollout.mode}`: verl's fully-async rollouter runs agent loops "
+            "and asserts `mode=async`. Fix: `actor_rollout_ref.rollout.mode=async` (the pool's ranks run "
+            "their engines in-process, the loops' turns batched into them)")
+    require(not a.partial_rollout,
+            "`async_training.partial_rollout=true` (verl's fully-async default) is not built: a weight sync "
+            "cannot pause a generation in flight and continue it under the new weights. Fix: "
+            "`async_training.partial_rollout=false` (each sync waits for the calls in flight to finish "
+            "under their weights; the staleness bound holds either way)")
+    require(cfg.algorithm.rollout_correction.bypass_mode or a.trigger_parameter_sync_step == 1,
+            f"`algorithm.rollout_correction.bypass_mode=false` with `async_training.trigger_parameter_sync_step="
+            f"{a.trigger_parameter_sync_step}`: verl then recomputes the old log-probs of every update with "
+            "the weights of the sync interval's first update (kept on the host, `save_model_to_cpu`), which "
+            "is not built. Fix: `algorithm.rollout_correction.bypass_mode=true` (verl's fully-async default: "
+            "the rollout's log-probs are the old ones), or `trigger_parameter_sync_step=1`")
+    for key, built in (("compute_prox_log_prob", not a.compute_prox_log_prob),
+                       ("use_trainer_do_validate", not a.use_trainer_do_validate)):
+        require(built, f"`async_training.{key}=true` is not built. Fix: `async_training.{key}=false`")
 
 
 def _check_reachable(cfg: Config) -> None:

@@ -160,7 +160,10 @@ def validate(cfg: Config) -> None:
     """Cross-key rules (batch divisibility, algorithm requirements)."""
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
-    for key, value in (("data.train_batch_size", data.train_batch_size),
+    # verl's fully-async trainer takes no training batches: `train_batch_size=0` with one prompt
+    # per generation batch (its rollouter asserts both; the loop's start checks the rest)
+    streamed = data.train_batch_size == 0 and data.gen_batch_size == 1 and not arr.hybrid_engine
+    for key, value in ((("data.train_batch_size", data.train_batch_size),) if not streamed else ()) + (
                        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
                        ("actor_rollout_ref.rollout.n", rollout.n),
                        ("trainer.nnodes", cfg.trainer.nnodes),
@@ -171,7 +174,7 @@ def validate(cfg: Config) -> None:
                         rollout.update_weights_bucket_megabytes)):
         require(value >= 1, f"`{key}`={value} must be at least 1")
     require(
-        data.train_batch_size % actor.ppo_mini_batch_size == 0,
+        streamed or data.train_batch_size % actor.ppo_mini_batch_size == 0,
         f"`data.train_batch_size`={data.train_batch_size} must be a multiple of "
         f"`actor_rollout_ref.actor.ppo_mini_batch_size`={actor.ppo_mini_batch_size}; "
         "change one of them",

@@ -51,15 +51,16 @@ class Rollout:
     """Generation on the actor group: the ranks of one engine (`tensor_model_parallel_size`
     consecutive ranks) get the same prompts and seed, the engines split the prompts."""
 
-    def __init__(self, cfg: Config, actor: WorkerGroup, pad_token_id: int) -> None:
+    def __init__(self, cfg: Config, actor: WorkerGroup, pad_token_id: int, in_process: bool = False) -> None:
         self.cfg, self.actor, self.pad_token_id = cfg, actor, pad_token_id
         self.world = actor.world_size
         self.tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.agent_metrics: dict[str, float] = {}
         """verl's `agent_loop/*` metrics of the last agent-loop rollout."""
         self.server_mode = server_mode(cfg)
-        """Server-mode replicas (`rollout.mode=async`): every row through its agent loop."""
-        self.dealt = self.server_mode and self.world // self.tp > 1
+        """`rollout.mode=async`: every row through its agent loop (on server-mode replicas, or,
+        `in_process`, on each rank's in-process engine with its turns batched: a rollout pool's)."""
+        self.dealt = self.server_mode and not in_process and self.world // self.tp > 1
         """Several server-mode replicas: each rollout's trajectories are dealt out to them
         (:func:`deal`), not its prompts split."""
         self.trace_store: str | None = None

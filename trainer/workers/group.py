@@ -16,7 +16,7 @@ from typing import Any
 
 from trainer.config import Config
 
-__all__ = ["LocalWorkerGroup", "WorkerFailure", "WorkerGroup"]
+__all__ = ["LocalWorkerGroup", "RankView", "WorkerFailure", "WorkerGroup"]
 
 
 class WorkerFailure(RuntimeError):
@@ -78,3 +78,27 @@ class LocalWorkerGroup(WorkerGroup):
 
     def run_rank(self, rank: int, method: str, *args: Any) -> Any:
         return getattr(self.workers[rank], method)(*args)
+
+
+class RankView(WorkerGroup):
+    """Rank `rank` of `group` seen as a group of one: a caller that works group by group (the
+    rollout stage) drives one rank alone, while other threads drive the group's other ranks (the
+    fully-async rollouter streams to each pool rank on its own). Calls go through `group`, so
+    its watchdog and failure handling hold."""
+
+    def __init__(self, group: WorkerGroup, rank: int) -> None:
+        self.group, self.rank = group, rank
+        self.name, self.world_size = group.name, 1
+        self.nodes = [group.nodes[rank]]
+
+    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+        (args,) = per_rank
+        return [self.group.run_rank(self.rank, method, *args)]
+
+    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
+        if rank != 0:
+            raise IndexError(f"a view of one rank has rank 0 only, not {rank}")
+        return self.group.run_rank(self.rank, method, *args)
+
+    def where(self, rank: int) -> str:
+        return self.group.where(self.rank)

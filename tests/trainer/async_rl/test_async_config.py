@@ -20,6 +20,11 @@ ASYNC_DIR = Path(__file__).parents[2] / "data" / "verl_config" / "async_0.9.1"
 #: What verl's async shell scripts add on the command line to either config: the separate
 #: deployment (both entries assert `not hybrid_engine`).
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false"]
+#: What `python -m trainer.fully_async` asserts beyond a pool, as verl's rollouter does, and
+#: `partial_rollout` off (not built).
+STREAMED = ["critic.ppo_micro_batch_size_per_gpu=4", "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
+            "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.bypass_mode=true",
+            "async_training.partial_rollout=false"]
 #: The keys of verl's files that name parts not built yet, with the words of the refusal: the
 #: NCCL weight sync between the pools.
 NOT_BUILT = {
@@ -71,8 +76,19 @@ def test_verl_fully_async_config_loads_with_its_values() -> None:
     assert cfg.actor_rollout_ref.actor.use_rollout_log_probs is True  # declared by verl 0.9.1, read nowhere
     with pytest.raises(ConfigError, match=r"synchronous loop does not run. Fix: .*python -m trainer.one_step_off"):
         check_run(cfg)
-    with pytest.raises(ConfigError, match="fully-async loop .* not built yet"):
+    # `python -m trainer.fully_async` asserts what verl's rollouter asserts: the base file's training
+    # batch (verl's scripts set `data.train_batch_size=0`), then its mode (verl's default is
+    # `async`, this trainer's `sync`); then verl's `partial_rollout=true` is not built
+    with pytest.raises(ConfigError, match="train_batch_size must be zero"):
         check_run(cfg, "fully_async")
+    streamed = without_not_built("fully_async_ppo_trainer", [*SEPARATE, "data.train_batch_size=0",
+                                                             "critic.ppo_micro_batch_size_per_gpu=4"])
+    with pytest.raises(ConfigError, match="asserts `mode=async`"):
+        check_run(load_config(streamed, env={}), "fully_async")
+    with pytest.raises(ConfigError, match=r"partial_rollout=true` \(verl's fully-async default\) is not built"):
+        check_run(load_config([*streamed, "actor_rollout_ref.rollout.mode=async"], env={}), "fully_async")
+    check_run(load_config([*streamed, "actor_rollout_ref.rollout.mode=async", "async_training.partial_rollout=false"],
+                          env={}), "fully_async")
     with pytest.raises(ConfigError, match=r"`data.gen_batch_size=1`.*one-step-off"):
         check_run(cfg, "one_step_off")
 
@@ -131,11 +147,17 @@ def test_async_keys_with_the_colocated_trainer_are_refused(key: str) -> None:
         load_config([f"{key}={str(other).lower()}"], env={})
     pooled = load_config([f"{key}={str(other).lower()}", *SEPARATE, "rollout.nnodes=1",
                           "rollout.n_gpus_per_node=8"], env={})
-    # accepted in a pool config, and never ignored: one-step-off reads none of them, fully async is not built
+    # accepted in a pool config, and never ignored: one-step-off reads none of them; the fully-async
+    # loop reads them, or refuses a value it does not honour
     with pytest.raises(ConfigError, match=rf"`{key}=.*verl's one-step-off reads no `async_training"):
         check_run(pooled, "one_step_off")
-    with pytest.raises(ConfigError, match="not built yet"):
-        check_run(pooled, "fully_async")
+    streamed = load_config([*SEPARATE, "rollout.nnodes=1", "rollout.n_gpus_per_node=8", *STREAMED,
+                            f"{key}={str(other).lower()}"], env={})
+    if key in ("async_training.compute_prox_log_prob", "async_training.use_trainer_do_validate"):
+        with pytest.raises(ConfigError, match=rf"`{key}=true` is not built"):
+            check_run(streamed, "fully_async")
+    else:
+        check_run(streamed, "fully_async")
 
 
 def test_verl_asserts_on_the_async_keys() -> None:

@@ -1,0 +1,34 @@
+"""The asynchronous loops' shared Ray cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="package")
+def two_nodes() -> Iterator[Any]:
+    """Two Ray nodes on this machine, one cluster for the package's loops: the trainer's (2 GPUs
+    declared) and the pool's (2)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from trainer.workers.ray_group import private_token_auth
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "CUDA_VISIBLE_DEVICES"):
+            mp.delenv(name, raising=False)
+        private_token_auth()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 2,
+                                                                "include_dashboard": False})
+        cluster.add_node(num_cpus=2, num_gpus=2)
+        cluster.wait_for_nodes()
+        mp.setenv("RAY_ADDRESS", cluster.address)
+        try:
+            yield cluster
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            cluster.shutdown()

@@ -1,0 +1,137 @@
+"""verl's fully-async loop (`python -m trainer.fully_async`) on a real two-node Ray cluster on
+this machine (the package's `two_nodes`: GPUs declared, the ranks computing on the CPU): the
+trainer's two ranks on one node, the rollout pool's two ranks on the other, each streaming its
+own prompts into the queue. Every trained sample within the staleness bound and some of them
+behind it; each prompt of the run trained exactly once across a stop and a resume (the queue and
+the calls in flight dropped at the stop, their prompts handed out again); the pool holding
+exactly the trainer's weights after the last sync."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.trainer.async_rl.test_one_step_off import base
+from tests.trainer.test_distributed import toy  # noqa: F401 (a fixture)
+from trainer.config import ConfigError, load_config
+from trainer.config.async_training import check_separate_pools_built
+from trainer.metrics import read_jsonl
+
+#: verl's fully-async settings (its rollouter asserts the first four), a queue of
+#: int(4 x 1.5 x 2) = 12 prompts: 8 trained per step, 4 ahead, at most ceil(4 / 8) = 1 version behind.
+FULLY_ASYNC = ("actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=2",
+               "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
+               "algorithm.rollout_correction.bypass_mode=true", "async_training.partial_rollout=false",
+               "async_training.staleness_threshold=0.5", "async_training.trigger_parameter_sync_step=2",
+               "async_training.require_batches=1", "rollout.total_rollout_steps=24")
+
+
+def run_cfg(model: Path, data: Path, run: Path, *extra: str) -> Any:
+    return load_config(base(model, data, run, *FULLY_ASYNC, "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
+                            "trainer.device=cpu", f"trainer.rollout_data_dir={run / 'rollouts'}", *extra), env={})
+
+
+def test_the_loop_takes_only_what_verls_rollouter_asserts_and_refuses_what_is_not_built(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    check_separate_pools_built(run_cfg(tiny_model_dir, data, tmp_path), "fully_async")
+    for extra, words in ((("data.train_batch_size=8",), "train_batch_size must be zero"),
+                         (("data.gen_batch_size=2",), None),  # refused when the config is read
+                         (("actor_rollout_ref.rollout.mode=sync",), "asserts `mode=async`"),
+                         (("actor_rollout_ref.rollout.calculate_log_probs=false", "async_training.trigger_parameter_sync_step=1",
+                           "algorithm.rollout_correction.bypass_mode=false"), "must rollout calculate"),
+                         (("async_training.partial_rollout=true",), "partial_rollout=true` .* is not built"),
+                         (("algorithm.rollout_correction.bypass_mode=false",), "first update"),
+                         (("async_training.compute_prox_log_prob=true",), "not built")):
+        with pytest.raises(ConfigError, match=words):
+            check_separate_pools_built(run_cfg(tiny_model_dir, data, tmp_path, *extra), "fully_async")
+    # bypass off with a sync after every update: the old log-probs recomputed, as verl does then
+    check_separate_pools_built(run_cfg(tiny_model_dir, data, tmp_path, "algorithm.rollout_correction.bypass_mode=false",
+                                       "async_training.trigger_parameter_sync_step=1"), "fully_async")
+
+
+def test_the_entry_composes_verls_fully_async_file_beneath_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from trainer.fully_async import main
+
+    assert main(["--print-config", "actor_rollout_ref.hybrid_engine=false", "rollout.total_rollout_steps=7"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    assert (rollout["mode"], rollout["calculate_log_probs"]) == ("async", True)
+    assert (cfg["data"]["gen_batch_size"], cfg["rollout"]["nnodes"], cfg["rollout"]["n_gpus_per_node"]) == (1, 1, 8)
+    assert cfg["rollout"]["total_rollout_steps"] == 7 and cfg["algorithm"]["rollout_correction"]["bypass_mode"]
+    assert cfg["async_training"]["trigger_parameter_sync_step"] == 4  # verl's, this trainer's default too
+
+
+def test_fully_async_streams_within_the_bound_and_a_stop_trains_every_prompt_once(
+        two_nodes: Any, tiny_model_dir: Path, toy: Path, tmp_path: Path) -> None:  # noqa: F811
+    import ray
+
+    from trainer.async_rl.fully_async import FullyAsyncDriver
+    from trainer.data import PromptLoader
+    from trainer.exit_codes import REQUEUE_EXIT_CODE
+    from trainer.stop import STOP_FILE
+
+    class StoppedAfterStep2(FullyAsyncDriver):
+        def next_step(self) -> dict[str, float]:
+            metrics = super().next_step()
+            if self.global_step == 2:
+                (self.run_dir / STOP_FILE).write_text("test")
+            return metrics
+
+    run = tmp_path / "run"
+    driver = StoppedAfterStep2(run_cfg(tiny_model_dir, toy, run, "trainer.test_freq=2"))
+    try:
+        assert driver.total_steps == 3  # int(24 prompts / (4 per update x 2 updates per sync))
+        assert driver.fit() == REQUEUE_EXIT_CODE
+        layout = json.loads((run / "workers.json").read_text())
+        assert len(layout["rollout"]) == 2
+        assert {n["ray_node"] for n in layout["rollout"]}.isdisjoint({n["ray_node"] for n in layout["actor_rollout_ref"]})
+        rows = read_jsonl(run / "metrics.jsonl")
+        assert [r["training/updates"] for r in rows] == [2, 4]
+        assert [r["fully_async/count/current_param_version"] for r in rows] == [1, 2]
+        assert any(k.startswith("val-core/") for k in rows[1])  # validated on the pool, the rollouter paused
+        for r in rows:
+            assert r["fully_async/static/max_required_samples"] == 12 and r["fully_async/static/max_staleness"] == 1
+            assert r["fully_async/lag/max"] <= 1 and r["timing_s/param_sync"] > 0
+            assert 0 <= r["fully_async/rollouter/idle_ratio"] <= 1 and r["timing_s/gen"] >= 0
+            # both pool ranks generated this step: the stream is each rank's own
+            assert all(r.get(f"rollout_pool/rank_{k}/gen_rows", 0) > 0 for k in (0, 1)), sorted(r)
+        # the rollouter ran ahead: samples of the step before were trained, none further behind
+        histogram = {int(k.rsplit("/", 1)[1]): v for k, v in rows[-1].items()
+                     if k.startswith("fully_async/staleness/")}
+        assert set(histogram) <= {0, 1} and histogram.get(1, 0) > 0 and sum(histogram.values()) == 16, histogram
+    finally:
+        ray.shutdown()
+
+    resumed = FullyAsyncDriver(run_cfg(tiny_model_dir, toy, run))
+    try:
+        assert resumed.fit() == 0
+        # the last sync gave the pool exactly the trainer's weights, as version 3
+        actor = resumed.actor_group.run("weights_digest")[0]
+        pool = resumed.stages.pool
+        assert pool is not None and pool.run("loaded_version") == [3, 3]
+        for digest in pool.run("weights_digest"):
+            for name, value in actor.items():
+                assert math.isclose(digest[name], value, rel_tol=1e-9, abs_tol=1e-9), name
+        order = PromptLoader(resumed.train_set, 1, shuffle=True, seed=resumed.cfg.data.seed)
+        first_24 = Counter(resumed.tokenizer.decode(order.example_at(p).prompt_ids, skip_special_tokens=True)
+                           for p in range(24))
+    finally:
+        ray.shutdown()
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["training/global_step"] for r in rows] == [1, 2, 3] and rows[-1]["training/updates"] == 6
+    # every prompt of the run trained once (its n=2 rows), across the stop: the six updates'
+    # dumps hold exactly the run's 24 prompts
+    trained: Counter[str] = Counter()
+    for update in range(1, 7):
+        lines = (run / "rollouts" / f"{update}.jsonl").read_text().splitlines()
+        assert len(lines) == 8, update  # 4 prompts x 2 responses
+        trained.update(json.loads(line)["input"] for line in lines)
+    assert trained == Counter({text: 2 * k for text, k in first_24.items()})
