@@ -47,6 +47,7 @@ from trainer.async_rl.queue import Sample, SampleQueue, max_staleness, trainer_i
 from trainer.batch import StepBatch, concat_batches
 from trainer.config import Config
 from trainer.config.async_training import QueueBounds, queue_bounds, total_rollout_steps
+from trainer.config.base import ConfigError
 from trainer.data import Example
 from trainer.driver import PPODriver
 from trainer.stages.rollout import Rollout
@@ -297,8 +298,6 @@ class FullyAsyncDriver(PPODriver):
     def run_steps(self) -> int:
         b = self.bounds
         if b.total_train_steps < 1:
-            from trainer.config.base import ConfigError
-
             raise ConfigError(
                 f"the run hands out {self.prompts_in_run} prompts (`rollout.total_rollout_steps`, or the data "
                 f"times `trainer.total_epochs`), fewer than one step's {b.per_sync} (`ppo_mini_batch_size` x "
@@ -329,8 +328,6 @@ class FullyAsyncDriver(PPODriver):
         if saved is not None and "cursor" in saved:
             cursor = PromptCursor.from_state(saved["cursor"])
             if cursor.size != self.prompts_in_run:
-                from trainer.config.base import ConfigError
-
                 raise ConfigError(
                     f"the checkpoint's run hands out {cursor.size} prompts and this one {self.prompts_in_run} "
                     "(`rollout.total_rollout_steps`, `trainer.total_epochs`, the data): resume with the same "
