@@ -213,3 +213,12 @@ def test_a_rollout_pool_is_submitted_with_its_loop_and_sized_with_the_trainers_n
     short = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "1",
                        "--loop", "one-step-off", "--", *pool], env)
     assert short.returncode == 2 and "`trainer.nnodes=1` + `rollout.nnodes=1` = 2 nodes" in short.stderr, short.stderr
+    # the fully-async loop: its module, and verl's rollouter assertions checked before the queue
+    streamed = [*pool, "data.train_batch_size=0", "data.gen_batch_size=1", "async_training.partial_rollout=false"]
+    fully = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "2",
+                       "--loop", "fully-async", "--", *streamed], env)
+    assert fully.returncode == 0, fully.stderr
+    assert "-m trainer.fully_async" in fully.stdout, fully.stdout
+    batch = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "2",
+                       "--loop", "fully-async", "--", *pool], env)
+    assert batch.returncode == 2 and "train_batch_size must be zero" in batch.stderr, batch.stderr

@@ -335,3 +335,9 @@ def test_the_one_step_off_entry_plans_the_pool_the_launcher_asks_it_to(capsys: p
     assert "rollout pool: rollout" in out and "rollout pool: vLLM KV cache" in out, out
     assert main(["--plan-memory", *pool]) == 2
     assert "python -m trainer.one_step_off" in capsys.readouterr().err
+    # the fully-async entry plans the same pools (its updates take mini-batches, as one-step-off's)
+    from trainer.fully_async import main as fully_async_main
+
+    streamed = [*pool, "data.train_batch_size=0", "async_training.partial_rollout=false"]
+    assert fully_async_main(["--plan-memory", "--device-memory", "80", *streamed]) == 0
+    assert "rollout pool: vLLM KV cache" in capsys.readouterr().out
