@@ -3,7 +3,9 @@ overrides>` trains the tiny model across the 3 nodes (one rank per node, in Podm
 generates and trains (per-rank metrics, `workers.json`), reward rises, a checkpoint is written,
 and a rerun on 2 bare nodes resumes from it; then verl's one-step-off recipe
 (`hpcrl submit --loop one-step-off`) resumes it once more on 2 nodes, the trainer on one and
-the rollout pool on the other, each batch generated one step ahead."""
+the rollout pool on the other, each batch generated one step ahead; last, verl's fully-async
+recipe (`hpcrl submit --loop fully-async`) runs 3 steps of its own on 2 nodes, the rollouter
+streaming from the pool's node."""
 
 from __future__ import annotations
 
@@ -127,5 +129,27 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert [r["one_step_off/lag"] for r in rows[-3:]] == [0, 1, 1], rows[-3:]
     assert [r["one_step_off/weight_version"] for r in rows[-3:]] == [18, 18, 19]
     assert all(r["rollout_pool/rank_0/gen_rows"] == 24 for r in rows[-3:])
+
+    # fully async on two nodes, a run of its own: the rollouter streams from the pool's node into
+    # the queue, 12 prompts per update, a sync after each, 6 prompts ahead at most
+    run_fa = shared / "runs" / "fully-async"
+    streamed = [*pool, "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
+                "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
+                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=36",
+                f"trainer.default_local_dir={shared / 'fa'}", f"trainer.run_dir={shared / 'fa'}"]
+    job = submit_ppo(lab, sites, "lab-ppo-bare", run_fa, 2, [*trainer_overrides(shared, 1, 3)[:-2], *streamed],
+                     "--loop", "fully-async")
+    rec = finished(lab, job, run_fa, timeout=900)
+    fa_log = payload_log(run_fa)
+    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_fa), fa_log[-4000:])
+    assert json.loads((run_fa / "job.json").read_text())["payload"][1:3] == ["-m", "trainer.fully_async"]
+    layout = json.loads((shared / "fa" / "workers.json").read_text())
+    (trainer_node,), (pool_node,) = ({w["hostname"] for w in layout[g]} for g in ("actor_rollout_ref", "rollout"))
+    assert trainer_node != pool_node, layout
+    rows = read_jsonl(shared / "fa" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]  # int(36 prompts / 12 per step)
+    assert all(r["fully_async/lag/max"] <= 1 and r["rollout_pool/rank_0/gen_rows"] > 0 for r in rows), rows
+    assert sum(v for k, v in rows[-1].items() if k.startswith("fully_async/staleness/")) == 36
     print(f"python: {sys.executable}; checkpoint timings:\n" + "\n".join(
-        line for line in (payload_log(run3) + log + off_log).splitlines() if "saved" in line or "resumed" in line))
+        line for line in (payload_log(run3) + log + off_log + fa_log).splitlines()
+        if "saved" in line or "resumed" in line))

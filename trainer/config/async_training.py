@@ -372,6 +372,12 @@ def _check_fully_async(cfg: Config) -> None:
             "the weights of the sync interval's first update (kept on the host, `save_model_to_cpu`), which "
             "is not built. Fix: `algorithm.rollout_correction.bypass_mode=true` (verl's fully-async default: "
             "the rollout's log-probs are the old ones), or `trigger_parameter_sync_step=1`")
+    steps = cfg.trainer.total_training_steps
+    require(steps is None,
+            f"`trainer.total_training_steps={steps}`: verl's fully-async trainer reads none; its run is "
+            "int(`rollout.total_rollout_steps` / (`ppo_mini_batch_size` x `require_batches` x "
+            "`trigger_parameter_sync_step`)) steps, `total_rollout_steps` capped by the data times "
+            "`trainer.total_epochs`. Fix: set `rollout.total_rollout_steps` (prompts) instead")
     for key, built in (("compute_prox_log_prob", not a.compute_prox_log_prob),
                        ("use_trainer_do_validate", not a.use_trainer_do_validate)):
         require(built, f"`async_training.{key}=true` is not built. Fix: `async_training.{key}=false`")

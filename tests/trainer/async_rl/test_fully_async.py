@@ -47,7 +47,8 @@ def test_the_loop_takes_only_what_verls_rollouter_asserts_and_refuses_what_is_no
                            "algorithm.rollout_correction.bypass_mode=false"), "must rollout calculate"),
                          (("async_training.partial_rollout=true",), "partial_rollout=true` .* is not built"),
                          (("algorithm.rollout_correction.bypass_mode=false",), "first update"),
-                         (("async_training.compute_prox_log_prob=true",), "not built")):
+                         (("async_training.compute_prox_log_prob=true",), "not built"),
+                         (("trainer.total_training_steps=5",), "set `rollout.total_rollout_steps`")):
         with pytest.raises(ConfigError, match=words):
             check_separate_pools_built(run_cfg(tiny_model_dir, data, tmp_path, *extra), "fully_async")
     # bypass off with a sync after every update: the old log-probs recomputed, as verl does then
