@@ -30,7 +30,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from hpcrl.diagnosis import write_diagnosis
 from trainer import models as M
@@ -38,7 +38,6 @@ from trainer import startup
 from trainer.agent.manager import agent_data_args
 from trainer.batch import StepBatch, seed_everything
 from trainer.config import Config, check_run
-from trainer.config.async_training import has_rollout_pool
 from trainer.data import Example, PromptDataset, PromptLoader
 from trainer.deadline import Deadline
 from trainer.exit_codes import OK_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -50,24 +49,10 @@ from trainer.stages.validate import VAL_GENERATIONS_FILE
 from trainer.step import Stages
 from trainer.stop import StopRequest
 from trainer.stragglers import StragglerWatch
-from trainer.watchdog import Bounds
-from trainer.workers.actor import ActorRolloutRefWorker
-from trainer.workers.critic import CriticWorker
-from trainer.workers.group import LocalWorkerGroup, WorkerFailure, WorkerGroup
-from trainer.workers.memory_samples import MEMORY_DIR
-from trainer.workers.ray_group import connect, make_pools, start_colocated
-from trainer.workers.rollout_pool import RolloutWorker
+from trainer.workers.group import WorkerFailure
+from trainer.workers.start import fetch_models, start_worker_groups, use_ray
 
-__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "fetch_models", "launcher_restart", "run_training", "use_ray"]
-
-
-
-def use_ray(cfg: Config) -> bool:
-    """`trainer.distributed`, or when null: Ray as soon as there is more than one worker."""
-    chosen = cfg.trainer.distributed
-    if chosen is None and has_rollout_pool(cfg):  # the pool's ranks are processes of their own
-        return True
-    return bool(chosen) if chosen is not None else cfg.derived.world_size > 1
+__all__ = ["VAL_GENERATIONS_FILE", "PPODriver", "launcher_restart", "run_training"]
 
 
 def launcher_restart() -> int:
@@ -75,69 +60,6 @@ def launcher_restart() -> int:
     recorded with each step so that plots can mark where a run resumed."""
     raw = os.environ.get("HPCRL_RESTART", "")
     return int(raw) if raw.strip().isdigit() else 0
-
-
-def fetch_models(cfg: Config) -> None:
-    """Resolve every model path now, in the driver: a hub id is found in the Hugging Face cache,
-    or downloaded into it where the hub is reachable, before the workers (offline) read it."""
-    paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
-             "data.tokenizer": cfg.data.tokenizer}
-    if cfg.derived.use_critic:
-        paths["critic.model.path"] = cfg.critic.model.path
-    for key, path in paths.items():
-        if path:
-            M.resolve_model_path(path, key)
-
-
-class WorkerGroups(NamedTuple):
-    actor: WorkerGroup
-    critic: WorkerGroup | None
-    """None without a critic."""
-    pool: WorkerGroup | None
-    """The rollout pool's ranks (a separate deployment), or None."""
-    where: str
-    """Where they run, in words."""
-
-
-def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock) -> WorkerGroups:
-    """The actor group, the critic group and the rollout pool's group, on Ray or in this
-    process, with their process groups formed. The pool (`rollout.nnodes` x
-    `rollout.n_gpus_per_node`, verl's `rollout_pool`) is placed on nodes of its own, beside the
-    trainer's (`trainer_pool`)."""
-    pool: WorkerGroup | None = None
-    if not use_ray(cfg):
-        actor: WorkerGroup = LocalWorkerGroup("actor_rollout_ref", ActorRolloutRefWorker, cfg, total_steps)
-        critic: WorkerGroup | None = (LocalWorkerGroup("critic", CriticWorker, cfg, total_steps)
-                                      if cfg.derived.use_critic else None)
-        where, watched = "this process", []
-    else:
-        t, world, r = cfg.trainer, cfg.derived.world_size, cfg.rollout
-        pool_size = r.nnodes * r.n_gpus_per_node if has_rollout_pool(cfg) else 0
-        where = f"Ray at {connect(world + pool_size)}"
-        clock.mark("ray_connected")
-        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-        slots = make_pools([(t.nnodes, world // t.nnodes)] + ([(r.nnodes, r.n_gpus_per_node)] if pool_size else []), tp)
-        roles: dict[str, type] = {"actor_rollout_ref": ActorRolloutRefWorker,
-                                  **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
-        run_dir = run_dir_of(cfg)
-        stacks = run_dir / "stacks" if t.watchdog.enable else None
-        groups = start_colocated(roles, cfg, total_steps, slot=slots[0], world_size=world, stacks=stacks)
-        actor, critic = groups["actor_rollout_ref"], groups.get("critic")
-        watched = list(groups.values())
-        if pool_size:  # its ranks' stacks and memory samples in folders of their own
-            pool = start_colocated({"rollout": RolloutWorker}, cfg, total_steps, slot=slots[1], world_size=pool_size,
-                                   stacks=stacks / "rollout" if stacks else None,
-                                   samples=run_dir / MEMORY_DIR / "rollout")["rollout"]
-            watched.append(pool)
-    clock.mark("workers_spawned")
-    for group in (actor, critic, pool):
-        if group is not None:
-            group.init_dist()
-    w = cfg.trainer.watchdog
-    for ray_group in watched if w.enable else []:  # from the first step: a large model may load for longer
-        ray_group.watchdog = Bounds(w.floor_s, w.multiple, w.min_s, w.warmup, w.poll_s)
-    clock.mark("models_built")
-    return WorkerGroups(actor, critic, pool, where)
 
 
 class PPODriver:

@@ -321,7 +321,7 @@ def test_one_update_on_one_and_two_ranks_gives_the_same_weights(tiny_model_dir: 
 
 def test_trainer_distributed_switch_and_vllm_tensor_parallel_check() -> None:
     from trainer.config import ConfigError
-    from trainer.driver import use_ray
+    from trainer.workers.start import use_ray
 
     assert not use_ray(load_config([]))
     assert use_ray(load_config(["trainer.nnodes=2"]))
