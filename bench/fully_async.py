@@ -13,8 +13,9 @@ ranks on the other, computing on the CPU), with the same data, seeds and sizes; 
 
     python -m bench.fully_async [--steps 6] [--response-length 48] [--pool-ranks 2]
 
-Prints each run's median step time (steps 2 onwards), the trainer's wait for samples and the
-rollouter's idle share, the samples' lag, and the ratio of step times. The batches differ between
+Prints each run's median step time with its weight sync (steps 2 onwards; the sync waits for the
+calls in flight to finish, so a wait moved out of the step shows there), the trainer's wait for
+samples and the rollouter's idle share, the samples' lag, and the ratio of step times. The batches differ between
 the runs (a sample's weights depend on when it was generated), so the ratio is of wall time per
 step, not of identical work; on this machine's 2 cores the pool and the trainer compete for the
 same CPUs, so the gain is bounded by what the cores leave idle.
@@ -64,7 +65,10 @@ def run(name: str, staleness: float, args: argparse.Namespace, model: Path, data
         ray.shutdown()
     total = time.perf_counter() - start
     rows = read_jsonl(out / "metrics.jsonl")[1:]
-    return {"step_s": statistics.median(r["timing_s/step"] for r in rows),
+    # a version's wall time: its updates (`timing_s/step`, summed) and the sync, which waits for
+    # the calls in flight to finish (verl's pause without partial rollout)
+    return {"step_s": statistics.median(r["timing_s/step"] + r["timing_s/param_sync"] for r in rows),
+            "sync_s": statistics.median(r["timing_s/param_sync"] for r in rows),
             "wait_s": statistics.median(r["timing_s/gen"] for r in rows),
             "idle": statistics.median(r["fully_async/rollouter/idle_ratio"] for r in rows),
             "lag": max(r["fully_async/lag/max"] for r in rows), "total_s": total}
@@ -107,7 +111,8 @@ def main() -> None:
           f"{args.response_length} tokens, {args.trainer_ranks} trainer rank(s) + {args.pool_ranks} pool ranks; "
           f"medians over steps 2-{args.steps}")
     for name, r in (("held (0)", held), (f"ahead ({args.staleness:g})", ahead)):
-        print(f"  {name:12s} step {r['step_s']:.2f} s  trainer's wait {r['wait_s']:.2f} s  "
+        print(f"  {name:12s} step with its sync {r['step_s']:.2f} s  sync {r['sync_s']:.2f} s  "
+              f"trainer's wait {r['wait_s']:.2f} s  "
               f"rollouter idle {r['idle']:.2f}  max lag {r['lag']:.0f}  run {r['total_s']:.1f} s")
     print(f"  ahead / held, step time: {ahead['step_s'] / held['step_s']:.2f}")
 

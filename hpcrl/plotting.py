@@ -40,6 +40,12 @@ PANELS = (
     Panel("step time", runreport.STEP_TIME, "seconds"),
 )
 
+ASYNC_PANELS = (
+    Panel("samples' lag (versions behind the trainer)", runreport.LAG, "versions"),
+    Panel("idle share (trainer waiting for samples)", runreport.TRAINER_IDLE, "share of the step"),
+)
+"""Shown for a run of an asynchronous loop (one that logged a lag) only."""
+
 
 def series(records: Sequence[dict[str, Any]], panel: Panel) -> tuple[str | None, list[int], list[float]]:
     """(metric name used, steps, values) of one panel; the first name (or `*` pattern) that any
@@ -65,10 +71,11 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 13), layout="constrained")
-    axes = fig.subplots(len(PANELS), 1, sharex=True)
+    panels = PANELS + (ASYNC_PANELS if series(records, ASYNC_PANELS[0])[0] else ())
+    fig = Figure(figsize=(8, 13 * len(panels) / len(PANELS)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True)
     restarts = runreport.restart_starts(records)
-    for ax, panel in zip(axes, PANELS, strict=True):
+    for ax, panel in zip(axes, panels, strict=True):
         name, steps, values = series(records, panel)
         if name is None:
             ax.text(0.5, 0.5, f"not logged ({', '.join(panel.names)})", ha="center",

@@ -159,6 +159,12 @@ KL = ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")
 ENTROPY = ("actor/entropy",)
 RESPONSE_LENGTH = ("response_length/mean",)
 STEP_TIME = ("timing_s/step", "perf/time_per_step")
+LAG = ("fully_async/lag/max", "one_step_off/lag")
+"""Versions the step's samples lagged the trainer's weights (the asynchronous loops)."""
+TRAINER_IDLE = ("fully_async/trainer/idle_ratio",)
+ROLLOUTER_IDLE = ("fully_async/rollouter/idle_ratio",)
+SYNC_TIME = ("timing_s/param_sync", "timing_s/sync_rollout_weights")
+"""The weight sync to a rollout pool (fully async, one-step-off)."""
 VALIDATION = ("val-core/*/acc/mean@*", "val-core/*/reward/mean@*")
 """Validation accuracy where the reward reports `acc`, else the validation reward (patterns:
 the data source and the sample count vary); `val-aux/.../sem@N` is its standard error."""
@@ -207,7 +213,8 @@ def format_duration(seconds: float) -> str:
 
 
 def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
-    """`step 3/15  reward 0.068  kl 0.0923  entropy 3.87  len 7.5  9.6s/step  ETA 1m55s`."""
+    """`step 3/15  reward 0.068  kl 0.0923  entropy 3.87  len 7.5  9.6s/step  ETA 1m55s`; an
+    asynchronous loop's step adds `lag 1  sync 0.4s  trainer idle 0.12  rollouter idle 0.30`."""
     total = record.get("training/total_steps")
     parts = [f"step {record['step']}" + (f"/{total}" if isinstance(total, int) else "")]
     for label, names, fmt in (("reward", REWARD, "{:.3f}"), ("kl", KL, "{:.3g}"),
@@ -219,6 +226,11 @@ def format_step(record: dict[str, Any], eta_s: float | None = None) -> str:
     step_time = pick(record, STEP_TIME)
     if step_time:
         parts.append(f"{step_time[1]:.1f}s/step")
+    for label, names, fmt in (("lag", LAG, "{:.0f}"), ("sync", SYNC_TIME, "{:.1f}s"),
+                              ("trainer idle", TRAINER_IDLE, "{:.2f}"), ("rollouter idle", ROLLOUTER_IDLE, "{:.2f}")):
+        found = pick(record, names)  # asynchronous loops only
+        if found:
+            parts.append(f"{label} {fmt.format(found[1])}")
     if eta_s is not None:
         parts.append(f"ETA {format_duration(eta_s)}")
     return "  ".join(parts)

@@ -123,3 +123,14 @@ def test_nothing_to_plot_is_a_clear_error(tmp_path: Path) -> None:
     proc = run_hpcrl(["plot", str(tmp_path / "nope" / "run")], {"PATH": "/usr/bin:/bin",
                                                                   "HOME": str(tmp_path)})
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_an_asynchronous_run_gets_its_lag_and_idle_panels() -> None:
+    sync = build_figure([{"step": 1, "critic/score/mean": 0.2}])
+    assert len(sync.get_axes()) == len(PANELS)
+    fully = build_figure([{"step": s, "critic/score/mean": 0.2, "fully_async/lag/max": s % 2,
+                           "fully_async/trainer/idle_ratio": 0.1 * s} for s in (1, 2, 3)])
+    lag, idle = fully.get_axes()[-2:]
+    assert len(fully.get_axes()) == len(PANELS) + 2
+    assert list(lag.get_lines()[0].get_ydata()) == [1, 0, 1]
+    assert list(idle.get_lines()[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3])

@@ -268,6 +268,11 @@ def test_format_step_and_eta() -> None:
     assert line == ("step 3/15  reward 0.100  kl 0.03  entropy 3.6  len 7.5  2.0s/step  "
                     "ETA 2m05s")
     assert format_step({"step": 1}) == "step 1"
+    # an asynchronous loop's step: the samples' lag, the sync, the two sides' idle shares
+    fully = {"step": 2, "timing_s/step": 1.5, "fully_async/lag/max": 1, "timing_s/param_sync": 0.42,
+             "fully_async/trainer/idle_ratio": 0.125, "fully_async/rollouter/idle_ratio": 0.3}
+    assert format_step(fully) == "step 2  1.5s/step  lag 1  sync 0.4s  trainer idle 0.12  rollouter idle 0.30"
+    assert format_step({"step": 3, "one_step_off/lag": 1, "timing_s/sync_rollout_weights": 0.2}) == "step 3  lag 1  sync 0.2s"
     assert [format_duration(s) for s in (5, 65, 7300)] == ["5s", "1m05s", "2h01m"]
     recs = [record(s, total=10) for s in (1, 2, 3)]
     assert eta_seconds(recs[:1], [0.0]) == pytest.approx(9 * 2.0)  # trainer's own step time

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import run_hpcrl
 from tests.lab.test_agent import finished, run_logs
+from tests.lab.test_requeue import wait_for_step
 from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
 
@@ -76,6 +78,26 @@ def check_ranks(shared: Path, rows: list[dict], nodes: list[str], container: str
         assert f"dp/rank_{len(nodes)}/gen_rows" not in row
 
 
+def trained_prompts(shared: Path, updates: int) -> Counter[str]:
+    """The prompts of updates 1..`updates` (`trainer.rollout_data_dir`), each row counted."""
+    out: Counter[str] = Counter()
+    for update in range(1, updates + 1):
+        out.update(json.loads(line)["input"] for line in (shared / "fa" / "rollouts" / f"{update}.jsonl").open())
+    return out
+
+
+def expected_prompts(shared: Path, count: int, n: int) -> Counter[str]:
+    """The run's first `count` prompts in its data order, each `n` times."""
+    from trainer import models as M
+    from trainer.data import PromptDataset, PromptLoader
+
+    tokenizer = M.load_tokenizer(str(shared / "model"))
+    loader = PromptLoader(PromptDataset([shared / "data" / "train.parquet"], tokenizer, max_prompt_length=16),
+                          1, shuffle=True, seed=1)
+    texts = Counter(tokenizer.decode(loader.example_at(p).prompt_ids, skip_special_tokens=True) for p in range(count))
+    return Counter({text: k * n for text, k in texts.items()})
+
+
 def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) -> None:
     from trainer.rewards.toy import write_toy_digits
     from trainer.tiny import save_tiny
@@ -131,25 +153,31 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert all(r["rollout_pool/rank_0/gen_rows"] == 24 for r in rows[-3:])
 
     # fully async on two nodes, a run of its own: the rollouter streams from the pool's node into
-    # the queue, 12 prompts per update, a sync after each, 6 prompts ahead at most
+    # the queue, 12 prompts per update, a sync after each, 6 prompts ahead at most; requeued from
+    # outside (`scontrol requeue`) after its second step, the queue and the calls in flight dropped
     run_fa = shared / "runs" / "fully-async"
     streamed = [*pool, "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
                 "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
-                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=36",
-                f"trainer.default_local_dir={shared / 'fa'}", f"trainer.run_dir={shared / 'fa'}"]
+                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=60", "trainer.save_freq=-1",
+                f"trainer.default_local_dir={shared / 'fa'}", f"trainer.run_dir={shared / 'fa'}",
+                f"trainer.rollout_data_dir={shared / 'fa' / 'rollouts'}"]
     job = submit_ppo(lab, sites, "lab-ppo-bare", run_fa, 2, [*trainer_overrides(shared, 1, 3)[:-2], *streamed],
                      "--loop", "fully-async")
+    wait_for_step(lab, job, run_fa, 0, 2)
+    lab.run("scontrol", "requeue", str(job))
     rec = finished(lab, job, run_fa, timeout=900)
     fa_log = payload_log(run_fa)
-    assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_fa), fa_log[-4000:])
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, run_logs(run_fa), fa_log[-4000:])
     assert json.loads((run_fa / "job.json").read_text())["payload"][1:3] == ["-m", "trainer.fully_async"]
     layout = json.loads((shared / "fa" / "workers.json").read_text())
     (trainer_node,), (pool_node,) = ({w["hostname"] for w in layout[g]} for g in ("actor_rollout_ref", "rollout"))
     assert trainer_node != pool_node, layout
     rows = read_jsonl(shared / "fa" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]  # int(36 prompts / 12 per step)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # int(60 prompts / 12 per step)
     assert all(r["fully_async/lag/max"] <= 1 and r["rollout_pool/rank_0/gen_rows"] > 0 for r in rows), rows
-    assert sum(v for k, v in rows[-1].items() if k.startswith("fully_async/staleness/")) == 36
+    # every prompt of the run trained exactly once across the requeue: the five updates' dumps
+    # hold the run's 60 prompts, each with its 8 responses
+    assert trained_prompts(shared, 5) == expected_prompts(shared, 60, 8)
     print(f"python: {sys.executable}; checkpoint timings:\n" + "\n".join(
         line for line in (payload_log(run3) + log + off_log + fa_log).splitlines()
         if "saved" in line or "resumed" in line))

@@ -352,10 +352,12 @@ class FullyAsyncDriver(PPODriver):
         step, b = self.global_step, self.bounds
         per_update = [self._update(self.rollouter, b) for _ in range(b.trigger_parameter_sync_step)]
         start = time.perf_counter()
+        self.stages.rank_metrics = {}  # the sync's own figures (seconds, GB, GB/s per rank)
         with at("sync_rollout_weights", step), self.rollouter.paused("weight sync"):
             self.stages.sync_weights(step)
             rollouter_metrics = self.rollouter.synced()
         metrics = aggregate(per_update)
+        metrics.update(self.stages.rank_metrics)
         metrics["timing_s/param_sync"] = time.perf_counter() - start
         metrics.update(rollouter_metrics)
         metrics.update(self.rollouter.stats())

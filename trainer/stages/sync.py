@@ -21,9 +21,14 @@ def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note) -
     """Give the rollout pool's engines the actor's current weights as weight version `version`:
     the actor's ranks gather them bucket by bucket into the object store
     (`ActorRolloutRefWorker.export_weights`), every pool rank loads them. The actor's seconds
-    are noted as `export_weights_s`, the pool's as `rollout_pool/load_weights_s`."""
+    are noted as `export_weights_s`, the pool's as `rollout_pool/load_weights_s`, with the GB
+    each pool rank loaded and the whole sync's rate (`rollout_pool/weight_sync_gb`,
+    `rollout_pool/weight_sync_gb_per_s`: bytes over export and load together)."""
     start = time.perf_counter()
     refs = actor.run("export_weights")[0]  # rank 0 holds the buckets' references
     note("export_weights_s", [time.perf_counter() - start] * actor.world_size)
-    seconds = pool.run("load_weights", refs, version)
-    note("rollout_pool/load_weights_s", seconds)
+    loads = pool.run("load_weights", refs, version)
+    total = time.perf_counter() - start
+    note("rollout_pool/load_weights_s", [seconds for seconds, _ in loads])
+    note("rollout_pool/weight_sync_gb", [size / 1e9 for _, size in loads])
+    note("rollout_pool/weight_sync_gb_per_s", [size / 1e9 / max(total, 1e-9) for _, size in loads])

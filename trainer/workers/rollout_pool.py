@@ -80,17 +80,26 @@ class RolloutWorker(RolloutSide, Worker):
                                 trust_remote_code=arr.model.trust_remote_code)
             self.rollout = HFRolloutEngine(copy, self.tokenizer.pad_token_id, eos)
 
-    def load_weights(self, refs: list[Any], version: int) -> float:
+    def load_weights(self, refs: list[Any], version: int) -> tuple[float, float]:
         """Load the trainer's weights of `version` from the object store, one bucket at a time
-        (each fetched only when the engine asks for it); returns seconds."""
+        (each fetched only when the engine asks for it); returns seconds and bytes loaded."""
         import ray
+
+        loaded = 0
+
+        def buckets() -> Any:
+            nonlocal loaded
+            for ref in refs:
+                bucket = ray.get(ref)
+                loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield bucket
 
         start = time.perf_counter()
         with self.phases.track("weight_sync"):
-            self.rollout.sync_weights(ray.get(ref) for ref in refs)
+            self.rollout.sync_weights(buckets())
         self.phases.memory.empty_cache()
         self.version = version
-        return time.perf_counter() - start
+        return time.perf_counter() - start, float(loaded)
 
     def loaded_version(self) -> int:
         """The weight version of the last load (-1: none yet)."""

@@ -101,6 +101,9 @@ def test_fully_async_streams_within_the_bound_and_a_stop_trains_every_prompt_onc
         for r in rows:
             assert r["fully_async/static/max_required_samples"] == 12 and r["fully_async/static/max_staleness"] == 1
             assert r["fully_async/lag/max"] <= 1 and r["timing_s/param_sync"] > 0
+            # the sync's size and rate, per pool rank: the tiny model's fp32 weights each time
+            assert r["dp/rank_0/rollout_pool/weight_sync_gb"] == r["dp/rank_1/rollout_pool/weight_sync_gb"] > 0
+            assert r["dp/rank_0/rollout_pool/weight_sync_gb_per_s"] > 0
             assert 0 <= r["fully_async/rollouter/idle_ratio"] <= 1 and r["timing_s/gen"] >= 0
             # both pool ranks generated this step: the stream is each rank's own
             assert all(r.get(f"rollout_pool/rank_{k}/gen_rows", 0) > 0 for k in (0, 1)), sorted(r)

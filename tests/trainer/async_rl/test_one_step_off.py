@@ -100,6 +100,8 @@ def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_
         assert [r["one_step_off/weight_version"] for r in rows] == [0, 0]
         assert rows[-1]["one_step_off/staleness/0"] == 1 and rows[-1]["one_step_off/staleness/1"] == 1
         assert rows[1]["timing_s/generate_async"] > 0 and "timing_s/sync_rollout_weights" in rows[1]
+        assert rows[1]["dp/rank_0/rollout_pool/weight_sync_gb"] > 0  # and its rate, logged at every sync
+        assert rows[1]["dp/rank_0/rollout_pool/weight_sync_gb_per_s"] > 0
         # validated on the pool at step 2, batch 3 in flight
         assert any(k.startswith("val-core/") for k in rows[1]) and "timing_s/testing" in rows[1], sorted(rows[1])
         # step 1's batch came from the trainer's own weights: the pool's log-probs are the actor's
