@@ -83,8 +83,9 @@ lab-packages: $(STAMP)
 # - the main stage (`not lab and not containers`) at once, in the foreground;
 # - .venv-vllm built in the background (.venv/vllm-build.log), then the vLLM stage beside the
 #   main stage (its lab scenarios on lab instance 1, .venv/vllm-stage.log), then the node-failure
-#   scenario (lab instance 1, .venv/node-failure.log): the main stage keeps about one core busy
-#   and the lab chain mostly waits, so the second core has room for them;
+#   scenario (lab instance 1, .venv/node-failure.log), instead of after the main stage: much of
+#   their time is waiting (vLLM's start-up, Slurm, Ray, the watchdog), which the main stage's CPU
+#   work now fills (docs/testing.md has the estimate);
 # - .venv-verl built in the background, then the lab scenarios (`lab or containers`, on lab
 #   instance 0, .venv/lab-stage.log; they run verl itself, so they wait for its venv), then the
 #   verl stage (.venv/verl-stage.log); the lab scenarios spend much of their time waiting on Slurm
