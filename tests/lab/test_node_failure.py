@@ -9,8 +9,10 @@ through the shared run directory, so only the GCS can tell); then, in the next r
 node dies (every process of the node: slurmd, its job steps, the agent, Ray and the trainer's
 rank, killed at once). Each time the job is requeued with the node added to its `ExcNodeList`
 (keeping the user's `--exclude`), and the rerun resumes from the newest complete checkpoint on a
-spare node, or on one node fewer when none is left. The lost nodes are noticed within 30 s by the
-surviving agents; Slurm itself keeps the requeued job `COMPLETING` until it marks a dead node down
+spare node, or on one node fewer when none is left. The lost nodes are noticed by the surviving
+agents (the first line of their logs that names the loss, stamped by the agent) within
+`NOTICE_BOUND_S`, each by its own mechanism (the GCS for the cut, the heartbeat for the dead
+head); Slurm itself keeps the requeued job `COMPLETING` until it marks a dead node down
 (`SlurmdTimeout`, 300 s by default; 30 s in this lab), so the rerun starts after that."""
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import os
 import signal
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from hpcrl.diagnosis import read_diagnoses
+from hpcrl.profiles import AgentConfig
 from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE, read_state
 from tests.conftest import run_hpcrl
 from tests.lab.test_requeue import (
@@ -51,6 +55,33 @@ WATCHDOG_S = 30
 defaults, 600 s and 60 s, are for real models): a stopped rank is found this long after its call
 began. Above the 10-14 s Ray takes to end the calls to a node cut off (its health checks), so
 that the cut is seen as a lost node, not as a hang."""
+
+HEARTBEAT_TIMEOUT_S = AgentConfig().heartbeat_timeout_s
+"""The silence after which the agents count a node dead (the profile's default, 15 s: the lab's
+site leaves it)."""
+
+NOTICE_BOUND_S = 2 * HEARTBEAT_TIMEOUT_S
+"""A lost node is noticed within two heartbeat timeouts of its loss: a dead node once its file has
+been silent for `HEARTBEAT_TIMEOUT_S` (read once per `BEAT_S`), a cut-off one once Ray's health
+checks drop it from the GCS (five missed checks 2 s apart, 10-14 s). Measured to the agent's own
+log line that names the loss, not to the requeue decision: between the two the agent asks Slurm
+(`scontrol show job`, `sinfo`), whose answers a busy machine delays by seconds."""
+
+
+def noticed_at(run_dir: Path, restart: int, causes: tuple[str, ...], timeout: float = 30) -> float:
+    """The time (the agent's clock) of the first line in run `restart`'s agent logs that contains
+    one of `causes`: when a surviving agent noticed the loss."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stamps = [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                  for log in (run_dir / str(restart) / "logs").glob("agent-*.log")
+                  for line in log.read_text(errors="replace").splitlines()
+                  if any(cause in line for cause in causes)]
+        if stamps:
+            return min(stamps)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no agent of run {restart} logged any of {causes}\n{logs(run_dir)}")
+        time.sleep(0.5)
 
 
 def kill_node(lab, host: str) -> int:
@@ -166,8 +197,17 @@ def test_a_stopped_rank_then_a_cut_off_worker_then_a_dead_head_requeue_on_spares
                 assert f"node `{victim}` holds a stuck rank" in decided["message"], decided
                 figures["diagnosed"] = check_hang(lab, job, run_dir, stopped, t0)
                 figures["requeued"] = done["time"] - t0
-            else:
-                assert noticed[-1] < 30, f"{noticed[-1]:.1f} s to notice that {victim} failed"
+            else:  # the mechanism that must notice it, named in the agent's log and the message
+                cut = how == "cut"
+                # the head's GCS watch, or its check of the nodes after the payload failed first
+                causes = ((f"Ray on node `{victim}` (rank ", f"node(s) {victim} left the Ray cluster")
+                          if cut else (f"the head `{victim}` stopped its heartbeat",))
+                seen = noticed_at(run_dir, restart, causes) - t0
+                assert (f"node `{victim}` was cut off (it left the Ray cluster while its agent beat on)"
+                        if cut else f"node `{victim}` died") in decided["message"], decided
+                assert 0 < seen < NOTICE_BOUND_S, (
+                    f"{seen:.1f} s to notice that {victim} failed (bound {NOTICE_BOUND_S:.0f} s)\n{logs(run_dir)}")
+                figures[how] = seen
             assert "set `ExcNodeList=" in done["message"], done
             shrunk = "and `NumNodes=2-2 NumTasks=2 NumCPUs=" in done["message"]
             assert shrunk == (restart == 2), done  # no spare left the third time
@@ -191,7 +231,8 @@ def test_a_stopped_rank_then_a_cut_off_worker_then_a_dead_head_requeue_on_spares
         check_metrics(run_dir, 16)
         print(f"the stopped rank diagnosed after {figures['diagnosed']:.1f} s, the job requeued after "
               f"{figures['requeued']:.1f} s, its first step resumed after {figures['resumed']:.1f} s; "
-              f"noticed the cut-off worker after {noticed[1]:.1f} s, the dead head after "
-              f"{noticed[2]:.1f} s; the last run had {len(last)} nodes")
+              f"noticed the cut-off worker after {figures['cut']:.1f} s (requeue decided after "
+              f"{noticed[1]:.1f} s), the dead head after {figures['kill']:.1f} s ({noticed[2]:.1f} s); "
+              f"the last run had {len(last)} nodes")
     finally:
         lab_manager.discard()  # one of its nodes is cut off, one dead
