@@ -170,6 +170,14 @@ def run_hpcrl(args: list[str], env: dict[str, str], cwd: Path = REPO
                           capture_output=True, timeout=60)
 
 
+def shows_stack(text: str) -> bool:
+    """Whether `text` holds a Python stack dump: faulthandler's (`File "x.py", line 3 in f`) or
+    py-spy's (`    f (x.py:3)`), as the watchdog writes them (:func:`trainer.watchdog.inspect`)."""
+    import re
+
+    return 'File "' in text or re.search(r"^\s+\S+ \(.+:\d+\)\s*$", text, re.M) is not None
+
+
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
     """Poll `condition` until it holds; fail naming `what` after `timeout_s` (generous: a loaded
     machine is slow, and the wait ends as soon as the condition holds)."""

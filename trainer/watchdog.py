@@ -10,10 +10,12 @@ to the training rollout's durations). Its bound (:meth:`Bounds.bound`) is
 least `trainer.watchdog.min_s`; until the call has `trainer.watchdog.warmup` durations,
 `trainer.watchdog.floor_s` (the first steps compile, load and warm caches). Past it, :func:`diagnose`:
 
-- asks every rank's process for its Python stack: each rank registered :data:`STACK_SIGNAL`
-  with `faulthandler` at start (:func:`register_stack_dump`), appending to `<run_dir>/stacks/rank_<r>.txt`
-  (the run directory is shared across nodes; a requeued run's ranks append after the earlier ones); the signal is sent from the driver to a rank on its
-  own node, through a Ray task pinned to the node otherwise;
+- dumps every rank's Python stacks into `<run_dir>/stacks/rank_<r>.txt` (the run directory is
+  shared across nodes; a requeued run's ranks append after the earlier ones), on the rank's own
+  node (from the driver, or a Ray task pinned to the node): with `py-spy dump` where py-spy is
+  installed and may read the process (it reads a stopped or `D`-state rank's stack too, which no
+  handler can), else by :data:`STACK_SIGNAL`, which each rank registered with `faulthandler` at
+  start (:func:`register_stack_dump`); each rank's `stack_by` in the diagnosis says which;
 - reads each rank's process state (`/proc/<pid>/stat`: `T` stopped, `D` in uninterruptible
   I/O, `Z` gone, `R`/`S` running or waiting);
 - names the ranks that have not answered while the others have, with node, pid and state, a
@@ -30,9 +32,12 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import signal
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -142,32 +147,65 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2:].split()[0]
 
 
-def inspect(pids: list[int], dump: bool) -> list[str | None]:
+def py_spy_dump(pid: int, path: str) -> bool:
+    """Append `pid`'s Python stacks to `path` with py-spy (`py-spy dump`, beside this interpreter or
+    on PATH), which reads them from the process's memory: a stopped (`T`) or `D`-state process
+    gives its stack too, which no signal handler can. False where py-spy is missing or may not
+    read the process (another user's, a container without `CAP_SYS_PTRACE`): the caller falls
+    back to the signal."""
+    exe = Path(sys.executable).with_name("py-spy")
+    found = str(exe) if exe.exists() else shutil.which("py-spy")
+    if found is None:
+        return False
+    try:
+        done = subprocess.run([found, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if done.returncode != 0 or not done.stdout.strip():
+        return False
+    with open(path, "a") as out:
+        out.write(f"py-spy dump of pid {pid} on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M:%S')}:\n"
+                  f"{done.stdout}\n")
+    return True
+
+
+def inspect(pids: list[int], dump: bool, stacks: list[str | None] | None = None) -> list[tuple[str | None, str | None]]:
     """On the node this runs on: each process's state (:func:`process_state`, None when it is not
-    here); with `dump`, each is sent :data:`STACK_SIGNAL` (a stopped process takes it when it runs
-    again, the others now)."""
-    states = [process_state(pid) for pid in pids]
-    for pid, state in zip(pids, states, strict=True):
+    here), and with `dump` how its stacks were asked for: `py-spy` (read from its memory into its
+    file of `stacks`, :func:`py_spy_dump`) where py-spy can, else `signal` (:data:`STACK_SIGNAL`:
+    a stopped process writes when it runs again, the others now)."""
+    out: list[tuple[str | None, str | None]] = []
+    for pid, path in zip(pids, stacks or [None] * len(pids), strict=True):
+        state, how = process_state(pid), None
         if dump and state is not None:
-            try:
-                os.kill(pid, STACK_SIGNAL)
-            except OSError:
-                pass
-    return states
+            if path is not None and py_spy_dump(pid, path):
+                how = "py-spy"
+            else:
+                try:
+                    os.kill(pid, STACK_SIGNAL)
+                    how = "signal"
+                except OSError:
+                    pass
+        out.append((state, how))
+    return out
 
 
-def _inspect_nodes(procs: dict[str, list[int]], dump: bool, timeout: float = 30.0) -> dict[str, list[str | None]]:
-    """:func:`inspect` on each node (by address) of `procs`, through one Ray task pinned to each, all
-    at once; a node that is not in the cluster or does not answer within `timeout`: states unknown."""
+def _inspect_nodes(procs: dict[str, tuple[list[int], list[str | None]]], dump: bool, timeout: float = 30.0
+                   ) -> dict[str, list[tuple[str | None, str | None]]]:
+    """:func:`inspect` on each node (by address) of `procs` (pids and stack files), through one Ray
+    task pinned to each, all at once; a node that is not in the cluster or does not answer within
+    `timeout`: states unknown."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ids = {n.get("NodeManagerAddress"): n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     task = ray.remote(num_cpus=0)(inspect)
-    refs = {ip: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)).remote(pids, dump)
-            for ip, pids in procs.items() if ip in ids}
+    refs = {ip: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)).remote(
+                pids, dump, files) for ip, (pids, files) in procs.items() if ip in ids}
     deadline = time.monotonic() + timeout
-    out: dict[str, list[str | None]] = {ip: [None] * len(pids) for ip, pids in procs.items()}
+    out: dict[str, list[tuple[str | None, str | None]]] = {ip: [(None, None)] * len(pids)
+                                                            for ip, (pids, _) in procs.items()}
     for ip, ref in refs.items():
         try:
             out[ip] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
@@ -176,20 +214,24 @@ def _inspect_nodes(procs: dict[str, list[int]], dump: bool, timeout: float = 30.
     return out
 
 
-def _states(nodes: list[dict[str, Any]], dump: bool) -> list[str | None]:
+def _states(nodes: list[dict[str, Any]], dump: bool, stacks: Path | None = None
+            ) -> list[tuple[str | None, str | None]]:
     """Each rank's process state (`nodes`: the ranks' `node_info`), read here for the ranks on this
-    host and on their own nodes for the others (:func:`_inspect_nodes`)."""
+    host and on their own nodes for the others (:func:`_inspect_nodes`); with `dump`, each rank's
+    stacks into `stacks/rank_<r>.txt`."""
     here = socket.gethostname()
     placed: dict[str, list[int]] = {}  # "" (this host) or a node's address: its ranks
     for rank, node in enumerate(nodes):
         if isinstance(node.get("pid"), int):
             placed.setdefault("" if node.get("hostname") == here else str(node.get("ip")), []).append(rank)
-    pids = {ip: [int(nodes[r]["pid"]) for r in ranks] for ip, ranks in placed.items()}
-    remote = {ip: p for ip, p in pids.items() if ip}
+    procs = {ip: ([int(nodes[r]["pid"]) for r in ranks],
+                  [str(stacks / f"rank_{r}.txt") if stacks is not None else None for r in ranks])
+             for ip, ranks in placed.items()}
+    remote = {ip: p for ip, p in procs.items() if ip}
     answers = _inspect_nodes(remote, dump) if remote else {}
-    if "" in pids:
-        answers[""] = inspect(pids[""], dump)
-    states: list[str | None] = [None] * len(nodes)
+    if "" in procs:
+        answers[""] = inspect(procs[""][0], dump, procs[""][1])
+    states: list[tuple[str | None, str | None]] = [(None, None)] * len(nodes)
     for ip, ranks in placed.items():
         for rank, state in zip(ranks, answers[ip], strict=True):
             states[rank] = state
@@ -208,7 +250,8 @@ def _await_stacks(ranks: list[dict[str, Any]], sizes: dict[int, int], timeout: f
     file has grown past its size before the signal, `sizes` by rank): the group is ended next, and
     a process killed before its handler ran writes nothing. A stopped or `D`-state rank writes only
     when it runs again; the shared file system may also lag."""
-    waiting = [(Path(r["stack"]), sizes.get(r["rank"], 0)) for r in ranks if r.get("stack") and r["state"] in ("R", "S")]
+    waiting = [(Path(r["stack"]), sizes.get(r["rank"], 0)) for r in ranks
+               if r.get("stack") and r.get("stack_by") == "signal" and r["state"] in ("R", "S")]
     deadline = time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
         waiting = [(p, before) for p, before in waiting if _size(p) <= before]
@@ -246,8 +289,9 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
     sizes = {rank: _size(stacks / f"rank_{rank}.txt") for rank in range(len(nodes))} if stacks else {}
     ranks = [{"rank": rank, "node": node.get("hostname"), "pid": node.get("pid"), "state": state,
               "answered": rank not in stuck,
-              **({"stack": str(stacks / f"rank_{rank}.txt"), "stack_offset": sizes[rank]} if stacks else {})}
-             for rank, (node, state) in enumerate(zip(nodes, _states(nodes, dump), strict=True))]
+              **({"stack": str(stacks / f"rank_{rank}.txt"), "stack_offset": sizes[rank], "stack_by": how}
+                 if stacks else {})}
+             for rank, (node, (state, how)) in enumerate(zip(nodes, _states(nodes, dump, stacks), strict=True))]
     _await_stacks(ranks, sizes)
     lagging = [r for r in ranks if not r["answered"]]
     first = [r for r in lagging if r["state"] in ("T", "t", "D")]

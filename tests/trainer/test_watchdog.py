@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +20,8 @@ from typing import Any
 import pytest
 
 from hpcrl.diagnosis import read_diagnoses
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, shows_stack, wait_until
+from trainer import watchdog
 from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, suspect_nodes, where
 
 
@@ -75,11 +78,18 @@ def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
     return procs
 
 
-def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written(tmp_path: Path) -> None:
+@pytest.fixture
+def without_py_spy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-spy missing (or not allowed to read the ranks): the watchdog signals them instead."""
+    monkeypatch.setattr(watchdog, "py_spy_dump", lambda pid, path: False)
+
+
+def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written(
+        tmp_path: Path, without_py_spy: None) -> None:
     """Every rank pending, as when one is stopped and the others wait on it in a collective: the
     stopped one is named first, its node is the suspect, the waiting rank's stack is on disk by
     the time :func:`diagnose` returns (the group is killed next), the stopped one's when it runs
-    again."""
+    again (by the signal, without py-spy)."""
     procs = _ranks_sleeping(tmp_path, 2)
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
@@ -99,7 +109,8 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
                                   "D-state process points at its node"), summary
         assert (details["phase"], details["step"], details["bound_s"], details["elapsed_s"]) == ("update_actor", 7, 7.5, 12.3)
         assert details["suspect_nodes"] == [host]
-        assert [(r["rank"], r["state"], r["answered"]) for r in details["ranks"]] == [(0, "S", False), (1, "T", False)]
+        assert [(r["rank"], r["state"], r["answered"], r["stack_by"]) for r in details["ranks"]] == [
+            (0, "S", False, "signal"), (1, "T", False, "signal")]
         assert 'File "<string>", line 6 in <module>' in (tmp_path / "stacks" / "rank_0.txt").read_text()
         stopped_stack = tmp_path / "stacks" / "rank_1.txt"
         assert stopped_stack.read_text().startswith("# pid ") and "File " not in stopped_stack.read_text()  # a stopped process runs no handler
@@ -111,7 +122,7 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
             proc.wait()
 
 
-def test_a_later_run_appends_to_the_stacks_of_the_run_before(tmp_path: Path) -> None:
+def test_a_later_run_appends_to_the_stacks_of_the_run_before(tmp_path: Path, without_py_spy: None) -> None:
     """A requeued run's ranks register their dump in the same run directory: the stacks of the
     hang that ended the run before stay, and the next dump is waited for past the old one."""
     def one_run() -> dict[str, Any]:
@@ -131,6 +142,31 @@ def test_a_later_run_appends_to_the_stacks_of_the_run_before(tmp_path: Path) -> 
     assert first["ranks"][0]["stack_offset"] > 0 and offset > first["ranks"][0]["stack_offset"]
     assert text.count("# pid ") == 2 and text.count('File "<string>", line') == 2, text  # line 5 or 6: printing or asleep
     assert 'File "<string>", line' in text[offset:], text
+
+
+def test_py_spy_reads_every_ranks_stack_at_once_the_stopped_ones_too(tmp_path: Path) -> None:
+    """With py-spy (a dev dependency, so CI has it): the stacks are read from the processes' memory,
+    the stopped rank's as well, before :func:`diagnose` returns; no rank is signalled."""
+    if not (Path(sys.executable).with_name("py-spy").exists() or shutil.which("py-spy")):
+        if os.environ.get("CI") == "true":
+            pytest.fail("py-spy is not installed (`pip install -e '.[dev]'` installs it)")
+        pytest.skip("py-spy is not installed")
+    procs = _ranks_sleeping(tmp_path, 2)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+        nodes = [{"rank": r, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
+        _, details = diagnose(nodes, [1], "actor", "update_actor", 700.0, Bounds(), tmp_path / "stacks")
+        assert [(r["state"], r["stack_by"]) for r in details["ranks"]] == [("S", "py-spy"), ("T", "py-spy")]
+        for rank in (0, 1):
+            text = (tmp_path / "stacks" / f"rank_{rank}.txt").read_text()
+            # line 5 or 6: stopped while printing `ready` or asleep
+            assert f"py-spy dump of pid {procs[rank].pid}" in text and re.search(r"<module> \(<string>:[56]\)", text), text
+            assert "File " not in text  # no signal handler ran
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_process_state_reads_a_stopped_process() -> None:
@@ -180,7 +216,7 @@ def test_ranks_on_other_nodes_are_read_there_all_at_once(ray_local: Any, tmp_pat
             proc.wait()
     assert [r["state"] for r in details["ranks"]] == ["S", "T"] + [None] * 6
     assert details["suspect_nodes"] == ["node-b"]
-    assert 'File "<string>", line 6 in <module>' in (tmp_path / "stacks" / "rank_0.txt").read_text()
+    assert shows_stack((tmp_path / "stacks" / "rank_0.txt").read_text())  # py-spy's, or the signal's
     assert (f"8 of 8 rank(s) have not answered: rank 1 on node `node-b` (pid {procs[1].pid}, stopped (T)); "
             f"rank 0 on node `node-b` (pid {procs[0].pid}, sleeping (waiting)); rank 2 on node `node-c` "
             "(pid 4002, state unknown); rank 3") in summary, summary
@@ -215,9 +251,10 @@ def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped
     assert ranks[1]["state"] == "T" and not ranks[1]["answered"] and ranks[0]["answered"]
     assert err.details["suspect_nodes"] == [group.nodes[1]["hostname"]]  # for the head's requeue without it
     assert 2 < took < 30, took  # fired at its learned bound, not at the floor
-    # the answering rank dumps its threads' stacks on the signal
-    wait_until(lambda: "File" in (stacks / "rank_0.txt").read_text(), "stack of the answering rank")
-    assert "Thread 0x" in (stacks / "rank_0.txt").read_text() or "Current thread 0x" in (stacks / "rank_0.txt").read_text()
+    # the answering rank's threads' stacks: py-spy's at once (the stopped rank's too), else on the signal
+    wait_until(lambda: shows_stack((stacks / "rank_0.txt").read_text()), "stack of the answering rank")
+    if ranks[1]["stack_by"] == "py-spy":
+        assert shows_stack((stacks / "rank_1.txt").read_text()), (stacks / "rank_1.txt").read_text()
     with pytest.raises(ray_local.exceptions.RayActorError):  # the group was ended, the stopped rank too
         ray_local.get(group.actors[1].call.remote("actor", "node_info"), timeout=30)
 
@@ -277,7 +314,7 @@ def test_a_run_with_a_stopped_rank_ends_with_the_diagnosis(tiny_model_dir: Path,
     assert hang["suspect_nodes"] == [host]
     ranks = {r["rank"]: r for r in hang["ranks"]}
     assert ranks[1]["state"] == "T" and not ranks[1]["answered"]
-    assert "File " in Path(ranks[0]["stack"]).read_text()  # the other rank's threads, written before the kill
+    assert shows_stack(Path(ranks[0]["stack"]).read_text())  # the other rank's threads, written before the kill
     assert "trainer: watchdog: worker group `actor_rollout_ref`" in out + err, (out[-2000:], err[-3000:])
     assert ended < floor
     status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run)], capture_output=True, text=True,
