@@ -47,7 +47,7 @@ class SlowNode:
                 "the node (its GPUs' clocks and temperature, other jobs on it), or leave it out: `hpcrl submit "
                 "--exclude-slow` (profile `slurm.exclude_slow`) requeues the job without it when a spare node is "
                 f"idle; by hand, `--exclude={self.host}` in `slurm.extra_sbatch` and `hpcrl submit --resume "
-                "--run-dir RUN`")
+                "--update-spec --run-dir RUN`")
 
 
 def rank_pace(rank_metrics: Mapping[str, float], world: int) -> list[float | None]:

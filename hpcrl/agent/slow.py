@@ -90,8 +90,8 @@ class SlowNodes:
                        "after the checkpoint")
 
     def _note(self, hosts: list[str], action: str, message: str) -> None:
-        log = self.requeuer.log
-        (log.warning if action == "kept" else log.info)("%s", message)
+        if action == "kept":  # a stop request says itself in the log
+            self.requeuer.log.warning("%s", message)
         state_writer(self.requeuer.run_dir, self.requeuer.ctx).append(SLOW_NODES, nodes=hosts, action=action,
                                                                       message=message)
 

@@ -149,11 +149,13 @@ def test_a_stop_asked_for_another_reason_is_not_a_slow_node_requeue(
 def test_the_flag_and_the_profile_key_reach_the_job_file() -> None:
     from hpcrl.cli import build_parser
     from hpcrl.commands._common import prepare
+    from hpcrl.profiles import profile_to_dict
 
     assert parse_job({"payload": ["x"]}).exclude_slow is False
     assert parse_job({"payload": ["x"], "profile": {"slurm": {"exclude_slow": True}}}).exclude_slow is True
     parser: argparse.ArgumentParser = build_parser()
     profile, _ = prepare(parser.parse_args(["render", "--site", "slurmlab", "--exclude-slow"]))
-    assert profile.slurm.exclude_slow is True
+    assert profile.slurm.exclude_slow is True  # and so in `job.json`'s profile, for the head
+    assert parse_job({"payload": ["x"], "profile": profile_to_dict(profile)}).exclude_slow is True
     profile, _ = prepare(parser.parse_args(["render", "--site", "slurmlab"]))
     assert profile.slurm.exclude_slow is False  # the profile's default
