@@ -54,11 +54,14 @@ def _cpu_cgroup(name: str) -> tuple[Path, dict[str, str]] | None:
     if (v1 / "cpu.cfs_quota_us").exists():
         return v1 / name, {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(QUOTA_US)}
     v2 = Path("/sys/fs/cgroup")
-    if "cpu" in (v2 / "cgroup.controllers").read_text(errors="replace").split() if (
-            v2 / "cgroup.controllers").exists() else False:
-        (v2 / "cgroup.subtree_control").write_text("+cpu")
-        return v2 / name, {"cpu.max": f"{QUOTA_US} {PERIOD_US}"}
-    return None
+    try:
+        controllers = (v2 / "cgroup.controllers").read_text().split()
+    except OSError:
+        return None
+    if "cpu" not in controllers:
+        return None
+    (v2 / "cgroup.subtree_control").write_text("+cpu")  # the root cgroup may enable it for its children
+    return v2 / name, {"cpu.max": f"{QUOTA_US} {PERIOD_US}"}
 
 
 @contextlib.contextmanager
