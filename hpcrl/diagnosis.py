@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIAGNOSIS_FILE", "as_job_nodes", "blamed_nodes", "json_lines", "read_diagnoses", "write_diagnosis"]
+__all__ = ["DIAGNOSIS_FILE", "as_job_nodes", "blamed_nodes", "json_lines", "read_diagnoses", "slow_nodes",
+           "write_diagnosis"]
 
 DIAGNOSIS_FILE = "diagnosis.jsonl"
 
@@ -60,10 +61,20 @@ def blamed_nodes(run_dir: Path | str, since: float) -> list[str]:
     """The nodes the trainer's watchdog blamed for a stuck rank (a stopped or D-state process:
     `suspect_nodes` of a `hang` diagnosis) in diagnoses written at or after `since` (epoch
     seconds: this run's start)."""
+    return _named_nodes(run_dir, since, "hang", "suspect_nodes")
+
+
+def slow_nodes(run_dir: Path | str, since: float) -> list[str]:
+    """The nodes the trainer named slow (`nodes` of a `slow` diagnosis,
+    :mod:`trainer.stragglers`) in diagnoses written at or after `since`."""
+    return _named_nodes(run_dir, since, "slow", "nodes")
+
+
+def _named_nodes(run_dir: Path | str, since: float, kind: str, key: str) -> list[str]:
     out: set[str] = set()
     for record in read_diagnoses(run_dir):
-        nodes = record.get("suspect_nodes")
-        if record.get("kind") == "hang" and float(record.get("time", 0)) >= since and isinstance(nodes, list):
+        nodes = record.get(key)
+        if record.get("kind") == kind and float(record.get("time", 0)) >= since and isinstance(nodes, list):
             out.update(str(n) for n in nodes)
     return sorted(out)
 

@@ -103,6 +103,11 @@ class SlurmConfig:
         "spare node free asks for fewer nodes (not below this) and the trainer resumes on "
         "them (hpcrl sets `trainer.nnodes` from the nodes granted); null: always `nodes`", None,
         bounds=(1, MAX_NODES), rule="a Slurm node count")
+    exclude_slow: bool = _f(
+        "when the trainer names a node slow (`trainer.watchdog.slow_factor`) and the job can go on "
+        "without it (a spare node is idle, or `min_nodes` allows fewer), checkpoint and requeue the "
+        "job with the node in its `ExcNodeList` (`hpcrl submit --exclude-slow`); false: name it and "
+        "go on", False)
     gpus_per_node: int = _f("GPUs per node (`--gpus-per-node`); 0: none requested", 0,
                             bounds=(0, MAX_DEVICES), rule="GPUs of one node")
     gpu_memory_gib: float = _f("memory of one GPU in GiB: the device the memory plan of "

@@ -10,8 +10,9 @@ depend on how long the sampled responses happened to be. A node's pace is its sl
 node whose pace is more than `trainer.watchdog.slow_factor` times the median of the other
 nodes' for `trainer.watchdog.slow_steps` steps in a row is named once: in the log, and as a
 diagnosis of kind `slow` (`<run_dir>/diagnosis.jsonl`), which `hpcrl status` shows. Nothing is
-stopped: a slow node is not a broken one, and the run goes on; the name tells the user which
-node to leave out (`hpcrl submit --exclude`).
+stopped here: a slow node is not a broken one. The run goes on, unless the job was submitted with
+`--exclude-slow`: hpcrl's head agent then checkpoints and requeues it without the node when it can
+(:mod:`hpcrl.agent.slow`).
 
 Every step also logs each node's pace (`perf/node/<host>/gen_s_per_token`), so the plot of a
 run shows a node falling behind before it is named.
@@ -44,7 +45,9 @@ class SlowNode:
                 f"generated token in the last step against a median of {self.others * 1e3:.2f} ms on the other "
                 f"nodes, more than {factor:g}x for {self.steps} steps in a row; every step waits for it. Fix: check "
                 "the node (its GPUs' clocks and temperature, other jobs on it), or leave it out: `hpcrl submit "
-                f"--exclude {self.host}` (with `--resume --run-dir` to continue this run)")
+                "--exclude-slow` (profile `slurm.exclude_slow`) requeues the job without it when a spare node is "
+                f"idle; by hand, `--exclude={self.host}` in `slurm.extra_sbatch` and `hpcrl submit --resume "
+                "--update-spec --run-dir RUN`")
 
 
 def rank_pace(rank_metrics: Mapping[str, float], world: int) -> list[float | None]:

@@ -4,7 +4,7 @@ the cluster's joining and health and the clock until it exits or the job must en
 
 The head wires the parts: `Launcher` (Ray and the GCS watcher), `GcsWatch` (the cluster),
 `StopControl` (signals and the clock become a stop request), `Requeuer` (what the payload's
-requeue status leads to).
+requeue status leads to), `SlowNodes` (a node the trainer named slow).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hpcrl.agent.launch import HeadCluster, Launcher
 from hpcrl.agent.node import TICK_S, AgentError, Heartbeat, Node, Outcome
 from hpcrl.agent.procs import Child
 from hpcrl.agent.requeuer import Requeuer
+from hpcrl.agent.slow import SlowNodes
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
 from hpcrl.agent.watch import (
     GcsWatch,
@@ -137,6 +138,7 @@ class Head:
         node ends the job, unless the payload was asked to stop (Slurm's SIGTERM reaches Ray
         too) and may still checkpoint."""
         started, ignored, noted = time.monotonic(), False, False
+        slow = SlowNodes(requeuer, self.started)
         kind = verl.VerlKind(self.node, stop) if verl.is_verl(self.node.job.payload) else None
         while True:
             stop.take_signals(payload if kind is None else None)
@@ -145,6 +147,7 @@ class Head:
                 why = stop.warning(payload_started=True)
                 if why:
                     stop.ask(why)
+            slow.check(stop)
             if kind is None:
                 stop.deliver(payload, started)
             else:
@@ -154,7 +157,7 @@ class Head:
             if code is not None:
                 code = code if code >= 0 else 128 - code
                 code = kind.status(code, REQUEUE_EXIT_CODE) if kind else code
-                return self._outcome(code, stop, requeuer, watch)
+                return self._outcome(code, stop, requeuer, watch, slow)
             watch.progress()  # the nodes still joining, if any
             watch.refresh()
             failed = ray_exited(self.node, ray) or stop_requested(self.node.paths) \
@@ -239,8 +242,8 @@ class Head:
                                terminated_by=stop.terminated_by)
         return True
 
-    def _outcome(self, status: int, stop: StopControl, requeuer: Requeuer, watch: GcsWatch
-                 ) -> Outcome:
+    def _outcome(self, status: int, stop: StopControl, requeuer: Requeuer, watch: GcsWatch,
+                 slow: SlowNodes) -> Outcome:
         self.node.state.append(PAYLOAD_EXITED, status=status, stop_reason=stop.reason)
         cause = f"payload exited with status {status}"
         if not watch.complete:  # it started with the head alone; say who never came
@@ -258,4 +261,4 @@ class Head:
                            status, self.node.ctx.hostname, then=self._scancel)
         if status != REQUEUE_EXIT_CODE:
             return Outcome(cause, status, self.node.ctx.hostname)
-        return requeuer.after_request(f"{cause}: checkpointed, asks to be requeued", status)
+        return slow.requeue(stop, status, cause) or requeuer.after_request(f"{cause}: checkpointed, asks to be requeued", status)

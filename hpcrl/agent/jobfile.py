@@ -69,6 +69,9 @@ class AgentJob:
     """What the head's agent sends the payload to ask for a checkpoint and a stop."""
     min_nodes: int | None = None
     """Fewest nodes a requeue after a node loss may ask for (profile `slurm.min_nodes`)."""
+    exclude_slow: bool = False
+    """Requeue the job without a node the trainer named slow, when it can go on without it
+    (profile `slurm.exclude_slow`, `hpcrl submit --exclude-slow`)."""
     payload_start: str = "all-joined"
     """`all-joined`: start the payload once every node's Ray is in the cluster; `head-alive`:
     once the head's is (the payload, like the trainer, waits for the nodes it needs itself)."""
@@ -155,6 +158,7 @@ def parse_job(data: Mapping[str, Any]) -> AgentJob:
         ray_overrides=overrides,
         payload_start=start,
         min_nodes=slurm.get("min_nodes") if isinstance(slurm.get("min_nodes"), int) else None,
+        exclude_slow=slurm.get("exclude_slow") is True,
         **{k: float(agent[k]) for k in AGENT_KEYS if k in agent},
     )
 

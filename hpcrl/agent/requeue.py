@@ -112,6 +112,19 @@ def shrunk_nodes(nodes: int, lost: int, spares: int, min_nodes: int | None) -> i
     return count if count < nodes else None
 
 
+def spared_without(nodes: int, leaving: int, spares: int, min_nodes: int | None) -> str | None:
+    """Whether a job of `nodes` nodes can go on without `leaving` of them that still work (slow
+    ones): how, when `spares` idle nodes replace them or the run may shrink as after a node loss
+    (:func:`shrunk_nodes`); None when it cannot (it would wait in the queue for a spare, which a
+    working node does not warrant)."""
+    if spares >= leaving:
+        return f"{spares} idle spare node(s) can take {'its' if leaving == 1 else 'their'} place"
+    count = shrunk_nodes(nodes, leaving, spares, min_nodes)
+    if count is None or count > nodes - leaving + spares:  # below `min_nodes`: it would wait
+        return None
+    return f"the run may go on on {count} of its {nodes} nodes (`slurm.min_nodes` {min_nodes})"
+
+
 def node_loss_message(lost: Sequence[str], decision: RequeueDecision, excluded: str,
                       shrunk: tuple[int, int] | None = None, why: Mapping[str, str] | None = None) -> str:
     """What the log and the summary say when lost nodes end the job; `shrunk`: (nodes asked

@@ -68,13 +68,16 @@ class Requeuer:
     def terminated_by(self) -> str | None:
         return self.stop.terminated_by if self.stop else None
 
-    def after_node_loss(self, lost: list[str], what: str, why: Mapping[str, str] | None = None) -> Outcome:
+    def after_node_loss(self, lost: list[str], what: str, why: Mapping[str, str] | None = None,
+                        status: int = 1) -> Outcome:
         """Nodes died or were cut off: the job is requeued at once, as after a requeue request
         (same decision and `max_requeues`), with the lost nodes added to the job's
         `ExcNodeList` once it is pending again (Slurm refuses that for a running job), so that
         the rerun resumes on other nodes, or on fewer (`slurm.min_nodes`) when no spare is
         free. The last complete checkpoint stands; nothing could be saved, since a rank is
-        gone. `why`: what happened to each node, for the message (`died` where not given)."""
+        gone. `why`: what happened to each node, for the message (`died` where not given).
+        Also the requeue without slow nodes (:mod:`hpcrl.agent.slow`), after the payload
+        checkpointed (`status`: its exit status)."""
         decision = rq.decide_requeue(self.ctx, self.job.max_requeues, str(self.run_dir),
                                      self.terminated_by)
         excluded, count, info = "", None, {}
@@ -90,12 +93,12 @@ class Requeuer:
             REQUEUE_DECIDED, action=decision.action, message=message, deferred=False,
             lost_nodes=lost, exclude=excluded, nodes=count or self.ctx.num_nodes)
         if not requeue:
-            return Outcome(f"{what}; {message}", 1, self.ctx.hostname)
+            return Outcome(f"{what}; {message}", status, self.ctx.hostname)
         # at once, not after the teardown: nothing is left to save, and Slurm requeues the job
         # itself once it marks a dead node down (`SlurmdTimeout`), without the exclusion
         resize = () if count is None else rq.resize_fields(info, self.ctx.num_nodes, count)
         done = self.requeue_now(rq.requeue_target(self.ctx), excluded, resize)
-        return Outcome(f"{what}; {message}; {done}", 1, self.ctx.hostname)
+        return Outcome(f"{what}; {message}; {done}", status, self.ctx.hostname)
 
     def _job_info(self) -> dict[str, str]:
         """`scontrol show job`: its `ExcNodeList` (the user's `--exclude` and earlier lost
@@ -110,12 +113,25 @@ class Requeuer:
         """Fewer nodes for the rerun when no spare is free and `slurm.min_nodes` allows it."""
         if self.job.min_nodes is None or self.job.min_nodes >= self.ctx.num_nodes:
             return None
+        spares = self._spares(partition, excluded)
+        return rq.shrunk_nodes(self.ctx.num_nodes, lost, spares, self.job.min_nodes)
+
+    def _spares(self, partition: str, excluded: str) -> int:
         try:
-            spares = rq.idle_spares(partition, excluded) if partition else 0
+            return rq.idle_spares(partition, excluded) if partition else 0
         except (SlurmError, OSError, subprocess.SubprocessError) as exc:
             self.log.info("cannot count the idle nodes of partition %s: %s", partition, exc)
-            spares = 0
-        return rq.shrunk_nodes(self.ctx.num_nodes, lost, spares, self.job.min_nodes)
+            return 0
+
+    def spared(self, nodes: Sequence[str]) -> tuple[str | None, str]:
+        """Whether the job can go on without `nodes`, which still work (slow ones): how (None:
+        it cannot), and the `ExcNodeList` it would have (the user's `--exclude` kept)."""
+        if self.ctx.local:
+            return None, ""
+        info = self._job_info()
+        excluded = rq.merged_exclusions(info.get("ExcNodeList", ""), nodes)
+        spares = self._spares(info.get("Partition", ""), excluded)
+        return rq.spared_without(self.ctx.num_nodes, len(nodes), spares, self.job.min_nodes), excluded
 
     def requeue_now(self, target: str, exclude: str | None = None,
                     resize: Sequence[str] = ()) -> str:

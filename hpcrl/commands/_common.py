@@ -140,6 +140,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", help="number of nodes, or `MIN-MAX`: MAX "
                         "nodes, and after a node died resume on as few as MIN when no spare is "
                         "free (`slurm.nodes`, `slurm.min_nodes`; profile default otherwise)")
+    parser.add_argument("--exclude-slow", action="store_true", default=None,
+                        help="when the trainer names a node slow and the job can go on without "
+                        "it (a spare node is idle, or `--nodes MIN-MAX` allows fewer), checkpoint "
+                        "and requeue the job without that node (`slurm.exclude_slow`)")
     parser.add_argument("--time", help="time limit, e.g. `04:00:00` or `1-00:00:00`")
     parser.add_argument("--partition", help="Slurm partition")
     parser.add_argument("--run-dir", help="run directory (default: a new one under the "
@@ -177,7 +181,8 @@ def prepare(args: argparse.Namespace) -> Any:
     if args.nodes is not None:  # `N` is exactly N (whatever the profile's minimum), or MIN-MAX
         nodes, least = node_count(args.nodes)
         profile = replace_slurm(profile, nodes=nodes, min_nodes=least or nodes)
-    profile = replace_slurm(profile, time=args.time, partition=args.partition)
+    profile = replace_slurm(profile, time=args.time, partition=args.partition,
+                            exclude_slow=getattr(args, "exclude_slow", None))
     python = default_python(profile)
     payload = list(args.payload)
     if payload[:1] == ["--"]:

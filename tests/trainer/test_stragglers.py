@@ -40,7 +40,8 @@ def test_a_node_past_the_bound_for_enough_steps_is_named_once() -> None:
     assert metrics["perf/node/node1/gen_s_per_token"] == pytest.approx(0.011)
     _, found = StragglerWatch(NODES, 2.0, 1).observe(step(slow))
     assert found[0].ranks == (2, 3) and found[0].others == pytest.approx(0.0115)
-    assert "hpcrl submit --exclude node2" in found[0].summary(2.0)
+    assert "`--exclude=node2` in `slurm.extra_sbatch`" in found[0].summary(2.0)
+    assert "--exclude-slow" in found[0].summary(2.0)
 
 
 def test_longer_responses_slower_within_the_factor_and_one_node_alone_are_not_named() -> None:
