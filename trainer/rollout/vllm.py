@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.agent.base import TokenOutput
-from trainer.hf_overrides import config_updates, override_kwargs
+from trainer.hf_overrides import override_kwargs
 from trainer.models import compute_dtype, load_model_config, resolve_model_path
 from trainer.rollout.base import (
     RolloutBatch,
@@ -210,8 +210,8 @@ def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: i
     `actor_rollout_ref.rollout` keys), stopping on every id of `eos_token_ids`."""
     r, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    hf_config = load_model_config(model.path, trust_remote_code=model.trust_remote_code,
-                                  updates=config_updates(model.override_config, tokenizer)).to_dict()
+    overrides = override_kwargs(model.override_config)  # what vLLM's model gets (`hf_overrides`)
+    hf_config = load_model_config(model.path, trust_remote_code=model.trust_remote_code, updates=overrides).to_dict()
     return dict(model_path=model.path, pad_token_id=tokenizer.pad_token_id,
                 eos_token_ids=eos_token_ids, calculate_log_probs=r.calculate_log_probs,
                 max_model_len=max_model_len(r.max_model_len, hf_config),
@@ -223,7 +223,7 @@ def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: i
                 free_cache_engine=r.free_cache_engine,
                 trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
                 load_format="dummy",  # random weights: the trainer syncs before every first rollout
-                hf_overrides=override_kwargs(model.override_config), engine_kwargs=dict(r.engine_kwargs.vllm))
+                hf_overrides=overrides, engine_kwargs=dict(r.engine_kwargs.vllm))
 
 
 def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
