@@ -32,6 +32,7 @@ over-estimate).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -42,6 +43,7 @@ from typing import Any
 
 from trainer.config.async_training import has_rollout_pool
 from trainer.config.rollout import server_mode
+from trainer.hf_overrides import apply_updates, override_kwargs
 from trainer.rollout.vllm import SLEEP_LEVEL, max_model_len
 
 GIB = 2**30
@@ -552,7 +554,10 @@ def _config_settings(cfg: Any, device_gib: float, host_gib: float) -> tuple[Mode
     """The actor model's shape and the plan's settings as a loaded configuration gives them."""
     s = settings_from_config(cfg, device_gib, host_gib)
     shape = read_model(cfg.actor_rollout_ref.model.path)
-    try:  # the engine's context as `rollout_knobs` sizes it: the model's, unless set
+    try:  # the shape verl builds: `model.override_config` over the `config.json`
+        shape = ModelShape(apply_updates(copy.deepcopy(shape.config),
+                                         override_kwargs(cfg.actor_rollout_ref.model.override_config)))
+        # the engine's context as `rollout_knobs` sizes it: the model's, unless set
         s = replace(s, max_model_len=max_model_len(cfg.actor_rollout_ref.rollout.max_model_len, shape.config))
     except ValueError as err:
         raise PlanError(str(err)) from None

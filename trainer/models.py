@@ -12,7 +12,7 @@ through transformers' ``gguf_file=``, dequantised).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ from torch import nn
 
 from trainer import hub
 from trainer.algos.core_algos import entropy_from_logits
+from trainer.hf_overrides import apply_updates
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -230,13 +231,17 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreT
     return tok
 
 
-def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a model path (a directory or a GGUF file)."""
+def load_model_config(path: str | Path, *, trust_remote_code: bool = False,
+                      updates: Mapping[str, Any] | None = None,
+                      key: str = "actor_rollout_ref.model.override_config") -> Any:
+    """The transformers config of a model path (a directory or a GGUF file), with `updates`
+    (:func:`trainer.hf_overrides.config_updates`, verl's edits; `key` names them in errors)."""
     from transformers import AutoConfig
 
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **kwargs)
+    return apply_updates(config, updates or {}, key)
 
 
 def _generation_eos(directory: str, gguf_file: str | None, trust_remote_code: bool) -> list[int]:
@@ -304,14 +309,17 @@ def load_actor(
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    config_updates: Mapping[str, Any] | None = None,
 ) -> PreTrainedModel:
-    """A causal LM for the actor or the reference policy (in train mode, on the CPU)."""
+    """A causal LM for the actor or the reference policy (in train mode, on the CPU), its
+    config edited by `config_updates` (:func:`trainer.hf_overrides.config_updates`)."""
     from transformers import AutoModelForCausalLM
 
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates)
     model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+        directory, config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code, **kwargs
     )
     if gguf_file:
@@ -327,6 +335,7 @@ def empty_actor(
     dtype: str | torch.dtype = "float32",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    config_updates: Mapping[str, Any] | None = None,
 ) -> PreTrainedModel:
     """The actor's architecture with no weights read or allocated: parameters on the meta
     device, buffers (rotary frequencies) real, tied embeddings tied. For a rollout copy that is
@@ -335,7 +344,7 @@ def empty_actor(
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    config = load_model_config(path, trust_remote_code=trust_remote_code)
+    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
@@ -365,11 +374,12 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def empty_placed_actor(path: str | Path, *, dtype: str | torch.dtype = "float32",
                        attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
-                       trust_remote_code: bool = False) -> PreTrainedModel:
+                       trust_remote_code: bool = False,
+                       config_updates: Mapping[str, Any] | None = None) -> PreTrainedModel:
     """`empty_actor` with gradient checkpointing as `load_actor` sets it: for a rank that then
     reads only its shards (:func:`load_local_shards`)."""
     model = empty_actor(path, dtype=dtype, attn_implementation=attn_implementation,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, config_updates=config_updates)
     if gradient_checkpointing:
         _enable_checkpointing(model)
     return model
@@ -451,15 +461,19 @@ def load_critic(
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    config_updates: Mapping[str, Any] | None = None,
 ) -> CriticModel:
     """A critic whose backbone is initialised from the model at ``path`` (the LM head is
-    dropped); the value head is new, drawn from the current torch RNG."""
+    dropped), its config edited by `config_updates`; the value head is new, drawn from the
+    current torch RNG."""
     from transformers import AutoModel
 
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates,
+                               key="critic.model.override_config")
     backbone = AutoModel.from_pretrained(
-        directory, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+        directory, config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code, **kwargs
     )
     if gguf_file:

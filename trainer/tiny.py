@@ -162,6 +162,27 @@ def save_tiny(outdir: str | Path, *, seed: int = 0, tools: bool = False, **model
     return out
 
 
+def save_tiny_rm(outdir: str | Path, *, seed: int = 3) -> Path:
+    """Write a tiny random Llama sequence classifier (one label: a discriminative reward model)
+    with the tiny tokenizer to ``outdir``, its chat template starting with the BOS as Llama's
+    does (verl strips that BOS when it renders the reward model's input)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, num_labels=1)
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    tok.chat_template = "{{ bos_token }}" + str(tok.chat_template)
+    tok.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.tiny",

@@ -1,11 +1,13 @@
 """Distributed PPO on the Slurm lab, driven by the node agent: `hpcrl submit --via sbatch -- <trainer
 overrides>` trains the tiny model across the 3 nodes (one rank per node, in Podman), every node
 generates and trains (per-rank metrics, `workers.json`), reward rises, a checkpoint is written,
-and a rerun on 2 bare nodes resumes from it; then verl's one-step-off recipe
+and a rerun on 2 bare nodes resumes from it, its reward from a discriminative reward model
+(`reward_model.enable=true`, a tiny sequence classifier colocated on the actor's ranks) in place of
+the rule; then verl's one-step-off recipe
 (`hpcrl submit --loop one-step-off`) resumes it once more on 2 nodes, the trainer on one and
 the rollout pool on the other, each batch generated one step ahead; last, verl's fully-async
-recipe (`hpcrl submit --loop fully-async`) runs 3 steps of its own on 2 nodes, the rollouter
-streaming from the pool's node."""
+recipe (`hpcrl submit --loop fully-async`) runs 5 steps of its own on 2 nodes, the rollouter
+streaming from the pool's node, requeued from outside after step 2 (every prompt trained once)."""
 
 from __future__ import annotations
 
@@ -98,12 +100,29 @@ def expected_prompts(shared: Path, count: int, n: int) -> Counter[str]:
     return Counter({text: k * n for text, k in texts.items()})
 
 
+def check_reward_model_scored(shared: Path, row: dict) -> None:
+    """The step's reward came from the reward model: the dumped rows (`trainer.rollout_data_dir`)
+    carry scores the rule would not give their responses, and the step's score metric is their mean."""
+    from trainer.rewards.toy import toy_digits_score
+
+    step = row["step"]
+    dumped = [json.loads(line) for line in (shared / "dump" / f"{step}.jsonl").read_text().splitlines()]
+    assert len(dumped) == 24 * 8, len(dumped)
+    scores = [d["score"] for d in dumped]
+    assert row["critic/score/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-5), (row, scores[:8])
+    by_rule = [toy_digits_score(d["output"]) for d in dumped]
+    differ = sum(abs(s - r) > 1e-4 for s, r in zip(scores, by_rule, strict=True))
+    assert differ > len(scores) // 2, (differ, scores[:8], by_rule[:8])
+    assert len(set(scores)) > 1, scores[:8]  # a score per response, not one constant
+
+
 def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) -> None:
     from trainer.rewards.toy import write_toy_digits
-    from trainer.tiny import save_tiny
+    from trainer.tiny import save_tiny, save_tiny_rm
 
     shared, sites = tmp_path / "shared", tmp_path / "sites"
     save_tiny(shared / "model", seed=0)
+    save_tiny_rm(shared / "rm")
     write_toy_digits(shared / "data", train_size=512, val_size=16, seed=0)
     write_sites(sites, shared)
 
@@ -121,7 +140,9 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert ckpt.load_state(saved, "trainer_state")["world_size"] == 3
 
     run2 = shared / "runs" / "two"
-    job = submit_ppo(lab, sites, "lab-ppo-bare", run2, 2, trainer_overrides(shared, 2, 18))
+    rm = ["reward_model.enable=true", f"reward_model.model.path={shared / 'rm'}",
+          f"trainer.rollout_data_dir={shared / 'dump'}"]
+    job = submit_ppo(lab, sites, "lab-ppo-bare", run2, 2, [*trainer_overrides(shared, 2, 18), *rm])
     rec = finished(lab, job, run2, timeout=900)
     log = payload_log(run2)
     assert rec["JobState"] == "COMPLETED", (rec, run_logs(run2), log[-4000:])
@@ -129,6 +150,8 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 19))
     check_ranks(shared, rows[-2:], ["node1", "node2"], "none")
+    for row in rows[-2:]:
+        check_reward_model_scored(shared, row)
     assert ckpt.find_latest_checkpoint(shared / "ppo") == shared / "ppo" / "global_step_18"
 
     # one-step-off on two nodes: the trainer's rank on one, the rollout pool's on the other

@@ -27,21 +27,9 @@ from trainer.stages.reward import ModelRewardEngine, RuleRewardEngine, build_rew
 def tiny_rm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama sequence classifier (one label) with the tiny tokenizer, its chat
     template starting with the BOS as Llama's does."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trainer.tiny import save_tiny_rm
 
-    from trainer.tiny import build_tokenizer
-
-    out = tmp_path_factory.mktemp("rm")
-    tok = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, num_labels=1)
-    torch.manual_seed(3)
-    LlamaForSequenceClassification(config).save_pretrained(out)
-    tok.chat_template = "{{ bos_token }}" + str(tok.chat_template)  # as Llama's: verl strips the BOS
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_rm(tmp_path_factory.mktemp("rm"))
 
 
 @pytest.fixture(scope="module")

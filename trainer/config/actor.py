@@ -48,6 +48,12 @@ class ModelConfig:
     use_liger: bool = h("Liger's Triton kernels (compatibility only, see COMPAT)")
     use_fused_kernels: bool = h("verl's fused linear + log-prob kernel (compatibility only, see COMPAT)")
     fused_kernel_options: dict[str, Any] = h("options of verl's fused kernels (compatibility only, see COMPAT)")
+    override_config: dict[str, Any] = h(
+        "edits of the model's HF config, as verl's `update_model_config` applies them (e.g. "
+        "`+actor_rollout_ref.model.override_config.max_position_embeddings=32768`): over the "
+        "tokenizer's BOS/EOS/PAD ids, for the actor, the reference and the rollout engines (vLLM: "
+        "`hf_overrides`); a `model_config` sub-mapping is read as the mapping; `attn_implementation` "
+        "is read and not applied (`trainer/hf_overrides.py`)")
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,6 @@ CHUNKED_ENTROPY = ("verl computes the entropy over chunks of the sequence to sav
 #: verl's model, actor and reference keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.external_lib": "",
-    "actor_rollout_ref.model.override_config": "",
     "actor_rollout_ref.model.lora": ("Megatron's LoRA options; FSDP LoRA is "
                                      "`actor_rollout_ref.model.lora_rank`, `lora_alpha` and `target_modules` "
                                      "(`model.lora.rank` and `model.lora.alpha` are read as the first two)"),

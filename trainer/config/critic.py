@@ -29,6 +29,9 @@ class CriticModelConfig:
         "sequence, never a dense mask); false: the padded rows, cut to their longest real row")
     trust_remote_code: bool = h("allow model code shipped with the checkpoint")
     fsdp_config: FsdpConfig = h("critic FSDP options")
+    override_config: dict[str, Any] = h(
+        "edits of the critic model's HF config, as `actor_rollout_ref.model.override_config` for the "
+        "actor (verl's `update_model_config`, over the tokenizer's BOS/EOS/PAD ids)")
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "critic.ppo_micro_batch_size": "deprecated in verl; use `critic.ppo_micro_batch_size_per_gpu`",
     "critic.ulysses_sequence_parallel_size": "sequence parallelism",
     "critic.checkpoint": "checkpoint contents are fixed",
-    "critic.model.override_config": "",
     "critic.model.external_lib": "",
     "critic.model.lora_rank": _CRITIC_LORA,
     "critic.model.lora_alpha": _CRITIC_LORA,
@@ -74,8 +76,9 @@ COMPAT: dict[str, str] = {
     "critic.profiler": PROFILER,
     "critic.model.fsdp_config.forward_prefetch": PREFETCH,
     "critic.model.fsdp_config.mixed_precision.buffer_dtype": BUFFER_DTYPE,
-    "critic.model.tokenizer_path": ("the critic scores the actor's tokens and has no HF export, "
-                                    "so it loads no tokenizer"),
+    "critic.model.tokenizer_path": ("the critic scores the actor's tokens: its config takes the BOS/EOS/PAD "
+                                    "ids of the trainer's tokenizer (verl's default `tokenizer_path` is the "
+                                    "actor's model path) and it has no HF export"),
 }
 
 #: Newer verl spellings read as this trainer's key: verl 0.9.1 keeps the critic's FSDP engine

@@ -3,7 +3,7 @@ the one tests use; it samples with the training model itself unless given a copy
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -85,12 +85,14 @@ def tensor_parallel(model: PreTrainedModel, tp: int, world_size: int, device: st
 
 
 def rollout_copy(path: str, tp: int, world_size: int, device: torch.device, *,
-                 dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> PreTrainedModel:
+                 dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                 config_updates: Mapping[str, Any] | None = None) -> PreTrainedModel:
     """The HF engine's own model for a sharded actor: built empty, split over the `tp` ranks of
     this rank's group when `tp` > 1, then given memory on `device`; the first weight sync (before
     any rollout) gives it the actor's values. A rank holds its shares only, never the whole
-    model, and reads nothing of the checkpoint on disk."""
-    copy = empty_actor(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model, and reads nothing of the checkpoint on disk. `config_updates`: the actor's
+    (:func:`trainer.hf_overrides.config_updates`), so the copy is the trained model."""
+    copy = empty_actor(path, dtype=dtype, trust_remote_code=trust_remote_code, config_updates=config_updates)
     if tp > 1:
         copy = tensor_parallel(copy, tp, world_size, device.type)
     return materialize(copy, device).eval()  # type: ignore[return-value]

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.agent.base import TokenOutput
+from trainer.hf_overrides import override_kwargs
 from trainer.models import compute_dtype, load_model_config, resolve_model_path
 from trainer.rollout.base import (
     RolloutBatch,
@@ -209,7 +210,8 @@ def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: i
     `actor_rollout_ref.rollout` keys), stopping on every id of `eos_token_ids`."""
     r, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    hf_config = load_model_config(model.path, trust_remote_code=model.trust_remote_code).to_dict()
+    overrides = override_kwargs(model.override_config)  # what vLLM's model gets (`hf_overrides`)
+    hf_config = load_model_config(model.path, trust_remote_code=model.trust_remote_code, updates=overrides).to_dict()
     return dict(model_path=model.path, pad_token_id=tokenizer.pad_token_id,
                 eos_token_ids=eos_token_ids, calculate_log_probs=r.calculate_log_probs,
                 max_model_len=max_model_len(r.max_model_len, hf_config),
@@ -221,7 +223,7 @@ def rollout_knobs(cfg: Config, tokenizer: Any, eos_token_ids: list[int], seed: i
                 free_cache_engine=r.free_cache_engine,
                 trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
                 load_format="dummy",  # random weights: the trainer syncs before every first rollout
-                engine_kwargs=dict(r.engine_kwargs.vllm))
+                hf_overrides=overrides, engine_kwargs=dict(r.engine_kwargs.vllm))
 
 
 def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dtype: str = "float32",
@@ -229,14 +231,17 @@ def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dt
                 enforce_eager: bool = False, max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192,
                 enable_chunked_prefill: bool = True, disable_log_stats: bool = True,
                 free_cache_engine: bool = True, trust_remote_code: bool = False,
-                load_format: str = "auto", engine_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                load_format: str = "auto", hf_overrides: Mapping[str, Any] | None = None,
+                engine_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's engine arguments (`LLM(**...)`, `AsyncEngineArgs(**...)`) for a rollout engine:
     one set of knobs for the in-process engine and the server-mode replica. `engine_kwargs`
     (`rollout.engine_kwargs.vllm`) go in as verl 0.9.1 passes them
     (`vllm_async_server.py`): null values dropped, `compilation_config` (a mapping or its JSON
     text) given `cudagraph_mode: FULL_AND_PIECEWISE` unless it sets one, the rest over the
     arguments set here (the config refuses those the rollout depends on:
-    `trainer.config.rollout.ENGINE_KWARGS_REFUSED`)."""
+    `trainer.config.rollout.ENGINE_KWARGS_REFUSED`). `hf_overrides`: the actor's
+    `model.override_config` edits (:func:`trainer.hf_overrides.override_kwargs`), so vLLM builds
+    the model the actor trains (verl 0.9.1 hands vLLM only the `max_model_len` they imply)."""
     directory, gguf_file = resolve_model_path(model_path)
     gpu = torch.cuda.is_available()
     args = dict(
@@ -249,6 +254,8 @@ def engine_args(model_path: str | Path, *, max_model_len: int, seed: int = 0, dt
         trust_remote_code=trust_remote_code, load_format=load_format,
         # verl's default: log-probs after temperature (what the actor's recomputation gives)
         logprobs_mode="processed_logprobs")
+    if hf_overrides:
+        args["hf_overrides"] = dict(hf_overrides)
     args.update(vllm_engine_kwargs(engine_kwargs or {}))
     if not gpu:
         args["enforce_eager"] = True  # vLLM's CPU backend captures no CUDA graphs

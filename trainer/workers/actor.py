@@ -31,6 +31,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos, rollout_corr
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.hf_overrides import config_updates
 from trainer.lora import apply_lora
 from trainer.metrics import flops_fields
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
@@ -53,22 +54,24 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
         tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         self.lora = arr.model.lora_rank > 0
+        self.config_updates = config_updates(arr.model.override_config, self.tokenizer)  # verl's edits
         section = "actor_rollout_ref.actor.fsdp_config"
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
             model: Any = apply_lora(M.load_actor(arr.model.path, dtype=arr.actor.fsdp_config.model_dtype,
                                                  attn_implementation=self._attention(arr.actor.fsdp_config),
-                                                 trust_remote_code=trust,
+                                                 trust_remote_code=trust, config_updates=self.config_updates,
                                                  gradient_checkpointing=arr.model.enable_gradient_checkpointing),
                                     arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
             self.model = self._place(model, arr.actor.fsdp_config, section)
         else:
             self.model = self._load_placed(arr.model.path, arr.actor.fsdp_config, section, trust_remote_code=trust,
-                                           gradient_checkpointing=arr.model.enable_gradient_checkpointing)
+                                           gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+                                           config_updates=self.config_updates)
         self.model.train()
         self.ref: Any = None
         if self.cfg.derived.use_reference and not self.lora:  # LoRA: the actor, adapters disabled
             self.ref = self._load_placed(arr.model.path, arr.ref.fsdp_config, "actor_rollout_ref.ref.fsdp_config",
-                                         frozen=True, trust_remote_code=trust)
+                                         frozen=True, trust_remote_code=trust, config_updates=self.config_updates)
         self.phases.memory.empty_cache()  # the build's transient blocks, before the rollout engine sizes itself
         self._optimizer(arr.actor.optim)
         # the registered `loss_mode`, or bypass mode's loss (verl's `apply_bypass_mode` replaces it)
@@ -115,7 +118,7 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
         # get the same prompts and seed), and sync it from the gathered weights.
         copy = rollout_copy(arr.model.path, tp, self.ctx.world_size, self.device,
                             dtype=M.compute_dtype(arr.rollout.dtype, self.device),
-                            trust_remote_code=arr.model.trust_remote_code)
+                            trust_remote_code=arr.model.trust_remote_code, config_updates=self.config_updates)
         return HFRolloutEngine(copy, pad, eos, offload=True), False
 
     # ------------------------------------------------------------------ rollout

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,8 @@ class Worker:
         return placed
 
     def _load_placed(self, path: str, fsdp_config: Any, section: str, *, frozen: bool = False,
-                     gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> Any:
+                     gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+                     config_updates: Mapping[str, Any] | None = None) -> Any:
         """The actor's (or, `frozen`, the reference's) model placed by :meth:`_place`. From HF
         safetensors it is built empty, placed and sharded, and then each rank reads only its own
         shards from the files (:func:`trainer.models.load_local_shards`): no rank reads the whole
@@ -233,11 +235,11 @@ class Worker:
         if not M.safetensors_files(path):
             model = M.load_actor(path, dtype=dtype, attn_implementation=attention,
                                  gradient_checkpointing=gradient_checkpointing,
-                                 trust_remote_code=trust_remote_code)
+                                 trust_remote_code=trust_remote_code, config_updates=config_updates)
         else:
             model = M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
                                          gradient_checkpointing=gradient_checkpointing,
-                                         trust_remote_code=trust_remote_code)
+                                         trust_remote_code=trust_remote_code, config_updates=config_updates)
         if frozen:
             model = model.eval().requires_grad_(False)
         placed = self._place(model, fsdp_config, section)

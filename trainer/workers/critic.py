@@ -12,6 +12,7 @@ from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
 from trainer.batch import MiniBatchShare, StepBatch, need
+from trainer.hf_overrides import config_updates
 from trainer.metrics import flops_fields
 from trainer.workers.base import Worker
 
@@ -26,10 +27,13 @@ class CriticWorker(Worker):
     def build(self) -> None:
         c = self.cfg.critic
         assert c.model.path is not None
+        tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source  # the ids of the tokens it scores
+        tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
         self.model = self._place(M.load_critic(c.model.path, dtype=c.model.fsdp_config.model_dtype,
                                                attn_implementation=self._attention(c.model.fsdp_config),
                                                gradient_checkpointing=c.model.enable_gradient_checkpointing,
-                                               trust_remote_code=c.model.trust_remote_code),
+                                               trust_remote_code=c.model.trust_remote_code,
+                                               config_updates=config_updates(c.model.override_config, tokenizer)),
                                  c.model.fsdp_config, "critic.model.fsdp_config")
         self.model.train()
         self._optimizer(c.optim)

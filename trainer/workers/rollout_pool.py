@@ -23,6 +23,7 @@ import torch
 from trainer import models as M
 from trainer import parallel as P
 from trainer.config import Config
+from trainer.hf_overrides import config_updates
 from trainer.phases import Phases
 from trainer.rollout.base import RolloutBatch
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
@@ -77,7 +78,8 @@ class RolloutWorker(RolloutSide, Worker):
         else:  # an empty copy given memory here; the first load brings the trainer's weights
             copy = rollout_copy(arr.model.path, 1, 1, self.device,
                                 dtype=M.compute_dtype(arr.rollout.dtype, self.device),
-                                trust_remote_code=arr.model.trust_remote_code)
+                                trust_remote_code=arr.model.trust_remote_code,
+                                config_updates=config_updates(arr.model.override_config, self.tokenizer))
             self.rollout = HFRolloutEngine(copy, self.tokenizer.pad_token_id, eos)
 
     def load_weights(self, refs: list[Any], version: int) -> tuple[float, float]:

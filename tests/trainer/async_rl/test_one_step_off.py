@@ -165,9 +165,9 @@ def test_the_entry_composes_verls_one_step_off_file_beneath_the_overrides(capsys
 #: verl's one-step-off scripts (FSDP2, vLLM) at the verl commit followed, as
 #: `python -m trainer.one_step_off` reads them, and what still turns each away.
 ONE_STEP_OFF_SCRIPTS = {
-    "dapo_7b_math_fsdp2_4_12.sh": "override_config.max_position_embeddings` is not supported",
-    "dapo_7b_math_fsdp2_64_64.sh": "override_config.max_position_embeddings` is not supported",
-    "dapo_7b_math_fsdp2_64_64_ris.sh": "override_config.max_position_embeddings` is not supported",
+    "dapo_7b_math_fsdp2_4_12.sh": "ulysses_sequence_parallel_size=4` is not supported yet (sequence parallelism)",
+    "dapo_7b_math_fsdp2_64_64.sh": "ulysses_sequence_parallel_size=4` is not supported yet (sequence parallelism)",
+    "dapo_7b_math_fsdp2_64_64_ris.sh": "ulysses_sequence_parallel_size=4` is not supported yet (sequence parallelism)",
     "grpo_0.6b_gsm8k_fsdp2_2_6.sh": "tensor-parallel engines in a pool are not built",
     "grpo_3b_gsm8k_fsdp2_2_6.sh": "tensor-parallel engines in a pool are not built",
     "grpo_qwen3_8b_gsm8k_fsdp2_8_8_npu.sh": "fsdp_config.fsdp_size=8`: FSDP wrapping and sharding options",

@@ -297,3 +297,28 @@ def test_vllm_rollout_stops_on_every_eos_of_the_generation_config(tiny_model_dir
 
     write_toy_digits(tmp_path / "data", train_size=16, val_size=16, seed=0)
     check_two_eos(tiny_model_dir, tmp_path / "data", tmp_path, "vllm")
+
+
+def test_the_model_override_reaches_vllms_model(tiny_model_dir: Path) -> None:
+    """`actor_rollout_ref.model.override_config` goes to vLLM as `hf_overrides`: its model config
+    carries it, and a null `max_model_len` is the edited context (above the tiny model's 512,
+    which vLLM itself would refuse without the override)."""
+    require_vllm()
+    from trainer.config import load_config
+    from trainer.models import load_tokenizer
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.vllm import VLLMRolloutEngine
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.device=cpu",
+                       "actor_rollout_ref.rollout.name=vllm", "data.max_response_length=8",
+                       "+actor_rollout_ref.model.override_config.max_position_embeddings=1024"])
+    tok = load_tokenizer(tiny_model_dir)
+    engine = VLLMRolloutEngine.from_config(cfg, tok, [tok.eos_token_id])
+    try:
+        model_config = engine.llm.llm_engine.model_config
+        assert (model_config.max_model_len, model_config.hf_config.max_position_embeddings) == (1024, 1024)
+        ids, mask = _prompts(tiny_model_dir)
+        out = engine.generate(ids, mask, SamplingParams(n=1, max_response_length=8, do_sample=False))
+        assert out.response_ids.shape == (len(ids), 8)
+    finally:
+        engine.close()
