@@ -4,7 +4,7 @@ Contract with the node agent (`python -m hpcrl.agent <RUN_DIR>`, one per node):
 
 - ``JobSpec.from_dict(hpcrl.rundir.read_job(run_dir))`` gives the job.
 - ``profile`` is the fully resolved site profile as plain data; rebuild the dataclasses with
-  :func:`hpcrl.profiles.profile_from_dict`.
+  :func:`hpcrl.profile_load.profile_from_dict`.
 - ``payload`` is the argv of the payload run on the head inside the container (default
   ``[python, -m, trainer, <overrides...>]``).
 - ``secrets`` lists variable NAMES passed through from the submitting environment; the values

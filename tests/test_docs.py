@@ -209,7 +209,7 @@ def _check_overrides(overrides: list[str]) -> None:
 
 def _check_hpcrl(args: list[str], home: Path) -> None:
     from hpcrl.cli import build_parser
-    from hpcrl.profiles import load_profile
+    from hpcrl.profile_load import load_profile
 
     ns = build_parser().parse_args(args)
     if ns.command not in ("submit", "render"):

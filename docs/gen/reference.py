@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hpcrl import profiles  # noqa: E402
+from hpcrl import profile_load, profiles  # noqa: E402
 from hpcrl.cli import build_parser  # noqa: E402
 from tests.trainer import verl_examples  # noqa: E402
 from trainer.config.load import describe_keys, load_defaults  # noqa: E402
@@ -70,7 +70,7 @@ def _profile_rows(cls: type, prefix: str) -> list[str]:
             limits.append(f"{low:g} to {high:g} ({meta['rule']})")
         default = "required" if f.default is dataclasses.MISSING and \
             f.default_factory is dataclasses.MISSING else _cell(_default(f))  # type: ignore[misc]
-        rows.append(f"| `{key}` | {profiles._type_name(hint)} | {default} | "
+        rows.append(f"| `{key}` | {profiles.type_name(hint)} | {default} | "
                     f"{'; '.join(limits) or '-'} | {_text(meta.get('help', ''))} | "
                     f"`hpcrl/profiles.py:{line}` `{cls.__name__}` |")
     return rows
@@ -83,7 +83,7 @@ def _as_written(value: object) -> object:
         return [_as_written(v) for v in value]
     if not isinstance(value, str):
         return value
-    refs = sorted(((profiles._sys_value(n), n) for n in profiles.SYS_REFS), key=lambda r: -len(r[0]))
+    refs = sorted(((profile_load._sys_value(n), n) for n in profiles.SYS_REFS), key=lambda r: -len(r[0]))
     for path, name in refs:
         value = value.replace(path, "${sys:" + name + "}")
     return value
@@ -101,10 +101,10 @@ def site_profile_page() -> str:
                "Each value a shipped profile sets away from the default, and the file it comes "
                "from (`extends:` chains included). `~` is the submitting user's home.\n")
     environ = {"HOME": "~", "PATH": "/usr/bin"}
-    for name, path in profiles.available_profiles(environ).items():
+    for name, path in profile_load.available_profiles(environ).items():
         if path.parent != ROOT / "site_profiles":
             continue
-        loaded = profiles.load_profile(name, environ)
+        loaded = profile_load.load_profile(name, environ)
         default = profiles.profile_to_dict(dataclasses.replace(
             profiles.SiteProfile(name=name)))
         defaults = dict(profiles.flatten(default))

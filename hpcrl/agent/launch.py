@@ -48,7 +48,8 @@ from hpcrl.netaddr import (
     socket_ifname_env,
 )
 from hpcrl.payloads import verl
-from hpcrl.profiles import env_for_ray_version, profile_from_dict
+from hpcrl.profile_load import profile_from_dict
+from hpcrl.profiles import env_for_ray_version
 from hpcrl.rundir import RAY_RESOURCES
 
 WATCHER = "gcs_watch.py"

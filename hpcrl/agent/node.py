@@ -23,7 +23,7 @@ from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.procs import Child
 from hpcrl.containers import container_command
 from hpcrl.devices import DEVICE_VARS
-from hpcrl.profiles import container_from_dict, profile_from_dict
+from hpcrl.profile_load import container_from_dict, profile_from_dict
 from hpcrl.rundir import Retrying, RunPaths, StateWriter
 from hpcrl.slurm_env import JobContext
 

@@ -22,7 +22,8 @@ from hpcrl.jobspec import (
 from hpcrl.payloads import verl
 from hpcrl.plotting import PlotError
 from hpcrl.preflight import PreflightError
-from hpcrl.profiles import ProfileError, load_profile, replace_slurm
+from hpcrl.profile_load import load_profile, replace_slurm
+from hpcrl.profiles import ProfileError
 from hpcrl.rundir import RunDir, RunFileError, read_job
 from hpcrl.slurm import SlurmError
 from hpcrl.submission import RequestError, build_request, default_python, default_run_dir, make_spec

@@ -18,7 +18,8 @@ from hpcrl.commands import submit
 from hpcrl.commands._common import user_errors
 from hpcrl.doctor_record import RESULT, record_pass, row
 from hpcrl.memcheck import check_memory
-from hpcrl.profiles import ProfileError, SiteProfile, load_profile, profile_to_dict
+from hpcrl.profile_load import load_profile
+from hpcrl.profiles import ProfileError, SiteProfile, profile_to_dict
 from hpcrl.runreport import reading_env
 
 HELP = "check a site on the cluster with a short job: container, GPUs, all-reduce, Ray, vLLM"

@@ -7,7 +7,7 @@ import sys
 
 from hpcrl.commands._common import add_site, site_name, user_errors
 from hpcrl.containers import ContainerError, build_command, pull_command
-from hpcrl.profiles import load_profile
+from hpcrl.profile_load import load_profile
 from hpcrl.resources import data_dir
 
 HELP = "build or pull the site's container image with its runtime's own command"

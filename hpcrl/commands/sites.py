@@ -10,16 +10,13 @@ from collections.abc import Sequence
 
 from hpcrl import sitenew
 from hpcrl.commands._common import user_errors
+from hpcrl.profile_load import available_profiles, check_profile_name, load_profile, user_sites_dir
 from hpcrl.profiles import (
     ProfileError,
     SiteProfile,
-    _check_name,
-    available_profiles,
     flatten,
-    load_profile,
     profile_to_dict,
     source_of,
-    user_sites_dir,
 )
 from hpcrl.sitedetect import Probe
 
@@ -90,7 +87,7 @@ def ask_terminal(question: str, default: str, choices: Sequence[str]) -> str:
 
 def new_site(args: argparse.Namespace) -> int:
     """Detect, plan, write ~/.config/hpcrl/sites/NAME.yaml, check it loads, point at the doctor."""
-    _check_name(args.name, None)
+    check_profile_name(args.name, None)
     path = user_sites_dir() / f"{args.name}.yaml"
     if path.exists() and not args.force:
         raise ProfileError(f"{path} exists; pass `--force` to replace it, or choose another name")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl.containers import ContainerError, build_command, container_command, pull_command
-from hpcrl.profiles import ContainerConfig, load_profile
+from hpcrl.profile_load import load_profile
+from hpcrl.profiles import ContainerConfig
 from hpcrl.runtimes import get as get_runtime
 
 SECRET = "s3cr3t-value-never-in-argv"

@@ -23,7 +23,7 @@ from hpcrl.doctor_check import (
     sandbox_report,
     sandbox_row,
 )
-from hpcrl.profiles import load_profile
+from hpcrl.profile_load import load_profile
 from tests.conftest import DATA
 
 # Lines composed in the format of NCCL's `NCCL_DEBUG=INFO` log (INIT,NET), not captured from a

@@ -7,15 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.profile_load import available_profiles, interpolate, load_profile, profile_from_dict
 from hpcrl.profiles import (
     ProfileError,
     VersionEnvRule,
-    available_profiles,
     env_for_ray_version,
-    interpolate,
-    load_profile,
     parse_time_minutes,
-    profile_from_dict,
     profile_to_dict,
 )
 from tests.conftest import REPO, run_hpcrl
@@ -265,7 +262,7 @@ def test_profile_numbers_are_range_checked(tmp_path: Path, section: str, key: st
 
 
 def test_command_line_numbers_are_range_checked_too(tmp_path: Path) -> None:
-    from hpcrl.profiles import replace_slurm
+    from hpcrl.profile_load import replace_slurm
 
     lab = load_profile("slurmlab", env_with(tmp_path)).profile
     with pytest.raises(ProfileError, match=r"the command line: key `slurm.nodes` must be a number "
@@ -283,7 +280,7 @@ def test_signal_lead_is_checked_against_the_time_limit(tmp_path: Path) -> None:
                        r"time limit `slurm.time` '00:10:00' \(600 s\).*requeue itself until "
                        r"`slurm.max_requeues`. Fix: a lead well below the time limit \(e.g. 60\)"):
         load_profile("late", env_with(tmp_path, HPCRL_SITE_PATH=str(sites)))
-    from hpcrl.profiles import replace_slurm
+    from hpcrl.profile_load import replace_slurm
 
     lab = load_profile("slurmlab", env_with(tmp_path)).profile
     with pytest.raises(ProfileError, match="the command line: key `slurm.signal_lead_s` is 30 s"):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from hpcrl import sitenew
-from hpcrl.profiles import load_profile
+from hpcrl.profile_load import load_profile
 from hpcrl.sitedetect import (
     Gres,
     Probe,

@@ -16,7 +16,8 @@ import pytest
 
 from hpcrl.agent.jobfile import parse_job
 from hpcrl.jobspec import JobSpec, default_payload, prepare_run_dir
-from hpcrl.profiles import ProfileError, _sys_value, load_profile, replace_slurm
+from hpcrl.profile_load import _sys_value, load_profile, replace_slurm
+from hpcrl.profiles import ProfileError
 from hpcrl.submission import (
     RequestError,
     build_request,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.profiles import ProfileError, load_profile
+from hpcrl.profile_load import load_profile
+from hpcrl.profiles import ProfileError
 from hpcrl.suggest import did_you_mean
 
 

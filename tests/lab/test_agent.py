@@ -26,7 +26,7 @@ PROFILE_VARS = {"HPCRL_LAB_MARKER", "HPCRL_LAB_QUOTING", "TOKENIZERS_PARALLELISM
 
 def write_site(sites: Path, name: str, base: str, run_root: Path, extra: str = "") -> None:
     """A test profile extending the lab's: PROBE_ENV names every variable of the profile."""
-    from hpcrl.profiles import load_profile
+    from hpcrl.profile_load import load_profile
 
     env = load_profile(base, dict(os.environ)).profile.env
     names = ",".join(sorted([*env, "PROBE_SECRET", "PROBE_ENV"]))

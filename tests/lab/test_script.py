@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.profiles import load_profile
+from hpcrl.profile_load import load_profile
 from tests.conftest import run_hpcrl, write_exe
 
 pytestmark = pytest.mark.lab
