@@ -80,16 +80,16 @@ lab-packages: $(STAMP)
 	else echo "not root: skipping the lab's Debian packages (lab tests skip, or fail under CI=true)"; fi
 
 # `make test` runs three chains side by side, each stage's output kept and printed when it ends:
-# - the main stage (`not lab and not containers`) at once, in the foreground;
-# - .venv-vllm built in the background (.venv/vllm-build.log), then the vLLM stage beside the
-#   main stage (its lab scenarios on lab instance 1, .venv/vllm-stage.log), then the node-failure
-#   scenario (lab instance 1, .venv/node-failure.log), instead of after the main stage: much of
-#   their time is waiting (vLLM's start-up, Slurm, Ray, the watchdog), which the main stage's CPU
-#   work now fills (docs/testing.md has the estimate);
+# - the main stage (`not lab and not containers`) at once, in the foreground, then the vLLM stage
+#   (its lab scenarios on lab instance 1) once .venv-vllm is built;
+# - .venv-vllm built in the background while the main stage runs (.venv/vllm-build.log);
 # - .venv-verl built in the background, then the lab scenarios (`lab or containers`, on lab
 #   instance 0, .venv/lab-stage.log; they run verl itself, so they wait for its venv), then the
-#   verl stage (.venv/verl-stage.log); the lab scenarios spend much of their time waiting on Slurm
-#   and Ray.
+#   verl stage (.venv/verl-stage.log), then the node-failure scenario (lab instance 0,
+#   .venv/node-failure.log); the lab scenarios spend much of their time waiting on Slurm and Ray.
+# The vLLM stage runs after the main stage, not beside it: beside it (tried at 20b113f) the three
+# stages' load (about 7 on 2 cores) made two timing-bound scenarios fail (a stop's checkpoint past
+# Slurm's KillWait, a rank not yet asleep), for 340 s saved (docs/testing.md).
 # The node-failure scenario checks how soon the agents notice a lost node, in their own logs'
 # time stamps (not after the Slurm calls that follow, which a busy machine delays): that bound
 # holds beside the other stages. The lab's container images (about 3 minutes on a fresh machine)
@@ -121,10 +121,10 @@ test: disk-check lab-packages
 		mkdir -p $(VENV)/lab-images-home; \
 		HOME=$(CURDIR)/$(VENV)/lab-images-home $(PY) -m tests.lab images > $(VENV)/lab-images.log 2>&1 & images=$$!; fi; \
 	status=0; lab_rc=$(VENV)/lab-stage.rc; lab_log=$(VENV)/lab-stage.log; verl_rc=$(VENV)/verl-stage.rc; \
-	verl_log=$(VENV)/verl-stage.log; vllm_rc=$(VENV)/vllm-stage.rc; vllm_log=$(VENV)/vllm-stage.log; \
+	verl_log=$(VENV)/verl-stage.log; \
 	nf_rc=$(VENV)/node-failure.rc; nf_log=$(VENV)/node-failure.log; \
-	rm -f $$lab_rc $$verl_rc $$vllm_rc $$nf_rc; \
-	echo "lab scenarios and the verl stage, the vLLM stage and the node-failure scenario: running beside the rest of the suite once their venvs are built; their output is in $$lab_log, $$verl_log, $$vllm_log and $$nf_log, printed when they end"; \
+	rm -f $$lab_rc $$verl_rc $(VENV)/vllm-build.rc $$nf_rc; \
+	echo "lab scenarios, the verl stage and the node-failure scenario: running beside the rest of the suite once .venv-verl is built; their output is in $$lab_log, $$verl_log and $$nf_log, printed when they end"; \
 	{ if $(MAKE) --no-print-directory verl-venv > $(VENV)/verl-build.log 2>&1; then \
 		stamp ".venv-verl ready" > $$lab_log; \
 		$(PY) -m pytest -m "lab or containers" --deselect tests/lab/test_node_failure.py $(PYTEST_ARGS) >> $$lab_log 2>&1; \
@@ -133,29 +133,25 @@ test: disk-check lab-packages
 			tests/trainer/agent/test_verl_compat.py $(PYTEST_ARGS) > $$verl_log 2>&1; \
 		echo $$? > $$verl_rc; stamp "verl stage ended" >> $$verl_log; \
 	  else cat $(VENV)/verl-build.log > $$lab_log; echo "building .venv-verl failed (above)" | tee -a $$lab_log > $$verl_log; \
-		echo 1 > $$lab_rc; echo 1 > $$verl_rc; fi; } & lab=$$!; \
-	{ if $(MAKE) --no-print-directory vllm-venv > $(VENV)/vllm-build.log 2>&1; then \
-		stamp ".venv-vllm ready" > $$vllm_log; \
-		HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
-			>> $$vllm_log 2>&1; \
-		echo $$? > $$vllm_rc; stamp "vLLM stage ended" >> $$vllm_log; \
-	  else cat $(VENV)/vllm-build.log > $$vllm_log; echo "building .venv-vllm failed (above): the vLLM stage did not run" >> $$vllm_log; \
-		echo 1 > $$vllm_rc; fi; \
-	  HPCRL_LAB_INSTANCE=1 $(PY) -m pytest tests/lab/test_node_failure.py $(PYTEST_ARGS) > $$nf_log 2>&1; \
-	  echo $$? > $$nf_rc; stamp "node-failure scenario ended" >> $$nf_log; } & vllm=$$!; \
+		echo 1 > $$lab_rc; echo 1 > $$verl_rc; fi; \
+	  $(PY) -m pytest tests/lab/test_node_failure.py $(PYTEST_ARGS) > $$nf_log 2>&1; \
+	  echo $$? > $$nf_rc; stamp "node-failure scenario ended" >> $$nf_log; } & lab=$$!; \
+	{ $(MAKE) --no-print-directory vllm-venv > $(VENV)/vllm-build.log 2>&1; echo $$? > $(VENV)/vllm-build.rc; } & vllm=$$!; \
 	$(PY) -m pytest -m "not lab and not containers" $(PYTEST_ARGS) || status=$$?; \
 	stamp "main stage ended (exit status $$status)"; \
-	wait $$vllm; vllm_status=$$(cat $$vllm_rc 2>/dev/null || echo missing); nf_status=$$(cat $$nf_rc 2>/dev/null || echo missing); \
-	stamp "vLLM stage and node-failure scenario ended"; \
-	echo "==== vLLM stage (.venv-vllm, lab instance 1), exit status $$vllm_status ===="; cat $$vllm_log; \
-	echo "==== node-failure scenario (lab instance 1), exit status $$nf_status ===="; cat $$nf_log; \
-	[ "$$vllm_status" = 0 ] || status=1; [ "$$nf_status" = 0 ] || status=1; \
+	wait $$vllm; \
+	if [ "$$(cat $(VENV)/vllm-build.rc 2>/dev/null || echo 1)" = 0 ]; then stamp ".venv-vllm ready"; \
+		HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py tests/lab/test_seeds.py $(PYTEST_ARGS) \
+			|| status=$$?; stamp "vLLM stage ended"; \
+	else cat $(VENV)/vllm-build.log; echo "building .venv-vllm failed (above): the vLLM stage did not run"; status=1; fi; \
 	[ -z "$$images" ] || wait $$images || true; \
 	wait $$lab; lab_status=$$(cat $$lab_rc 2>/dev/null || echo missing); verl_status=$$(cat $$verl_rc 2>/dev/null || echo missing); \
-	stamp "lab scenarios and verl stage ended"; \
+	nf_status=$$(cat $$nf_rc 2>/dev/null || echo missing); \
+	stamp "lab scenarios, verl stage and node-failure scenario ended"; \
 	echo "==== lab scenarios (lab instance 0), exit status $$lab_status ===="; cat $$lab_log; \
 	echo "==== verl stage (.venv-verl), exit status $$verl_status ===="; cat $$verl_log; \
-	[ "$$lab_status" = 0 ] || status=1; [ "$$verl_status" = 0 ] || status=1; \
+	echo "==== node-failure scenario (lab instance 0), exit status $$nf_status ===="; cat $$nf_log; \
+	[ "$$lab_status" = 0 ] || status=1; [ "$$verl_status" = 0 ] || status=1; [ "$$nf_status" = 0 ] || status=1; \
 	stamp "make test exits with $$status"; \
 	exit $$status
 

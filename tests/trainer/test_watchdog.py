@@ -75,6 +75,9 @@ def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
                               stdout=subprocess.PIPE, text=True, env=env) for r in range(n)]
     for proc in procs:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        # asleep, not still returning from the print (a busy machine may hold it there): the tests
+        # name each rank's state
+        wait_until(lambda proc=proc: process_state(proc.pid) == "S", "the rank asleep")  # type: ignore[misc]
     return procs
 
 
