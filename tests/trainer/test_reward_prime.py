@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.verl_env import verl_python
 from trainer.rewards import RewardError, load_reward_fn
 from trainer.rewards.prime import score_prime
@@ -58,7 +59,10 @@ def test_a_row_past_the_deadline_scores_zero_and_its_process_is_ended(monkeypatc
                          processes=2, timeout_s=2.0)
     assert scores == [1.0, 0.0, 1.0]
     assert time.monotonic() - began < 60  # the hanging call (an hour) did not hold the batch
-    assert len(seen) == 2 and not [p for p in seen if p.is_alive()]  # ended, the hanging one too
+    assert len(seen) == 2
+    # ended, the hanging one too: killed before the call returned, reaped at once unless the
+    # machine is busy (a `make test-fresh` at 20b113f's successor saw one still alive right then)
+    wait_until(lambda: not [p for p in seen if p.is_alive()], "the pool's processes ended", timeout_s=30)
 
 
 def test_workers_end_at_once_under_the_trainer_s_stop_handlers() -> None:
