@@ -24,9 +24,7 @@ same CPUs, so the gain is bounded by what the cores leave idle.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -84,29 +82,11 @@ def main() -> None:
     parser.add_argument("--staleness", type=float, default=1.0)
     args = parser.parse_args()
 
-    from ray.cluster_utils import Cluster
+    from bench.one_step_off import pools_cluster
 
-    from trainer.rewards.toy import write_toy_digits
-    from trainer.tiny import save_tiny
-    from trainer.workers.ray_group import private_token_auth
-
-    for name in ("RAY_ADDRESS", "CUDA_VISIBLE_DEVICES"):
-        os.environ.pop(name, None)
-    private_token_auth()
-    with tempfile.TemporaryDirectory(prefix="bench-fully-async-") as tmp:
-        root = Path(tmp)
-        model = save_tiny(root / "model", seed=0)
-        write_toy_digits(root / "data", train_size=256, val_size=8, seed=0)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": args.trainer_ranks,
-                                                                "include_dashboard": False})
-        cluster.add_node(num_cpus=args.pool_ranks, num_gpus=args.pool_ranks)
-        cluster.wait_for_nodes()
-        os.environ["RAY_ADDRESS"] = cluster.address
-        try:
-            held = run("held", 0.0, args, model, root / "data", root)
-            ahead = run("ahead", args.staleness, args, model, root / "data", root)
-        finally:
-            cluster.shutdown()
+    with pools_cluster("bench-fully-async-", args.trainer_ranks, args.pool_ranks) as (root, model, data):
+        held = run("held", 0.0, args, model, data, root)
+        ahead = run("ahead", args.staleness, args, model, data, root)
     print(f"steps {args.steps}, {args.batch} prompts x 4 samples per update, a sync per update, responses up to "
           f"{args.response_length} tokens, {args.trainer_ranks} trainer rank(s) + {args.pool_ranks} pool ranks; "
           f"medians over steps 2-{args.steps}")

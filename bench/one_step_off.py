@@ -23,7 +23,9 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +88,11 @@ def run(cls: type[OneStepOffDriver], args: argparse.Namespace, model: Path, data
             "total_s": total, "scores": [round(r["critic/score/mean"], 6) for r in rows]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--response-length", type=int, default=48)
-    parser.add_argument("--trainer-ranks", type=int, default=1)
-    args = parser.parse_args()
-
+@contextmanager
+def pools_cluster(prefix: str, trainer_gpus: int, pool_gpus: int) -> Iterator[tuple[Path, Path, Path]]:
+    """A two-node Ray cluster on this machine (the trainer's node declaring `trainer_gpus`, the
+    pool's `pool_gpus`, one CPU per GPU there), RAY_ADDRESS pointing at it, and a temporary
+    directory with the tiny model and the toy data: (directory, model, data)."""
     import os
 
     from ray.cluster_utils import Cluster
@@ -105,20 +104,32 @@ def main() -> None:
     for name in ("RAY_ADDRESS", "CUDA_VISIBLE_DEVICES"):
         os.environ.pop(name, None)
     private_token_auth()
-    with tempfile.TemporaryDirectory(prefix="bench-one-step-off-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         root = Path(tmp)
         model = save_tiny(root / "model", seed=0)
         write_toy_digits(root / "data", train_size=256, val_size=8, seed=0)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": args.trainer_ranks,
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": trainer_gpus,
                                                                 "include_dashboard": False})
-        cluster.add_node(num_cpus=1, num_gpus=1)
+        cluster.add_node(num_cpus=pool_gpus, num_gpus=pool_gpus)
         cluster.wait_for_nodes()
         os.environ["RAY_ADDRESS"] = cluster.address
         try:
-            turns = run(TakingTurns, args, model, root / "data", root)
-            ahead = run(OneStepOffDriver, args, model, root / "data", root)
+            yield root, model, root / "data"
         finally:
             cluster.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--response-length", type=int, default=48)
+    parser.add_argument("--trainer-ranks", type=int, default=1)
+    args = parser.parse_args()
+
+    with pools_cluster("bench-one-step-off-", args.trainer_ranks, 1) as (root, model, data):
+        turns = run(TakingTurns, args, model, data, root)
+        ahead = run(OneStepOffDriver, args, model, data, root)
     same = turns["scores"] == ahead["scores"]
     print(f"steps {args.steps}, batch {args.batch} x 4 samples, responses up to {args.response_length} tokens, "
           f"{args.trainer_ranks} trainer rank(s) + 1 pool rank; medians over steps 2-{args.steps}")
