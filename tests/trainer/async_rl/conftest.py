@@ -32,3 +32,18 @@ def two_nodes() -> Iterator[Any]:
             if ray.is_initialized():
                 ray.shutdown()
             cluster.shutdown()
+
+
+def stopped_after(driver_class: Any, step: int) -> Any:
+    """`driver_class` asked to stop (the run directory's STOP file) once step `step` has trained:
+    the run checkpoints that step, whatever the loop has in flight, and exits for a requeue."""
+    from trainer.stop import STOP_FILE
+
+    class Stopped(driver_class):  # type: ignore[misc, valid-type]
+        def next_step(self) -> dict[str, float]:
+            metrics = super().next_step()
+            if self.global_step == step:
+                (self.run_dir / STOP_FILE).write_text("test")
+            return metrics
+
+    return Stopped

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.trainer.async_rl.conftest import stopped_after
 from tests.trainer.async_rl.test_one_step_off import base
 from tests.trainer.test_distributed import toy  # noqa: F401 (a fixture)
 from trainer.config import ConfigError, load_config
@@ -77,15 +78,8 @@ def test_fully_async_streams_within_the_bound_and_a_stop_trains_every_prompt_onc
     from trainer.async_rl.fully_async import FullyAsyncDriver
     from trainer.data import PromptLoader
     from trainer.exit_codes import REQUEUE_EXIT_CODE
-    from trainer.stop import STOP_FILE
 
-    class StoppedAfterStep2(FullyAsyncDriver):
-        def next_step(self) -> dict[str, float]:
-            metrics = super().next_step()
-            if self.global_step == 2:
-                (self.run_dir / STOP_FILE).write_text("test")
-            return metrics
-
+    StoppedAfterStep2 = stopped_after(FullyAsyncDriver, 2)
     run = tmp_path / "run"
     driver = StoppedAfterStep2(run_cfg(tiny_model_dir, toy, run, "trainer.test_freq=2"))
     try:

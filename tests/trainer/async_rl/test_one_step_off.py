@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.trainer.async_rl.conftest import stopped_after
 from tests.trainer.test_distributed import overrides, toy  # noqa: F401 (a fixture)
 from trainer.config import ConfigError, load_config
 from trainer.config.async_training import check_separate_pools_built
@@ -74,15 +75,8 @@ def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_
     from trainer.exit_codes import REQUEUE_EXIT_CODE
     from trainer.stop import STOP_FILE
 
-    class StoppedAfterStep2(OneStepOffDriver):
-        """A stop asked (the run directory's STOP file) while step 2 trains and batch 3 is generated."""
-
-        def next_step(self) -> dict[str, float]:
-            metrics = super().next_step()
-            if self.global_step == 2:
-                (self.run_dir / STOP_FILE).write_text("test")
-            return metrics
-
+    # a stop asked while step 2 trains and batch 3 is generated
+    StoppedAfterStep2 = stopped_after(OneStepOffDriver, 2)
     run = tmp_path / "run"
     driver = StoppedAfterStep2(run_cfg(tiny_model_dir, toy, run, "trainer.test_freq=2"))
     try:
