@@ -107,20 +107,8 @@ def requeue_after_step_one(lab, job: int, run_dir: Path, out: Path) -> None:
 TP2 = ("amd-slurm", "rocm-grpo")
 
 
-@pytest.mark.parametrize("seed", list(SEED_LINES))
-def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab_manager, tmp_path: Path, seed: str
-                                                         ) -> None:
-    require_vllm()
-    # the requeued line's vLLM step on 2 CPUs outlasts the lab's usual KillWait (10 s): a grace
-    # that covers the step and the save, as a site's with GPU-fast steps would
-    lab = lab_manager.get(extra={"KillWait": "120"}) if seed == REQUEUED else lab_manager.get()
-    tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
-    assert (tp2 in lab_line(seed, tmp_path, tmp_path, tmp_path)) == (seed in TP2)
-    proc, run_dir, out = submit_seed(lab, tmp_path, seed)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = int(proc.stdout.split("job id: ")[1].split()[0])
-    if seed == REQUEUED:
-        requeue_after_step_one(lab, job, run_dir, out)
+def check_seed_line(lab, seed: str, job: int, run_dir: Path, out: Path) -> None:
+    """The line's job completed its two steps and its checkpoint as the line asks."""
     rec = finished(lab, job, run_dir, timeout=900)
     payload = "\n".join(p.read_text(errors="replace") for p in run_dir.rglob("payload.log"))
     assert rec["JobState"] == "COMPLETED", (rec, run_logs(run_dir), payload[-4000:])
@@ -136,8 +124,36 @@ def test_a_seed_line_runs_on_two_nodes_to_its_checkpoint(lab_manager, tmp_path: 
     for r in rows:
         if seed in TP2:  # one engine across the two nodes: both ranks answered every prompt
             assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 4, r
+            assert r["dp/rank_0/gen_tokens"] == r["dp/rank_1/gen_tokens"] > 0, r  # and the same tokens
         else:  # two engines, one per node, data-parallel
             assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == 2, r
         assert ("critic/vf_loss" in r) == (seed != "rocm-grpo"), r  # GRPO trains no critic
     assert ckpt.find_latest_checkpoint(out) == out / "global_step_2"
-    remove_cpu_shm()  # the job's engines ended with their processes, without closing
+
+
+def test_every_seed_line_runs_on_two_nodes_to_its_checkpoint(lab_manager, tmp_path: Path) -> None:
+    """The five lines submitted at once to a 4-node lab: Slurm runs two at a time (each on 2
+    nodes), the requeued line first; each is then checked, and every line's failure is reported."""
+    require_vllm()
+    # the requeued line's vLLM step on 2 CPUs outlasts the lab's usual KillWait (10 s): a grace
+    # that covers the step and the save, as a site's with GPU-fast steps would
+    lab = lab_manager.get(nodes=4, extra={"KillWait": "120"})
+    tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    for seed in SEED_LINES:
+        assert (tp2 in lab_line(seed, tmp_path, tmp_path, tmp_path)) == (seed in TP2), seed
+    jobs: dict[str, tuple[int, Path, Path]] = {}
+    for seed in (REQUEUED, *(s for s in SEED_LINES if s != REQUEUED)):
+        proc, run_dir, out = submit_seed(lab, tmp_path / seed, seed)
+        assert proc.returncode == 0, (seed, proc.stdout + proc.stderr)
+        jobs[seed] = (int(proc.stdout.split("job id: ")[1].split()[0]), run_dir, out)
+    try:
+        requeue_after_step_one(lab, *jobs[REQUEUED])
+        failures: dict[str, str] = {}
+        for seed, (job, run_dir, out) in jobs.items():
+            try:
+                check_seed_line(lab, seed, job, run_dir, out)
+            except AssertionError as e:
+                failures[seed] = str(e)[-6000:]
+        assert not failures, "\n\n".join(f"seed line {s}: {m}" for s, m in failures.items())
+    finally:
+        remove_cpu_shm()  # the jobs' engines ended with their processes, without closing

@@ -227,18 +227,6 @@ def test_tensor_parallel_engine_equals_one_rank_and_follows_a_weight_sync(tiny_m
     assert single["before"] != single["after"]
 
 
-@pytest.mark.slow
-def test_tensor_parallel_rollout_in_a_two_rank_run(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    """The driver gives both ranks of one TP=2 engine the same prompts and keeps one answer."""
-    cfg, rows = two_rank_vllm_run(tiny_model_dir, tmp_path, monkeypatch,
-                                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-    assert [r["step"] for r in rows] == [1, 2]
-    batch = cfg.data.train_batch_size
-    for r in rows:  # one engine: both ranks answered every prompt, once each in the batch
-        assert r["dp/rank_0/gen_rows"] == r["dp/rank_1/gen_rows"] == batch, r
-        assert r["dp/rank_0/gen_tokens"] == r["dp/rank_1/gen_tokens"] > 0, r
-
-
 def test_lora_step_then_sync_answers_like_the_merged_model(engine, tiny_model_dir: Path) -> None:
     """One LoRA update (peft adapters on every linear layer), then the streamed sync: vLLM gets
     the merged weights under the base names and answers as `merge_and_unload()` does."""
