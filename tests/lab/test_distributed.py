@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.slurm_env import expand_hostlist
 from tests.conftest import run_hpcrl
 from tests.lab.test_agent import finished, run_logs
 from tests.lab.test_requeue import wait_for_step
@@ -25,6 +26,10 @@ from trainer.checkpoint import full_state as ckpt
 from trainer.metrics import read_jsonl
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+#: A rollout pool of one rank on a node of its own (verl's `hybrid_engine=False`).
+POOL = ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.calculate_log_probs=true"]
 
 
 def write_sites(sites: Path, shared: Path) -> None:
@@ -116,7 +121,21 @@ def check_reward_model_scored(shared: Path, row: dict) -> None:
     assert len(set(scores)) > 1, scores[:8]  # a score per response, not one constant
 
 
-def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) -> None:
+def submit_fully_async(lab, sites: Path, shared: Path) -> tuple[Path, int]:
+    """Fully async on two nodes, a run of its own: the rollouter streams from the pool's node into
+    the queue, 12 prompts per update, a sync after each, 6 prompts ahead at most; the test requeues
+    it from outside (`scontrol requeue`) after its second step, the queue and the calls in flight dropped."""
+    run_fa = shared / "runs" / "fully-async"
+    streamed = [*POOL, "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
+                "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
+                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=60", "trainer.save_freq=-1",
+                f"trainer.default_local_dir={shared / 'fa'}", f"trainer.run_dir={shared / 'fa'}",
+                f"trainer.rollout_data_dir={shared / 'fa' / 'rollouts'}"]
+    return run_fa, submit_ppo(lab, sites, "lab-ppo-bare", run_fa, 2,
+                              [*trainer_overrides(shared, 1, 3)[:-2], *streamed], "--loop", "fully-async")
+
+
+def test_ppo_on_three_nodes_then_resume_on_two(lab_manager, lab_images, tmp_path: Path) -> None:
     from trainer.rewards.toy import write_toy_digits
     from trainer.tiny import save_tiny, save_tiny_rm
 
@@ -125,9 +144,14 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     save_tiny_rm(shared / "rm")
     write_toy_digits(shared / "data", train_size=512, val_size=16, seed=0)
     write_sites(sites, shared)
+    # five nodes: the fully-async run (2 nodes, a run of its own) goes beside the 3-node run
+    lab = lab_manager.get(nodes=5)
 
     run3 = shared / "runs" / "three"
     job = submit_ppo(lab, sites, "lab-ppo-podman", run3, 3, trainer_overrides(shared, 3, 16))
+    run_fa, fa_job = submit_fully_async(lab, sites, shared)
+    wait_for_step(lab, fa_job, run_fa, 0, 2, timeout=600)
+    lab.run("scontrol", "requeue", str(fa_job))
     rec = finished(lab, job, run3, timeout=900)
     assert rec["JobState"] == "COMPLETED", (rec, run_logs(run3), payload_log(run3)[-4000:])
     rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
@@ -149,16 +173,14 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert "resumed" in log and "(saved on 3 rank(s)) on 2 rank(s)" in log, log[-4000:]
     rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 19))
-    check_ranks(shared, rows[-2:], ["node1", "node2"], "none")
+    check_ranks(shared, rows[-2:], expand_hostlist(rec["NodeList"]), "none")
     for row in rows[-2:]:
         check_reward_model_scored(shared, row)
     assert ckpt.find_latest_checkpoint(shared / "ppo") == shared / "ppo" / "global_step_18"
 
     # one-step-off on two nodes: the trainer's rank on one, the rollout pool's on the other
     run_off = shared / "runs" / "one-step-off"
-    pool = ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
-            "actor_rollout_ref.rollout.calculate_log_probs=true"]
-    job = submit_ppo(lab, sites, "lab-ppo-bare", run_off, 2, [*trainer_overrides(shared, 1, 21), *pool],
+    job = submit_ppo(lab, sites, "lab-ppo-bare", run_off, 2, [*trainer_overrides(shared, 1, 21), *POOL],
                      "--loop", "one-step-off")
     rec = finished(lab, job, run_off, timeout=900)
     off_log = payload_log(run_off)
@@ -167,7 +189,7 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert "(saved on 2 rank(s)) on 1 rank(s)" in off_log, off_log[-4000:]
     layout = json.loads((shared / "ppo" / "workers.json").read_text())
     (trainer_node,), (pool_node,) = ({w["hostname"] for w in layout[g]} for g in ("actor_rollout_ref", "rollout"))
-    assert trainer_node != pool_node and {trainer_node, pool_node} <= {"node1", "node2", "node3"}, layout
+    assert trainer_node != pool_node and {trainer_node, pool_node} == set(expand_hostlist(rec["NodeList"])), layout
     rows = read_jsonl(shared / "ppo" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 22))
     # the first batch after the resume is generated with the checkpoint's weights, then one step behind
@@ -175,20 +197,8 @@ def test_ppo_on_three_nodes_then_resume_on_two(lab, lab_images, tmp_path: Path) 
     assert [r["one_step_off/weight_version"] for r in rows[-3:]] == [18, 18, 19]
     assert all(r["rollout_pool/rank_0/gen_rows"] == 24 for r in rows[-3:])
 
-    # fully async on two nodes, a run of its own: the rollouter streams from the pool's node into
-    # the queue, 12 prompts per update, a sync after each, 6 prompts ahead at most; requeued from
-    # outside (`scontrol requeue`) after its second step, the queue and the calls in flight dropped
-    run_fa = shared / "runs" / "fully-async"
-    streamed = [*pool, "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
-                "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
-                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=60", "trainer.save_freq=-1",
-                f"trainer.default_local_dir={shared / 'fa'}", f"trainer.run_dir={shared / 'fa'}",
-                f"trainer.rollout_data_dir={shared / 'fa' / 'rollouts'}"]
-    job = submit_ppo(lab, sites, "lab-ppo-bare", run_fa, 2, [*trainer_overrides(shared, 1, 3)[:-2], *streamed],
-                     "--loop", "fully-async")
-    wait_for_step(lab, job, run_fa, 0, 2)
-    lab.run("scontrol", "requeue", str(job))
-    rec = finished(lab, job, run_fa, timeout=900)
+    # the fully-async run, requeued after its second step while the first run trained
+    rec = finished(lab, fa_job, run_fa, timeout=900)
     fa_log = payload_log(run_fa)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, run_logs(run_fa), fa_log[-4000:])
     assert json.loads((run_fa / "job.json").read_text())["payload"][1:3] == ["-m", "trainer.fully_async"]
