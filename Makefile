@@ -85,8 +85,9 @@ lab-packages: $(STAMP)
 # - .venv-vllm built in the background while the main stage runs (.venv/vllm-build.log);
 # - .venv-verl built in the background, then the lab scenarios (`lab or containers`, on lab
 #   instance 0, .venv/lab-stage.log; they run verl itself, so they wait for its venv), then the
-#   verl stage (.venv/verl-stage.log), then the node-failure scenario (lab instance 0,
-#   .venv/node-failure.log); the lab scenarios spend much of their time waiting on Slurm and Ray.
+#   verl stage (.venv/verl-stage.log); the lab scenarios spend much of their time waiting on Slurm and Ray;
+# - the node-failure scenario from the start (lab instance 2, six nodes, .venv/node-failure.log):
+#   at the end of the lab chain it made that chain the longest.
 # The vLLM stage runs after the main stage, not beside it: beside it (tried at 20b113f) the three
 # stages' load (about 7 on 2 cores) made two timing-bound scenarios fail (a stop's checkpoint past
 # Slurm's KillWait, a rank not yet asleep), for 340 s saved (docs/testing.md).
@@ -124,7 +125,9 @@ test: disk-check lab-packages
 	verl_log=$(VENV)/verl-stage.log; \
 	nf_rc=$(VENV)/node-failure.rc; nf_log=$(VENV)/node-failure.log; \
 	rm -f $$lab_rc $$verl_rc $(VENV)/vllm-build.rc $$nf_rc; \
-	echo "lab scenarios, the verl stage and the node-failure scenario: running beside the rest of the suite once .venv-verl is built; their output is in $$lab_log, $$verl_log and $$nf_log, printed when they end"; \
+	echo "lab scenarios and the verl stage: running beside the rest of the suite once .venv-verl is built, the node-failure scenario (lab instance 2) from the start; their output is in $$lab_log, $$verl_log and $$nf_log, printed when they end"; \
+	{ HPCRL_LAB_INSTANCE=2 $(PY) -m pytest tests/lab/test_node_failure.py $(PYTEST_ARGS) > $$nf_log 2>&1; \
+	  echo $$? > $$nf_rc; stamp "node-failure scenario ended" >> $$nf_log; } & nf=$$!; \
 	{ if $(MAKE) --no-print-directory verl-venv > $(VENV)/verl-build.log 2>&1; then \
 		stamp ".venv-verl ready" > $$lab_log; \
 		$(PY) -m pytest -m "lab or containers" --deselect tests/lab/test_node_failure.py $(PYTEST_ARGS) >> $$lab_log 2>&1; \
@@ -133,9 +136,7 @@ test: disk-check lab-packages
 			tests/trainer/agent/test_verl_compat.py $(PYTEST_ARGS) > $$verl_log 2>&1; \
 		echo $$? > $$verl_rc; stamp "verl stage ended" >> $$verl_log; \
 	  else cat $(VENV)/verl-build.log > $$lab_log; echo "building .venv-verl failed (above)" | tee -a $$lab_log > $$verl_log; \
-		echo 1 > $$lab_rc; echo 1 > $$verl_rc; fi; \
-	  $(PY) -m pytest tests/lab/test_node_failure.py $(PYTEST_ARGS) > $$nf_log 2>&1; \
-	  echo $$? > $$nf_rc; stamp "node-failure scenario ended" >> $$nf_log; } & lab=$$!; \
+		echo 1 > $$lab_rc; echo 1 > $$verl_rc; fi; } & lab=$$!; \
 	{ $(MAKE) --no-print-directory vllm-venv > $(VENV)/vllm-build.log 2>&1; echo $$? > $(VENV)/vllm-build.rc; } & vllm=$$!; \
 	$(PY) -m pytest -m "not lab and not containers" $(PYTEST_ARGS) || status=$$?; \
 	stamp "main stage ended (exit status $$status)"; \
@@ -145,12 +146,12 @@ test: disk-check lab-packages
 			|| status=$$?; stamp "vLLM stage ended"; \
 	else cat $(VENV)/vllm-build.log; echo "building .venv-vllm failed (above): the vLLM stage did not run"; status=1; fi; \
 	[ -z "$$images" ] || wait $$images || true; \
-	wait $$lab; lab_status=$$(cat $$lab_rc 2>/dev/null || echo missing); verl_status=$$(cat $$verl_rc 2>/dev/null || echo missing); \
+	wait $$lab; wait $$nf; lab_status=$$(cat $$lab_rc 2>/dev/null || echo missing); verl_status=$$(cat $$verl_rc 2>/dev/null || echo missing); \
 	nf_status=$$(cat $$nf_rc 2>/dev/null || echo missing); \
 	stamp "lab scenarios, verl stage and node-failure scenario ended"; \
 	echo "==== lab scenarios (lab instance 0), exit status $$lab_status ===="; cat $$lab_log; \
 	echo "==== verl stage (.venv-verl), exit status $$verl_status ===="; cat $$verl_log; \
-	echo "==== node-failure scenario (lab instance 0), exit status $$nf_status ===="; cat $$nf_log; \
+	echo "==== node-failure scenario (lab instance 2), exit status $$nf_status ===="; cat $$nf_log; \
 	[ "$$lab_status" = 0 ] || status=1; [ "$$verl_status" = 0 ] || status=1; [ "$$nf_status" = 0 ] || status=1; \
 	stamp "make test exits with $$status"; \
 	exit $$status
