@@ -31,8 +31,8 @@ from hpcrl.agent.watch import (
 from hpcrl.diagnosis import as_job_nodes, blamed_nodes
 from hpcrl.netaddr import format_host
 from hpcrl.payloads import verl
-from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
 from hpcrl.runreport import gpus_env, trainer_dirs
+from hpcrl.runstate import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
 from hpcrl.slurm import SlurmError, run_slurm
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 

@@ -24,7 +24,8 @@ from hpcrl.agent.procs import Child
 from hpcrl.containers import container_command
 from hpcrl.devices import DEVICE_VARS
 from hpcrl.profile_load import container_from_dict, profile_from_dict
-from hpcrl.rundir import Retrying, RunPaths, StateWriter
+from hpcrl.rundir import RunPaths
+from hpcrl.runstate import Retrying, StateWriter
 from hpcrl.slurm_env import JobContext
 
 ContainerWrap = Callable[

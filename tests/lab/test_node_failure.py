@@ -29,7 +29,7 @@ import pytest
 
 from hpcrl.diagnosis import read_diagnoses
 from hpcrl.profiles import AgentConfig
-from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE, read_state
+from hpcrl.runstate import REQUEUE_DECIDED, REQUEUE_DONE, read_state
 from tests.conftest import run_hpcrl, shows_stack
 from tests.lab.test_requeue import (
     assets,  # noqa: F401 - the module fixture: tiny model and toy task
