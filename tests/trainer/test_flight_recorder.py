@@ -1,0 +1,79 @@
+"""The flight recorder of the trainer's ranks (:mod:`trainer.flight_recorder`): two real gloo
+ranks, one blocked in a collective the other never joins; the watchdog's request reaches each
+rank's dump thread through its pipe, and the dumps say which collective each rank is in."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, wait_until
+from trainer import flight_recorder as FR
+from trainer.watchdog import process_state
+
+RANK = """
+import os, sys, time
+from pathlib import Path
+from trainer import flight_recorder as FR
+rank, port, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+os.environ.update(FR.recorder_env(folder))  # before the group, as a rank does
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+FR.start_listener(folder, rank)
+t = torch.ones(4)
+dist.all_reduce(t)
+print("ready", flush=True)
+if rank == 0:
+    dist.all_reduce(t)  # rank 1 never joins this one
+time.sleep(120)
+"""
+
+
+def test_a_rank_blocked_in_a_collective_dumps_where_it_waits(tmp_path: Path) -> None:
+    from trainer.parallel import free_port
+
+    folder = tmp_path / FR.TRACE_DIR
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    port = str(free_port("127.0.0.1"))
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, str(folder)], stdout=subprocess.PIPE,
+                              text=True, env=env) for r in range(2)]
+    try:
+        for proc in ranks:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        wait_until(lambda: process_state(ranks[0].pid) == "S", "rank 0 waiting in its all_reduce")
+        assert [FR.request_dump(p.pid) for p in ranks] == [None, None]
+        wait_until(lambda: all(FR.read_note(folder, r) for r in range(2)), "both ranks' notes", timeout_s=120)
+        notes = [FR.read_note(folder, r) for r in range(2)]
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+    assert notes[0] is not None and notes[1] is not None
+    assert notes[0]["file"] == str(folder / "rank_0") and notes[0]["recorder"].startswith("gloo")
+    assert notes[0]["pending"] == "gloo:all_reduce #2", notes[0]
+    assert notes[0]["groups"] == {"0": {"last_enqueued": 2, "last_completed": 1}}, notes[0]
+    assert notes[1]["pending"] is None and notes[1]["groups"] == {"0": {"last_enqueued": 1, "last_completed": 1}}
+    trace = pickle.loads((folder / "rank_0").read_bytes())  # torch's own format, as its `fr_trace` reads
+    assert [e["profiling_name"] for e in trace["entries"]] == ["gloo:all_reduce", "gloo:all_reduce"]
+    assert any("all_reduce" in str(f.get("name")) for f in trace["entries"][1]["frames"]), trace["entries"][1]
+
+
+def test_without_a_listener_or_a_group_the_reason_is_given(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert FR.request_dump(sleeper.pid) == ("the rank listens for no dump request (it started without "
+                                                "the watchdog)")
+        os.mkfifo(FR.pipe_path(sleeper.pid))  # a pipe nobody reads (its process died, say)
+        why = FR.request_dump(sleeper.pid)
+        assert why is not None and why.startswith("no thread of the rank reads its dump request"), why
+    finally:
+        FR.pipe_path(sleeper.pid).unlink(missing_ok=True)
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait()
+    note = FR.dump(tmp_path, 3)  # this test process is in no process group
+    assert note["why"] == "this rank is in no process group" and "file" not in note
+    assert FR.read_note(tmp_path, 3) == note and not (tmp_path / "rank_3").exists()
