@@ -124,8 +124,7 @@ def _recorder_bytes() -> tuple[bytes, str]:
         return bytes(getattr(c10d, "_dump_nccl_trace")()), "nccl"  # noqa: B009
     if not hasattr(c10d, "_dump_fr_trace"):
         raise _NoDump("this torch build has no NCCL, and no flight recorder for gloo (torch < 2.10)")
-    kind = "gloo" if dist.is_nccl_available() else "gloo (this torch build has no NCCL)"
-    return bytes(c10d._dump_fr_trace()), kind
+    return bytes(c10d._dump_fr_trace()), "gloo" if dist.is_nccl_available() else "gloo (this torch build has no NCCL)"
 
 
 def summarise(trace: dict[str, Any]) -> dict[str, Any]:

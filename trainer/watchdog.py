@@ -294,8 +294,9 @@ def _await_traces(ranks: list[dict[str, Any]], traces: Path, before: dict[int, f
             r = asked.pop(rank)
             r["nccl_trace"] = note.get("file")
             pending = f"waiting in {note['pending']}" if note.get("pending") else "none pending"
-            r["nccl_trace_note"] = (f"{note.get('recorder')}'s flight recorder: {note.get('entries')} entries, "
-                                    f"{pending}" if note.get("file") else note.get("why"))
+            recorder, _, build = str(note.get("recorder")).partition(" ")
+            r["nccl_trace_note"] = (f"{recorder}'s flight recorder{' ' + build if build else ''}: "
+                                    f"{note.get('entries')} entries, {pending}" if note.get("file") else note.get("why"))
             r["nccl_trace_groups"] = note.get("groups")
         if time.monotonic() >= deadline:
             break
