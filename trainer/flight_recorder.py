@@ -74,7 +74,10 @@ def pipe_path(pid: int) -> Path:
 def start_listener(folder: Path, rank: int) -> threading.Thread:
     """Make this process's pipe and start the thread that dumps on each byte written to it."""
     pipe = pipe_path(os.getpid())
-    pipe.unlink(missing_ok=True)  # a pipe of an earlier process that had this pid
+    for old in pipe.parent.glob(f"hpcrl-flight-recorder-{os.getuid()}-*"):  # killed ranks' pipes (SIGKILL)
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not Path(f"/proc/{pid}").exists()):
+            old.unlink(missing_ok=True)
     os.mkfifo(pipe, 0o600)
     thread = threading.Thread(target=_listen, args=(pipe, folder, rank), name="hpcrl-flight-recorder", daemon=True)
     thread.start()
@@ -130,12 +133,21 @@ def _recorder_bytes() -> tuple[bytes, str]:
 def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     """What a dump (the recorder's dictionary) says in a line: its entries, and for each process
     group the last collective this rank enqueued and the last it completed, with the oldest
-    entry not completed (`pending`: the collective it waits in)."""
+    collective past its group's last completed one (`pending`: the collective it waits in). The
+    group's status is the measure, not an entry's `state` or `retired`: gloo's entries stay
+    `scheduled`, and are retired some time after they complete."""
     entries = [e for e in trace.get("entries", []) if isinstance(e, dict)]
     groups = {str(pg): {"last_enqueued": s.get("last_enqueued_collective"),
                         "last_completed": s.get("last_completed_collective")}
               for pg, s in (trace.get("pg_status") or {}).items() if isinstance(s, dict)}
-    pending = [e for e in entries if e.get("state") != "completed" and not e.get("retired")]
+
+    def waiting(e: dict[str, Any]) -> bool:
+        done = groups.get(str(e.get("pg_id")), {}).get("last_completed")
+        if isinstance(done, int) and not e.get("is_p2p"):
+            return int(e.get("collective_seq_id") or 0) > done
+        return e.get("state") != "completed" and not e.get("retired")
+
+    pending = [e for e in entries if waiting(e)]
     first = pending[0] if pending else None
     return {"entries": len(entries), "groups": groups,
             "pending": None if first is None else f"{first.get('profiling_name')} #{first.get('collective_seq_id')}"}

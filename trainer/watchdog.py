@@ -56,8 +56,8 @@ from typing import Any
 from hpcrl.gpu_evidence import node_evidence
 from trainer import flight_recorder as FR
 
-__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "inspect", "process_state",
-           "register_stack_dump", "suspect_nodes", "where"]
+__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "behind_in_collectives", "call_key", "diagnose", "inspect",
+           "process_state", "register_stack_dump", "suspect_nodes", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
@@ -174,6 +174,7 @@ def py_spy_dump(pid: int, path: str) -> bool:
         return False
     if done.returncode != 0 or not done.stdout.strip():
         return False
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # a rank that registered no handler made none
     with open(path, "a") as out:
         out.write(f"py-spy dump of pid {pid} on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M:%S')}:\n"
                   f"{done.stdout}\n")
@@ -305,6 +306,20 @@ def _await_traces(ranks: list[dict[str, Any]], traces: Path, before: dict[int, f
         r["nccl_trace"], r["nccl_trace_note"] = None, f"asked, but no dump within {timeout:g} s"
 
 
+def behind_in_collectives(ranks: list[dict[str, Any]]) -> str:
+    """The ranks the flight recorders put behind the others (their `nccl_trace_groups`: the last
+    collective each process group enqueued): in the default group (`0`), a rank that enqueued
+    fewer collectives than the others has not come to the one they wait in. Empty when fewer than
+    two ranks dumped or all are at the same collective."""
+    seen = {r["rank"]: ((r.get("nccl_trace_groups") or {}).get("0") or {}).get("last_enqueued") for r in ranks}
+    seen = {rank: n for rank, n in seen.items() if isinstance(n, int)}
+    if len(seen) < 2 or len(set(seen.values())) == 1:
+        return ""
+    top, node = max(seen.values()), {r["rank"]: r.get("node") for r in ranks}
+    late = "; ".join(f"rank {rank} on node `{node[rank]}` (#{n})" for rank, n in sorted(seen.items()) if n < top)
+    return f". By the flight recorders, the others enqueued collective #{top} and these ranks did not: {late}"
+
+
 def _gpu_clause(gpus: dict[str, Any]) -> str:
     """The GPU evidence in the summary: the nodes it blames and why, or the nodes without tools."""
     blamed = [f"`{node}`: {'; '.join(e['suspect'])}" for node, e in sorted(gpus.items()) if e.get("suspect")]
@@ -374,6 +389,7 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
     summary = (f"worker group `{group}`: `{method}`{during} has run {elapsed:.0f} s, past its bound ({bound}); "
                f"{len(lagging)} of {len(nodes)} rank(s) have not answered: {named}"
                + why
+               + behind_in_collectives(ranks)
                + _gpu_clause(gpus)
                + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else "")
                + (f". Flight recorder: {traces}/rank_<r> ({len(dumped)} of {len(ranks)} rank(s))" if traces else ""))

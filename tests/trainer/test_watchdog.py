@@ -23,7 +23,16 @@ from hpcrl import gpu_evidence
 from hpcrl.diagnosis import read_diagnoses
 from tests.conftest import REPO, shows_stack, wait_until
 from trainer import watchdog
-from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, suspect_nodes, where
+from trainer.watchdog import (
+    Bounds,
+    at,
+    behind_in_collectives,
+    call_key,
+    diagnose,
+    process_state,
+    suspect_nodes,
+    where,
+)
 
 
 def test_the_bound_is_the_floor_until_warmup_then_a_multiple_of_the_median() -> None:
@@ -65,6 +74,18 @@ def test_a_stopped_rank_blames_its_node_d_state_on_several_nodes_blames_none() -
     assert nodes == ["c"], nodes
     assert why.startswith(". Ranks in uninterruptible I/O (D) on 2 nodes: a shared file system") and why.endswith(
         "none is blamed for it; a stopped process points at its node"), why
+
+
+def test_the_flight_recorders_name_the_rank_that_did_not_come_to_the_collective() -> None:
+    def rank(r: int, node: str, enqueued: int | None) -> dict[str, Any]:
+        groups = None if enqueued is None else {"0": {"last_enqueued": enqueued, "last_completed": 1}}
+        return {"rank": r, "node": node, "nccl_trace_groups": groups}
+
+    ranks = [rank(0, "a", 2), rank(1, "a", 1), rank(2, "b", 2), rank(3, "b", None)]  # rank 3: no dump
+    assert behind_in_collectives(ranks) == (". By the flight recorders, the others enqueued collective #2 and "
+                                            "these ranks did not: rank 1 on node `a` (#1)")
+    assert behind_in_collectives([rank(0, "a", 2), rank(1, "b", 2)]) == ""  # all at the same one
+    assert behind_in_collectives([rank(0, "a", 2), rank(1, "b", None)]) == ""  # one dump: nothing to compare
 
 
 def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
