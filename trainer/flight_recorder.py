@@ -20,9 +20,10 @@ NCCL's stream) with the GIL released, so its other Python threads still run, whi
 handler written in Python would wait for the main thread to come back. The dump itself is one
 call into torch (`_dump_nccl_trace` where the group runs on NCCL, `_dump_fr_trace` for gloo), and
 reading the pipe costs nothing while no one writes. What only a GPU reaches: NCCL's recorder
-(entries whose state moves from `scheduled` to `started` and `completed` as CUDA events fire,
-so a dump tells the collective a GPU never finished) and NCCL's dump on timeout; gloo's entries
-stay `scheduled` and its `pg_status` tells the last collective each rank completed. A rank
+(entries whose state moves from `scheduled` to `completed` as their CUDA events fire, through
+`started` with `TORCH_NCCL_ENABLE_TIMING=1`, so a dump tells the collective a GPU never finished)
+and NCCL's dump on timeout; gloo's entries stay `scheduled`, and the group's `pg_status` tells
+the last collective each rank enqueued and completed (:func:`summarise` reads that, on both). A rank
 stopped (`T`) runs no thread at all and writes nothing; one in `D` state may.
 
 Standard library at import; torch only inside the dump (the ranks have it loaded already).
@@ -39,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUFFER_SIZE", "TRACE_DIR", "note_path", "note_time", "pipe_path", "read_note", "recorder_env", "request_dump",
-           "start_listener", "summarise", "trace_path"]
+__all__ = ["BUFFER_SIZE", "TRACE_DIR", "dump", "note_path", "note_time", "pipe_path", "read_note", "recorder_env",
+           "request_dump", "start_listener", "summarise", "trace_path"]
 
 TRACE_DIR = "nccl_trace"
 """The run directory's folder of the dumps (`rank_<r>`, torch's own file name) and their notes."""
