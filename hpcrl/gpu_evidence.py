@@ -36,17 +36,26 @@ Runner = Callable[[list[str]], "tuple[int, str] | None"]
 """Runs a command: (exit status, stdout and stderr), or None when the program is not installed."""
 
 
-def run_command(argv: list[str], timeout: float = 30.0) -> tuple[int, str] | None:
-    """Run `argv` here: (exit status, its output), None when the program is not on PATH."""
+def run_command(argv: list[str], timeout: float = 10.0) -> tuple[int, str] | None:
+    """Run `argv` here: (exit status, its output), None when the program is not on PATH. A tool
+    that does not answer within `timeout` is killed and not waited for: `nvidia-smi` on a GPU
+    that fell off the bus can hang in uninterruptible sleep, where even SIGKILL waits."""
     if shutil.which(argv[0]) is None:
         return None
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, f"`{argv[0]}` did not answer within {timeout:g} s"
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except OSError as err:
         return 126, str(err)
-    return done.returncode, done.stdout + done.stderr
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass  # still in the kernel: left behind rather than waited for
+        return 124, f"`{argv[0]}` did not answer within {timeout:g} s"
+    return proc.returncode, out
 
 
 def _count(value: str) -> int | None:

@@ -107,3 +107,13 @@ def test_a_tool_that_fails_is_said_so_and_blames_nobody() -> None:
     assert evidence["notes"] == ["`nvidia-smi` failed (9): NVIDIA-SMI has failed because it couldn't "
                                  "communicate with the NVIDIA driver."]
     assert evidence["suspect"] == [] and evidence["tools"] == ["dmesg"]
+
+
+def test_the_runner_gives_a_tool_s_output_and_does_not_wait_for_one_that_hangs() -> None:
+    from hpcrl.gpu_evidence import run_command
+
+    assert run_command(["no-such-tool-here"]) is None
+    assert run_command(["sh", "-c", "echo 0, 00000000:18:00.0, 0, No; echo oops >&2; exit 3"]) == (
+        3, "0, 00000000:18:00.0, 0, No\noops\n")
+    status, text = run_command(["sleep", "30"], timeout=0.5)
+    assert (status, text) == (124, "`sleep` did not answer within 0.5 s")
