@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -72,14 +73,21 @@ def pipe_path(pid: int) -> Path:
     return Path(tempfile.gettempdir()) / f"hpcrl-flight-recorder-{os.getuid()}-{pid}"
 
 
-def start_listener(folder: Path, rank: int) -> threading.Thread:
-    """Make this process's pipe and start the thread that dumps on each byte written to it."""
+def start_listener(folder: Path, rank: int) -> threading.Thread | None:
+    """Make this process's pipe and start the thread that dumps on each byte written to it; None
+    (said on stderr) where the pipe cannot be made: the rank runs on, and a watchdog diagnosis
+    says it listens for no dump request."""
     pipe = pipe_path(os.getpid())
-    for old in pipe.parent.glob(f"hpcrl-flight-recorder-{os.getuid()}-*"):  # killed ranks' pipes (SIGKILL)
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not Path(f"/proc/{pid}").exists()):
-            old.unlink(missing_ok=True)
-    os.mkfifo(pipe, 0o600)
+    try:
+        for old in pipe.parent.glob(f"hpcrl-flight-recorder-{os.getuid()}-*"):  # killed ranks' pipes (SIGKILL)
+            pid = old.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and (int(pid) == os.getpid() or not Path(f"/proc/{pid}").exists()):
+                old.unlink(missing_ok=True)
+        os.mkfifo(pipe, 0o600)
+    except OSError as err:
+        print(f"trainer: rank {rank}: no flight-recorder dumps at a watchdog fire: cannot make the pipe "
+              f"`{pipe}` ({err.strerror}); point `TMPDIR` at a writable local folder", file=sys.stderr, flush=True)
+        return None
     thread = threading.Thread(target=_listen, args=(pipe, folder, rank), name="hpcrl-flight-recorder", daemon=True)
     thread.start()
     return thread

@@ -100,3 +100,10 @@ def test_pending_is_read_from_the_group_s_status_not_the_entry_s_state() -> None
     assert FR.summarise(trace) == {"entries": 2, "groups": {"0": {"last_enqueued": 2, "last_completed": 1}},
                                    "pending": "gloo:all_reduce #2"}
     assert FR.summarise({"entries": [entry(1, True)]})["pending"] is None  # no status: the entry's own word
+
+
+def test_a_rank_that_cannot_make_its_pipe_runs_on_without_dumps(tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                capsys) -> None:
+    monkeypatch.setattr(FR, "pipe_path", lambda pid: tmp_path / "missing" / f"pipe-{pid}")  # no such folder
+    assert FR.start_listener(tmp_path, 0) is None
+    assert "no flight-recorder dumps at a watchdog fire: cannot make the pipe" in capsys.readouterr().err
