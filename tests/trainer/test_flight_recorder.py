@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.conftest import REPO, wait_until
@@ -35,11 +36,13 @@ time.sleep(120)
 """
 
 
-def test_a_rank_blocked_in_a_collective_dumps_where_it_waits(tmp_path: Path) -> None:
+def test_a_rank_blocked_in_a_collective_dumps_where_it_waits(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from trainer.parallel import free_port
 
     folder = tmp_path / FR.TRACE_DIR
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the ranks' pipes in this test's folder, not /tmp (the ranks are killed: theirs would stay)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
     port = str(free_port("127.0.0.1"))
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, str(folder)], stdout=subprocess.PIPE,
                               text=True, env=env) for r in range(2)]
@@ -71,7 +74,8 @@ def test_a_rank_blocked_in_a_collective_dumps_where_it_waits(tmp_path: Path) -> 
     assert any("all_reduce" in str(f.get("name")) for f in trace["entries"][1]["frames"]), trace["entries"][1]
 
 
-def test_without_a_listener_or_a_group_the_reason_is_given(tmp_path: Path) -> None:
+def test_without_a_listener_or_a_group_the_reason_is_given(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert FR.request_dump(sleeper.pid) == ("the rank listens for no dump request (it started without "
