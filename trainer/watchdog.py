@@ -311,8 +311,8 @@ def behind_in_collectives(ranks: list[dict[str, Any]]) -> str:
     collective each process group enqueued): in the default group (`0`), a rank that enqueued
     fewer collectives than the others has not come to the one they wait in. Empty when fewer than
     two ranks dumped or all are at the same collective."""
-    seen = {r["rank"]: ((r.get("nccl_trace_groups") or {}).get("0") or {}).get("last_enqueued") for r in ranks}
-    seen = {rank: n for rank, n in seen.items() if isinstance(n, int)}
+    enqueued = {r["rank"]: ((r.get("nccl_trace_groups") or {}).get("0") or {}).get("last_enqueued") for r in ranks}
+    seen: dict[int, int] = {rank: n for rank, n in enqueued.items() if isinstance(n, int)}
     if len(seen) < 2 or len(set(seen.values())) == 1:
         return ""
     top, node = max(seen.values()), {r["rank"]: r.get("node") for r in ranks}
