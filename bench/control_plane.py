@@ -150,7 +150,8 @@ def simulate(n: int, window_s: float) -> dict[str, Any]:
     from hpcrl.agent.node import Heartbeat, Node
     from hpcrl.agent.stop import SignalInbox
     from hpcrl.agent.watch import GcsWatch, stop_requested, watch_worker
-    from hpcrl.rundir import AGENT_STARTED, RunPaths, StateWriter
+    from hpcrl.rundir import RunPaths
+    from hpcrl.runstate import AGENT_STARTED, StateWriter
     from hpcrl.slurm_env import job_context
 
     root = Path(tempfile.mkdtemp(prefix="hpcrl-ctl-"))

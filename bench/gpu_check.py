@@ -27,6 +27,12 @@ Sections, each timed; one that raises is reported and the next runs:
   bf16: tokens/s (verl's `perf/throughput`), step time, the actor update's MFU (verl's FLOPs
   count, `perf/mfu/actor`) and each phase's peak.
 
+- `flight_recorder`: the watchdog's flight-recorder dump from a rank on an NCCL group of one
+  (:mod:`trainer.flight_recorder`): asked through the rank's pipe, its entries, their states
+  (NCCL's are `completed` once their CUDA events fire), the time the dump took.
+- `gpu_evidence`: this node's GPU evidence as the watchdog reads it (:mod:`hpcrl.gpu_evidence`),
+  and the raw `nvidia-smi`/`amd-smi` output, to check the parsers' fixtures against.
+
 The figures print as they come and go to `OUT/gpu_check.json`. `--budget` seconds bound the whole:
 a section that would start past it is skipped and named.
 """
@@ -409,9 +415,79 @@ def reward_model(check: Check) -> dict[str, Any]:
     return figures
 
 
+FLIGHT_RANK = """
+import os, sys, time
+from pathlib import Path
+from trainer import flight_recorder as FR
+folder, port, backend, calls = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+os.environ.update(FR.recorder_env(folder))
+import torch, torch.distributed as dist
+if backend == "nccl":
+    torch.cuda.set_device(0)
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+FR.start_listener(folder, 0)
+t = torch.ones(1 << 20, device="cuda" if backend == "nccl" else "cpu")
+for _ in range(calls):
+    dist.all_reduce(t)
+if backend == "nccl":
+    torch.cuda.synchronize()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def flight_recorder(check: Check) -> dict[str, Any]:
+    """The watchdog's flight-recorder dump (`trainer.flight_recorder`) from a rank of its own: NCCL
+    (gloo on the CPU) group of one, a few all-reduces, then the dump asked for through the rank's
+    pipe as the watchdog asks it. On a GPU the entries come from NCCL's recorder and each is
+    `completed` (its CUDA end event fired), which the CPU's gloo recorder never says."""
+    import pickle
+    import subprocess
+
+    from trainer import flight_recorder as FR
+    from trainer.parallel import free_port
+
+    folder, calls = check.root / FR.TRACE_DIR, 5
+    backend = "gloo" if check.dry else "nccl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    rank = subprocess.Popen([sys.executable, "-c", FLIGHT_RANK, str(folder), str(free_port("127.0.0.1")), backend,
+                             str(calls)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "ready\n", "the rank did not start"
+        asked = time.perf_counter()
+        why = FR.request_dump(rank.pid)
+        assert why is None, why
+        while FR.read_note(folder, 0) is None and time.perf_counter() - asked < 120:
+            time.sleep(0.1)
+        took = time.perf_counter() - asked
+    finally:
+        rank.kill()
+        rank.wait()
+    note = FR.read_note(folder, 0)
+    assert note is not None, "no note within 120 s"
+    assert note.get("file"), note
+    trace = pickle.loads(Path(note["file"]).read_bytes())
+    states = sorted({str(e.get("state")) for e in trace["entries"]})
+    return {"recorder": note["recorder"], "entries": note["entries"], "groups": note["groups"],
+            "pending": note["pending"], "states": states, "version": trace.get("version"),
+            "names": sorted({e.get("profiling_name") for e in trace["entries"]}), "dump_s": round(took, 2),
+            "bytes": Path(note["file"]).stat().st_size}
+
+
+def gpu_evidence(check: Check) -> dict[str, Any]:
+    """This node's GPU evidence as the watchdog reads it (`hpcrl.gpu_evidence`), with the tools'
+    own output kept: the day a GPU is lent, the test fixtures' formats are checked against it."""
+    from hpcrl import gpu_evidence as G
+
+    raw = {" ".join(G.NVIDIA_SMI): G.run_command(G.NVIDIA_SMI), " ".join(G.AMD_SMI): G.run_command(G.AMD_SMI)}
+    found = G.node_evidence(time.time() - 3600)
+    return {"evidence": found, "raw": {k: v[1][:4000] if v else None for k, v in raw.items()}}
+
+
 SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "environment": environment, "fsdp2": fsdp2, "trainer": trainer_steps, "attention": attention,
-    "reward_model": reward_model}
+    "reward_model": reward_model, "flight_recorder": flight_recorder, "gpu_evidence": gpu_evidence}
 
 
 def main(argv: list[str] | None = None) -> int:

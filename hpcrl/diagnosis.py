@@ -58,9 +58,10 @@ def read_diagnoses(run_dir: Path | str) -> list[dict[str, Any]]:
 
 
 def blamed_nodes(run_dir: Path | str, since: float) -> list[str]:
-    """The nodes the trainer's watchdog blamed for a stuck rank (a stopped or D-state process:
-    `suspect_nodes` of a `hang` diagnosis) in diagnoses written at or after `since` (epoch
-    seconds: this run's start)."""
+    """The nodes the trainer's watchdog blamed for a stuck rank (a stopped or D-state process, or
+    GPU errors on the node: uncorrected ECC, a failed row remap, an Xid or an amdgpu fault,
+    :mod:`hpcrl.gpu_evidence`; `suspect_nodes` of a `hang` diagnosis) in diagnoses written at or
+    after `since` (epoch seconds: this run's start)."""
     return _named_nodes(run_dir, since, "hang", "suspect_nodes")
 
 

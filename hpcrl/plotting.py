@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrl import rundir, runreport
+from hpcrl import rundir, runreport, runstate
 from hpcrl.agent.requeue import REQUEUE
 
 
@@ -119,10 +119,10 @@ def restart_endings(run_dir: Path) -> dict[int, str]:
     """restart R -> how run R-1 ended, from the state file (`run 0 stopped, requeued`)."""
     out = {}
     for r in rundir.restart_indices(run_dir):
-        info = rundir.read_restart(run_dir, r)
+        info = runstate.read_restart(run_dir, r)
         if info.ended is not None:
             requeued = ", requeued" if info.requeue_action == REQUEUE else ""
-            out[r + 1] = f"run {r} {rundir.restart_state(info, alive=False)}{requeued}"
+            out[r + 1] = f"run {r} {runstate.restart_state(info, alive=False)}{requeued}"
     return out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcrl import rundir, runreport
+from hpcrl import rundir, runreport, runstate
 from hpcrl.runreport import format_step
 
 
@@ -40,7 +40,7 @@ def eta_seconds(records: Sequence[dict[str, Any]], arrivals: Sequence[float]) ->
     return remaining * per_step if per_step > 0 else None
 
 
-def waiting_text(info: rundir.RestartInfo | None, queued: str | None = None) -> str:
+def waiting_text(info: runstate.RestartInfo | None, queued: str | None = None) -> str:
     """What the run waits for, from its restart's files (or the scheduler's word)."""
     if queued:
         return queued
@@ -73,11 +73,11 @@ class RunWatcher:
         found = rundir.restart_indices(self.run_dir)
         return found[-1] if found else None
 
-    def info(self) -> rundir.RestartInfo | None:
+    def info(self) -> runstate.RestartInfo | None:
         r = self.current_restart()
         if r is None or not rundir.RunPaths(self.run_dir, r).root.is_dir():
             return None
-        return rundir.read_restart(self.run_dir, r)
+        return runstate.read_restart(self.run_dir, r)
 
     def _read_new(self) -> list[dict[str, Any]]:
         if self._path is None:

@@ -15,16 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.diagnosis import json_lines, read_diagnoses
-from hpcrl.rundir import (
-    CHECKPOINTS,
-    RestartInfo,
-    RunFileError,
-    pid_alive,
-    read_job,
-    read_restart,
-    restart_indices,
-    restart_state,
-)
+from hpcrl.rundir import CHECKPOINTS, RunFileError, read_job, restart_indices
+from hpcrl.runstate import RestartInfo, pid_alive, read_restart, restart_state
 from trainer.checkpoint.layout import is_complete, latest_run_checkpoint, read_run_identity, step_of
 from trainer.config import GPUS_ENV, ConfigError, override_values
 from trainer.metrics import METRICS_FILE  # the trainer writes it; named once, there

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import hpcrl
-from hpcrl import rundir
+from hpcrl import rundir, runstate
 from hpcrl.agent.rendezvous import CANARY_ENV
 from hpcrl.containers import container_command
 from hpcrl.jobspec import JobSpec, canary_nonce
@@ -489,7 +489,7 @@ def sbatch_refusal(stderr: str) -> str:
 
 def refuse_if_running(run_dir: Path) -> None:
     """Two runs of one job at once would write the same checkpoints: refuse the second."""
-    info = rundir.running_restart(run_dir)
+    info = runstate.running_restart(run_dir)
     if info is not None:
         raise RequestError(f"run {info.index} of `{run_dir}` is still running (agent pid "
                            f"{info.head_pid}); stop it first with `hpcrl cancel {run_dir}` or "

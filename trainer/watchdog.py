@@ -18,14 +18,21 @@ least `trainer.watchdog.min_s`; until the call has `trainer.watchdog.warmup` dur
   start (:func:`register_stack_dump`); each rank's `stack_by` in the diagnosis says which;
 - reads each rank's process state (`/proc/<pid>/stat`: `T` stopped, `D` in uninterruptible
   I/O, `Z` gone, `R`/`S` running or waiting);
+- asks each rank to dump its flight recorder into `<run_dir>/nccl_trace/rank_<r>`
+  (:mod:`trainer.flight_recorder`: NCCL's on GPUs, gloo's on CPUs; the collective each rank
+  waits in, its sequence number), and gives per rank `nccl_trace` (the file) and
+  `nccl_trace_note` (the recorder and the collective pending, or why there is no dump);
+- reads each node's GPU evidence since the ranks started (:mod:`hpcrl.gpu_evidence`:
+  `nvidia-smi`/`amd-smi` ECC counters, the kernel log's Xids and amdgpu errors), `gpu` by node;
 - names the ranks that have not answered while the others have, with node, pid and state, a
   stopped (`T`) or `D`-state one first: the others may only be waiting on it in a collective.
 
 The driver then ends the run with that diagnosis (a :class:`~trainer.workers.group.WorkerFailure`
 of kind `hang`, kept in `diagnosis.jsonl` for `hpcrl status`). A rank stopped or in `D` state
-points at its node: the diagnosis lists such nodes (`suspect_nodes`), and hpcrl's head agent
-requeues the job without them, as after a node loss (:func:`hpcrl.diagnosis.blamed_nodes`); the
-rerun resumes from the last checkpoint. Otherwise the run ends with the diagnosis.
+points at its node, and so do GPU errors on it: the diagnosis lists such nodes (`suspect_nodes`),
+and hpcrl's head agent requeues the job without them, as after a node loss
+(:func:`hpcrl.diagnosis.blamed_nodes`); the rerun resumes from the last checkpoint. Otherwise the
+run ends with the diagnosis. A node without GPU tools gives no evidence and is never blamed for it.
 """
 
 from __future__ import annotations
@@ -46,8 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "call_key", "diagnose", "inspect", "process_state",
-           "register_stack_dump", "suspect_nodes", "where"]
+from hpcrl.gpu_evidence import node_evidence
+from trainer import flight_recorder as FR
+
+__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "behind_in_collectives", "call_key", "diagnose", "inspect",
+           "process_state", "register_stack_dump", "suspect_nodes", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
@@ -164,20 +174,25 @@ def py_spy_dump(pid: int, path: str) -> bool:
         return False
     if done.returncode != 0 or not done.stdout.strip():
         return False
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # a rank that registered no handler made none
     with open(path, "a") as out:
         out.write(f"py-spy dump of pid {pid} on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M:%S')}:\n"
                   f"{done.stdout}\n")
     return True
 
 
-def inspect(pids: list[int], dump: bool, stacks: list[str | None] | None = None) -> list[tuple[str | None, str | None]]:
-    """On the node this runs on: each process's state (:func:`process_state`, None when it is not
-    here), and with `dump` how its stacks were asked for: `py-spy` (read from its memory into its
-    file of `stacks`, :func:`py_spy_dump`) where py-spy can, else `signal` (:data:`STACK_SIGNAL`:
-    a stopped process writes when it runs again, the others now)."""
-    out: list[tuple[str | None, str | None]] = []
+def inspect(pids: list[int], dump: bool, stacks: list[str | None] | None = None, traces: bool = False,
+            since: float | None = None) -> dict[str, Any]:
+    """On the node this runs on: `ranks`, for each process its state (:func:`process_state`, None
+    when it is not here), with `dump` how its stacks were asked for (`py-spy`: read from its
+    memory into its file of `stacks`, :func:`py_spy_dump`, where py-spy can; else `signal`:
+    :data:`STACK_SIGNAL`, which a stopped process answers when it runs again, the others now),
+    and with `traces` why its flight recorder was not asked to dump (None: asked,
+    :func:`trainer.flight_recorder.request_dump`); with `since`, `gpu`: the node's GPU evidence
+    since then (:func:`hpcrl.gpu_evidence.node_evidence`)."""
+    out: list[tuple[str | None, str | None, str | None]] = []
     for pid, path in zip(pids, stacks or [None] * len(pids), strict=True):
-        state, how = process_state(pid), None
+        state, how, why = process_state(pid), None, None
         if dump and state is not None:
             if path is not None and py_spy_dump(pid, path):
                 how = "py-spy"
@@ -187,25 +202,29 @@ def inspect(pids: list[int], dump: bool, stacks: list[str | None] | None = None)
                     how = "signal"
                 except OSError:
                     pass
-        out.append((state, how))
-    return out
+        if traces:
+            why = ("the rank is not on this node" if state is None
+                   else f"the rank is {_STATES[state]}: none of its threads runs" if state in ("T", "t", "Z", "X")
+                   else FR.request_dump(pid))
+        out.append((state, how, why))
+    return {"ranks": out, "gpu": None if since is None else node_evidence(since)}
 
 
-def _inspect_nodes(procs: dict[str, tuple[list[int], list[str | None]]], dump: bool, timeout: float = 30.0
-                   ) -> dict[str, list[tuple[str | None, str | None]]]:
+def _inspect_nodes(procs: dict[str, tuple[list[int], list[str | None]]], dump: bool, traces: bool,
+                   since: float | None, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
     """:func:`inspect` on each node (by address) of `procs` (pids and stack files), through one Ray
     task pinned to each, all at once; a node that is not in the cluster or does not answer within
-    `timeout`: states unknown."""
+    `timeout`: states unknown, no GPU evidence."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ids = {n.get("NodeManagerAddress"): n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     task = ray.remote(num_cpus=0)(inspect)
     refs = {ip: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)).remote(
-                pids, dump, files) for ip, (pids, files) in procs.items() if ip in ids}
+                pids, dump, files, traces, since) for ip, (pids, files) in procs.items() if ip in ids}
     deadline = time.monotonic() + timeout
-    out: dict[str, list[tuple[str | None, str | None]]] = {ip: [(None, None)] * len(pids)
-                                                            for ip, (pids, _) in procs.items()}
+    out: dict[str, dict[str, Any]] = {
+        ip: {"ranks": [(None, None, "its node did not answer")] * len(pids), "gpu": None} for ip, (pids, _) in procs.items()}
     for ip, ref in refs.items():
         try:
             out[ip] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
@@ -214,11 +233,12 @@ def _inspect_nodes(procs: dict[str, tuple[list[int], list[str | None]]], dump: b
     return out
 
 
-def _states(nodes: list[dict[str, Any]], dump: bool, stacks: Path | None = None
-            ) -> list[tuple[str | None, str | None]]:
-    """Each rank's process state (`nodes`: the ranks' `node_info`), read here for the ranks on this
-    host and on their own nodes for the others (:func:`_inspect_nodes`); with `dump`, each rank's
-    stacks into `stacks/rank_<r>.txt`."""
+def _states(nodes: list[dict[str, Any]], dump: bool, stacks: Path | None = None, traces: bool = False,
+            since: float | None = None) -> tuple[list[tuple[str | None, str | None, str | None]], dict[str, Any]]:
+    """Each rank's process state, how its stacks were asked for and why its flight recorder was
+    not asked (`nodes`: the ranks' `node_info`), read here for the ranks on this host and on their
+    own nodes for the others (:func:`_inspect_nodes`); with `dump`, each rank's stacks into
+    `stacks/rank_<r>.txt`. And each node's GPU evidence (by host name) with `since`."""
     here = socket.gethostname()
     placed: dict[str, list[int]] = {}  # "" (this host) or a node's address: its ranks
     for rank, node in enumerate(nodes):
@@ -228,14 +248,17 @@ def _states(nodes: list[dict[str, Any]], dump: bool, stacks: Path | None = None
                   [str(stacks / f"rank_{r}.txt") if stacks is not None else None for r in ranks])
              for ip, ranks in placed.items()}
     remote = {ip: p for ip, p in procs.items() if ip}
-    answers = _inspect_nodes(remote, dump) if remote else {}
+    answers = _inspect_nodes(remote, dump, traces, since) if remote else {}
     if "" in procs:
-        answers[""] = inspect(procs[""][0], dump, procs[""][1])
-    states: list[tuple[str | None, str | None]] = [(None, None)] * len(nodes)
+        answers[""] = inspect(procs[""][0], dump, procs[""][1], traces, since)
+    states: list[tuple[str | None, str | None, str | None]] = [(None, None, "its node is unknown")] * len(nodes)
+    gpus: dict[str, Any] = {}
     for ip, ranks in placed.items():
-        for rank, state in zip(ranks, answers[ip], strict=True):
-            states[rank] = state
-    return states
+        for rank, state in zip(ranks, answers[ip]["ranks"], strict=True):
+            states[rank] = tuple(state)  # type: ignore[assignment]
+        if answers[ip].get("gpu") is not None:
+            gpus[str(nodes[ranks[0]].get("hostname"))] = answers[ip]["gpu"]
+    return states, gpus
 
 
 def _size(path: Path) -> int:
@@ -256,6 +279,54 @@ def _await_stacks(ranks: list[dict[str, Any]], sizes: dict[int, int], timeout: f
     while waiting and time.monotonic() < deadline:
         waiting = [(p, before) for p, before in waiting if _size(p) <= before]
         time.sleep(0.1)
+
+
+def _await_traces(ranks: list[dict[str, Any]], traces: Path, before: dict[int, float | None],
+                  timeout: float = 30.0) -> None:
+    """Wait (at most `timeout` s) for the note of each rank asked to dump its flight recorder
+    (its time changed from `before`, by rank), and set the rank's `nccl_trace` (the file, or
+    None) and `nccl_trace_note` (the recorder it came from, or why there is none). A dump
+    symbolises each entry's Python stack: seconds on a busy node."""
+    asked = {r["rank"]: r for r in ranks if r.get("nccl_trace_note") is None}
+    deadline = time.monotonic() + timeout
+    while asked:
+        for rank in [k for k in asked if FR.note_time(traces, k) != before.get(k)]:
+            note = FR.read_note(traces, rank) or {}
+            r = asked.pop(rank)
+            r["nccl_trace"] = note.get("file")
+            pending = f"waiting in {note['pending']}" if note.get("pending") else "none pending"
+            recorder, _, build = str(note.get("recorder")).partition(" ")
+            r["nccl_trace_note"] = (f"{recorder}'s flight recorder{' ' + build if build else ''}: "
+                                    f"{note.get('entries')} entries, {pending}" if note.get("file") else note.get("why"))
+            r["nccl_trace_groups"] = note.get("groups")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for r in asked.values():
+        r["nccl_trace"], r["nccl_trace_note"] = None, f"asked, but no dump within {timeout:g} s"
+
+
+def behind_in_collectives(ranks: list[dict[str, Any]]) -> str:
+    """The ranks the flight recorders put behind the others (their `nccl_trace_groups`: the last
+    collective each process group enqueued): in the default group (`0`), a rank that enqueued
+    fewer collectives than the others has not come to the one they wait in. Empty when fewer than
+    two ranks dumped or all are at the same collective."""
+    enqueued = {r["rank"]: ((r.get("nccl_trace_groups") or {}).get("0") or {}).get("last_enqueued") for r in ranks}
+    seen: dict[int, int] = {rank: n for rank, n in enqueued.items() if isinstance(n, int)}
+    if len(seen) < 2 or len(set(seen.values())) == 1:
+        return ""
+    top, node = max(seen.values()), {r["rank"]: r.get("node") for r in ranks}
+    late = "; ".join(f"rank {rank} on node `{node[rank]}` (#{n})" for rank, n in sorted(seen.items()) if n < top)
+    return f". By the flight recorders, the others enqueued collective #{top} and these ranks did not: {late}"
+
+
+def _gpu_clause(gpus: dict[str, Any]) -> str:
+    """The GPU evidence in the summary: the nodes it blames and why, or the nodes without tools."""
+    blamed = [f"`{node}`: {'; '.join(e['suspect'])}" for node, e in sorted(gpus.items()) if e.get("suspect")]
+    if blamed:
+        return ". GPU errors point at node(s) " + ", ".join(blamed)
+    bare = sorted(node for node, e in gpus.items() if any(n.startswith("no GPU tools") for n in e.get("notes", [])))
+    return f". No GPU evidence (no GPU tools on {', '.join(bare)})" if bare else ""
 
 
 def _name(r: dict[str, Any]) -> str:
@@ -279,20 +350,28 @@ def suspect_nodes(lagging: list[dict[str, Any]]) -> tuple[list[str], str]:
 
 
 def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: str, elapsed: float,
-             bounds: Bounds, stacks: Path | None) -> tuple[str, dict[str, Any]]:
+             bounds: Bounds, stacks: Path | None, traces: Path | None = None, since: float | None = None
+             ) -> tuple[str, dict[str, Any]]:
     """The summary and details of a call past its bound: each rank's state (stacks dumped into
-    `stacks`), the ranks that did not answer first, a stopped or `D`-state one before them.
-    `elapsed`: seconds since the call began (the hang began then or later)."""
+    `stacks`, flight recorders into `traces`: :mod:`trainer.flight_recorder`), the ranks that did
+    not answer first, a stopped or `D`-state one before them; each node's GPU evidence since
+    `since` (epoch seconds, the ranks' start: :mod:`hpcrl.gpu_evidence`). `elapsed`: seconds
+    since the call began (the hang began then or later)."""
     key = call_key(group, method)
     bound = bounds.describe(key)
     dump = stacks is not None  # only ranks that registered the handler: the signal ends the others
     sizes = {rank: _size(stacks / f"rank_{rank}.txt") for rank in range(len(nodes))} if stacks else {}
+    noted = {rank: FR.note_time(traces, rank) for rank in range(len(nodes))} if traces else {}
+    states, gpus = _states(nodes, dump, stacks, traces is not None, since)
     ranks = [{"rank": rank, "node": node.get("hostname"), "pid": node.get("pid"), "state": state,
               "answered": rank not in stuck,
               **({"stack": str(stacks / f"rank_{rank}.txt"), "stack_offset": sizes[rank], "stack_by": how}
-                 if stacks else {})}
-             for rank, (node, (state, how)) in enumerate(zip(nodes, _states(nodes, dump, stacks), strict=True))]
+                 if stacks else {}),
+              **({"nccl_trace": None, "nccl_trace_note": why} if traces else {})}
+             for rank, (node, (state, how, why)) in enumerate(zip(nodes, states, strict=True))]
     _await_stacks(ranks, sizes)
+    if traces is not None:
+        _await_traces(ranks, traces, noted)
     lagging = [r for r in ranks if not r["answered"]]
     first = [r for r in lagging if r["state"] in ("T", "t", "D")]
     others = [r for r in lagging if r not in first]
@@ -302,14 +381,19 @@ def diagnose(nodes: list[dict[str, Any]], stuck: list[int], group: str, method: 
     if first and others:
         named += f" (the other {len(others)} may only be waiting on the first in a collective)"
     suspects, why = suspect_nodes(lagging)
+    gpu_suspects = sorted(node for node, e in gpus.items() if e.get("suspect"))
     at_ = where()
     during = "".join([f" in phase `{at_.phase}`" if at_.phase else "",
                       f" of step {at_.step}" if at_.step is not None else ""])
+    dumped = [r for r in ranks if r.get("nccl_trace")]
     summary = (f"worker group `{group}`: `{method}`{during} has run {elapsed:.0f} s, past its bound ({bound}); "
                f"{len(lagging)} of {len(nodes)} rank(s) have not answered: {named}"
                + why
-               + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else ""))
+               + behind_in_collectives(ranks)
+               + _gpu_clause(gpus)
+               + (f". Stacks: {stacks}/rank_<r>.txt" if stacks else "")
+               + (f". Flight recorder: {traces}/rank_<r> ({len(dumped)} of {len(ranks)} rank(s))" if traces else ""))
     return summary, {"group": group, "method": method, "phase": at_.phase, "step": at_.step,
                      "elapsed_s": round(elapsed, 1), "bound_s": round(bounds.bound(key), 1),
-                     "bound": bound, "ranks": ranks,
-                     "suspect_nodes": suspects}
+                     "bound": bound, "ranks": ranks, "gpu": gpus,
+                     "suspect_nodes": sorted(set(suspects) | set(gpu_suspects))}

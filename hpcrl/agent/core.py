@@ -41,7 +41,8 @@ from hpcrl.agent.stop import SignalInbox
 from hpcrl.agent.teardown import Teardown
 from hpcrl.agent.watch import early_stop_reason, watch_worker
 from hpcrl.netaddr import NodeAddress, local_addresses
-from hpcrl.rundir import AGENT_STARTED, Retrying, RunPaths, process_start
+from hpcrl.rundir import RunPaths
+from hpcrl.runstate import AGENT_STARTED, Retrying, process_start
 from hpcrl.slurm_env import JobContext, job_context
 
 __all__ = ["Agent", "AgentError", "ContainerWrap", "Outcome", "container_wrap"]

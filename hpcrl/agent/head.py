@@ -31,8 +31,8 @@ from hpcrl.agent.watch import (
 from hpcrl.diagnosis import as_job_nodes, blamed_nodes
 from hpcrl.netaddr import format_host
 from hpcrl.payloads import verl
-from hpcrl.rundir import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
 from hpcrl.runreport import gpus_env, trainer_dirs
+from hpcrl.runstate import PAYLOAD_EXITED, PAYLOAD_STARTED, STOP_REQUESTED
 from hpcrl.slurm import SlurmError, run_slurm
 from trainer.exit_codes import REQUEUE_EXIT_CODE
 
@@ -188,9 +188,9 @@ class Head:
             self.node.log.error("the trainer's watchdog blamed host(s) %s, which are no node of this job (%s): "
                                 "not excluded", ", ".join(strangers), ", ".join(self.node.ctx.nodes))
         blamed = [h for h in blamed if h not in hosts]
-        if blamed:  # alive, but the trainer's watchdog found a rank stopped or in D state there
+        if blamed:  # alive, but the trainer's watchdog found a rank stopped or in D state there, or GPU errors
             self.node.log.error("%s; the trainer's watchdog blamed node(s) %s (a stuck rank's process "
-                                "stopped or in uninterruptible I/O)", failed.cause, ", ".join(blamed))
+                                "stopped or in uninterruptible I/O, or GPU errors)", failed.cause, ", ".join(blamed))
             hosts += blamed
         if not hosts:
             return failed
@@ -202,8 +202,8 @@ class Head:
                                 "beat: their network is cut off", failed.cause,
                                 ", ".join(h for _, h in cut))
         why = {**{h: "was cut off (it left the Ray cluster while its agent beat on)" for _, h in cut},
-               **{h: "holds a stuck rank (its process stopped or in uninterruptible I/O: the trainer's "
-                     "watchdog, `hpcrl status`)" for h in blamed}}
+               **{h: "holds a stuck rank (its process stopped or in uninterruptible I/O, or its GPUs "
+                     "reported errors: the trainer's watchdog, `hpcrl status`)" for h in blamed}}
         return requeuer.after_node_loss(hosts, failed.cause, why)
 
     def _blamed(self) -> list[str]:

@@ -50,7 +50,7 @@ from hpcrl.netaddr import (
 from hpcrl.payloads import verl
 from hpcrl.profile_load import profile_from_dict
 from hpcrl.profiles import env_for_ray_version
-from hpcrl.rundir import RAY_RESOURCES
+from hpcrl.runstate import RAY_RESOURCES
 
 WATCHER = "gcs_watch.py"
 LAUNCHER = "ray_launch.py"

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.agent.rendezvous import atomic_write_json
-from hpcrl.rundir import RunDir, pid_alive, read_lease
+from hpcrl.rundir import RunDir, read_lease
+from hpcrl.runstate import pid_alive
 from hpcrl.slurm import SlurmError, queue_entries
 from hpcrl.slurm_env import JobContext
 

@@ -24,7 +24,8 @@ from hpcrl.agent.procs import Child
 from hpcrl.containers import container_command
 from hpcrl.devices import DEVICE_VARS
 from hpcrl.profile_load import container_from_dict, profile_from_dict
-from hpcrl.rundir import Retrying, RunPaths, StateWriter
+from hpcrl.rundir import RunPaths
+from hpcrl.runstate import Retrying, StateWriter
 from hpcrl.slurm_env import JobContext
 
 ContainerWrap = Callable[
@@ -173,7 +174,7 @@ class Heartbeat:
     (address, ports, Ray's pid), rewritten in place every `BEAT_S` while it lives with one more
     `beat`; and its view of the other nodes' files (`peers`).
 
-    A transient file-system error (`rundir.TRANSIENT_ERRNOS`) does not end the job: a beat is
+    A transient file-system error (`runstate.TRANSIENT_ERRNOS`) does not end the job: a beat is
     tried again at the next looks, a state change until it is written, both for up to
     `retry.patience_s` (the job's `heartbeat_timeout_s`: past it the others count this node as
     dead anyway)."""

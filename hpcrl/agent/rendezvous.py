@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl import rundir
-from hpcrl.rundir import AGENT_STARTED, RunDir, RunPaths, read_state
+from hpcrl import runstate
+from hpcrl.rundir import RunDir, RunPaths
+from hpcrl.runstate import AGENT_STARTED, read_state
 
 RENDEZVOUS_VERSION = 2  # 2: workers start Ray once `head-alive` appears
 POLL_S = 0.1
@@ -46,7 +47,7 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o600) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
-            rundir.fs_write(fd, text.encode())
+            runstate.fs_write(fd, text.encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -246,7 +247,7 @@ class NodeFileWriter:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             self.size = os.fstat(self.fd).st_size
         try:
-            rundir.fs_write(self.fd, raw.ljust(self.size), 0)
+            runstate.fs_write(self.fd, raw.ljust(self.size), 0)
             if sync or self.flush_always:
                 os.fsync(self.fd)
         except OSError:

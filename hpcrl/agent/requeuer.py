@@ -17,7 +17,7 @@ from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import AgentJob
 from hpcrl.agent.node import Outcome, state_writer
 from hpcrl.agent.stop import Deadline, SignalInbox, StopControl
-from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE
+from hpcrl.runstate import REQUEUE_DECIDED, REQUEUE_DONE
 from hpcrl.slurm import SlurmError, parse_slurm_time, show_job
 from hpcrl.slurm_env import JobContext
 

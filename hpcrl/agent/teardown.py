@@ -25,7 +25,8 @@ from hpcrl.agent.node import (
     state_writer,
 )
 from hpcrl.agent.procs import Child, kill_all, processes_mentioning
-from hpcrl.rundir import RUN_ENDED, TEARDOWN_DONE, RunPaths
+from hpcrl.rundir import RunPaths
+from hpcrl.runstate import RUN_ENDED, TEARDOWN_DONE
 from hpcrl.runtimes import get as runtime
 from hpcrl.slurm_env import JobContext
 

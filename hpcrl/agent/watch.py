@@ -20,7 +20,8 @@ from hpcrl.agent.node import BEAT_S, TICK_S, AgentError, Heartbeat, Node, Outcom
 from hpcrl.agent.procs import Child
 from hpcrl.agent.requeuer import Requeuer
 from hpcrl.agent.stop import SignalInbox
-from hpcrl.rundir import NODES_JOINED, RunPaths
+from hpcrl.rundir import RunPaths
+from hpcrl.runstate import NODES_JOINED
 
 
 def ray_exited(node: Node, ray: Child) -> Outcome | None:

@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from hpcrl import rundir
+from hpcrl import rundir, runstate
 from hpcrl.commands._common import user_errors
 from hpcrl.jobs import resolve
 from hpcrl.slurm import SlurmError, check_job_id, run_slurm, show_job
@@ -32,10 +32,10 @@ def stop_local(run_dir: object, now: bool = False) -> str:
     that agent (this host, the same process start): SIGTERM, which the agent forwards to the
     trainer (it checkpoints and exits); `now`: SIGINT twice (the trainer aborts at once)."""
     run = Path(str(run_dir))
-    info = rundir.running_restart(run)
+    info = runstate.running_restart(run)
     if info is None or info.head_pid is None:
         raise SlurmError(f"the local run `{run}` is not running (`hpcrl status {run}`)")
-    other = rundir.same_process(info.head_pid, info.head_host, info.head_start)
+    other = runstate.same_process(info.head_pid, info.head_host, info.head_start)
     if other is not None:
         raise SlurmError(f"the local run `{run}` recorded its agent as pid {info.head_pid}, but "
                          f"{other}: not signalling it. Stop the run where it runs, or remove "

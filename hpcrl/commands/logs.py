@@ -8,7 +8,8 @@ from pathlib import Path
 
 from hpcrl.commands._common import run_dir_of, user_errors
 from hpcrl.jobs import log_files, resolve
-from hpcrl.rundir import AGENT_STARTED, RunPaths, read_state, restart_indices
+from hpcrl.rundir import RunPaths, restart_indices
+from hpcrl.runstate import AGENT_STARTED, read_state
 from hpcrl.slurm import SlurmError
 
 HELP = ("print (or follow with -f) a job's logs: batch script and every node, one node, or one "

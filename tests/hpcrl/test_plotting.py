@@ -57,15 +57,15 @@ def test_figure_has_the_six_series_and_the_restart(run: Path) -> None:
 
 def test_restart_says_how_the_run_before_it_ended(run: Path) -> None:
     """The state file tells why run 0 ended: it checkpointed (status 3) and was requeued."""
-    from hpcrl import rundir
+    from hpcrl import rundir, runstate
     from hpcrl.agent.requeue import REQUEUE
 
     for index in (0, 1):
         rundir.RunPaths(run, index).root.mkdir()
-    head = rundir.StateWriter(run, 0, 0, "n1")
-    head.append(rundir.PAYLOAD_EXITED, status=3)
-    head.append(rundir.REQUEUE_DECIDED, action=REQUEUE, message="requeueing job 5")
-    head.append(rundir.RUN_ENDED, summary="job 5 restart 0: payload exited with status 3")
+    head = runstate.StateWriter(run, 0, 0, "n1")
+    head.append(runstate.PAYLOAD_EXITED, status=3)
+    head.append(runstate.REQUEUE_DECIDED, action=REQUEUE, message="requeueing job 5")
+    head.append(runstate.RUN_ENDED, summary="job 5 restart 0: payload exited with status 3")
     _, fig = plot_run(run, run / "plot.png")
     texts = [t.get_text() for t in fig.get_axes()[0].texts]
     assert "restart 1: resumed after step 3 (run 0 stopped, requeued)" in texts, texts

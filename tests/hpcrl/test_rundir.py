@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir, runreport
+from hpcrl import rundir, runreport, runstate
 from hpcrl.progress import Progress, RunWatcher, eta_seconds, waiting_text
 from hpcrl.runreport import format_duration, format_step
 from tests.conftest import DATA, run_hpcrl
@@ -40,24 +40,24 @@ def make_restart(run: Path, index: int, *, joined: int = 1, total: int = 1, payl
     paths = rundir.RunPaths(run, index)
     paths.nodes.mkdir(parents=True)
     paths.logs.mkdir()
-    head = rundir.StateWriter(run, index, 0, host)
-    head.append(rundir.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id=job,
+    head = runstate.StateWriter(run, index, 0, host)
+    head.append(runstate.AGENT_STARTED, pid=pid or os.getpid(), nodes=total, job_id=job,
                 **({"start": start} if start else {}))
     for n in range(joined + 1):
-        head.append(rundir.NODES_JOINED, joined=n, total=total)
+        head.append(runstate.NODES_JOINED, joined=n, total=total)
     log = [f"2026-01-01 00:00:00,000 hpcrl-agent[{HOST} rank 0] {n}/{total} nodes joined"
            for n in range(joined + 1)]
     if payload:
-        head.append(rundir.PAYLOAD_STARTED, pid=1, nodes=total)
+        head.append(runstate.PAYLOAD_STARTED, pid=1, nodes=total)
         log.append(f"2026-01-01 00:00:01,000 hpcrl-agent[{HOST} rank 0] all {total} nodes joined; "
                    "starting the payload: python -m trainer")
     paths.agent_log(0, HOST).write_text("\n".join(log) + "\n")
     if exit_code is not None:
-        head.append(rundir.PAYLOAD_EXITED, status=exit_code)
-        head.append(rundir.RUN_ENDED, exit_code=exit_code, summary=(
+        head.append(runstate.PAYLOAD_EXITED, status=exit_code)
+        head.append(runstate.RUN_ENDED, exit_code=exit_code, summary=(
             f"job {job} restart {index}: payload exited with status {exit_code} "
             f"(exit {exit_code})"))
-        head.append(rundir.TEARDOWN_DONE, exit_code=exit_code)
+        head.append(runstate.TEARDOWN_DONE, exit_code=exit_code)
 
 
 def make_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
@@ -83,12 +83,12 @@ def test_restart_read_from_agent_files(run: Path) -> None:
     make_restart(run, 0, exit_code=3)
     make_restart(run, 1, joined=2, total=3, payload=False, exit_code=None)
     assert rundir.restart_indices(run) == [0, 1]
-    first, second = rundir.read_restart(run, 0), rundir.read_restart(run, 1)
+    first, second = runstate.read_restart(run, 0), runstate.read_restart(run, 1)
     assert first.exit_code == 3 and first.payload_started and first.ended.startswith("job local-1")
-    assert rundir.restart_state(first) == "stopped"
+    assert runstate.restart_state(first) == "stopped"
     assert (second.nodes_joined, second.nodes_total, second.payload_started) == (2, 3, False)
-    assert rundir.restart_state(second) == "starting"
-    assert rundir.restart_state(second, alive=False) == "lost"
+    assert runstate.restart_state(second) == "starting"
+    assert runstate.restart_state(second, alive=False) == "lost"
     assert waiting_text(second) == "starting Ray: 2/3 nodes joined"
     assert waiting_text(first) == "1/1 nodes joined; trainer loading the model and data"
     assert waiting_text(None) == "starting the node agent"
@@ -98,7 +98,7 @@ def test_restart_read_from_agent_files(run: Path) -> None:
 def test_states_from_exit_codes(run: Path) -> None:
     for index, code in enumerate((0, 2, 130)):
         make_restart(run, index, exit_code=code)
-    assert [rundir.restart_state(rundir.read_restart(run, i)) for i in (0, 1, 2)] == [
+    assert [runstate.restart_state(runstate.read_restart(run, i)) for i in (0, 1, 2)] == [
         "finished", "failed", "aborted"]
 
 
@@ -428,7 +428,7 @@ def test_cancel_a_local_run_stops_its_agent(run: Path) -> None:
     agent = subprocess.Popen(["sleep", "60"])  # stands in for the head's agent process
     try:
         make_restart(run, 0, exit_code=None, pid=agent.pid, host=socket.gethostname(),
-                     start=rundir.process_start(agent.pid))
+                     start=runstate.process_start(agent.pid))
         (run / "submission.json").write_text(json.dumps({"job_id": "local-1", "logs": {}}))
         env = {"PATH": "/usr/bin:/bin", "HOME": str(run)}
         proc = run_hpcrl(["cancel", str(run)], env)
@@ -449,7 +449,7 @@ def test_cancel_never_signals_a_pid_that_is_not_the_agent(run: Path, case: str) 
 
     stranger = subprocess.Popen(["sleep", "60"])  # alive, with the recorded pid
     try:
-        start = rundir.process_start(stranger.pid)
+        start = runstate.process_start(stranger.pid)
         if case == "other host":
             make_restart(run, 0, exit_code=None, pid=stranger.pid, host="elsewhere", start=start)
         else:
@@ -500,12 +500,12 @@ def test_a_local_resume_refused_while_the_run_is_alive_changes_nothing(tmp_path:
 APPENDER = """
 import sys
 from pathlib import Path
-from hpcrl import rundir
+from hpcrl import rundir, runstate
 from hpcrl import runreport
 run, rank, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-writer = rundir.StateWriter(run, 0, rank, "node%d" % rank)
+writer = runstate.StateWriter(run, 0, rank, "node%d" % rank)
 for i in range(count):
-    writer.append(rundir.NODES_JOINED, seq=i, a=str(rank) * 600, b="b" * 600, c="c" * 600,
+    writer.append(runstate.NODES_JOINED, seq=i, a=str(rank) * 600, b="b" * 600, c="c" * 600,
                   d="d" * 600, e="e" * 600)
 """
 
@@ -532,33 +532,33 @@ def test_appends_from_two_processes_interleave_whole_lines(tmp_path: Path) -> No
         mine = [r for r in records if r["rank"] == rank]
         assert [r["seq"] for r in mine] == list(range(count))
         assert all(r["a"] == str(rank) * 600 and r["e"] == "e" * 600 for r in mine)
-    assert rundir.read_state(tmp_path) == records
+    assert runstate.read_state(tmp_path) == records
 
 
 def test_a_torn_last_line_is_skipped_and_ended_by_the_next_writer(tmp_path: Path) -> None:
     """kill -9 mid-write leaves half a line: readers skip it without an error, and the next
     append (a requeued run's agent) ends it first, so its own line stays whole."""
-    head = rundir.StateWriter(tmp_path, 0, 0, HOST)
-    head.append(rundir.AGENT_STARTED, pid=7, nodes=2)
-    head.append(rundir.PAYLOAD_STARTED, pid=8, nodes=2)
+    head = runstate.StateWriter(tmp_path, 0, 0, HOST)
+    head.append(runstate.AGENT_STARTED, pid=7, nodes=2)
+    head.append(runstate.PAYLOAD_STARTED, pid=8, nodes=2)
     with open(tmp_path / rundir.STATE_FILE, "ab") as fh:
         fh.write(b'{"event":"payload_exited","restart":0,"sta')
-    assert [r["event"] for r in rundir.read_state(tmp_path)] == ["agent_started",
+    assert [r["event"] for r in runstate.read_state(tmp_path)] == ["agent_started",
                                                                  "payload_started"]
-    info = rundir.read_restart(tmp_path, 0)
+    info = runstate.read_restart(tmp_path, 0)
     assert info.payload_started and info.exit_code is None and info.head_pid == 7
-    rundir.StateWriter(tmp_path, 1, 0, HOST).append(rundir.AGENT_STARTED, pid=9, nodes=2)
-    assert [(r["event"], r["restart"]) for r in rundir.read_state(tmp_path)] == [
+    runstate.StateWriter(tmp_path, 1, 0, HOST).append(runstate.AGENT_STARTED, pid=9, nodes=2)
+    assert [(r["event"], r["restart"]) for r in runstate.read_state(tmp_path)] == [
         ("agent_started", 0), ("payload_started", 0), ("agent_started", 1)]
-    assert rundir.read_restart(tmp_path, 1).head_pid == 9
+    assert runstate.read_restart(tmp_path, 1).head_pid == 9
 
 
 def test_a_state_line_stays_small(tmp_path: Path) -> None:
     """Free text is cut to `TEXT_MAX`; a line that would still not fit one atomic append is
     refused, naming its size and the limit."""
-    writer = rundir.StateWriter(tmp_path, 0, 0, HOST)
-    writer.append(rundir.RUN_ENDED, summary="x" * 10_000)
-    assert rundir.read_state(tmp_path)[0]["summary"] == "x" * rundir.TEXT_MAX
+    writer = runstate.StateWriter(tmp_path, 0, 0, HOST)
+    writer.append(runstate.RUN_ENDED, summary="x" * 10_000)
+    assert runstate.read_state(tmp_path)[0]["summary"] == "x" * runstate.TEXT_MAX
     with pytest.raises(rundir.RunFileError, match=r"at most 4000, one atomic append"):
-        writer.append(rundir.RUN_ENDED, **{f"f{i}": "y" * 500 for i in range(10)})
-    assert len(rundir.read_state(tmp_path)) == 1
+        writer.append(runstate.RUN_ENDED, **{f"f{i}": "y" * 500 for i in range(10)})
+    assert len(runstate.read_state(tmp_path)) == 1

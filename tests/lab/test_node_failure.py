@@ -29,7 +29,7 @@ import pytest
 
 from hpcrl.diagnosis import read_diagnoses
 from hpcrl.profiles import AgentConfig
-from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE, read_state
+from hpcrl.runstate import REQUEUE_DECIDED, REQUEUE_DONE, read_state
 from tests.conftest import run_hpcrl, shows_stack
 from tests.lab.test_requeue import (
     assets,  # noqa: F401 - the module fixture: tiny model and toy task
@@ -149,6 +149,11 @@ def check_hang(lab, job: int, run_dir: Path, victim: dict, stopped_at: float) ->
         assert ranks[rank]["state"] in ("R", "S"), hang
         stack = Path(ranks[rank]["stack"]).read_text()[ranks[rank]["stack_offset"]:]
         assert shows_stack(stack), (rank, stack)  # py-spy's, or faulthandler's on the signal
+    # the flight recorder: a stopped rank runs no thread; the others dump gloo's recorder across the nodes
+    assert ranks[stopped]["nccl_trace_note"] == "the rank is stopped (T): none of its threads runs", hang
+    for rank in set(ranks) - {stopped}:
+        assert Path(ranks[rank]["nccl_trace"]).is_file() and "gloo's flight recorder" in ranks[rank]["nccl_trace_note"], hang
+    assert all("no GPU tools on" in e["notes"][0] and not e["suspect"] for e in hang["gpu"].values()), hang["gpu"]
     if ranks[stopped]["stack_by"] == "py-spy":  # read from the stopped process's memory, no handler needed
         stack = Path(ranks[stopped]["stack"]).read_text()[ranks[stopped]["stack_offset"]:]
         assert shows_stack(stack), stack

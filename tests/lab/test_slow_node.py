@@ -23,7 +23,7 @@ import pytest
 
 from hpcrl.agent.slow import SLOW_NODES
 from hpcrl.diagnosis import read_diagnoses
-from hpcrl.rundir import REQUEUE_DECIDED, REQUEUE_DONE, read_state
+from hpcrl.runstate import REQUEUE_DECIDED, REQUEUE_DONE, read_state
 from tests.conftest import run_hpcrl
 from tests.lab.config import INSTANCE
 from tests.lab.test_requeue import (

@@ -25,7 +25,7 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "5 sections" in done.stdout and "0 failed" in done.stdout
+    assert "7 sections" in done.stdout and "0 failed" in done.stdout
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     for precision in ("bf16", "fp32"):
         run = figures["fsdp2"][precision]
@@ -40,6 +40,10 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     assert figures["trainer"]["steps"] == 2 and figures["trainer"]["tokens/s/GPU"] > 0
     rm = figures["reward_model"]  # fp32 on the CPU against itself: the same scores
     assert rm["responses"] == 32 and rm["max_abs_diff_vs_cpu_fp32"] == 0.0 and rm["score_std"] > 0
+    fr = figures["flight_recorder"]  # gloo's recorder on the CPU: five all-reduces, none pending
+    assert fr["recorder"].startswith("gloo") and fr["entries"] == 5 and fr["pending"] is None, fr
+    assert fr["groups"] == {"0": {"last_enqueued": 5, "last_completed": 5}} and fr["names"] == ["gloo:all_reduce"]
+    assert figures["gpu_evidence"]["evidence"]["suspect"] == []
     rows = read_jsonl(tmp_path / "trainer-bf16" / "metrics.jsonl")
     assert len(rows) == 2 and rows[-1]["perf/max_memory_allocated_gb"] == 0.0  # the CPU reads 0
 

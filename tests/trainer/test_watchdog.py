@@ -19,10 +19,20 @@ from typing import Any
 
 import pytest
 
+from hpcrl import gpu_evidence
 from hpcrl.diagnosis import read_diagnoses
 from tests.conftest import REPO, shows_stack, wait_until
 from trainer import watchdog
-from trainer.watchdog import Bounds, at, call_key, diagnose, process_state, suspect_nodes, where
+from trainer.watchdog import (
+    Bounds,
+    at,
+    behind_in_collectives,
+    call_key,
+    diagnose,
+    process_state,
+    suspect_nodes,
+    where,
+)
 
 
 def test_the_bound_is_the_floor_until_warmup_then_a_multiple_of_the_median() -> None:
@@ -64,6 +74,18 @@ def test_a_stopped_rank_blames_its_node_d_state_on_several_nodes_blames_none() -
     assert nodes == ["c"], nodes
     assert why.startswith(". Ranks in uninterruptible I/O (D) on 2 nodes: a shared file system") and why.endswith(
         "none is blamed for it; a stopped process points at its node"), why
+
+
+def test_the_flight_recorders_name_the_rank_that_did_not_come_to_the_collective() -> None:
+    def rank(r: int, node: str, enqueued: int | None) -> dict[str, Any]:
+        groups = None if enqueued is None else {"0": {"last_enqueued": enqueued, "last_completed": 1}}
+        return {"rank": r, "node": node, "nccl_trace_groups": groups}
+
+    ranks = [rank(0, "a", 2), rank(1, "a", 1), rank(2, "b", 2), rank(3, "b", None)]  # rank 3: no dump
+    assert behind_in_collectives(ranks) == (". By the flight recorders, the others enqueued collective #2 and "
+                                            "these ranks did not: rank 1 on node `a` (#1)")
+    assert behind_in_collectives([rank(0, "a", 2), rank(1, "b", 2)]) == ""  # all at the same one
+    assert behind_in_collectives([rank(0, "a", 2), rank(1, "b", None)]) == ""  # one dump: nothing to compare
 
 
 def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
@@ -123,6 +145,47 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_gpu_errors_blame_their_node_and_each_rank_says_why_it_has_no_trace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's kernel log has an Xid since the ranks started (the command runner, the one seam,
+    answers from `tests/data/gpu/`): its node is a suspect though no rank is stopped or in `D`
+    state, and the summary says why. The ranks run no flight-recorder thread (a stopped one runs
+    no thread at all): each rank's `nccl_trace_note` says so, and no dump is waited for."""
+    journal = (REPO / "tests" / "data" / "gpu" / "journal_xid.txt").read_text()
+    monkeypatch.setattr(gpu_evidence, "run_command",
+                        lambda argv: (0, journal) if argv[0] == "journalctl" else None)
+    procs = _ranks_sleeping(tmp_path, 2)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+        host = socket.gethostname()
+        nodes = [{"rank": r, "hostname": host, "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
+        summary, details = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), None,
+                                    tmp_path / "nccl_trace", since=0.0)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert details["suspect_nodes"] == [host]  # rank 0 only waits (S); the Xids blame the node
+    assert (f". GPU errors point at node(s) `{host}`: Xid 74 on GPU 0000:b9:00; Xid 120 on GPU 0000:23:00; "
+            "Xid 79 on GPU 0000:3b:00. Flight recorder: ") in summary, summary
+    assert summary.endswith("nccl_trace/rank_<r> (0 of 2 rank(s))"), summary
+    assert details["gpu"][host]["tools"] == ["journalctl"] and details["gpu"][host]["notes"] == []
+    assert [(r["nccl_trace"], r["nccl_trace_note"]) for r in details["ranks"]] == [
+        (None, "the rank listens for no dump request (it started without the watchdog)"),
+        (None, "the rank is stopped (T): none of its threads runs")]
+    assert "stack" not in details["ranks"][0]  # no stacks asked for
+
+
+def test_no_gpu_tools_is_no_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_evidence, "run_command", lambda argv: None)  # no tool installed
+    nodes = [{"rank": 0, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}]
+    summary, details = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), None, since=0.0)
+    assert details["suspect_nodes"] == [] and "Flight recorder" not in summary
+    assert summary.endswith(f"(pid {os.getpid()}, running). No GPU evidence (no GPU tools on "
+                            f"{socket.gethostname()})"), summary
 
 
 def test_a_later_run_appends_to_the_stacks_of_the_run_before(tmp_path: Path, without_py_spy: None) -> None:
@@ -234,7 +297,7 @@ def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped
 
     stacks = tmp_path / "stacks"
     group = start_colocated({"actor": Worker}, None, 1, slot=make_placement_group(1, 2), world_size=2,
-                            stacks=stacks)["actor"]
+                            stacks=stacks, traces=tmp_path / "nccl_trace")["actor"]
     group.watchdog = Bounds(floor_s=30, multiple=5, min_s=2, warmup=2, poll_s=0.2)
     for _ in range(2):  # the call's usual time: about 0.1 s; bound then max(2, 5 x 0.1) = 2 s
         assert group.run("work", 0.1) == [0, 1]
@@ -253,6 +316,11 @@ def test_a_stopped_rank_is_named_with_its_state_and_the_others_stacks_are_dumped
     ranks = {r["rank"]: r for r in err.details["ranks"]}
     assert ranks[1]["state"] == "T" and not ranks[1]["answered"] and ranks[0]["answered"]
     assert err.details["suspect_nodes"] == [group.nodes[1]["hostname"]]  # for the head's requeue without it
+    # the answering rank's dump thread ran (these ranks form no process group); the stopped one's cannot
+    assert (ranks[0]["nccl_trace"], ranks[0]["nccl_trace_note"]) == (None, "this rank is in no process group")
+    assert ranks[1]["nccl_trace_note"] == "the rank is stopped (T): none of its threads runs"
+    if shutil.which("nvidia-smi") is None and shutil.which("amd-smi") is None:
+        assert f"No GPU evidence (no GPU tools on {group.nodes[1]['hostname']})" in text, text
     assert 2 < took < 30, took  # fired at its learned bound, not at the floor
     # the answering rank's threads' stacks: py-spy's at once (the stopped rank's too), else on the signal
     wait_until(lambda: shows_stack((stacks / "rank_0.txt").read_text()), "stack of the answering rank")
@@ -318,6 +386,14 @@ def test_a_run_with_a_stopped_rank_ends_with_the_diagnosis(tiny_model_dir: Path,
     ranks = {r["rank"]: r for r in hang["ranks"]}
     assert ranks[1]["state"] == "T" and not ranks[1]["answered"]
     assert shows_stack(Path(ranks[0]["stack"]).read_text())  # the other rank's threads, written before the kill
+    # rank 0's recorder (gloo's): the collective it waits in when it has not answered (rank 1 never
+    # joins it), none pending when it has (a rollout, whose ranks do not meet)
+    assert ranks[0]["nccl_trace"] == str(run / "nccl_trace" / "rank_0"), ranks[0]
+    pending = r"none pending" if ranks[0]["answered"] else r"waiting in gloo:\w+ #\d+"
+    assert re.match(rf"gloo's flight recorder( \(this torch build has no NCCL\))?: \d+ entries, {pending}$",
+                    ranks[0]["nccl_trace_note"]), ranks[0]
+    assert ranks[1]["nccl_trace"] is None and "stopped (T)" in ranks[1]["nccl_trace_note"]
+    assert hang["gpu"][host]["suspect"] == []  # a CPU node: no GPU errors, nobody blamed for them
     assert "trainer: watchdog: worker group `actor_rollout_ref`" in out + err, (out[-2000:], err[-3000:])
     assert ended < floor
     status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run)], capture_output=True, text=True,

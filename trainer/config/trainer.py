@@ -14,7 +14,8 @@ from trainer.config.base import GPUS_ENV, PROFILER, ConfigError, h
 @dataclass(frozen=True)
 class WatchdogConfig:
     enable: bool = h("end a run whose call to the ranks runs far past its usual time, naming the ranks "
-                     "that did not answer, with their stacks (`<run_dir>/stacks/`); Ray ranks only")
+                     "that did not answer, with their stacks (`<run_dir>/stacks/`), their flight recorders "
+                     "(`<run_dir>/nccl_trace/`) and each node's GPU errors; Ray ranks only")
     floor_s: float = h("a call's bound until it has `warmup` durations in its phase (the first steps compile "
                        "and warm caches; the ranks' start, loading the models, is not bounded)")
     multiple: float = h("afterwards the bound is this many times the median of the call's earlier durations")

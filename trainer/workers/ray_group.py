@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import flight_recorder as FR
 from trainer.config import Config, ConfigError
 from trainer.config.trainer import run_dir_of
 from trainer.watchdog import Bounds, call_key, diagnose, register_stack_dump
@@ -223,12 +224,17 @@ class ColocatedWorker:
     time."""
 
     def __init__(self, roles: dict[str, type], cfg: Config, rank: int, world_size: int,
-                 total_steps: int, stacks: str | None = None, samples: str | None = None) -> None:
+                 total_steps: int, stacks: str | None = None, samples: str | None = None,
+                 traces: str | None = None) -> None:
         self.ignores_sigterm = ignore_sigterm()  # before any role starts a thread
         if samples:  # its memory, for the driver to read should it die (`trainer.workers.memory_samples`)
             RssSampler(Path(samples), rank).start()
         if stacks:  # the watchdog's stack dumps (`trainer.watchdog`)
             register_stack_dump(Path(stacks) / f"rank_{rank}.txt")
+        if traces:  # the flight recorder, before any group is made; variables a site sets are kept
+            for key, value in FR.recorder_env(Path(traces)).items():
+                os.environ.setdefault(key, value)
+            FR.start_listener(Path(traces), rank)
         self.workers = {name: cls(cfg, rank, world_size, total_steps) for name, cls in roles.items()}
 
     def call(self, role: str, method: str, *args: Any) -> Any:
@@ -236,12 +242,13 @@ class ColocatedWorker:
 
 
 def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, slot: WorkerSlot,
-                    world_size: int, stacks: Path | None = None, samples: Path | None = None
-                    ) -> dict[str, RayWorkerGroup]:
+                    world_size: int, stacks: Path | None = None, samples: Path | None = None,
+                    traces: Path | None = None) -> dict[str, RayWorkerGroup]:
     """One :class:`ColocatedWorker` per rank in its bundle (a whole GPU, or one CPU), and one
     worker group per role over them. `samples`: the folder of the ranks' memory samples
     (:mod:`trainer.workers.memory_samples`); by default `memory/` in the run directory, with the
-    memory plan's host figure written there first."""
+    memory plan's host figure written there first. `stacks` and `traces`: the folders of the
+    watchdog's stack dumps and flight-recorder dumps (:mod:`trainer.watchdog`)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -258,8 +265,8 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             max_restarts=0, max_task_retries=0,
         ).remote(roles, cfg, rank, world_size, total_steps, str(stacks) if stacks else None,
-                 str(samples) if samples else None))
-    return {name: RayWorkerGroup(name, actors, stacks, samples) for name in roles}
+                 str(samples) if samples else None, str(traces) if traces else None))
+    return {name: RayWorkerGroup(name, actors, stacks, samples, traces) for name in roles}
 
 
 def _rank_failure(where: str, err: BaseException, node: Mapping[str, Any], samples: Path | None,
@@ -318,9 +325,11 @@ class RayWorkerGroup(WorkerGroup):
     """One role (`name`) of the colocated workers, one Ray actor per rank."""
 
     def __init__(self, name: str, actors: list[Any], stacks: Path | None = None,
-                 samples: Path | None = None) -> None:
+                 samples: Path | None = None, traces: Path | None = None) -> None:
         self.name, self.world_size, self.actors = name, len(actors), actors
-        self.stacks, self.samples = stacks, samples
+        self.stacks, self.samples, self.traces = stacks, samples, traces
+        self.started = time.time()
+        """The ranks' start: the watchdog reads the nodes' kernel logs from then on."""
         self.watchdog: Bounds | None = None
         """Set by the driver (`trainer.watchdog`): each call is timed and bounded."""
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
@@ -381,7 +390,8 @@ class RayWorkerGroup(WorkerGroup):
         elapsed = time.monotonic() - began
         if elapsed <= self.watchdog.bound(key):
             return
-        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog, self.stacks)
+        summary, details = diagnose(self.nodes, stuck, self.name, method, elapsed, self.watchdog, self.stacks,
+                                    self.traces, self.started)
         print(f"trainer: watchdog: {summary}", flush=True)
         self.kill()  # its ranks may hold GPUs in a collective that never ends
         raise WorkerFailure(summary, kind="hang", details=details)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from trainer import flight_recorder as FR
 from trainer import models as M
 from trainer import startup
 from trainer.config import Config
@@ -74,12 +75,15 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock) -> 
                                   **({"critic": CriticWorker} if cfg.derived.use_critic else {})}
         run_dir = run_dir_of(cfg)
         stacks = run_dir / "stacks" if t.watchdog.enable else None
-        groups = start_colocated(roles, cfg, total_steps, slot=slots[0], world_size=world, stacks=stacks)
+        traces = run_dir / FR.TRACE_DIR if t.watchdog.enable else None  # flight-recorder dumps
+        groups = start_colocated(roles, cfg, total_steps, slot=slots[0], world_size=world, stacks=stacks,
+                                 traces=traces)
         actor, critic = groups["actor_rollout_ref"], groups.get("critic")
         watched = list(groups.values())
         if pool_size:  # its ranks' stacks and memory samples in folders of their own
             pool = start_colocated({"rollout": RolloutWorker}, cfg, total_steps, slot=slots[1], world_size=pool_size,
                                    stacks=stacks / "rollout" if stacks else None,
+                                   traces=traces / "rollout" if traces else None,
                                    samples=run_dir / MEMORY_DIR / "rollout")["rollout"]
             watched.append(pool)
     clock.mark("workers_spawned")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir
+from hpcrl import rundir, runstate
 from hpcrl.agent import core, node
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.jobfile import parse_job
@@ -45,10 +45,10 @@ def test_missing_job_file_fails_fast_and_tells_the_others(tmp_path: Path) -> Non
     stop = json.loads((tmp_path / "0" / "stop.json").read_text())
     assert stop["rank"] == 0 and "JobFileError" in stop["reason"]
     assert "exit 1" in (tmp_path / "0" / "summary.txt").read_text()
-    events = [(r["event"], r["rank"]) for r in rundir.read_state(tmp_path, 0)]
+    events = [(r["event"], r["rank"]) for r in runstate.read_state(tmp_path, 0)]
     assert events == [("agent_started", 0), ("run_ended", 0), ("teardown_done", 0)]
-    info = rundir.read_restart(tmp_path, 0)
-    assert "JobFileError" in str(info.ended) and rundir.restart_state(info) == "failed"
+    info = runstate.read_restart(tmp_path, 0)
+    assert "JobFileError" in str(info.ended) and runstate.restart_state(info) == "failed"
 
 
 def test_run_dir_missing_on_this_node(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_an_earlier_jobs_run_is_left_alone(tmp_path: Path) -> None:
     there; it never reads that job's stop request as its own."""
     earlier = rundir.RunPaths(tmp_path, 0)
     rdv.create_run_dirs(earlier, "node1")
-    rundir.StateWriter(tmp_path, 0, 0, "node1").append(rundir.AGENT_STARTED, pid=1, nodes=1,
+    runstate.StateWriter(tmp_path, 0, 0, "node1").append(runstate.AGENT_STARTED, pid=1, nodes=1,
                                                         job_id="41")
     rdv.request_stop(earlier, 0, "node1", "payload exited with status 3 after the stop request")
     before = sorted(p.name for p in earlier.root.rglob("*"))

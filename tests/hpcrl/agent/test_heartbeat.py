@@ -1,7 +1,7 @@
 """The heartbeat and the state file under a faulty file system: a write refused for a while
 with a transient error (`ENOSPC`, `EDQUOT`, `ESTALE`, `EIO`) is tried again for up to the
 heartbeat timeout instead of ending the job. Faults are injected at the one place the run
-directory's writers hand bytes to the file system (`rundir.fs_write`)."""
+directory's writers hand bytes to the file system (`runstate.fs_write`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir
+from hpcrl import runstate
 from hpcrl.agent import rendezvous as rdv
 from hpcrl.agent.node import BEAT_S, Heartbeat
-from hpcrl.rundir import Retrying, RunPaths, StateWriter, read_state
+from hpcrl.rundir import RunPaths
+from hpcrl.runstate import Retrying, StateWriter, read_state
 from hpcrl.slurm_env import job_context
 
 ENV = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2",
@@ -23,9 +24,9 @@ ENV = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES
 
 
 def faulty_seam(monkeypatch: pytest.MonkeyPatch, code: int, failures: int) -> list[int]:
-    """`rundir.fs_write` raising OSError(`code`) for its next `failures` calls; returns the
+    """`runstate.fs_write` raising OSError(`code`) for its next `failures` calls; returns the
     list of every call's outcome (the errno, or 0 when the write went through)."""
-    real: Callable[..., None] = rundir.fs_write
+    real: Callable[..., None] = runstate.fs_write
     calls: list[int] = []
 
     def write(fd: int, data: bytes, offset: int | None = None) -> None:
@@ -35,7 +36,7 @@ def faulty_seam(monkeypatch: pytest.MonkeyPatch, code: int, failures: int) -> li
         calls.append(0)
         real(fd, data, offset)
 
-    monkeypatch.setattr(rundir, "fs_write", write)
+    monkeypatch.setattr(runstate, "fs_write", write)
     return calls
 
 
@@ -74,9 +75,9 @@ def test_a_state_line_refused_with_estale_lands_once(
     said: list[str] = []
     calls = faulty_seam(monkeypatch, errno.ESTALE, failures=2)
     StateWriter(tmp_path, 0, 0, "n1", Retrying(15.0, said.append)).append(
-        rundir.AGENT_STARTED, pid=1, nodes=1)
+        runstate.AGENT_STARTED, pid=1, nodes=1)
     assert calls == [errno.ESTALE, errno.ESTALE, 0]
-    assert [r["event"] for r in read_state(tmp_path)] == [rundir.AGENT_STARTED]
+    assert [r["event"] for r in read_state(tmp_path)] == [runstate.AGENT_STARTED]
     assert len(said) == 2
 
 

@@ -19,7 +19,7 @@ pytest.importorskip(
 
 pytestmark = pytest.mark.slow
 
-from hpcrl import rundir  # noqa: E402
+from hpcrl import runstate  # noqa: E402
 from tests.hpcrl.agent.agent_helpers import leftovers, make_run, start_agent, wait_for_text  # noqa: E402
 
 
@@ -104,13 +104,13 @@ def test_state_file_tells_the_run_in_order(two_local_jobs: dict) -> None:
     """The head's state lines, in the order of the run's phases, give what `hpcrl status`
     shows: the nodes that joined, the payload's exit status and the summary's headline."""
     for run, code, _ in two_local_jobs.values():
-        events = [r["event"] for r in rundir.read_state(run, 0)]
-        phases = [rundir.AGENT_STARTED, rundir.NODES_JOINED, rundir.PAYLOAD_STARTED,
-                  rundir.PAYLOAD_EXITED, rundir.RUN_ENDED, rundir.TEARDOWN_DONE]
-        assert [e for e in events if e in phases and e != rundir.NODES_JOINED] == [
-            p for p in phases if p != rundir.NODES_JOINED]
-        assert events.index(rundir.NODES_JOINED) < events.index(rundir.PAYLOAD_STARTED)
-        info = rundir.read_restart(run, 0)
+        events = [r["event"] for r in runstate.read_state(run, 0)]
+        phases = [runstate.AGENT_STARTED, runstate.NODES_JOINED, runstate.PAYLOAD_STARTED,
+                  runstate.PAYLOAD_EXITED, runstate.RUN_ENDED, runstate.TEARDOWN_DONE]
+        assert [e for e in events if e in phases and e != runstate.NODES_JOINED] == [
+            p for p in phases if p != runstate.NODES_JOINED]
+        assert events.index(runstate.NODES_JOINED) < events.index(runstate.PAYLOAD_STARTED)
+        info = runstate.read_restart(run, 0)
         assert (info.nodes_joined, info.nodes_total, info.exit_code) == (1, 1, code)
         summary = (run / "0" / "summary.txt").read_text().splitlines()
         assert info.ended == summary[0]

@@ -184,7 +184,7 @@ def test_a_run_directory_of_another_job_is_refused(tmp_path: Path) -> None:
     """`RUN/<N>/` of another job (its agents' state lines, its head's publication: the stop
     request and rendezvous there are not this job's) is refused before anything is written;
     this job's own, or a new one, is accepted."""
-    from hpcrl.rundir import AGENT_STARTED, StateWriter
+    from hpcrl.runstate import AGENT_STARTED, StateWriter
 
     p = paths(tmp_path)
     rdv.check_new_run(p, "12")  # new

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir
+from hpcrl import runstate
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import JobFileError, load_job, parse_job
 from hpcrl.agent.requeuer import Requeuer
@@ -204,7 +204,7 @@ def test_lost_nodes_requeue_the_job_then_exclude_them_once_pending(
     assert out.then is None  # at once: Slurm would requeue it without the exclusion otherwise
     assert out.cause.endswith("set `ExcNodeList=node[7-8],node2`")
     assert calls == [("requeue", "77"), ("exclude", "77", "node[7-8],node2")]
-    decided = [r for r in rundir.read_state(tmp_path / "run") if r["event"] == rundir.REQUEUE_DECIDED]
+    decided = [r for r in runstate.read_state(tmp_path / "run") if r["event"] == runstate.REQUEUE_DECIDED]
     assert decided[-1]["lost_nodes"] == ["node2"] and decided[-1]["exclude"] == "node[7-8],node2"
 
     def refused(target: str, nodes: str, count: int | None = None) -> None:
@@ -276,12 +276,12 @@ def test_warning_note_stops_the_payload_and_the_agent_requeues(tmp_path: Path) -
     summary = (run / "0" / "summary.txt").read_text()
     assert "Slurm's time-limit warning reached the batch script" in summary
     assert f"requeued job 9{os.getpid()} with `scontrol requeue` (restart 1 of at most 2)" in summary
-    state = {r["event"]: r for r in rundir.read_state(run, 0)}
+    state = {r["event"]: r for r in runstate.read_state(run, 0)}
     assert state["stop_requested"]["reason"] == "Slurm's time-limit warning reached the batch script"
     assert state["payload_exited"]["status"] == 3
     assert state["requeue_decided"]["action"] == "requeue" and state["requeue_decided"]["deferred"]
     assert state["requeue_done"]["message"].startswith(f"requeued job 9{os.getpid()} with")
-    assert rundir.read_restart(run, 0).requeue == state["requeue_done"]["message"]
+    assert runstate.read_restart(run, 0).requeue == state["requeue_done"]["message"]
     assert leftovers(run) == []
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import hpcrl.agent.requeuer as requeuer_mod
-from hpcrl import rundir
+from hpcrl import runstate
 from hpcrl.agent import requeue as rq
 from hpcrl.agent.jobfile import load_job, parse_job
 from hpcrl.agent.requeuer import Requeuer
@@ -82,7 +82,7 @@ def _slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle: list[str]) -> 
 
 
 def _events(slow: SlowNodes) -> list[dict]:
-    return [r for r in rundir.read_state(slow.requeuer.run_dir) if r["event"] == SLOW_NODES]
+    return [r for r in runstate.read_state(slow.requeuer.run_dir) if r["event"] == SLOW_NODES]
 
 
 def test_without_the_flag_a_slow_node_is_named_and_the_run_goes_on(
@@ -116,7 +116,7 @@ def test_with_the_flag_and_a_spare_the_run_checkpoints_and_is_requeued_without_t
     assert out is not None and out.exit_code == 3
     assert "node `node2` is slow (the trainer named it; `--exclude-slow`); requeueing job 77" in out.cause
     assert calls == [("requeue", "77"), ("exclude", "77", "node5,node2", ())]
-    decided = [r for r in rundir.read_state(slow.requeuer.run_dir) if r["event"] == rundir.REQUEUE_DECIDED]
+    decided = [r for r in runstate.read_state(slow.requeuer.run_dir) if r["event"] == runstate.REQUEUE_DECIDED]
     assert decided[-1]["lost_nodes"] == ["node2"] and decided[-1]["exclude"] == "node5,node2"
 
 
