@@ -269,7 +269,7 @@ class HFRolloutEngine:
             generated = torch.arange(response.shape[1]) < steps[:, None]
             response_mask = response_mask_from_eos(response, self.eos_token_ids) * generated
             # an aborted row: its tokens so far, no EOS among them (a row that ended is finished)
-            aborted = cut & ~torch.isin(response, torch.tensor(self.eos_token_ids)).any(dim=1)
+            aborted = cut & ~(torch.isin(response, torch.tensor(self.eos_token_ids)) & generated).any(dim=1)
             response = torch.where(response_mask.bool(), response, self.pad_token_id)
             # the log-probs under the weights that sampled the tokens: before any new ones load
             if response_mask.any():
