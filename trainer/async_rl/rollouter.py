@@ -182,7 +182,7 @@ class Rollouter:
             left += budget
         rollout = self.rollouts[rank]
         params = sampling_params(self.cfg, validate=False)
-        if rollout.server_mode:  # the rows' first parts were sampled as agent-loop turns
+        if rollout.server_mode or rollout.trace_store is not None:  # the first parts were agent-loop turns
             params = agent_loop_sampling(params, greedy_baseline=False)
         params = replace(params, n=1, max_response_length=max(left))
         seed = step_seed(self.cfg.trainer.seed, call, SALT["train"])

@@ -70,11 +70,51 @@ def test_a_batched_generation_marks_its_aborted_rows(engine: HFRolloutEngine) ->
     finally:
         handle.remove()
         engine.resume()
-    assert batch.aborted is not None and batch.aborted.all()
-    assert batch.response_mask.sum(1).tolist() == [3] * 6  # 3 tokens each, nothing after them
-    assert (batch.log_probs[:, 3:] == 0).all() and (batch.log_probs[:, :3] < 0).all()
+    lengths, ended = batch.response_mask.sum(1), (batch.response_ids == EOS).any(1)
+    assert batch.aborted is not None and batch.aborted.tolist() == (~ended).tolist() and batch.aborted.any()
+    assert (lengths[batch.aborted] == 3).all() and (lengths <= 3).all()  # 3 tokens at most, nothing after
+    assert (batch.log_probs[:, 3:] == 0).all() and (batch.log_probs[batch.aborted, :3] < 0).all()
     full = engine.generate(ids, mask, SamplingParams(n=2, temperature=1.0, max_response_length=BUDGET))
     assert full.aborted is None
+
+
+def test_an_aborted_turn_leaves_the_single_turn_loop_as_an_aborted_row(engine: HFRolloutEngine) -> None:
+    """Through the agent-loop path (single-turn loop, turns batched into the engine): the aborted
+    turn's row is marked `aborted` in the packed batch, its tokens so far kept."""
+    import asyncio
+
+    from trainer.agent.base import AgentContext
+    from trainer.agent.loops import SingleTurnAgentLoop
+    from trainer.agent.manager import pack_outputs
+    from trainer.agent.servers import BatchedServer
+    from trainer.data import Example
+
+    server = BatchedServer(engine)
+    loop = SingleTurnAgentLoop(AgentContext(tokenizer=None, server=server, response_length=BUDGET, multi_turn=None))
+    examples = [Example(i, "toy", [], "", {}, {}, p) for i, p in enumerate(PROMPTS)]
+
+    async def run_all() -> list[Any]:
+        for _ in examples:
+            server.open()
+
+        async def one(e: Example) -> Any:
+            try:
+                return await loop.run(e, SamplingParams(temperature=0.0, max_response_length=BUDGET), f"r{e.index}")
+            finally:
+                server.close()
+
+        return list(await asyncio.gather(*(one(e) for e in examples)))
+
+    handle = aborting_after(engine, 4)
+    try:
+        outputs = asyncio.run(run_all())
+    finally:
+        handle.remove()
+        engine.resume()
+    assert [(o.aborted, len(o.response_ids)) for o in outputs] == [(True, 4)] * 3
+    batch = pack_outputs(outputs, torch.arange(3), PAD, BUDGET, want_log_probs=True)
+    assert batch.aborted is not None and batch.aborted.tolist() == [True] * 3
+    assert batch.response_mask.sum(1).tolist() == [4] * 3
 
 
 def two_rows() -> StepBatch:
