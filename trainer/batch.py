@@ -51,6 +51,10 @@ class StepBatch:
     weight_version: int | None = None
     """The weight version that generated the batch (a rollout pool's; None where the rollout
     shares the trainer's weights)."""
+    aborted: torch.Tensor | None = None
+    """``(rows,)`` bool, True where the engine was aborted before the row ended (a partial
+    rollout's pause at a weight sync): the row is continued before it is trained
+    (:mod:`trainer.async_rl.partial`); None: every row ended."""
 
     @property
     def response_length(self) -> int:

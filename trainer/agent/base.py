@@ -71,6 +71,10 @@ class AgentOutput:
     """verl's `extra_fields`: `turn_scores` (interaction rewards) and `tool_rewards` (both lists,
     empty for a single-turn row), and anything else a loop adds. The reward function receives them
     in `extra_info` (verl 0.9.1 `reward_loop/reward_manager/naive.py` `run_single`)."""
+    aborted: bool = False
+    """The server aborted the last turn before it ended (a partial rollout's pause at a weight
+    sync): the response is partial, and the fully-async rollouter continues it under the new
+    weights (:mod:`trainer.async_rl.partial`)."""
     reward_score: float | None = None
     """A score the loop computed itself (verl's `AgentLoopOutput.reward_score`): when set, the
     reward function is not called for this trajectory and this is its score (verl 0.9.1

@@ -228,7 +228,7 @@ class SingleTurnAgentLoop(AgentLoop):
         return AgentOutput(
             prompt_ids=prompt_ids, response_ids=response, response_mask=[1] * len(response),
             response_logprobs=list(out.log_probs[:length]) if out.log_probs else None,
-            num_turns=2, metrics=metrics,
+            num_turns=2, metrics=metrics, aborted=out.finish_reason == "abort",
             # verl 0.9.1 `single_turn_agent_loop.py`: "keeping the schema consistent with tool_agent_loop"
             extra={"turn_scores": [], "tool_rewards": []})
 

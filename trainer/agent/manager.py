@@ -220,7 +220,8 @@ def pack_outputs(outputs: Sequence[AgentOutput], prompt_index: torch.Tensor, pad
                         response_attention=attention,
                         num_turns=torch.tensor([o.num_turns for o in outputs], dtype=torch.long),
                         extra_fields=[dict(o.extra) for o in outputs],
-                        reward_scores=[o.reward_score for o in outputs])
+                        reward_scores=[o.reward_score for o in outputs],
+                        aborted=torch.tensor([o.aborted for o in outputs]) if any(o.aborted for o in outputs) else None)
 
 
 #: verl's per-row agent-loop timings (`AgentLoopManager._performance_metrics`).

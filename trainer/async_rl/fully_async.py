@@ -1,13 +1,12 @@
 """verl's fully-async loop (`verl/experimental/fully_async_policy`, verl 0.9.1): a rollouter
 streams finished samples into a bounded queue while the trainer drains it.
 
-The rollouter (:class:`Rollouter`) drives each rank of the rollout pool from a thread of its
-own: a rank takes the next prompts of the run's order (:class:`trainer.async_rl.cursor.PromptCursor`)
-while the queue admits them (:meth:`trainer.async_rl.queue.SampleQueue.should_pause`, verl's
-`_should_pause_generation`), generates their `rollout.n` responses with the weights it holds, and
-queues each prompt's samples, tagged with that weight version, as soon as its call returns. A
-slow rank holds back only its own prompts: the others go on generating, which is where the loop
-gains over one-step-off on long-tailed responses.
+The rollouter (:class:`trainer.async_rl.rollouter.Rollouter`) drives each rank of the rollout
+pool from a thread of its own: a rank takes the next prompts of the run's order while the queue
+admits them, generates their `rollout.n` responses with the weights it holds, and queues each
+prompt's samples, tagged with that weight version, as soon as its call returns. A slow rank
+holds back only its own prompts: the others go on generating, which is where the loop gains over
+one-step-off on long-tailed responses.
 
 The trainer's step is verl's parameter version (verl saves, validates and counts
 `trainer.save_freq`/`test_freq` in `current_param_version`): `trigger_parameter_sync_step`
@@ -15,12 +14,14 @@ updates, each on the `required_samples` oldest prompts of the queue (`ppo_mini_b
 `require_batches`: `require_batches` mini-batches), then one weight sync. Every sample is checked
 against the staleness bound before it is trained (:meth:`SampleQueue.train`; a violation is an
 error). The sync waits for the calls in flight to finish under the old weights (verl's `pause`
-without `partial_rollout`), loads the new weights into every pool rank and recounts the queue
-(verl's `reset_staleness`); the rollouter then resumes. A step's metrics aggregate its updates
+without `partial_rollout`), or, with `async_training.partial_rollout`, aborts them and continues
+their unfinished responses under the new weights (:mod:`trainer.async_rl.partial`); it loads
+the new weights into every pool rank and recounts the queue (verl's `reset_staleness`); the
+rollouter then resumes. A step's metrics aggregate its updates
 as verl's `MetricsAggregator` does (:func:`aggregate`).
 
 What a stop keeps: the checkpoint holds the prompts trained on (the cursor); what was queued or
-in flight is dropped and handed out again after the resume (:mod:`trainer.async_rl.cursor`).
+in flight (a paused partial sample too) is dropped and handed out again after the resume (:mod:`trainer.async_rl.cursor`).
 
 verl computes, and this loop follows:
 - the run's length: int(`total_rollout_steps` / (`required_samples` x
@@ -35,26 +36,20 @@ verl computes, and this loop follows:
 
 from __future__ import annotations
 
-import math
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from trainer.async_rl.cursor import PromptCursor
+from trainer.async_rl.partial import row_spans
 from trainer.async_rl.queue import Sample, SampleQueue, max_staleness, trainer_idle_ratio
+from trainer.async_rl.rollouter import Rollouter
 from trainer.batch import StepBatch, concat_batches
-from trainer.config import Config
 from trainer.config.async_training import QueueBounds, queue_bounds, total_rollout_steps
 from trainer.config.base import ConfigError
-from trainer.data import Example
 from trainer.driver import PPODriver
-from trainer.stages.rollout import Rollout
 from trainer.watchdog import at
-from trainer.workers.group import RankView, WorkerGroup
 
-__all__ = ["FullyAsyncDriver", "Rollouter", "aggregate"]
+__all__ = ["FullyAsyncDriver", "Rollouter", "aggregate", "partial_metrics"]
 
 #: verl's `MetricsAggregator._init_aggregation_rules` (`fully_async_policy/detach_utils.py`):
 #: named metrics first, then by what the name contains.
@@ -96,176 +91,15 @@ def aggregate(per_update: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-class Rollouter:
-    """Streams the run's prompts through the rollout pool, one thread per pool rank, into the
-    queue; the trainer takes from it (:meth:`take`), marks what it trained (:meth:`trained`) and
-    pauses it for a weight sync or a validation (:meth:`paused`). Every change of the queue and
-    the cursor happens under one lock."""
-
-    def __init__(self, cfg: Config, pool: WorkerGroup, pad_token_id: int, queue: SampleQueue[StepBatch],
-                 cursor: PromptCursor, example_at: Any, first_call: int = 0) -> None:
-        self.rollouts = [Rollout(cfg, RankView(pool, rank), pad_token_id, in_process=True)
-                         for rank in range(pool.world_size)]
-        self.queue, self.cursor, self.example_at = queue, cursor, example_at
-        b = queue.bounds
-        self.chunk = max(1, min(cfg.async_training.concurrent_samples_per_replica,
-                                math.ceil(b.max_required_samples / pool.world_size)))
-        """Prompts one call to a rank generates at most (verl: requests one replica runs at once,
-        `concurrent_samples_per_replica`, and the rollouter's `max_required_samples` shared out)."""
-        self.cond = threading.Condition()
-        self.paused_for: str | None = None
-        self.stopping = False
-        self.error: BaseException | None = None
-        self.calls = first_call
-        """The calls made, which seed them (a resumed run starts past the earlier run's)."""
-        self.busy = [False] * pool.world_size
-        self.idle_s = [0.0] * pool.world_size
-        """Each rank's seconds waiting for work since the last sync, finished waits only."""
-        self.waiting: list[float | None] = [None] * pool.world_size
-        """When each rank began the wait it is in now (None: it is generating)."""
-        self.since = time.monotonic()
-        self.generated = 0
-        self.per_rank: dict[str, float] = {}
-        """Each rank's rows, tokens and seconds since the last sync (`rollout_pool/rank_<r>/...`)."""
-        self.threads = [threading.Thread(target=self._serve, args=(rank,), daemon=True, name=f"rollouter-{rank}")
-                        for rank in range(pool.world_size)]
-
-    def start(self) -> None:
-        for thread in self.threads:
-            thread.start()
-
-    def stop(self) -> None:
-        """End the threads after their calls in flight (abandoned: the run is ending)."""
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-
-    # ------------------------------------------------------------------------------ the ranks' threads
-
-    def _may_hand_out(self) -> bool:
-        return (self.paused_for is None and not self.stopping and not self.queue.should_pause()
-                and self.cursor.next_free())
-
-    def _serve(self, rank: int) -> None:
-        rollout = self.rollouts[rank]
-        while True:
-            with self.cond:
-                self.waiting[rank] = time.monotonic()
-                while not self._may_hand_out():
-                    if self.stopping:
-                        return
-                    self.cond.wait()
-                self.idle_s[rank] += time.monotonic() - self.waiting[rank]  # type: ignore[operator]
-                self.waiting[rank] = None
-                prompts: list[int] = []
-                while len(prompts) < self.chunk and not self.queue.should_pause():
-                    prompt = self.cursor.next()
-                    if prompt is None:
-                        break
-                    self.queue.submit(prompt)
-                    prompts.append(prompt)
-                examples: list[Example] = [self.example_at(p) for p in prompts]
-                call, self.calls = self.calls, self.calls + 1
-                version, self.busy[rank] = self.queue.version, True
-            try:
-                with at("generate_async", version):
-                    batch = rollout.generate(examples, call, self._noter(rank))
-            except BaseException as err:  # the trainer raises it at its next wait
-                with self.cond:
-                    self.error = self.error or err
-                    self.busy[rank] = False
-                    self.cond.notify_all()
-                return
-            with self.cond:
-                for i, prompt in enumerate(prompts):
-                    rows = [r for r, uid in enumerate(batch.uids) if uid == i]
-                    sample = batch.select(rows)
-                    sample.uids = [prompt] * len(rows)  # a prompt's group, across calls
-                    self.queue.finish(prompt, sample)
-                self.generated += len(prompts)
-                self.busy[rank] = False
-                self.cond.notify_all()
-
-    def _noter(self, rank: int) -> Any:
-        def note(phase: str, per_rank: list[float]) -> float:
-            key = f"rollout_pool/rank_{rank}/{phase}"
-            with self.cond:
-                self.per_rank[key] = self.per_rank.get(key, 0.0) + float(per_rank[0])
-            return float(per_rank[0])
-        return note
-
-    # ------------------------------------------------------------------------------ the trainer's side
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def take(self, count: int) -> list[Sample[StepBatch]]:
-        """The `count` oldest samples, waiting for them; a rank's failure is raised here."""
-        with self.cond:
-            while True:
-                self._raise()
-                samples = self.queue.take(count)
-                if samples is not None:
-                    self.cond.notify_all()  # room in the queue
-                    return samples
-                if not self.cursor.next_free() and not self.queue.in_flight:
-                    raise RuntimeError(f"the run's prompts ran out with {len(self.queue.queue)} queued, fewer than "
-                                       f"the {count} an update takes (a bug: the run's steps are counted so that "
-                                       "they suffice)")
-                self.cond.wait(timeout=5.0)
-
-    def check(self, samples: list[Sample[StepBatch]]) -> None:
-        """Each sample within the staleness bound of the weights about to train on it (an error otherwise)."""
-        with self.cond:
-            self.queue.train(samples)
-
-    def trained(self, samples: list[Sample[StepBatch]]) -> None:
-        """The samples' prompts are trained on: the cursor saves them."""
-        with self.cond:
-            for s in samples:
-                self.cursor.trained(s.prompt_id)
-
-    @contextmanager
-    def paused(self, why: str) -> Iterator[None]:
-        """No prompt is handed out inside, and every call in flight has finished (verl's `pause`
-        without `partial_rollout`: they finish under the weights they started with)."""
-        with self.cond:
-            self.paused_for = why
-            while any(self.busy):
-                self._raise()
-                self.cond.wait(timeout=5.0)
-            self._raise()
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.paused_for = None
-                self.cond.notify_all()
-
-    def synced(self) -> dict[str, float]:
-        """The pool holds the next weight version (call inside :meth:`paused`): recount the
-        queue (verl's `reset_staleness`); the rollouter's figures since the last sync."""
-        with self.cond:
-            self.queue.sync(partial_rollout=False)
-            now = time.monotonic()
-            span = max(now - self.since, 1e-9)
-            for rank, began in enumerate(self.waiting):  # a wait under way counts up to now
-                if began is not None:
-                    self.idle_s[rank] += now - max(began, self.since)
-                    self.waiting[rank] = now
-            idle = sum(self.idle_s) / (span * len(self.idle_s))
-            out = {"fully_async/rollouter/idle_ratio": min(1.0, idle),
-                   "fully_async/rollouter/version_time": span,
-                   "fully_async/rollouter/step_generated_samples": float(self.generated),
-                   **self.per_rank}
-            self.idle_s = [0.0] * len(self.idle_s)
-            self.since, self.generated, self.per_rank = now, 0, {}
-            return out
-
-    def stats(self) -> dict[str, float]:
-        with self.cond:
-            return self.queue.stats()
+def partial_metrics(samples: list[Sample[StepBatch]]) -> dict[str, float]:
+    """verl's `fully_async/partial/*` (`assemble_batch_from_rollout_samples`) over an update's
+    rows: those begun and ended under different weights (a partial rollout's), their share, and
+    the most versions one spans."""
+    spans = [span for s in samples for span in row_spans(s.parts, len(s.payload), s.version)]
+    partial = sum(1 for span in spans if span)
+    return {"fully_async/partial/total_partial_num": float(partial),
+            "fully_async/partial/partial_ratio": partial / len(spans),
+            "fully_async/partial/max_partial_span": float(max(spans))}
 
 
 class FullyAsyncDriver(PPODriver):
@@ -353,7 +187,8 @@ class FullyAsyncDriver(PPODriver):
         per_update = [self._update(self.rollouter, b) for _ in range(b.trigger_parameter_sync_step)]
         start = time.perf_counter()
         self.stages.rank_metrics = {}  # the sync's own figures (seconds, GB, GB/s per rank)
-        with at("sync_rollout_weights", step), self.rollouter.paused("weight sync"):
+        with at("sync_rollout_weights", step), self.rollouter.paused(
+                "weight sync", abort=self.cfg.async_training.partial_rollout):
             self.stages.sync_weights(step)
             rollouter_metrics = self.rollouter.synced()
         metrics = aggregate(per_update)
@@ -387,6 +222,7 @@ class FullyAsyncDriver(PPODriver):
         lags = [rollouter.queue.version - s.version for s in samples]
         metrics["fully_async/lag/mean"] = sum(lags) / len(lags)
         metrics["fully_async/lag/max"] = max(lags)
+        metrics.update(partial_metrics(samples))
         return metrics
 
     def validate(self) -> dict[str, float]:

@@ -16,7 +16,12 @@ gathered here, one method each:
 Counts are prompts (verl's "samples": one prompt with its `rollout.n` responses,
 `data.gen_batch_size=1`). A sample's `version` is the weights that finished it (verl's
 `max_global_steps`; with `partial_rollout` it may have started under older weights,
-`first_version`, verl's `min_global_steps`).
+`first_version`, verl's `min_global_steps`). Staleness counts from `version`, as verl's does
+(`trajectory_param_versions` is `max_global_steps`; `stale_trajectory_processed` counts the
+samples trained at least one version after it): a prompt in flight at a sync is one of those the
+sync leaves (`reset_staleness` counts it), so the bound below holds for it by the version that
+finished it. Its earlier part, sampled before the sync, may then be trained one version further
+behind than the bound: that is what a partial rollout trades for not waiting.
 
 The staleness bound. Let P be the prompts the trainer takes between two syncs
 (`required_samples` x `trigger_parameter_sync_step`) and A the prompts verl lets the rollouter
@@ -57,6 +62,9 @@ class Sample(Generic[T]):
     """The weight version it started under (verl's `min_global_steps`; older than `version` only
     after a partial rollout)."""
     payload: T
+    parts: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """After a partial rollout, per response row the (weight version, tokens) of each part of
+    it, in order (:class:`trainer.async_rl.partial.Partial`); empty: every row whole under `version`."""
 
 
 def max_staleness(bounds: QueueBounds) -> int:
@@ -96,10 +104,11 @@ class SampleQueue(Generic[T]):
         self.in_flight[prompt_id] = self.version
         self.staleness_samples += 1
 
-    def finish(self, prompt_id: int, payload: T) -> Sample[T]:
+    def finish(self, prompt_id: int, payload: T,
+               parts: tuple[tuple[tuple[int, int], ...], ...] = ()) -> Sample[T]:
         """Prompt `prompt_id`'s responses are done under the current weights: queue them
-        (verl's `put_sample`, dropping the oldest when full)."""
-        sample = Sample(prompt_id, self.version, self.in_flight.pop(prompt_id), payload)
+        (verl's `put_sample`, dropping the oldest when full). `parts`: a partial rollout's (:class:`Sample`)."""
+        sample = Sample(prompt_id, self.version, self.in_flight.pop(prompt_id), payload, parts)
         if len(self.queue) >= self.bounds.max_queue_size:
             self.queue.popleft()
             self.dropped += 1

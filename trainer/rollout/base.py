@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 __all__ = [
+    "AbortableEngine",
     "RolloutBatch",
     "RolloutEngine",
     "SamplingParams",
@@ -119,6 +120,10 @@ class RolloutBatch:
     trajectory: torch.Tensor | None = None
     """``(rows,)`` each row's place in the whole batch (prompt x n + sample), when the rows were
     dealt out across replicas (:mod:`trainer.agent.dispatch`); None: ``prompt_index`` order."""
+    aborted: torch.Tensor | None = None
+    """``(rows,)`` bool, True where the engine was aborted before the row ended (a partial
+    rollout's pause, :meth:`RolloutEngine.abort`): its tokens so far, with their log-probs;
+    None: every row ended (a stop token or the length limit)."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -176,6 +181,22 @@ class RolloutEngine(Protocol):
         """Undo :meth:`sleep` before the next :meth:`generate`: all of it, or only the parts
         named in `tags` (`weights`, `kv_cache`: vLLM's sleep-mode tags; the weight sync wakes
         the weights first and the KV cache once the sync's memory is freed)."""
+        ...
+
+
+@runtime_checkable
+class AbortableEngine(RolloutEngine, Protocol):
+    """An engine whose generation a partial rollout can pause (the HF engine; vLLM's in-process
+    engine is not one yet): `generate`, abortable, returns partial."""
+
+    def abort(self) -> None:
+        """End the generation in flight early (callable from another thread), its unfinished
+        rows returned partial (`RolloutBatch.aborted`, a token output's `finish_reason="abort"`),
+        and every generation after it until :meth:`resume` (verl's `abort_all_requests`)."""
+        ...
+
+    def resume(self) -> None:
+        """Generate in full again after :meth:`abort` (verl's `resume_generation`)."""
         ...
 
 

@@ -1,15 +1,20 @@
 """HF `generate` behind the rollout interface (:mod:`trainer.rollout.base`): the CPU engine and
-the one tests use; it samples with the training model itself unless given a copy to sync."""
+the one tests use; it samples with the training model itself unless given a copy to sync.
+
+A generation is abortable (:meth:`HFRolloutEngine.abort`, from another thread): a stopping
+check between decode steps ends it, and each unfinished row comes back partial, its tokens so far
+with their log-probs (`RolloutBatch.aborted`, `finish_reason="abort"`)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.agent.base import TokenOutput
+from trainer.agent.base import FinishReason, TokenOutput
 from trainer.models import compute_log_probs, empty_actor, left_pad, materialize
 from trainer.rollout.base import (
     RolloutBatch,
@@ -147,6 +152,17 @@ class HFRolloutEngine:
         self.micro_batch_size = micro_batch_size
         self.offload = offload
         self._device = next(model.parameters()).device
+        self._abort = threading.Event()
+
+    def abort(self) -> None:
+        """End the generation in flight at its next decode step (callable from another thread);
+        every later one ends before its first token, until :meth:`resume`. The rows not finished
+        come back partial (verl's `abort_all_requests`)."""
+        self._abort.set()
+
+    def resume(self) -> None:
+        """Generate in full again after :meth:`abort` (verl's `resume_generation`)."""
+        self._abort.clear()
 
     @torch.no_grad()
     def sync_weights(self, buckets: Iterable[WeightBucket]) -> None:
@@ -185,10 +201,27 @@ class HFRolloutEngine:
             use_cache=True,
         )
 
-    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """The sampled response tokens, padded to `max_response_length`. No logits are kept
-        while decoding (`output_logits` would hold rows x vocabulary floats per step): the
-        log-probs come from one forward pass over the finished rows (:meth:`generate`)."""
+    def _stopping(self) -> object:
+        """The abort check HF runs after every decode step."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        aborted = self._abort
+
+        class Aborted(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+                return torch.full((input_ids.shape[0],), aborted.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([Aborted()])
+
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
+                        ) -> tuple[torch.Tensor, int, bool]:
+        """The sampled response tokens, padded to `max_response_length`, the decode steps made
+        and whether an abort ended them. No logits are kept while decoding (`output_logits`
+        would hold rows x vocabulary floats per step): the log-probs come from one forward pass
+        over the finished rows (:meth:`generate`)."""
+        blank = torch.full((ids.shape[0], params.max_response_length), self.pad_token_id, dtype=torch.long)
+        if self._abort.is_set():  # aborted before it began: nothing generated
+            return blank, 0, True
         # Inference mode (no autograd bookkeeping at all) is cheaper than no_grad; its tensors
         # cannot enter a backward pass, so what leaves is cloned outside it.
         with torch.inference_mode():
@@ -196,10 +229,12 @@ class HFRolloutEngine:
                 input_ids=ids.to(self._device),
                 attention_mask=mask.to(self._device),
                 generation_config=self._generation_config(params),
+                stopping_criteria=self._stopping(),
             )
             response = out.sequences[:, ids.shape[1] :].cpu()
-        pad = params.max_response_length - response.shape[1]
-        return torch.nn.functional.pad(response.clone(), (0, pad), value=self.pad_token_id)
+        steps = int(response.shape[1])
+        blank[:, :steps] = response
+        return blank, steps, steps < params.max_response_length and self._abort.is_set()
 
     def _log_probs(self, ids: torch.Tensor, mask: torch.Tensor, response: torch.Tensor,
                    response_mask: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,21 +261,33 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            response = torch.cat([self._generate_chunk(ids[i : i + size], mask[i : i + size], params)
-                                  for i in range(0, ids.shape[0], size)])
-            response_mask = response_mask_from_eos(response, self.eos_token_ids)
+            chunks = [self._generate_chunk(ids[i : i + size], mask[i : i + size], params)
+                      for i in range(0, ids.shape[0], size)]
+            response = torch.cat([c[0] for c in chunks])
+            steps = torch.cat([torch.full((len(c[0]),), c[1]) for c in chunks])
+            cut = torch.cat([torch.full((len(c[0]),), c[2]) for c in chunks])
+            generated = torch.arange(response.shape[1]) < steps[:, None]
+            response_mask = response_mask_from_eos(response, self.eos_token_ids) * generated
+            # an aborted row: its tokens so far, no EOS among them (a row that ended is finished)
+            aborted = cut & ~(torch.isin(response, torch.tensor(self.eos_token_ids)) & generated).any(dim=1)
             response = torch.where(response_mask.bool(), response, self.pad_token_id)
-            log_probs, entropy = self._log_probs(ids, mask, response, response_mask, params)
+            # the log-probs under the weights that sampled the tokens: before any new ones load
+            if response_mask.any():
+                log_probs, entropy = self._log_probs(ids, mask, response, response_mask, params)
+            else:  # aborted before the first token
+                log_probs = entropy = torch.zeros(response.shape, dtype=torch.float32)
         finally:
             self.model.train(was_training)
-        return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index, entropy)
+        return RolloutBatch(ids, mask, response, response_mask, log_probs, prompt_index, entropy,
+                            aborted=aborted if bool(aborted.any()) else None)
 
     def generate_tokens(self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int]
                         ) -> list[TokenOutput]:
         """One response per prompt (token ids, no padding), at most `max_tokens[i]` tokens for
         prompt `i`: one :meth:`generate` of the longest limit, each row cut at its own. Greedy
         rows equal what a per-row limit gives; sampled rows follow the same distribution, from
-        other draws of the generator. Log-probs come with every row (the engine computes them)."""
+        other draws of the generator. Log-probs come with every row (the engine computes them).
+        A row the engine aborted (:meth:`abort`) ends with `finish_reason="abort"`, partial."""
         if len(max_tokens) != len(prompts) or not prompts:
             raise ValueError(f"generate_tokens: {len(prompts)} prompts and {len(max_tokens)} `max_tokens`; "
                              "give at least one prompt and one limit per prompt")
@@ -250,6 +297,8 @@ class HFRolloutEngine:
         for row, limit in enumerate(max_tokens):
             length = min(int(batch.response_mask[row].sum()), limit)
             tokens = batch.response_ids[row, :length].tolist()
-            reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+            reason: FinishReason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+            if batch.aborted is not None and batch.aborted[row] and length < limit:
+                reason = "abort"
             outputs.append(TokenOutput(tokens, batch.log_probs[row, :length].tolist(), reason))
         return outputs

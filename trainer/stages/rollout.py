@@ -133,6 +133,11 @@ class Rollout:
             if not validate and not greedy:
                 self.agent_metrics = agent_loop_metrics(per_row, batch.attention_mask[:, :-batch.response_length].sum(-1),
                                                         batch.response_attention.sum(-1))
+        if any(o.aborted is not None for o in outs):  # a partial rollout's pause ended some rows early
+            batch.aborted = torch.cat([o.aborted if o.aborted is not None else torch.zeros(len(o.prompt_index), dtype=torch.bool)
+                                       for o in outs])
+            if dealt:
+                batch.aborted = batch.aborted[order]
         versions = [info["weight_version"] for _, info in results if "weight_version" in info]
         if versions:  # a rollout pool's engines: the oldest weights any of them generated with
             batch.weight_version = int(min(versions))

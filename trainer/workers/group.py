@@ -49,6 +49,12 @@ class WorkerGroup:
         """`method(*args)` on rank `rank` alone."""
         raise NotImplementedError
 
+    def signal_rank(self, rank: int, method: str, *args: Any) -> Any:
+        """`method(*args)` on rank `rank` beside the call it is running (a short call that must not
+        wait for it: a partial rollout's abort). A backend whose ranks run one call at a time
+        answers it on a control channel of its own."""
+        raise NotImplementedError(f"worker group `{self.name}` takes no call beside a running one")
+
     def init_dist(self) -> list[dict[str, Any]]:
         """Let the ranks form their process group (at rank 0's node address and a free port
         there) and build their models; one rank forms none."""
@@ -79,6 +85,9 @@ class LocalWorkerGroup(WorkerGroup):
     def run_rank(self, rank: int, method: str, *args: Any) -> Any:
         return getattr(self.workers[rank], method)(*args)
 
+    def signal_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return getattr(self.workers[rank], method)(*args)  # from another thread: a plain call too
+
 
 class RankView(WorkerGroup):
     """Rank `rank` of `group` seen as a group of one: a caller that works group by group (the
@@ -99,6 +108,11 @@ class RankView(WorkerGroup):
         if rank != 0:
             raise IndexError(f"a view of one rank has rank 0 only, not {rank}")
         return self.group.run_rank(self.rank, method, *args)
+
+    def signal_rank(self, rank: int, method: str, *args: Any) -> Any:
+        if rank != 0:
+            raise IndexError(f"a view of one rank has rank 0 only, not {rank}")
+        return self.group.signal_rank(self.rank, method, *args)
 
     def where(self, rank: int) -> str:
         return self.group.where(self.rank)

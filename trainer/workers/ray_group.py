@@ -241,14 +241,37 @@ class ColocatedWorker:
         return getattr(self.workers[role], method)(*args)
 
 
+class ControlledWorker(ColocatedWorker):
+    """A :class:`ColocatedWorker` that also answers short calls beside the one it is running,
+    one at a time, on a thread of their own (:meth:`control`: a partial rollout's abort). Its
+    calls then run on a thread of Ray's, not the process's main thread."""
+
+    def control(self, role: str, method: str, *args: Any) -> Any:
+        return getattr(self.workers[role], method)(*args)
+
+
+def _controlled() -> Any:
+    """:class:`ControlledWorker` as a Ray actor class, `control` in a concurrency group of its own."""
+    import ray
+
+    class Controlled(ControlledWorker):
+        @ray.method(concurrency_group="control")  # type: ignore[misc]
+        def control(self, role: str, method: str, *args: Any) -> Any:
+            return super().control(role, method, *args)
+
+    Controlled.__name__ = Controlled.__qualname__ = "ControlledWorker"
+    return ray.remote(concurrency_groups={"control": 1})(Controlled)  # type: ignore[call-overload]
+
+
 def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, slot: WorkerSlot,
                     world_size: int, stacks: Path | None = None, samples: Path | None = None,
-                    traces: Path | None = None) -> dict[str, RayWorkerGroup]:
+                    traces: Path | None = None, control: bool = False) -> dict[str, RayWorkerGroup]:
     """One :class:`ColocatedWorker` per rank in its bundle (a whole GPU, or one CPU), and one
     worker group per role over them. `samples`: the folder of the ranks' memory samples
     (:mod:`trainer.workers.memory_samples`); by default `memory/` in the run directory, with the
     memory plan's host figure written there first. `stacks` and `traces`: the folders of the
-    watchdog's stack dumps and flight-recorder dumps (:mod:`trainer.watchdog`)."""
+    watchdog's stack dumps and flight-recorder dumps (:mod:`trainer.watchdog`). `control`: the
+    ranks answer :meth:`RayWorkerGroup.signal_rank` (a :class:`ControlledWorker` each)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -256,7 +279,7 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
         samples = run_dir_of(cfg) / MEMORY_DIR
         write_plan(samples, cfg, slot.use_gpu)
 
-    remote: Any = ray.remote(ColocatedWorker)
+    remote: Any = _controlled() if control else ray.remote(ColocatedWorker)
     actors = []
     for rank in range(world_size):
         pg, bundle = slot.place(rank)
@@ -344,6 +367,15 @@ class RayWorkerGroup(WorkerGroup):
         """`method(*args)` on rank `rank` alone."""
         ref = self.actors[rank].call.remote(self.name, method, *args)
         return self._gather(method, [ref], ranks=[rank])[0]
+
+    def signal_rank(self, rank: int, method: str, *args: Any) -> Any:
+        """`method(*args)` on rank `rank` beside its running call, on its control channel (ranks
+        started with `start_colocated(..., control=True)`)."""
+        actor = self.actors[rank]
+        if not hasattr(actor, "control"):
+            raise RuntimeError(f"{self.where(rank)} has no control channel for `{method}`: start its group "
+                               "with `start_colocated(..., control=True)`")
+        return self._gather(method, [actor.control.remote(self.name, method, *args)], ranks=[rank])[0]
 
     def _gather(self, method: str, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
         """Wait for all `refs`; the first failure raises at once, and every rank of the group is

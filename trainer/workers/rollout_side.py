@@ -21,7 +21,7 @@ import torch
 from trainer.agent.manager import AgentRollout, TraceInfo
 from trainer.agent.servers import BatchedServer, EngineLeader, follow_leader
 from trainer.data import Example
-from trainer.rollout.base import RolloutBatch, SamplingParams
+from trainer.rollout.base import AbortableEngine, RolloutBatch, SamplingParams
 from trainer.rollout.vllm_server import ReplicaMember, ServerEngine
 
 __all__ = ["RolloutSide"]
@@ -93,6 +93,22 @@ class RolloutSide:
         if followed:
             info["gen_tokens"] = float(followed[0])
         return out, {**info, "rows": rows}
+
+    def abort_generation(self) -> None:
+        """End this rank's generation in flight early, its unfinished rows returned partial, and
+        every one after it until :meth:`resume_generation` (called beside the generation, on the
+        rank's control channel: :meth:`trainer.workers.group.WorkerGroup.signal_rank`)."""
+        self._abortable().abort()
+
+    def resume_generation(self) -> None:
+        """Generate in full again after :meth:`abort_generation`."""
+        self._abortable().resume()
+
+    def _abortable(self) -> AbortableEngine:
+        if not isinstance(self.rollout, AbortableEngine):
+            raise RuntimeError(f"a {type(self.rollout).__name__} cannot abort its generation (a partial rollout "
+                               "needs the HF engine: `actor_rollout_ref.rollout.name=hf`)")
+        return self.rollout
 
     def _rolling_out(self, run: Any, has_rows: bool, seed: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """Run `run` (a rollout on this rank's engine) with the weights of the last sync; the

@@ -84,7 +84,8 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock) -> 
             pool = start_colocated({"rollout": RolloutWorker}, cfg, total_steps, slot=slots[1], world_size=pool_size,
                                    stacks=stacks / "rollout" if stacks else None,
                                    traces=traces / "rollout" if traces else None,
-                                   samples=run_dir / MEMORY_DIR / "rollout")["rollout"]
+                                   samples=run_dir / MEMORY_DIR / "rollout",
+                                   control=cfg.async_training.partial_rollout)["rollout"]
             watched.append(pool)
     clock.mark("workers_spawned")
     for group in (actor, critic, pool):

@@ -21,7 +21,7 @@ ASYNC_DIR = Path(__file__).parents[2] / "data" / "verl_config" / "async_0.9.1"
 #: deployment (both entries assert `not hybrid_engine`).
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false"]
 #: What `python -m trainer.fully_async` asserts beyond a pool, as verl's rollouter does, and
-#: `partial_rollout` off (not built).
+#: `partial_rollout` off (each sync waits for the calls in flight).
 STREAMED = ["critic.ppo_micro_batch_size_per_gpu=4", "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
             "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.bypass_mode=true",
             "async_training.partial_rollout=false"]
@@ -78,15 +78,18 @@ def test_verl_fully_async_config_loads_with_its_values() -> None:
         check_run(cfg)
     # `python -m trainer.fully_async` asserts what verl's rollouter asserts: the base file's training
     # batch (verl's scripts set `data.train_batch_size=0`), then its mode (verl's default is
-    # `async`, this trainer's `sync`); then verl's `partial_rollout=true` is not built
+    # `async`, this trainer's `sync`); then verl's `partial_rollout=true` runs on the HF engine only
     with pytest.raises(ConfigError, match="train_batch_size must be zero"):
         check_run(cfg, "fully_async")
     streamed = without_not_built("fully_async_ppo_trainer", [*SEPARATE, "data.train_batch_size=0",
                                                              "critic.ppo_micro_batch_size_per_gpu=4"])
     with pytest.raises(ConfigError, match="asserts `mode=async`"):
         check_run(load_config(streamed, env={}), "fully_async")
-    with pytest.raises(ConfigError, match=r"partial_rollout=true` \(verl's fully-async default\) is not built"):
-        check_run(load_config([*streamed, "actor_rollout_ref.rollout.mode=async"], env={}), "fully_async")
+    check_run(load_config([*streamed, "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.name=hf"],
+                          env={}), "fully_async")
+    with pytest.raises(ConfigError, match=r"partial_rollout=true` with `actor_rollout_ref.rollout.name=vllm` is not built"):
+        check_run(load_config([*streamed, "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.name=vllm"],
+                              env={}), "fully_async")
     check_run(load_config([*streamed, "actor_rollout_ref.rollout.mode=async", "async_training.partial_rollout=false"],
                           env={}), "fully_async")
     with pytest.raises(ConfigError, match=r"`data.gen_batch_size=1`.*one-step-off"):
