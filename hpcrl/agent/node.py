@@ -54,6 +54,10 @@ class Outcome:
     exit_code: int
     node: str
     then: Callable[[], str] | None = None
+    announce: bool = True
+    """Whether the teardown tells every node the job ends (a stop request). Not when this node
+    leaves the job's end to another: a worker that defers the requeue after the head's loss to a
+    lower-ranked one must not stop it before it has noticed the loss itself."""
 
 
 def container_wrap(

@@ -49,7 +49,8 @@ class Teardown:
     """The node's temp dir (None: not made)."""
 
     def run(self, outcome: Outcome) -> None:
-        self._announce(outcome)
+        if outcome.announce:
+            self._announce(outcome)
         self._stop_children()
         leftovers = processes_mentioning(str(self.tmp)) if self.tmp else []
         if leftovers:

@@ -254,7 +254,8 @@ def lost_head(node: Node, heartbeat: Heartbeat, inbox: SignalInbox) -> Outcome |
     dead = dead_nodes(node, heartbeat)
     alive = [r for r in range(1, node.ctx.num_nodes) if r not in {r for r, _ in dead}]
     if alive and min(alive) != node.ctx.node_rank:
-        return Outcome(f"{cause}; rank {min(alive)} requeues the job", 1, host)
+        # no stop request: rank min(alive) would read it first and end without requeueing
+        return Outcome(f"{cause}; rank {min(alive)} requeues the job", 1, host, announce=False)
     node.log.error("%s; this node (the lowest-ranked alive) requeues the job", cause)
     requeuer = Requeuer(node.ctx, node.job, node.run_dir, inbox, node.log)
     return requeuer.after_node_loss([h for _, h in dead], cause)
