@@ -563,7 +563,7 @@ def _config_settings(cfg: Any, device_gib: float, host_gib: float) -> tuple[Mode
         raise PlanError(str(err)) from None
     rm = cfg.reward_model
     if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
-        wbytes = DTYPE_BYTES[_plan_dtype(rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`)
+        wbytes = DTYPE_BYTES[_plan_dtype("bfloat16" if not rm.use_reward_loop else rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`); verl's legacy worker: bf16
         s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * wbytes)
     return shape, s
 

@@ -47,6 +47,13 @@ class RewardModelConfig:
         "only, see COMPAT)")
     num_workers: int | None = h("verl's reward-loop workers (compatibility only, see COMPAT)")
     micro_batch_size_per_gpu: int | None = h("verl's reward model micro-batch (compatibility only, see COMPAT)")
+    use_reward_loop: bool = h(
+        "false: score as verl's legacy reward model worker (`RewardModelWorker`) does: the rendered "
+        "chat tokenized as its template writes it (no special tokens added), cut to "
+        "`reward_model.max_length` tokens, in bf16; true: as verl's reward loop")
+    max_length: int | None = h(
+        "with `reward_model.use_reward_loop=false`: the reward model's input is cut to this many "
+        "tokens, keeping the head (null: the batch's prompt + response length, verl's legacy default)")
     reward_manager: Literal["naive", "dapo", "batch", "prime"] = h(
         "how the reward function is called: `naive` once per response, `batch` once per step with "
         "lists (`data_sources`, `solution_strs`, `ground_truths`, `extra_infos`), `dapo` per response "
@@ -150,6 +157,10 @@ def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> 
     (`RewardLoopWorker.compute_score`): without `custom_reward_function.path`, the discriminative
     model of `reward_model.model.path` scores every response; with one, the function is called
     with the address of a server of that model (a generative reward model)."""
+    require(rm.max_length is None or (not rm.use_reward_loop and rm.max_length >= 1), (
+        f"`reward_model.max_length={rm.max_length}`: it cuts the input of verl's legacy reward model "
+        "worker and must be a whole number of tokens >= 1; the reward loop (`reward_model.use_reward_loop=true`, "
+        "the default) reads it not. Fix: set `reward_model.use_reward_loop=false` with it, or remove it"))
     if not rm.enable:
         return
     require(rm.model.path is not None, (
@@ -162,6 +173,11 @@ def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> 
         "scores on the actor's ranks, which compute the log-probs meanwhile (verl scores with its "
         "reward model before launching the reward function). Fix: set "
         "`reward_model.launch_reward_fn_async=false`"))
+    require(rm.use_reward_loop or custom.path is None, (
+        "`reward_model.use_reward_loop=false` with `custom_reward_function.path`: verl's legacy reward "
+        "model worker scores with the discriminative model only, and its score replaces the reward "
+        "function's (a generative reward model needs the reward loop). Fix: remove "
+        "`reward_model.use_reward_loop=false`, or `custom_reward_function.path` to score with the model"))
     engine = rm.rollout.get("name")
     require(custom.path is None or engine in (None, "vllm"), (
         f"`reward_model.rollout.name={engine}`: a generative reward model is served here by vLLM's "

@@ -314,7 +314,7 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def score_reward_model(self, path: str, dtype: str | None, texts: list[str]) -> list[float]:
+    def score_reward_model(self, path: str, dtype: str | None, texts: list[str | list[int]]) -> list[float]:
         """A colocated discriminative reward model's scores (:mod:`trainer.workers.reward`)."""
         return score_on_rank(self, path, dtype, texts)
 
