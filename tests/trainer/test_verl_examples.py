@@ -3,7 +3,7 @@ config: each is accepted unchanged, or refused naming the feature it needs. The 
 read from the scripts by `python -m tests.trainer.verl_examples extract` into
 `tests/data/verl_examples.json` (verl's commit is recorded there); no verl checkout is needed.
 
-Refused on purpose: Megatron-LM training, sandbox-fusion scoring, multimodal data, SGLang /
+Refused on purpose: Megatron-LM training, multimodal data, SGLang /
 TensorRT-LLM rollout, Ulysses sequence parallelism, LoRA from a saved adapter and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
@@ -25,7 +25,7 @@ EXPECTED = {
     "examples/ppo_trainer/run_deepseek7b_llm.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_modelscope.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": ACCEPTED,
-    "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": "the reward model worker",
+    "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_sp2.sh": "sequence parallelism",
     "examples/ppo_trainer/run_deepseek_full_hh_rlhf.sh": "Megatron-LM",
     "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron.sh": "Megatron-LM",

@@ -32,7 +32,7 @@ from trainer.config.overrides import (
     at_default_keys,
     is_override,
 )
-from trainer.config.reward import derive_overlong, validate_reward_kwargs, validate_reward_model
+from trainer.config.reward import derive_overlong, validate_reward_kwargs, validate_reward_model, validate_sandbox_fusion
 from trainer.config.rollout import (
     NO_VLLM_NOTE,
     default_rollout_name,
@@ -257,6 +257,7 @@ def validate(cfg: Config) -> None:
              f"`trainer.log_val_generations={cfg.trainer.log_val_generations}` must be 0 or more")
     require(arr.nccl_timeout > 0, f"`actor_rollout_ref.nccl_timeout={arr.nccl_timeout}` must be positive")
     validate_reward_model(cfg.reward_model, cfg.custom_reward_function)
+    validate_sandbox_fusion(cfg.reward_model, cfg.custom_reward_function)
     buffer = cfg.reward_model.overlong_buffer
     max_len = validate_reward_kwargs(cfg.reward_model, data.max_response_length)
     require(

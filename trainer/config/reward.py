@@ -37,6 +37,17 @@ class RewardModelModelConfig:
 
 
 @dataclass(frozen=True)
+class SandboxFusionConfig:
+    url: str | None = h(
+        "a SandboxFusion service's `run_code` URL: the built-in scorer of the code data sources "
+        "(`codecontests`, `apps`, `codeforces`, `taco`) runs each response's code on the row's test "
+        "cases there, as verl does (`trainer/rewards/sandbox_fusion.py`); null = no sandbox")
+    max_concurrent: int | None = h("requests to the service in flight at once, over the whole scoring "
+                                   "(null: verl's 64)")
+    memory_limit_mb: int | None = h("memory limit of each run, in MB, sent to the service (null: verl's 1024)")
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
     enable: bool = h(
         "a discriminative reward model (`reward_model.model.path`) scores each response; verl's reward "
@@ -66,6 +77,9 @@ class RewardModelConfig:
         "takes `overlong_buffer_cfg.{enable,len,penalty_factor,log}` (verl's current spelling of "
         "`overlong_buffer`, set into it) and `max_resp_len` (the length the penalty counts to; "
         "default `data.max_response_length`); `naive` takes none")
+    sandbox_fusion: SandboxFusionConfig = h(
+        "verl's SandboxFusion service for code rewards (verl 0.9.1: `reward.sandbox_fusion.*`, and its "
+        "older top-level `sandbox_fusion.*`)")
 
 
 REWARD_MODEL_WORKER = ("this setting belongs to the reward model worker of verl, not built here; the reward "
@@ -104,6 +118,8 @@ ALIASES: dict[str, str] = {
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
     "reward.num_workers": "reward_model.num_workers",
+    **{f"{section}.{key}": f"reward_model.sandbox_fusion.{key}" for section in ("reward.sandbox_fusion", "sandbox_fusion")
+       for key in ("url", "max_concurrent", "memory_limit_mb")},
     **{f"reward.reward_model.rollout.{key}": f"reward_model.rollout.{key}" for key in (
         "name", "dtype", "gpu_memory_utilization", "tensor_model_parallel_size", "prompt_length",
         "response_length")},
@@ -150,6 +166,25 @@ def validate_reward_kwargs(rm: RewardModelConfig, max_response_length: int) -> i
     require(isinstance(max_len, int) and not isinstance(max_len, bool) and max_len >= 1,
             f"`reward_model.reward_kwargs.max_resp_len={max_len!r}` must be a whole number of tokens >= 1")
     return int(max_len)
+
+
+def validate_sandbox_fusion(rm: RewardModelConfig, custom: CustomRewardConfig) -> None:
+    """`reward_model.sandbox_fusion.*`: verl hands the service to its built-in scorer only."""
+    sf = rm.sandbox_fusion
+    for key in ("max_concurrent", "memory_limit_mb"):
+        value = getattr(sf, key)
+        require(value is None or value >= 1, f"`reward_model.sandbox_fusion.{key}={value}` must be 1 or more")
+    if sf.url is None:
+        return
+    require(sf.url.startswith(("http://", "https://")), (
+        f"`reward_model.sandbox_fusion.url={sf.url}` must be the SandboxFusion service's `run_code` URL "
+        "(`http://HOST:PORT/run_code`)"))
+    require(custom.path is None and not rm.enable, (
+        f"`reward_model.sandbox_fusion.url={sf.url}` with "
+        + ("`custom_reward_function.path`" if custom.path is not None else "`reward_model.enable=true`")
+        + ": verl gives the sandbox to its built-in scorer only, which a reward function or a reward model "
+        "replaces. Fix: remove the URL, or pass it to your function with "
+        "`custom_reward_function.reward_kwargs.sandbox_fusion_url=...`"))
 
 
 def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> None:

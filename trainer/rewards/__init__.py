@@ -28,16 +28,26 @@ class RewardError(ValueError):
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_MATH_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "aime*")
-KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_MATH_SOURCES, toy.TOY_DIGITS, arith.ARITH)
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_MATH_SOURCES, *CODE_SOURCES, toy.TOY_DIGITS, arith.ARITH)
 
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None,
-    **_: Any,
+    sandbox: Callable[[str, Any], float] | None = None, **_: Any,
 ) -> float | dict[str, Any]:
     """The built-in scorer for `data_source`, routed as verl's `default_compute_score` routes
     the sources it shares with this trainer (`KNOWN_DATA_SOURCES`; `aime*`: any name starting
-    with `aime`)."""
+    with `aime`). The code sources (`CODE_SOURCES`) are scored by `sandbox`
+    (:class:`trainer.rewards.sandbox_fusion.SandboxScorer`, from `reward_model.sandbox_fusion.url`)."""
+    if data_source in CODE_SOURCES:
+        if sandbox is None:
+            raise RewardError(
+                f"`data_source`={data_source!r} is code, scored here through a SandboxFusion service only "
+                "(verl's fallback without one, `prime_code`, is not built). Fix: set "
+                "`reward_model.sandbox_fusion.url=http://HOST:PORT/run_code`, or give your own scorer with "
+                "`custom_reward_function.path=<file.py>`")
+        return sandbox(solution_str, ground_truth)
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, str(ground_truth))
     if data_source in MATH_SOURCES:

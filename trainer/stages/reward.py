@@ -5,6 +5,7 @@ reward managers `naive`, `prime`, `dapo`, `batch`) or with a discriminative rewa
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -16,6 +17,7 @@ from trainer.config import Config, RewardModelConfig
 from trainer.rewards import (
     BATCH_ARGS,
     PER_RESPONSE_ARGS,
+    default_compute_score,
     load_reward_fn,
     overlong_penalty,
     score_batch,
@@ -23,6 +25,7 @@ from trainer.rewards import (
 )
 from trainer.rewards.model import SequenceClassifierRM, legacy_rm_ids, render_rm_prompt
 from trainer.rewards.prime import score_prime
+from trainer.rewards.sandbox_fusion import SandboxScorer
 from trainer.rewards.server import RewardServer, RewardServerError, router_kwargs
 from trainer.workers.base import resolve_device
 from trainer.workers.group import WorkerGroup
@@ -203,6 +206,10 @@ def load_reward(cfg: Config, **router: Any) -> Callable[..., Any]:
     rm = cfg.reward_model
     keywords = [*BATCH_ARGS, *rm.reward_kwargs] if rm.reward_manager == "batch" else PER_RESPONSE_ARGS
     custom = cfg.custom_reward_function
+    sf = rm.sandbox_fusion
+    if custom.path is None and sf.url is not None:  # verl's `load_reward_manager`: the default scorer only
+        sandbox = SandboxScorer(sf.url, sf.max_concurrent or 64, sf.memory_limit_mb or 1024)
+        return partial(default_compute_score, sandbox=sandbox)
     return load_reward_fn(custom.path, custom.name, {**custom.reward_kwargs, **router}, keywords=keywords)
 
 
