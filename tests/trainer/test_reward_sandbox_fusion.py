@@ -20,7 +20,12 @@ from tests.verl_env import verl_python
 from trainer.config import load_config
 from trainer.config.base import ConfigError
 from trainer.rewards import RewardError, default_compute_score
-from trainer.rewards.sandbox_fusion import SandboxFusionError, SandboxScorer, _post_run_code, check_correctness
+from trainer.rewards.sandbox_fusion import (
+    SandboxFusionError,
+    SandboxScorer,
+    _post_run_code,
+    check_correctness,
+)
 from trainer.stages.reward import load_reward
 
 ADD = {"inputs": ["1 2\n", "3 4\n", "10 -3\n"], "outputs": ["3\n", "7\n", "7\n"]}

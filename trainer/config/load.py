@@ -32,7 +32,12 @@ from trainer.config.overrides import (
     at_default_keys,
     is_override,
 )
-from trainer.config.reward import derive_overlong, validate_reward_kwargs, validate_reward_model, validate_sandbox_fusion
+from trainer.config.reward import (
+    derive_overlong,
+    validate_reward_kwargs,
+    validate_reward_model,
+    validate_sandbox_fusion,
+)
 from trainer.config.rollout import (
     NO_VLLM_NOTE,
     default_rollout_name,
