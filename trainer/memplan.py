@@ -226,7 +226,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
                            c.model.enable_gradient_checkpointing, c.model.use_remove_padding)
     return Settings(
         world=world, device_bytes=int(device_gib * GIB), response_len=d.max_response_length, actor=actor,
-        critic=critic, ref_resident=cfg.derived.use_reference and arr.model.lora_rank == 0
+        critic=critic, ref_resident=cfg.derived.use_reference and not arr.model.uses_lora
         and not arr.ref.fsdp_config.param_offload,
         rollout_name=str(r.name or "vllm"), tp=r.tensor_model_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization, free_cache_engine=r.free_cache_engine,
@@ -236,7 +236,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
         param_dtype=_plan_dtype(a.fsdp_config.mixed_precision.param_dtype),
         reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
         rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
-        node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and arr.model.lora_rank == 0
+        node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and not arr.model.uses_lora
         and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg), enforce_eager=r.enforce_eager,
         pool=has_rollout_pool(cfg))
 
@@ -544,7 +544,7 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
     s = replace(s, param_dtype=param_dtype or s.param_dtype, reduce_dtype=reduce_dtype or s.reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
     made = plan(shape, s, name=Path(path).name or path, layers=layers)
-    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
+    if cfg.actor_rollout_ref.model.uses_lora:  # the trace trains every weight
         made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
                                     "gradients and AdamW moments of every weight, an over-estimate"))
     return made

@@ -4,7 +4,7 @@ read from the scripts by `python -m tests.trainer.verl_examples extract` into
 `tests/data/verl_examples.json` (verl's commit is recorded there); no verl checkout is needed.
 
 Refused on purpose: Megatron-LM training, multimodal data, SGLang /
-TensorRT-LLM rollout, Ulysses sequence parallelism, LoRA from a saved adapter and
+TensorRT-LLM rollout, Ulysses sequence parallelism and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
 
@@ -68,7 +68,7 @@ EXPECTED = {
     "examples/grpo_trainer/run_qwen2-7b_seq_balance_math_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2-7b_sgl_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh": ACCEPTED,
-    "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh": "saved adapter",
+    "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh": ACCEPTED,
     "examples/grpo_trainer/run_qwen2_5-7b_math_megatron_diff_tp.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2_5_32b_grpo_npu.sh": ACCEPTED,
     "examples/grpo_trainer/run_qwen2_5_7b_grpo_discrete_prof_npu.sh": ACCEPTED,

@@ -414,7 +414,7 @@ def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
         lines.append(f"`actor_rollout_ref.rollout.mode=async` changes nothing with `rollout.name={r.name}`: "
                      "server-mode replicas are vLLM's; the in-process engine batches every live "
                      "trajectory's turn, sampling the same distribution; the numbers are the same")
-    if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
+    if arr.model.uses_lora and arr.ref.fsdp_config.param_offload:
         lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
                      "the reference policy is the actor with its adapters disabled (as in verl), with no "
                      "weights of its own to offload; the numbers are the same")
