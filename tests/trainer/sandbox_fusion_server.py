@@ -65,22 +65,23 @@ class SandboxFusionServer:
                     outer.requests.append(body)
                     outer.in_flight += 1
                     outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
-                try:
+                try:  # counted out before the answer is sent: the client may send the next at once
                     if mode == "hang":
                         outer.release.wait(60)
-                        return
-                    if mode == "504" or self.path != "/run_code":
-                        self.send_error(504 if mode == "504" else 404)
-                        return
-                    data = json.dumps(run_code(body)).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    data = None if mode != "run" or self.path != "/run_code" else json.dumps(run_code(body)).encode()
                 finally:
                     with outer.lock:
                         outer.in_flight -= 1
+                if mode == "hang":
+                    return
+                if data is None:
+                    self.send_error(504 if mode == "504" else 404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/run_code"

@@ -64,7 +64,8 @@ class RewardModelConfig:
         "`reward_model.max_length` tokens, in bf16; true: as verl's reward loop")
     max_length: int | None = h(
         "with `reward_model.use_reward_loop=false`: the reward model's input is cut to this many "
-        "tokens, keeping the head (null: the batch's prompt + response length, verl's legacy default)")
+        "tokens, keeping the head (null: `data.max_prompt_length + data.max_response_length`, the width of "
+        "verl's padded batch, its legacy default)")
     reward_manager: Literal["naive", "dapo", "batch", "prime"] = h(
         "how the reward function is called: `naive` once per response, `batch` once per step with "
         "lists (`data_sources`, `solution_strs`, `ground_truths`, `extra_infos`), `dapo` per response "

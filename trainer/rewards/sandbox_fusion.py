@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import multiprocessing.synchronize
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -230,7 +231,7 @@ def check_correctness(url: str, in_outs: dict[str, Any], generation: str, memory
                 "remove `reward_model.sandbox_fusion.url` to score without it")
         return _case_status(response, outputs[i])
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(inputs), 32))) as pool:
+    with ThreadPoolExecutor(max_workers=max(32, (os.cpu_count() or 1) * 5)) as pool:  # verl's pool size
         results = list(pool.map(one, range(len(inputs))))
     compile_errors = [i for i, r in enumerate(results) if r == -4]
     if compile_errors:
