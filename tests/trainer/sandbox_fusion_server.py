@@ -3,7 +3,8 @@ fresh interpreter with the posted `stdin`, `run_timeout` and `memory_limit_MB`, 
 SandboxFusion's `RunCodeResponse` shape (`status` `Success` when the run finished with exit code
 0, else `Failed`; `run_result` with `status` `Finished`/`TimeLimitExceeded`, `return_code`,
 `stdout`, `stderr`, `execution_time`; python has no `compile_result`). `mode` makes it answer
-every request with a 504 (`"504"`) or never (`"hang"`)."""
+every request with a 504 (`"504"`) or never (`"hang"`); `hold_until` holds each request until that
+many have been in flight at once (or 60 s), to show requests are sent together."""
 
 from __future__ import annotations
 
@@ -48,10 +49,10 @@ def run_code(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class SandboxFusionServer:
-    def __init__(self, mode: str = "run") -> None:
+    def __init__(self, mode: str = "run", hold_until: int = 0) -> None:
         self.requests: list[dict[str, Any]] = []
         self.in_flight = self.most_in_flight = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.release = threading.Event()
         outer = self
 
@@ -65,6 +66,8 @@ class SandboxFusionServer:
                     outer.requests.append(body)
                     outer.in_flight += 1
                     outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
+                    outer.lock.notify_all()
+                    outer.lock.wait_for(lambda: outer.most_in_flight >= hold_until, timeout=60)
                 try:  # counted out before the answer is sent: the client may send the next at once
                     if mode == "hang":
                         outer.release.wait(60)

@@ -178,7 +178,8 @@ class FencedTokenizer:
 
 def test_the_reward_stage_scores_code_rows_and_fails_on_a_dead_service(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The reward stage over a generated batch of code rows: scored through the service (all
-    pass), and with nothing listening at the URL the stage raises naming it (the step fails)."""
+    pass; the rows' requests sent together, as verl's reward loop runs its rows), and with nothing
+    listening at the URL the stage raises naming it (the step fails)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -195,14 +196,14 @@ def test_the_reward_stage_scores_code_rows_and_fails_on_a_dead_service(tiny_mode
             row["reward_model"] = {**row["reward_model"], "ground_truth": json.dumps(ADD)}
         pq.write_table(pa.Table.from_pylist(rows), data / f"{name}.parquet")
     common = ("data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
-    with SandboxFusionServer().running() as server:
+    with SandboxFusionServer(hold_until=6).running() as server:  # 2 rows' cases at once, at least
         cfg = load_config(toy_overrides(tiny_model_dir, data, tmp_path / "run", *common,
                                         f"reward.sandbox_fusion.url={server.url}"))
         driver = PPODriver(cfg)
         batch = driver.generate(driver.loader.next_batch())
         RuleRewardEngine(cfg, FencedTokenizer()).score(batch)
         assert batch.sequence_scores.tolist() == [1.0] * len(batch)
-        assert len(server.requests) == 3 * len(batch)
+        assert len(server.requests) == 3 * len(batch) and server.most_in_flight >= 6  # rows scored together
     url = free_port_url()
     dead = RuleRewardEngine(load_config(toy_overrides(tiny_model_dir, data, tmp_path / "run2", *common,
                                                       f"reward.sandbox_fusion.url={url}")), FencedTokenizer())

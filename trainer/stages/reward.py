@@ -17,6 +17,7 @@ from trainer.config import Config, RewardModelConfig
 from trainer.rewards import (
     BATCH_ARGS,
     PER_RESPONSE_ARGS,
+    ROW_THREADS,
     default_compute_score,
     load_reward_fn,
     overlong_penalty,
@@ -209,7 +210,9 @@ def load_reward(cfg: Config, **router: Any) -> Callable[..., Any]:
     sf = rm.sandbox_fusion
     if custom.path is None and sf.url is not None:  # verl's `load_reward_manager`: the default scorer only
         sandbox = SandboxScorer(sf.url, sf.max_concurrent or 64, sf.memory_limit_mb or 1024)
-        return partial(default_compute_score, sandbox=sandbox)
+        fn = partial(default_compute_score, sandbox=sandbox)
+        setattr(fn, ROW_THREADS, sf.max_concurrent or 64)  # rows wait on the service: score them together
+        return fn
     return load_reward_fn(custom.path, custom.name, {**custom.reward_kwargs, **router}, keywords=keywords)
 
 
