@@ -1,4 +1,5 @@
-"""LoRA through peft: `actor_rollout_ref.model.lora_rank`, `lora_alpha`, `target_modules`.
+"""LoRA through peft: `actor_rollout_ref.model.lora_rank`, `lora_alpha`, `target_modules`, and
+`lora_adapter_path` (:func:`load_lora`: the adapters start from a saved peft adapter).
 
 :func:`apply_lora` wraps the actor's causal LM with ``peft.get_peft_model`` before FSDP2 shards
 it: the base weights are frozen and only the adapters (``lora_A``, ``lora_B``) train, so only
@@ -15,17 +16,20 @@ model itself is never merged.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.config import ConfigError
+from trainer.config.actor import ModelConfig
 
-__all__ = ["apply_lora", "base_name", "is_adapter_name", "is_lora", "linear_module_names",
-           "lora_layers", "merge"]
+__all__ = ["adapter_settings", "apply_lora", "base_name", "is_adapter_name", "is_lora", "linear_module_names",
+           "load_lora", "lora_layers", "merge"]
 
 ALL_LINEAR = "all-linear"
 _PEFT_PREFIX = "base_model.model."
@@ -68,6 +72,55 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: Se
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, bias="none",
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def adapter_settings(model_cfg: ModelConfig) -> tuple[int, int, list[str]]:
+    """The saved adapter's `r`, `lora_alpha` and `target_modules` (`lora_adapter_path`'s
+    `adapter_config.json`). verl takes them from the adapter whatever the run sets; here a run
+    that sets `lora_rank` > 0 must agree with them (its `target_modules` too, unless `all-linear`),
+    else it is refused naming each mismatch."""
+    path = str(model_cfg.lora_adapter_path)
+    file = Path(path).expanduser() / "adapter_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"`actor_rollout_ref.model.lora_adapter_path={path}`: cannot read `{file}` ({err}). Fix: give "
+            "the directory a peft adapter was saved to (`save_pretrained(dir)` of a peft model)") from None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA" or not isinstance(config.get("r"), int):
+        raise ConfigError(f"`actor_rollout_ref.model.lora_adapter_path={path}`: `{file}` is no LoRA adapter "
+                          f"(`peft_type` {config.get('peft_type')!r}, `r` {config.get('r')!r}). Fix: give a "
+                          "peft LoRA adapter directory")
+    targets = config.get("target_modules")
+    saved = sorted([targets] if isinstance(targets, str) else targets or [])
+    rank, alpha = int(config["r"]), int(config.get("lora_alpha", 8))
+    if model_cfg.lora_rank == 0:
+        return rank, alpha, saved
+    mismatches = []
+    if model_cfg.lora_rank != rank:
+        mismatches.append(f"`actor_rollout_ref.model.lora_rank={model_cfg.lora_rank}` (the adapter's `r` is {rank})")
+    if model_cfg.lora_alpha != alpha:
+        mismatches.append(f"`actor_rollout_ref.model.lora_alpha={model_cfg.lora_alpha}` (the adapter's is {alpha})")
+    if list(model_cfg.target_modules) != [ALL_LINEAR] and sorted(model_cfg.target_modules) != saved:
+        mismatches.append(f"`actor_rollout_ref.model.target_modules={list(model_cfg.target_modules)}` "
+                          f"(the adapter's are {saved})")
+    if mismatches:
+        raise ConfigError(
+            f"`actor_rollout_ref.model.lora_adapter_path={path}` disagrees with the run's LoRA settings: "
+            + "; ".join(mismatches) + ". Fix: set them as the adapter has them, or leave "
+            "`actor_rollout_ref.model.lora_rank=0` to take the adapter's")
+    return rank, alpha, saved
+
+
+def load_lora(model: torch.nn.Module, model_cfg: ModelConfig) -> Any:
+    """`model` wrapped by the saved peft adapter at `model_cfg.lora_adapter_path`, its weights
+    loaded and trainable (verl's `PeftModel.from_pretrained(module, path, is_trainable=True)`),
+    once its settings are checked (:func:`adapter_settings`)."""
+    from peft import PeftModel
+
+    adapter_settings(model_cfg)
+    path = str(Path(str(model_cfg.lora_adapter_path)).expanduser())
+    return PeftModel.from_pretrained(model, path, is_trainable=True)
 
 
 def base_name(name: str) -> str:

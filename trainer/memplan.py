@@ -25,7 +25,8 @@ refusal naming the phase, its largest term and the fix when one cannot fit.
 Precision: the plan is for a GPU, so it takes the dtypes the trainer uses there: the actor's
 `fsdp_config.mixed_precision.param_dtype` / `reduce_dtype` (FSDP2's `MixedPrecisionPolicy`;
 null = bf16, verl's GPU default) over fp32 master weights (`model_dtype`), and
-`rollout.dtype` (null = bf16) for vLLM's weights. The critic is planned in the actor's precision,
+`rollout.dtype` (null = bf16) for vLLM's weights. The critic is planned with its own model's
+`config.json` under `critic.model.override_config`, as it is built, in the actor's precision,
 and one rank is traced without the autocast the trainer applies there (fp32 activations: an
 over-estimate).
 """
@@ -128,13 +129,13 @@ class ModelShape:
         return cfg
 
 
-def read_model(path: str) -> ModelShape:
-    """The model's `config.json` (a directory holding one, or the file itself)."""
+def read_model(path: str, key: str = "actor_rollout_ref.model.path") -> ModelShape:
+    """The model's `config.json` (a directory holding one, or the file itself; `key` sets it)."""
     p = Path(path).expanduser()
     file = p / "config.json" if p.is_dir() else p
     if file.name != "config.json" or not file.is_file():
         raise PlanError(f"no `config.json` at `{path}`: the memory plan reads the model's config. Fix: "
-                        "point `actor_rollout_ref.model.path` at a local model directory (only its "
+                        f"point `{key}` at a local model directory (only its "
                         "`config.json` is read), or skip the plan (`--force`)")
     config = json.loads(file.read_text())
     missing = [k for k in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
@@ -226,7 +227,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
                            c.model.enable_gradient_checkpointing, c.model.use_remove_padding)
     return Settings(
         world=world, device_bytes=int(device_gib * GIB), response_len=d.max_response_length, actor=actor,
-        critic=critic, ref_resident=cfg.derived.use_reference and arr.model.lora_rank == 0
+        critic=critic, ref_resident=cfg.derived.use_reference and not arr.model.uses_lora
         and not arr.ref.fsdp_config.param_offload,
         rollout_name=str(r.name or "vllm"), tp=r.tensor_model_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization, free_cache_engine=r.free_cache_engine,
@@ -236,7 +237,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
         param_dtype=_plan_dtype(a.fsdp_config.mixed_precision.param_dtype),
         reduce_dtype=_plan_dtype(a.fsdp_config.mixed_precision.reduce_dtype, "fp32"),
         rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
-        node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and arr.model.lora_rank == 0
+        node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and not arr.model.uses_lora
         and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg), enforce_eager=r.enforce_eager,
         pool=has_rollout_pool(cfg))
 
@@ -344,15 +345,18 @@ def extrapolate(shape: ModelShape, depths: tuple[int, ...], peaks: list[dict[str
     return {**out, "Total": sum(out.values())}
 
 
-def traced_peaks(shape: ModelShape, s: Settings, sides: list[tuple[TrainSide, bool]],
+def traced_peaks(s: Settings, sides: list[tuple[ModelShape, TrainSide, bool]],
                  layers: str = "auto") -> list[dict[str, int]]:
-    """Peak bytes per tracker category of one update step of each (side, is_critic), for the
-    whole model."""
-    depths = trace_layers(shape, layers)
-    specs = [_trace_spec(shape, s, side, critic, d) for side, critic in sides for d in depths]
-    peaks = run_traces(specs)
-    k = len(depths)
-    return [extrapolate(shape, depths, peaks[i * k:(i + 1) * k]) for i in range(len(sides))]
+    """Peak bytes per tracker category of one update step of each (model shape, side, is_critic),
+    for the whole model."""
+    depths = [trace_layers(shape, layers) for shape, _, _ in sides]
+    specs = [_trace_spec(shape, s, side, critic, d) for (shape, side, critic), ds in zip(sides, depths, strict=True)
+             for d in ds]
+    peaks, out = run_traces(specs), []
+    for (shape, _, _), ds in zip(sides, depths, strict=True):
+        out.append(extrapolate(shape, ds, peaks[:len(ds)]))
+        peaks = peaks[len(ds):]
+    return out
 
 
 def update_estimate(config: dict[str, Any], world: int, rows: int, seq_len: int, response_len: int, *,
@@ -366,7 +370,7 @@ def update_estimate(config: dict[str, Any], world: int, rows: int, seq_len: int,
                  ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
                  free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
                  bucket_bytes=0, param_dtype=param_dtype)
-    return traced_peaks(shape, s, [(side, False)], layers)[0]
+    return traced_peaks(s, [(shape, side, False)], layers)[0]
 
 
 TRAIN_TERMS = {"SHARDED_PARAM": "parameter shards", "UNSHARDED_PARAM": "gathered parameters",
@@ -428,13 +432,14 @@ def host_terms(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
             ("reward model asleep", s.reward_model_bytes)]
 
 
-def host_phase(shape: ModelShape, s: Settings) -> Phase:
+def host_phase(shape: ModelShape, s: Settings, critic_shape: ModelShape | None = None) -> Phase:
     """The host memory of the busiest node (the head: its GPU workers and the driver) against
-    `s.node_bytes`. The critic, when there is one, is counted like the actor."""
+    `s.node_bytes`. The critic, when there is one, is counted like the actor, with its own shape
+    (`critic_shape`, else the actor's)."""
     per_worker = host_terms(shape, s)
     if s.critic is not None:
         critic = replace(s, actor=s.critic, ref_offloaded=False, rollout_name="none", reward_model_bytes=0)
-        per_worker += [(f"critic: {n}", b) for n, b in host_terms(shape, critic)[1:] if b]
+        per_worker += [(f"critic: {n}", b) for n, b in host_terms(critic_shape or shape, critic)[1:] if b]
     terms = [(f"{s.gpus_per_node} x {n}", b * s.gpus_per_node) for n, b in per_worker]
     if s.server_mode:  # vLLM's worker on each GPU; over several GPUs, each replica's engine core too
         cores = s.gpus_per_node // s.tp if s.tp > 1 else 0  # with one GPU the engine core is the worker
@@ -448,15 +453,18 @@ def host_phase(shape: ModelShape, s: Settings) -> Phase:
                  " (`slurm.mem`)", "per node")
 
 
-def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "auto") -> Plan:
-    """The per-device plan of every phase for `shape` under `s`."""
+def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "auto",
+         critic_shape: ModelShape | None = None) -> Plan:
+    """The per-device plan of every phase for `shape` (the critic's: `critic_shape`, else the
+    same) under `s`."""
+    critic_shape = critic_shape or shape
     params = shape.params()
     wbytes = DTYPE_BYTES[s.rollout_dtype]
     vllm = s.rollout_name == "vllm"
     share = int(s.gpu_memory_utilization * s.device_bytes) if vllm else 0
     engine_weights = params * wbytes // s.tp
     actor_res = _resident(shape, s, s.actor)
-    critic_res = _resident(shape, s, s.critic)
+    critic_res = _resident(critic_shape, s, s.critic)
     ref_res = params * 4 // s.world if s.ref_resident else 0
     trainer_held = [("actor shards + AdamW moments", actor_res), ("critic shards + AdamW moments", critic_res),
                     ("reference shards", ref_res), ("CUDA context", CUDA_CONTEXT)]
@@ -499,8 +507,8 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                             f" (`gpu_memory_utilization`={s.gpu_memory_utilization} x total)"))
         notes.append(f"vLLM KV cache: {max(0, kv_room) / GIB:.1f} GiB per device, "
                      f"{max(0, kv_room) // max(1, kv_needed // s.max_model_len):,} tokens")
-    sides = [(s.actor, False)] + ([(s.critic, True)] if s.critic is not None else [])
-    actor_peak, *critic_peaks = traced_peaks(shape, s, sides, layers)
+    sides = [(shape, s.actor, False)] + ([(critic_shape, s.critic, True)] if s.critic is not None else [])
+    actor_peak, *critic_peaks = traced_peaks(s, sides, layers)
     phases.append(_update_phase("actor update", actor_peak, s.actor,
                                 [("critic shards + AdamW moments", critic_res), ("reference shards", ref_res),
                                  ("idle vLLM", engine_idle), *replica], s, "actor_rollout_ref.actor",
@@ -531,7 +539,7 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                             "offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
                             "`optimizer_offload=true`) or a smaller reward model", s.device_bytes))
     if s.node_bytes > 0:
-        phases.append(host_phase(shape, s))
+        phases.append(host_phase(shape, s, critic_shape))
     return Plan(name, params, s.device_bytes, tuple(phases), tuple(notes))
 
 
@@ -540,32 +548,41 @@ def plan_config(cfg: Any, device_gib: float, *, layers: str = "auto", param_dtyp
     """The plan of a loaded trainer configuration (its actor model's `config.json`), in the
     configuration's precision unless `param_dtype` / `reduce_dtype` say otherwise; with
     `host_gib` (the job's memory per node) the host-memory phase too."""
-    shape, s = _config_settings(cfg, device_gib, host_gib)
+    shape, s, critic_shape = _config_settings(cfg, device_gib, host_gib)
     s = replace(s, param_dtype=param_dtype or s.param_dtype, reduce_dtype=reduce_dtype or s.reduce_dtype)
     path = cfg.actor_rollout_ref.model.path
-    made = plan(shape, s, name=Path(path).name or path, layers=layers)
-    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the trace trains every weight
+    made = plan(shape, s, name=Path(path).name or path, layers=layers, critic_shape=critic_shape)
+    if cfg.actor_rollout_ref.model.uses_lora:  # the trace trains every weight
         made = replace(made, notes=(*made.notes, "LoRA (`lora_rank` > 0) is planned as full fine-tuning: "
                                     "gradients and AdamW moments of every weight, an over-estimate"))
     return made
 
 
-def _config_settings(cfg: Any, device_gib: float, host_gib: float) -> tuple[ModelShape, Settings]:
-    """The actor model's shape and the plan's settings as a loaded configuration gives them."""
+def _edited_shape(path: str, key: str, override: Any) -> ModelShape:
+    """The shape verl builds: `override_config` over the model's `config.json`."""
+    shape = read_model(path, key)
+    return ModelShape(apply_updates(copy.deepcopy(shape.config), override_kwargs(override)))
+
+
+def _config_settings(cfg: Any, device_gib: float, host_gib: float
+                     ) -> tuple[ModelShape, Settings, ModelShape | None]:
+    """The actor model's shape, the plan's settings and the critic's shape (None without a
+    critic) as a loaded configuration gives them."""
     s = settings_from_config(cfg, device_gib, host_gib)
-    shape = read_model(cfg.actor_rollout_ref.model.path)
-    try:  # the shape verl builds: `model.override_config` over the `config.json`
-        shape = ModelShape(apply_updates(copy.deepcopy(shape.config),
-                                         override_kwargs(cfg.actor_rollout_ref.model.override_config)))
+    arr, c = cfg.actor_rollout_ref, cfg.critic
+    try:
+        shape = _edited_shape(arr.model.path, "actor_rollout_ref.model.path", arr.model.override_config)
+        critic_shape = (_edited_shape(c.model.path, "critic.model.path", c.model.override_config)
+                        if cfg.derived.use_critic else None)
         # the engine's context as `rollout_knobs` sizes it: the model's, unless set
         s = replace(s, max_model_len=max_model_len(cfg.actor_rollout_ref.rollout.max_model_len, shape.config))
     except ValueError as err:
         raise PlanError(str(err)) from None
     rm = cfg.reward_model
     if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
-        wbytes = DTYPE_BYTES[_plan_dtype(rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`)
+        wbytes = DTYPE_BYTES[_plan_dtype("bfloat16" if not rm.use_reward_loop else rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`); verl's legacy worker: bf16
         s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * wbytes)
-    return shape, s
+    return shape, s, critic_shape
 
 
 def host_plan(cfg: Any) -> Phase:
@@ -573,5 +590,5 @@ def host_plan(cfg: Any) -> Phase:
     and the driver), without tracing anything: the figure a rank killed for memory is set beside
     (:mod:`trainer.workers.memory_samples`). Its limit is unset (the job's `slurm.mem` is the
     launcher's to know)."""
-    shape, s = _config_settings(cfg, 0.0, 0.0)
-    return host_phase(shape, s)
+    shape, s, critic_shape = _config_settings(cfg, 0.0, 0.0)
+    return host_phase(shape, s, critic_shape)

@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+from trainer import critic_model
 from trainer import models as M
 from trainer import parallel as P
 
@@ -36,9 +37,9 @@ def _build(config: dict[str, Any], critic: bool, dtype: Any, grad_ckpt: bool, de
     with torch.device(device):
         model = auto.from_config(cfg, dtype=dtype, attn_implementation=attention)
         if critic:
-            model = M.CriticModel(model)
+            model = critic_model.CriticModel(model)
     if grad_ckpt:
-        M._enable_checkpointing(model.backbone if critic else model)
+        M.enable_checkpointing(model.backbone if critic else model)
     return model
 
 
@@ -65,7 +66,7 @@ def _steps(tracker: Any, model: Any, optim: Any, spec: dict[str, Any]) -> Any:
     with tracker:
         for _ in range(2):  # the trainer's own forward of the selected tokens (`compute_log_probs`)
             if spec["critic"]:
-                out = M.token_values(model, tokens)
+                out = critic_model.token_values(model, tokens)
             else:
                 lp, _ = M._response_log_probs(model, tokens, 1.0, True, bool(spec.get("entropy_grad")))
                 out = tokens.scatter(lp)

@@ -1,4 +1,7 @@
-"""Actor, reference and critic models, and the forward passes the PPO step needs.
+"""Actor and reference models, and the forward pass of the log-probs the PPO step needs. The
+critic (value model) is :mod:`trainer.critic_model`; a rank's sharded build from the
+safetensors files, :mod:`trainer.model_shards`; log-probs and entropies from logits,
+:mod:`trainer.logits`.
 
 A batch follows verl's layout: ``input_ids`` is the left-padded prompt followed by the
 right-padded response, ``attention_mask`` marks real tokens, and the response is the last
@@ -21,31 +24,35 @@ import torch
 from torch import nn
 
 from trainer import hub
-from trainer.algos.core_algos import entropy_from_logits
 from trainer.hf_overrides import apply_updates
+from trainer.logits import entropy_chunked, log_probs_from_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "DTYPES",
-    "CriticModel",
+    "Tokens",
     "attention_implementation",
     "compute_dtype",
     "compute_log_probs",
-    "compute_values",
     "convert_to_hf",
+    "empty_actor",
+    "enable_checkpointing",
     "eos_token_ids",
+    "forget_gguf_origin",
     "left_pad",
     "load_actor",
-    "load_critic",
     "load_model_config",
     "load_tokenizer",
-    "log_probs_from_logits",
+    "materialize",
+    "micro_batches",
     "position_ids_from_mask",
     "resolve_dtype",
     "resolve_model_path",
+    "select_tokens",
     "smollm2_path",
+    "to_model_device",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -280,7 +287,7 @@ def eos_token_ids(path: str | Path, tokenizer: Any, *, trust_remote_code: bool =
     return list(dict.fromkeys(ids))
 
 
-def _enable_checkpointing(model: PreTrainedModel) -> None:
+def enable_checkpointing(model: PreTrainedModel) -> None:
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -289,7 +296,7 @@ def _enable_checkpointing(model: PreTrainedModel) -> None:
     model.config.use_cache = False
 
 
-def _forget_gguf_origin(model: PreTrainedModel) -> None:
+def forget_gguf_origin(model: PreTrainedModel) -> None:
     """A model loaded from GGUF is dequantised into plain float tensors, but transformers still
     marks it as quantised and then refuses ``save_pretrained``: drop the marks."""
     for attr, value in (
@@ -323,9 +330,9 @@ def load_actor(
         trust_remote_code=trust_remote_code, **kwargs
     )
     if gguf_file:
-        _forget_gguf_origin(model)
+        forget_gguf_origin(model)
     if gradient_checkpointing:
-        _enable_checkpointing(model)
+        enable_checkpointing(model)
     return model
 
 
@@ -364,123 +371,6 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
-
-
-def safetensors_files(path: str | Path) -> list[Path]:
-    """The HF safetensors files of the model at `path` (none for a GGUF file)."""
-    directory, gguf_file = resolve_model_path(path)
-    return [] if gguf_file else sorted(Path(directory).glob("*.safetensors"))
-
-
-def empty_placed_actor(path: str | Path, *, dtype: str | torch.dtype = "float32",
-                       attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
-                       trust_remote_code: bool = False,
-                       config_updates: Mapping[str, Any] | None = None) -> PreTrainedModel:
-    """`empty_actor` with gradient checkpointing as `load_actor` sets it: for a rank that then
-    reads only its shards (:func:`load_local_shards`)."""
-    model = empty_actor(path, dtype=dtype, attn_implementation=attn_implementation,
-                        trust_remote_code=trust_remote_code, config_updates=config_updates)
-    if gradient_checkpointing:
-        _enable_checkpointing(model)
-    return model
-
-
-def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """The tensor this rank holds of `param` and where it sits in the whole one: an FSDP2
-    DTensor's local shard and its global offset, or a plain tensor, whole."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    return param, tuple(slice(0, n) for n in param.shape)
-
-
-@torch.no_grad()
-def load_local_shards(model: nn.Module, path: str | Path) -> None:
-    """Fill `model`'s parameters (built empty, already placed and sharded) from the HF
-    safetensors files at `path`, each rank reading only the part it holds (safetensors' lazy
-    slicing of the memory-mapped file): no rank ever holds a whole tensor it does not keep, so
-    host memory at build does not grow with the ranks on a node. Tied parameters are read once."""
-    from safetensors import safe_open
-
-    where: dict[str, Path] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-    missing = [name for name, _ in model.named_parameters() if name not in where]
-    if missing:
-        raise ValueError(
-            f"the safetensors files of `{path}` hold no tensor named {', '.join(f'`{m}`' for m in missing[:5])}"
-            f"{' ...' if len(missing) > 5 else ''}; the model's parameter names must match the "
-            "checkpoint's (a model saved by `save_pretrained`)")
-    for name, param in model.named_parameters():
-        local, region = _local_region(param)
-        if local.numel():  # the file mapped for one tensor at a time: its pages leave the RSS after
-            with safe_open(str(where[name]), framework="pt", device="cpu") as f:
-                local.copy_(f.get_slice(name)[region].to(local.dtype))
-
-
-class CriticModel(nn.Module):
-    """Value model: a causal LM's backbone with a linear head giving one value per token."""
-
-    def __init__(self, backbone: PreTrainedModel, init_std: float = 0.02) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.config = backbone.config
-        hidden = backbone.config.hidden_size
-        self.value_head = nn.Linear(hidden, 1, dtype=backbone.dtype)
-        nn.init.normal_(self.value_head.weight, std=init_std)
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """Values of shape ``(batch, seq_len)``, in float32 (``attention_mask`` None with
-        packed ``position_ids``: one row of several sequences; `kwargs` go to the attention)."""
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **kwargs,
-        )
-        return self.value_head(out.last_hidden_state).squeeze(-1).float()
-
-
-def load_critic(
-    path: str | Path,
-    *,
-    dtype: str | torch.dtype = "float32",
-    gradient_checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
-    config_updates: Mapping[str, Any] | None = None,
-) -> CriticModel:
-    """A critic whose backbone is initialised from the model at ``path`` (the LM head is
-    dropped), its config edited by `config_updates`; the value head is new, drawn from the
-    current torch RNG."""
-    from transformers import AutoModel
-
-    directory, gguf_file = resolve_model_path(path)
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates,
-                               key="critic.model.override_config")
-    backbone = AutoModel.from_pretrained(
-        directory, config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, **kwargs
-    )
-    if gguf_file:
-        _forget_gguf_origin(backbone)
-    if gradient_checkpointing:
-        _enable_checkpointing(backbone)
-    return CriticModel(backbone)
 
 
 def convert_to_hf(path: str | Path, outdir: str | Path) -> Path:
@@ -522,73 +412,14 @@ def left_pad(
     return ids, mask
 
 
-#: Positions whose full-vocabulary logits are upcast to fp32 at once by the log-prob and entropy
-#: helpers: they never hold an fp32 copy of every position's logits.
-LOGIT_CHUNK = 1024
-
-
-class _TokenLogProb(torch.autograd.Function):
-    """``logit[label] - logsumexp(logits)`` per row, in fp32 chunk by chunk; the backward pass
-    recomputes each chunk's softmax from the saved logits and the saved log-normalisers (one
-    fp32 number per row), so no fp32 ``log_softmax`` of the whole batch is kept for it."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        picked = torch.empty_like(lse)
-        for i in range(0, logits.shape[0], chunk):
-            part = logits[i:i + chunk].float()
-            lse[i:i + chunk] = torch.logsumexp(part, dim=-1)
-            picked[i:i + chunk] = part.gather(-1, labels[i:i + chunk, None]).squeeze(-1)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk = chunk
-        return picked - lse
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, labels, lse = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], ctx.chunk):
-            g = grad[i:i + ctx.chunk, None].float()
-            part = -torch.exp(logits[i:i + ctx.chunk].float() - lse[i:i + ctx.chunk, None]) * g
-            part.scatter_add_(-1, labels[i:i + ctx.chunk, None], g)
-            out[i:i + ctx.chunk] = part
-        return out, None, None
-
-
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk: int = LOGIT_CHUNK
-                          ) -> torch.Tensor:
-    """``log softmax(logits)[label]`` per position, in float32: the gathered logit minus the
-    log-sum-exp, over chunks of ``chunk`` positions (no full-vocabulary fp32 copy)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = _TokenLogProb.apply(flat, labels.reshape(-1).to(flat.device), chunk)
-    return out.view(labels.shape)
-
-
-def entropy_chunked(logits: torch.Tensor, chunk: int = LOGIT_CHUNK) -> torch.Tensor:
-    """`entropy_from_logits` in float32 over chunks of ``chunk`` positions; with grad each chunk
-    is recomputed in the backward pass (activation checkpointing) instead of kept."""
-    from torch.utils.checkpoint import checkpoint
-
-    flat = logits.reshape(-1, logits.shape[-1])
-    parts = []
-    for i in range(0, flat.shape[0], chunk):
-        part = flat[i:i + chunk]
-        if torch.is_grad_enabled() and part.requires_grad:
-            parts.append(checkpoint(lambda x: entropy_from_logits(x.float()), part, use_reentrant=False))
-        else:
-            parts.append(entropy_from_logits(part.float()))
-    return torch.cat(parts).view(logits.shape[:-1])
-
-
-def _to_model_device(
+def to_model_device(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     device = next(model.parameters()).device
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _micro_batches(batch: int, micro_batch_size: int | None) -> list[slice]:
+def micro_batches(batch: int, micro_batch_size: int | None) -> list[slice]:
     size = batch if not micro_batch_size or micro_batch_size <= 0 else micro_batch_size
     return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
@@ -712,9 +543,9 @@ def compute_log_probs(
             f"`temperature` must be > 0 to compute log-probs, received {temperature}. Fix: use "
             "the rollout temperature (1.0 for greedy validation)."
         )
-    input_ids, attention_mask = _to_model_device(model, input_ids, attention_mask)
+    input_ids, attention_mask = to_model_device(model, input_ids, attention_mask)
     log_probs, entropies = [], []
-    for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
+    for sl in micro_batches(input_ids.shape[0], micro_batch_size):
         tokens = select_tokens(input_ids[sl], attention_mask[sl], response_length,
                                remove_padding=remove_padding)
         lp, ent = _response_log_probs(model, tokens, temperature, calculate_entropy, entropy_grad)
@@ -723,29 +554,3 @@ def compute_log_probs(
             entropies.append(tokens.scatter(ent))
     entropy = torch.cat(entropies) if calculate_entropy else None
     return torch.cat(log_probs), entropy
-
-
-def compute_values(
-    critic: CriticModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_length: int,
-    *,
-    micro_batch_size: int | None = None,
-    remove_padding: bool = False,
-) -> torch.Tensor:
-    """Critic values of the states before each response token, shape ``(batch, resp_len)``,
-    zero at padding (``remove_padding`` as in :func:`compute_log_probs`)."""
-    input_ids, attention_mask = _to_model_device(critic, input_ids, attention_mask)
-    values = []
-    for sl in _micro_batches(input_ids.shape[0], micro_batch_size):
-        tokens = select_tokens(input_ids[sl], attention_mask[sl], response_length,
-                               remove_padding=remove_padding)
-        values.append(token_values(critic, tokens))
-    return torch.cat(values)
-
-
-def token_values(critic: CriticModel, tokens: Tokens) -> torch.Tensor:
-    """The critic's values of `tokens`' response states, in a ``(batch, resp_len)`` tensor."""
-    v = critic(tokens.input_ids, tokens.attention_mask, tokens.position_ids, **tokens.model_kwargs(critic))
-    return tokens.scatter(v.reshape(-1)[tokens.predict_at])

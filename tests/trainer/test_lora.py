@@ -346,3 +346,67 @@ def test_two_ray_ranks_train_lora_and_resume_on_one(tiny_model_dir: Path, toy_da
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert run_training(load_config(_driver_overrides(tiny_model_dir, toy_data, run))) == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+
+
+# ------------------------------------------------------------------------------------ a saved adapter
+
+
+def _save_adapter(model_dir: Path, out: Path, rank: int, alpha: int, targets: list[str]) -> dict[str, torch.Tensor]:
+    """A peft adapter of the tiny model with random (nonzero) A and B, saved to `out`; its
+    adapter weights by peft name."""
+    from trainer.lora import apply_lora
+    from trainer.models import load_actor
+
+    model = apply_lora(load_actor(model_dir), rank, alpha, targets)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.05)
+    model.save_pretrained(out)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_lora_starts_from_a_saved_adapter_and_trains_it(tiny_model_dir: Path, toy_data: Path, tmp_path: Path) -> None:
+    """`model.lora_adapter_path` alone (verl's `*_lora_from_adapter.sh`): the adapter's rank,
+    alpha and target modules are the run's, the actor's adapters hold its weights exactly before
+    the first step, the reference is the base model, and a step trains them."""
+    saved = _save_adapter(tiny_model_dir, tmp_path / "adapter", 4, 8, ["q_proj", "v_proj"])
+    cfg = load_config(_driver_overrides(tiny_model_dir, toy_data, tmp_path / "run", "actor_rollout_ref.model.lora_rank=0",
+                                        f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}",
+                                        "trainer.total_training_steps=1"))
+    driver = PPODriver(cfg)
+    worker = driver.actor_group.workers[0]
+    model = worker.model
+    peft_cfg = model.peft_config["default"]
+    assert (peft_cfg.r, peft_cfg.lora_alpha, sorted(peft_cfg.target_modules)) == (4, 8, ["q_proj", "v_proj"])
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    assert sorted(start) == sorted(saved) and len(saved) == 4 * 2  # 2 layers x (q, v) x (A, B)
+    for name, value in saved.items():
+        assert torch.equal(start[name], value), name
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+    assert worker.ref is None  # the reference: the same model, adapters disabled
+    assert driver.fit() == 0
+    after = {n: p.detach() for n, p in worker.model.named_parameters() if "lora_" in n}
+    assert any(not torch.equal(after[n], saved[n]) for n in saved), "the step should train the adapters"
+
+
+def test_a_run_whose_lora_settings_disagree_with_the_adapter_is_refused(tiny_model_dir: Path, toy_data: Path,
+                                                                         tmp_path: Path) -> None:
+    from trainer.lora import adapter_settings
+
+    _save_adapter(tiny_model_dir, tmp_path / "adapter", 4, 8, ["q_proj", "v_proj"])
+    adapter = f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"
+    cfg = load_config([*LORA, adapter, "actor_rollout_ref.model.target_modules=[q_proj,k_proj]"])
+    with pytest.raises(ConfigError) as err:
+        adapter_settings(cfg.actor_rollout_ref.model)
+    message = str(err.value)
+    assert "`actor_rollout_ref.model.lora_rank=8` (the adapter's `r` is 4)" in message
+    assert "`actor_rollout_ref.model.lora_alpha=16` (the adapter's is 8)" in message
+    assert "['q_proj', 'k_proj']` (the adapter's are ['q_proj', 'v_proj'])" in message and "Fix:" in message
+    agreeing = load_config(["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", adapter])
+    assert adapter_settings(agreeing.actor_rollout_ref.model) == (4, 8, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match="cannot read"):
+        adapter_settings(load_config([f"actor_rollout_ref.model.lora_adapter_path={tmp_path}"]).actor_rollout_ref.model)
+    with pytest.raises(ConfigError, match="lora_rank=8"):  # the driver refuses before training
+        PPODriver(load_config(_driver_overrides(tiny_model_dir, toy_data, tmp_path / "run", adapter)))

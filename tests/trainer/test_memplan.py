@@ -264,7 +264,7 @@ def test_server_mode_counts_its_worker_processes_on_the_device_and_the_host(monk
     # the device phases: the update's trace (a subprocess) replaced by a fixed peak; the terms compared are others
     import trainer.memplan as memplan
 
-    monkeypatch.setattr(memplan, "traced_peaks", lambda shape, s, sides, layers: [{"ACT": GIB}] * len(sides))
+    monkeypatch.setattr(memplan, "traced_peaks", lambda s, sides, layers: [{"ACT": GIB}] * len(sides))
     a = {p.name: p for p in plan(shape, inproc).phases}
     b = {p.name: p for p in plan(shape, server).phases}
     for name in ("actor update", "weight sync"):
@@ -282,7 +282,7 @@ def test_cuda_graphs_take_their_room_from_the_kv_cache_unless_eager(monkeypatch:
     import trainer.memplan as memplan
     from trainer.memplan import CUDA_GRAPHS, plan, settings_from_config
 
-    monkeypatch.setattr(memplan, "traced_peaks", lambda shape, s, sides, layers: [{"ACT": GIB}] * len(sides))
+    monkeypatch.setattr(memplan, "traced_peaks", lambda s, sides, layers: [{"ACT": GIB}] * len(sides))
     shape = read_model(str(QWEN_7B))
     graphs = settings_from_config(load_config(FLAGSHIP), 80)
     eager = settings_from_config(load_config([*FLAGSHIP, "actor_rollout_ref.rollout.enforce_eager=true"]), 80)
@@ -341,3 +341,31 @@ def test_the_one_step_off_entry_plans_the_pool_the_launcher_asks_it_to(capsys: p
     streamed = [*pool, "data.train_batch_size=0", "async_training.partial_rollout=false"]
     assert fully_async_main(["--plan-memory", "--device-memory", "80", *streamed]) == 0
     assert "rollout pool: vLLM KV cache" in capsys.readouterr().out
+
+
+def test_the_critic_is_planned_with_its_own_override_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`critic.model.override_config` edits the critic's shape as the critic is built (the actor's
+    own override does not reach it): its traced update and its resident shards are the edited
+    critic's. The update's trace (a subprocess) is replaced by a fixed peak; the shapes it is
+    given and the shard terms are compared."""
+    import trainer.memplan as memplan
+
+    seen: list[list[tuple[int, bool]]] = []
+
+    def fake(s: Any, sides: list[Any], layers: str) -> list[dict[str, int]]:
+        seen.append([(shape.layers, critic) for shape, _, critic in sides])
+        return [{"ACT": GIB}] * len(sides)
+
+    monkeypatch.setattr(memplan, "traced_peaks", fake)
+    gae = [*FLAGSHIP, "algorithm.adv_estimator=gae", f"critic.model.path={QWEN_7B}"]
+    same = plan_config(load_config(gae), 80)
+    halved = plan_config(load_config([*gae, "+critic.model.override_config.num_hidden_layers=14",
+                                      "+actor_rollout_ref.model.override_config.max_position_embeddings=4096"]), 80)
+    assert seen == [[(28, False), (28, True)], [(28, False), (14, True)]]
+
+    def critic_shards(made: Any) -> int:
+        return dict({p.name: p for p in made.phases}["actor update"].terms)["critic shards + AdamW moments"]
+
+    layer = (read_model(str(QWEN_7B)).params() - ModelShape({**read_model(str(QWEN_7B)).config,
+                                                             "num_hidden_layers": 0}).params()) // 28
+    assert critic_shards(same) - critic_shards(halved) == pytest.approx(14 * layer * 12 // 8, rel=1e-6)

@@ -1,4 +1,5 @@
-"""Model loading and the response forward passes, on the tiny model (and SmolLM2 when present)."""
+"""Model loading and the response forward passes (`trainer.models`, `trainer.critic_model`,
+`trainer.logits`, `trainer.model_shards`), on the tiny model (and SmolLM2 when present)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import models
+from trainer import critic_model, model_shards, models
 from trainer.algos.core_algos import entropy_from_logits
+from trainer.logits import entropy_chunked, log_probs_from_logits
 
 PROMPTS = [[5, 26, 14, 3, 6], [5, 27, 3, 6], [5, 26, 30, 31, 17, 9, 3, 6]]
 RESPONSES = [[17, 9, 3], [40, 41, 42, 43], [3]]  # 3 is EOS
@@ -96,9 +98,9 @@ def test_remove_padding_gives_the_padded_paths_log_probs_and_values(actor: torch
         torch.testing.assert_close(out[rp][0], reference, atol=1e-5, rtol=0)
         torch.testing.assert_close(out[rp][1], entropy_from_logits(full) * mask[:, -resp_len:], atol=1e-5, rtol=0)
     torch.manual_seed(0)
-    critic = models.load_critic(tiny_model_dir)
+    critic = critic_model.load_critic(tiny_model_dir)
     with torch.no_grad():
-        values = [models.compute_values(critic, ids, mask, resp_len, remove_padding=rp) for rp in (False, True)]
+        values = [critic_model.compute_values(critic, ids, mask, resp_len, remove_padding=rp) for rp in (False, True)]
     torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
     assert values[0][2, 1:].abs().sum() == 0  # row 2's response is one token
 
@@ -137,9 +139,9 @@ def test_packed_sequences_are_attended_apart_without_a_dense_mask(tiny_model_dir
         grads.append(actor.model.layers[0].self_attn.q_proj.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
     torch.manual_seed(0)
-    critic = models.load_critic(tiny_model_dir, attn_implementation=attention)
+    critic = critic_model.load_critic(tiny_model_dir, attn_implementation=attention)
     with torch.no_grad():
-        values = [models.compute_values(critic, ids, mask, resp_len, remove_padding=rp) for rp in (False, True)]
+        values = [critic_model.compute_values(critic, ids, mask, resp_len, remove_padding=rp) for rp in (False, True)]
     torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
 
 
@@ -150,14 +152,14 @@ def test_chunked_log_probs_and_entropy_equal_full_log_softmax() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(2, 5, 11) * 3).to(dtype).requires_grad_(True)
         labels = torch.randint(0, 11, (2, 5))
-        chunked = models.log_probs_from_logits(logits, labels, chunk=3)
+        chunked = log_probs_from_logits(logits, labels, chunk=3)
         full = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0]
         torch.testing.assert_close(chunked, full, atol=1e-6, rtol=0)
         weights = torch.randn(2, 5)
         (g_chunked,) = torch.autograd.grad((chunked * weights).sum(), logits)
         (g_full,) = torch.autograd.grad((full * weights).sum(), logits)
         torch.testing.assert_close(g_chunked, g_full)
-        ent = models.entropy_chunked(logits, chunk=3)
+        ent = entropy_chunked(logits, chunk=3)
         torch.testing.assert_close(ent, entropy_from_logits(logits.float()), atol=1e-5, rtol=0)
         (g_ent,) = torch.autograd.grad(ent.sum(), logits)
         (g_ref,) = torch.autograd.grad(entropy_from_logits(logits.float()).sum(), logits)
@@ -197,9 +199,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir: Path) -
 
 def test_critic_values(tiny_model_dir: Path) -> None:
     torch.manual_seed(0)
-    critic = models.load_critic(tiny_model_dir)
+    critic = critic_model.load_critic(tiny_model_dir)
     ids, mask, resp_len = make_batch()
-    values = models.compute_values(critic, ids, mask, resp_len, micro_batch_size=2)
+    values = critic_model.compute_values(critic, ids, mask, resp_len, micro_batch_size=2)
     assert values.shape == (3, resp_len) and values.dtype == torch.float32
     # The value before response token j of row 1 equals the unpadded forward's.
     alone = torch.tensor([PROMPTS[1] + RESPONSES[1]])
@@ -255,16 +257,16 @@ def test_a_rank_reads_its_own_shards_and_a_missing_tensor_is_named(tiny_model_di
     from transformers import AutoModelForCausalLM
 
     M = models
-    model = M.materialize(M.empty_placed_actor(tiny_model_dir), torch.device("cpu"))
-    M.load_local_shards(model, tiny_model_dir)
+    model = M.materialize(model_shards.empty_placed_actor(tiny_model_dir), torch.device("cpu"))
+    model_shards.load_local_shards(model, tiny_model_dir)
     for key, value in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
-    [file] = M.safetensors_files(broken)
+    [file] = model_shards.safetensors_files(broken)
     tensors = load_file(file)
     del tensors["model.norm.weight"]
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"hold no tensor named `model.norm.weight`"):
-        M.load_local_shards(model, broken)
+        model_shards.load_local_shards(model, broken)

@@ -130,8 +130,8 @@ def test_the_memory_plan_reads_the_edited_shape(tiny_model_dir: Path) -> None:
     sequence); a shape key (`num_hidden_layers`) changes what is planned."""
     from trainer.memplan import _config_settings
 
-    shape, s = _config_settings(_cfg(tiny_model_dir), 80, 0)
+    shape, s, _ = _config_settings(_cfg(tiny_model_dir), 80, 0)
     assert (s.max_model_len, shape.layers) == (512, 2)
-    shape, s = _config_settings(_cfg(tiny_model_dir, *ACTOR_FLAGS,
+    shape, s, _ = _config_settings(_cfg(tiny_model_dir, *ACTOR_FLAGS,
                                      "+actor_rollout_ref.model.override_config.num_hidden_layers=1"), 80, 0)
     assert (s.max_model_len, shape.layers) == (2048, 1)

@@ -245,3 +245,101 @@ def test_the_weights_dtype_follows_verls_serving_dtype(tiny_rm_dir: Path) -> Non
     assert isinstance(rm.score_texts(["<|user|> 1 <|assistant|> 2"])[0], float)
     with pytest.raises(ValueError, match="reward_model.rollout.dtype=int8"):
         rm_dtype("int8", torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------ verl's legacy worker
+
+#: verl b178a3cd's legacy `RewardModelWorker` (`verl/workers/fsdp_workers.py`; removed in 0.9.1,
+#: whose own helpers it calls): `_switch_chat_template` and `_forward_micro_batch` (padded
+#: branch) as written there, the model built as `_build_model` builds it (a one-label
+#: `AutoModelForTokenClassification` in bf16), on the CPU.
+VERL_LEGACY_SIDE = """
+import json, sys
+import numpy as np, torch
+from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+import verl.utils.torch_functional as verl_F
+from verl.utils.model import compute_position_id_with_mask
+
+spec = json.loads(sys.stdin.read())
+src_tokenizer = AutoTokenizer.from_pretrained(spec["policy"])
+target_tokenizer = AutoTokenizer.from_pretrained(spec["rm"])
+model_config = AutoConfig.from_pretrained(spec["rm"])
+model_config.num_labels = 1
+model_config.classifier_dropout = 0.0
+reward_module = AutoModelForTokenClassification.from_pretrained(spec["rm"], config=model_config,
+                                                                torch_dtype=torch.bfloat16).eval()
+responses, attention = torch.tensor(spec["responses"]), torch.tensor(spec["attention_mask"])
+max_length = spec["max_length"]
+rm_input_ids, rm_attention_mask = [], []
+for i in range(len(responses)):
+    chat = list(spec["raw_prompts"][i])
+    response_ids = responses[i]
+    response_length = response_ids.shape[-1]
+    valid_response_length = attention[i][-response_length:].sum()
+    valid_response_ids = response_ids[:valid_response_length]
+    response = src_tokenizer.decode(valid_response_ids)
+    response = response.replace(src_tokenizer.eos_token, "")
+    chat.append({"role": "assistant", "content": response})
+    prompt_with_chat_template = target_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
+    model_inputs = target_tokenizer(prompt_with_chat_template, return_tensors="pt", add_special_tokens=False)
+    input_ids, attention_mask = verl_F.postprocess_data(
+        input_ids=model_inputs["input_ids"], attention_mask=model_inputs["attention_mask"], max_length=max_length,
+        pad_token_id=target_tokenizer.pad_token_id, left_pad=False, truncation="right")
+    rm_input_ids.append(input_ids)
+    rm_attention_mask.append(attention_mask)
+input_ids, attention_mask = torch.cat(rm_input_ids, dim=0), torch.cat(rm_attention_mask, dim=0)
+position_ids = compute_position_id_with_mask(attention_mask)
+with torch.no_grad(), torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+    output = reward_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False)
+    rm_score = output.logits.squeeze(-1)
+    eos_mask_idx = torch.argmax(position_ids * attention_mask, dim=-1)
+    rm_score = rm_score[torch.arange(input_ids.shape[0]), eos_mask_idx]
+print(json.dumps({"scores": rm_score.float().tolist(), "lengths": attention_mask.sum(-1).tolist()}))
+"""
+
+
+def test_legacy_worker_scores_as_verls(tiny_model_dir: Path, tiny_rm_dir: Path, toy_data: Path,
+                                       tmp_path: Path) -> None:
+    """`reward_model.use_reward_loop=false` (verl's `*_rm_legacy.sh`): the scores are those of verl
+    b178a3cd's legacy worker on the same rows (its BOS kept, no special tokens added, the input cut
+    at `reward_model.max_length`, bf16), and differ from the reward loop's where the cut acts."""
+    python = verl_python()
+    max_length = 12  # shorter than most rendered rows: the cut acts
+    common = ("data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+              "reward_model.enable=true", f"reward_model.model.path={tiny_rm_dir}")
+    cfg = load_config(toy_overrides(tiny_model_dir, toy_data, tmp_path, *common, "reward_model.use_reward_loop=false",
+                                    f"reward_model.max_length={max_length}"))
+    driver = PPODriver(cfg)
+    batch = driver.generate(driver.loader.next_batch())
+    engine = ModelRewardEngine(cfg, driver.tokenizer)
+    assert engine.legacy and engine.dtype == "bfloat16"
+    engine.score(batch)
+    ours = batch.sequence_scores.tolist()
+
+    spec = {"policy": str(tiny_model_dir), "rm": str(tiny_rm_dir), "responses": batch.responses.tolist(),
+            "attention_mask": batch.attention_mask.tolist(), "max_length": max_length,
+            "raw_prompts": [[dict(m) for m in e.prompt] for e in batch.examples]}
+    done = subprocess.run([python, "-c", VERL_LEGACY_SIDE], input=json.dumps(spec), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ""}, timeout=600, check=False)
+    assert done.returncode == 0, f"verl's side failed:\n{done.stderr[-4000:]}"
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert max(theirs["lengths"]) == max_length and min(theirs["lengths"]) <= max_length
+    assert ours == pytest.approx(theirs["scores"], abs=1e-3)  # bf16 both sides (equal on the CPU here)
+    assert len({round(s, 3) for s in ours}) > 1
+
+    loop = ModelRewardEngine(load_config(toy_overrides(tiny_model_dir, toy_data, tmp_path, *common)), driver.tokenizer)
+    loop.score(batch)
+    assert batch.sequence_scores.tolist() != pytest.approx(ours, abs=2e-2)  # the cut and bf16 change the scores
+
+
+@pytest.mark.parametrize(("items", "says"), [
+    (["reward_model.max_length=64"], "set `reward_model.use_reward_loop=false` with it"),
+    (["reward_model.use_reward_loop=false", "reward_model.max_length=0"], "whole number of tokens >= 1"),
+    (["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.use_reward_loop=false",
+      "custom_reward_function.path=/f.py"], "scores with the discriminative model only"),
+])
+def test_legacy_settings_out_of_place_are_refused(items: list[str], says: str) -> None:
+    with pytest.raises(ConfigError, match="Fix") as err:
+        load_config(items, env={})
+    assert says in str(err.value)

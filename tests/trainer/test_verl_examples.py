@@ -3,9 +3,8 @@ config: each is accepted unchanged, or refused naming the feature it needs. The 
 read from the scripts by `python -m tests.trainer.verl_examples extract` into
 `tests/data/verl_examples.json` (verl's commit is recorded there); no verl checkout is needed.
 
-Refused on purpose: Megatron-LM training, verl's legacy FSDP reward model worker
-(`reward_model.use_reward_loop=false`) and sandbox-fusion scoring, multimodal data, SGLang /
-TensorRT-LLM rollout, Ulysses sequence parallelism, LoRA from a saved adapter and
+Refused on purpose: Megatron-LM training, multimodal data, SGLang /
+TensorRT-LLM rollout, Ulysses sequence parallelism and
 non-fp32 actor weights: each changes what is computed and is not implemented here.
 """
 
@@ -26,7 +25,7 @@ EXPECTED = {
     "examples/ppo_trainer/run_deepseek7b_llm.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_modelscope.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": ACCEPTED,
-    "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": "the reward model worker",
+    "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh": ACCEPTED,
     "examples/ppo_trainer/run_deepseek7b_llm_sp2.sh": "sequence parallelism",
     "examples/ppo_trainer/run_deepseek_full_hh_rlhf.sh": "Megatron-LM",
     "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron.sh": "Megatron-LM",
@@ -36,7 +35,7 @@ EXPECTED = {
     "examples/ppo_trainer/run_qwen1.5_moe_a2.7b-gsm8k_megatron.sh": "Megatron-LM",
     "examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh": "Megatron-LM",
     "examples/ppo_trainer/run_qwen2-7b_rm.sh": ACCEPTED,
-    "examples/ppo_trainer/run_qwen2-7b_rm_legacy.sh": "the reward model worker",
+    "examples/ppo_trainer/run_qwen2-7b_rm_legacy.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_rm_reward_loop_colocate.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_rm_seq_balance_fused_kernels.sh": ACCEPTED,
@@ -44,7 +43,7 @@ EXPECTED = {
     "examples/ppo_trainer/run_qwen2-7b_seq_balance.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2-7b_sglang_seq_balance.sh": "SGLang rollout",
     "examples/ppo_trainer/run_qwen2.5-32b.sh": ACCEPTED,
-    "examples/ppo_trainer/run_qwen2.5-3b_rm_legacy.sh": "the reward model worker",
+    "examples/ppo_trainer/run_qwen2.5-3b_rm_legacy.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen2.5-3b_rm_reward_loop_colocate.sh": ACCEPTED,
     "examples/ppo_trainer/run_qwen3-8b_npu.sh": "sequence parallelism",
     "examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh": "Megatron-LM",
@@ -69,7 +68,7 @@ EXPECTED = {
     "examples/grpo_trainer/run_qwen2-7b_seq_balance_math_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2-7b_sgl_megatron.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh": ACCEPTED,
-    "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh": "saved adapter",
+    "examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh": ACCEPTED,
     "examples/grpo_trainer/run_qwen2_5-7b_math_megatron_diff_tp.sh": "Megatron-LM",
     "examples/grpo_trainer/run_qwen2_5_32b_grpo_npu.sh": ACCEPTED,
     "examples/grpo_trainer/run_qwen2_5_7b_grpo_discrete_prof_npu.sh": ACCEPTED,

@@ -42,6 +42,17 @@ class ModelConfig:
     target_modules: list[str] = h(
         "modules that get LoRA adapters: `all-linear` (every linear layer but the output head) "
         "or module names, e.g. `[q_proj,v_proj]`")
+    lora_adapter_path: str | None = h(
+        "a saved peft LoRA adapter directory (`adapter_config.json` and its weights) the actor's "
+        "adapters start from, as verl's `PeftModel.from_pretrained(..., is_trainable=True)`; its "
+        "`r`, `lora_alpha` and `target_modules` are the run's (`lora_rank=0` takes them; a run "
+        "that sets them must agree, checked when the actor is built)")
+
+    @property
+    def uses_lora(self) -> bool:
+        """Whether the actor trains LoRA adapters: `lora_rank` > 0 or a saved adapter (verl's
+        `_is_lora`, b178a3cd's workers)."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
     use_shm: bool = h("verl: load the model through shared memory (compatibility only, see COMPAT)")
     enable_activation_offload: bool = h("verl: keep checkpointed activations in host memory "
                                         "(compatibility only, see COMPAT)")
@@ -178,7 +189,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.lora": ("Megatron's LoRA options; FSDP LoRA is "
                                      "`actor_rollout_ref.model.lora_rank`, `lora_alpha` and `target_modules` "
                                      "(`model.lora.rank` and `model.lora.alpha` are read as the first two)"),
-    "actor_rollout_ref.model.lora_adapter_path": "starting LoRA from a saved adapter",
     "actor_rollout_ref.model.custom_chat_template": "",
     "actor_rollout_ref.actor.ppo_micro_batch_size": (
         "deprecated in verl; use `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu`"

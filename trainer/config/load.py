@@ -32,7 +32,12 @@ from trainer.config.overrides import (
     at_default_keys,
     is_override,
 )
-from trainer.config.reward import derive_overlong, validate_reward_kwargs, validate_reward_model
+from trainer.config.reward import (
+    derive_overlong,
+    validate_reward_kwargs,
+    validate_reward_model,
+    validate_sandbox_fusion,
+)
 from trainer.config.rollout import (
     NO_VLLM_NOTE,
     default_rollout_name,
@@ -257,6 +262,7 @@ def validate(cfg: Config) -> None:
              f"`trainer.log_val_generations={cfg.trainer.log_val_generations}` must be 0 or more")
     require(arr.nccl_timeout > 0, f"`actor_rollout_ref.nccl_timeout={arr.nccl_timeout}` must be positive")
     validate_reward_model(cfg.reward_model, cfg.custom_reward_function)
+    validate_sandbox_fusion(cfg.reward_model, cfg.custom_reward_function)
     buffer = cfg.reward_model.overlong_buffer
     max_len = validate_reward_kwargs(cfg.reward_model, data.max_response_length)
     require(
@@ -408,7 +414,7 @@ def compat_notes(overrides: Sequence[str | Override], cfg: Config) -> list[str]:
         lines.append(f"`actor_rollout_ref.rollout.mode=async` changes nothing with `rollout.name={r.name}`: "
                      "server-mode replicas are vLLM's; the in-process engine batches every live "
                      "trajectory's turn, sampling the same distribution; the numbers are the same")
-    if arr.model.lora_rank > 0 and arr.ref.fsdp_config.param_offload:
+    if arr.model.uses_lora and arr.ref.fsdp_config.param_offload:
         lines.append("`actor_rollout_ref.ref.fsdp_config.param_offload=true` changes nothing with LoRA: "
                      "the reference policy is the actor with its adapters disabled (as in verl), with no "
                      "weights of its own to offload; the numbers are the same")

@@ -37,6 +37,17 @@ class RewardModelModelConfig:
 
 
 @dataclass(frozen=True)
+class SandboxFusionConfig:
+    url: str | None = h(
+        "a SandboxFusion service's `run_code` URL: the built-in scorer of the code data sources "
+        "(`codecontests`, `apps`, `codeforces`, `taco`) runs each response's code on the row's test "
+        "cases there, as verl does (`trainer/rewards/sandbox_fusion.py`); null = no sandbox")
+    max_concurrent: int | None = h("requests to the service in flight at once, over the whole scoring "
+                                   "(null: verl's 64)")
+    memory_limit_mb: int | None = h("memory limit of each run, in MB, sent to the service (null: verl's 1024)")
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
     enable: bool = h(
         "a discriminative reward model (`reward_model.model.path`) scores each response; verl's reward "
@@ -47,6 +58,14 @@ class RewardModelConfig:
         "only, see COMPAT)")
     num_workers: int | None = h("verl's reward-loop workers (compatibility only, see COMPAT)")
     micro_batch_size_per_gpu: int | None = h("verl's reward model micro-batch (compatibility only, see COMPAT)")
+    use_reward_loop: bool = h(
+        "false: score as verl's legacy reward model worker (`RewardModelWorker`) does: the rendered "
+        "chat tokenized as its template writes it (no special tokens added), cut to "
+        "`reward_model.max_length` tokens, in bf16; true: as verl's reward loop")
+    max_length: int | None = h(
+        "with `reward_model.use_reward_loop=false`: the reward model's input is cut to this many "
+        "tokens, keeping the head (null: `data.max_prompt_length + data.max_response_length`, the width of "
+        "verl's padded batch, its legacy default)")
     reward_manager: Literal["naive", "dapo", "batch", "prime"] = h(
         "how the reward function is called: `naive` once per response, `batch` once per step with "
         "lists (`data_sources`, `solution_strs`, `ground_truths`, `extra_infos`), `dapo` per response "
@@ -59,6 +78,9 @@ class RewardModelConfig:
         "takes `overlong_buffer_cfg.{enable,len,penalty_factor,log}` (verl's current spelling of "
         "`overlong_buffer`, set into it) and `max_resp_len` (the length the penalty counts to; "
         "default `data.max_response_length`); `naive` takes none")
+    sandbox_fusion: SandboxFusionConfig = h(
+        "verl's SandboxFusion service for code rewards (verl 0.9.1: `reward.sandbox_fusion.*`, and its "
+        "older top-level `sandbox_fusion.*`)")
 
 
 REWARD_MODEL_WORKER = ("this setting belongs to the reward model worker of verl, not built here; the reward "
@@ -97,6 +119,8 @@ ALIASES: dict[str, str] = {
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
     "reward.num_workers": "reward_model.num_workers",
+    **{f"{section}.{key}": f"reward_model.sandbox_fusion.{key}" for section in ("reward.sandbox_fusion", "sandbox_fusion")
+       for key in ("url", "max_concurrent", "memory_limit_mb")},
     **{f"reward.reward_model.rollout.{key}": f"reward_model.rollout.{key}" for key in (
         "name", "dtype", "gpu_memory_utilization", "tensor_model_parallel_size", "prompt_length",
         "response_length")},
@@ -145,11 +169,34 @@ def validate_reward_kwargs(rm: RewardModelConfig, max_response_length: int) -> i
     return int(max_len)
 
 
+def validate_sandbox_fusion(rm: RewardModelConfig, custom: CustomRewardConfig) -> None:
+    """`reward_model.sandbox_fusion.*`: verl hands the service to its built-in scorer only."""
+    sf = rm.sandbox_fusion
+    for key in ("max_concurrent", "memory_limit_mb"):
+        value = getattr(sf, key)
+        require(value is None or value >= 1, f"`reward_model.sandbox_fusion.{key}={value}` must be 1 or more")
+    if sf.url is None:
+        return
+    require(sf.url.startswith(("http://", "https://")), (
+        f"`reward_model.sandbox_fusion.url={sf.url}` must be the SandboxFusion service's `run_code` URL "
+        "(`http://HOST:PORT/run_code`)"))
+    require(custom.path is None and not rm.enable, (
+        f"`reward_model.sandbox_fusion.url={sf.url}` with "
+        + ("`custom_reward_function.path`" if custom.path is not None else "`reward_model.enable=true`")
+        + ": verl gives the sandbox to its built-in scorer only, which a reward function or a reward model "
+        "replaces. Fix: remove the URL, or pass it to your function with "
+        "`custom_reward_function.reward_kwargs.sandbox_fusion_url=...`"))
+
+
 def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> None:
     """`reward_model.enable=true` asks for what verl 0.9.1's reward loop does with it
     (`RewardLoopWorker.compute_score`): without `custom_reward_function.path`, the discriminative
     model of `reward_model.model.path` scores every response; with one, the function is called
     with the address of a server of that model (a generative reward model)."""
+    require(rm.max_length is None or (not rm.use_reward_loop and rm.max_length >= 1), (
+        f"`reward_model.max_length={rm.max_length}`: it cuts the input of verl's legacy reward model "
+        "worker and must be a whole number of tokens >= 1; the reward loop (`reward_model.use_reward_loop=true`, "
+        "the default) reads it not. Fix: set `reward_model.use_reward_loop=false` with it, or remove it"))
     if not rm.enable:
         return
     require(rm.model.path is not None, (
@@ -162,6 +209,11 @@ def validate_reward_model(rm: RewardModelConfig, custom: CustomRewardConfig) -> 
         "scores on the actor's ranks, which compute the log-probs meanwhile (verl scores with its "
         "reward model before launching the reward function). Fix: set "
         "`reward_model.launch_reward_fn_async=false`"))
+    require(rm.use_reward_loop or custom.path is None, (
+        "`reward_model.use_reward_loop=false` with `custom_reward_function.path`: verl's legacy reward "
+        "model worker scores with the discriminative model only, and its score replaces the reward "
+        "function's (a generative reward model needs the reward loop). Fix: remove "
+        "`reward_model.use_reward_loop=false`, or `custom_reward_function.path` to score with the model"))
     engine = rm.rollout.get("name")
     require(custom.path is None or engine in (None, "vllm"), (
         f"`reward_model.rollout.name={engine}`: a generative reward model is served here by vLLM's "

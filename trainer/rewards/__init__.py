@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from trainer.rewards import arith, gsm8k, math_dapo, math_reward, toy
 
 RewardFn = Callable[..., Any]
+ROW_THREADS = "row_threads"
+"""An attribute of a reward function: how many rows :func:`score_responses` scores at once."""
 
 
 class RewardError(ValueError):
@@ -28,16 +31,26 @@ class RewardError(ValueError):
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_MATH_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "aime*")
-KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_MATH_SOURCES, toy.TOY_DIGITS, arith.ARITH)
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+KNOWN_DATA_SOURCES = (*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_MATH_SOURCES, *CODE_SOURCES, toy.TOY_DIGITS, arith.ARITH)
 
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None,
-    **_: Any,
+    sandbox: Callable[[str, Any], float] | None = None, **_: Any,
 ) -> float | dict[str, Any]:
     """The built-in scorer for `data_source`, routed as verl's `default_compute_score` routes
     the sources it shares with this trainer (`KNOWN_DATA_SOURCES`; `aime*`: any name starting
-    with `aime`)."""
+    with `aime`). The code sources (`CODE_SOURCES`) are scored by `sandbox`
+    (:class:`trainer.rewards.sandbox_fusion.SandboxScorer`, from `reward_model.sandbox_fusion.url`)."""
+    if data_source in CODE_SOURCES:
+        if sandbox is None:
+            raise RewardError(
+                f"`data_source`={data_source!r} is code, scored here through a SandboxFusion service only "
+                "(verl's fallback without one, `prime_code`, is not built). Fix: set "
+                "`reward_model.sandbox_fusion.url=http://HOST:PORT/run_code`, or give your own scorer with "
+                "`custom_reward_function.path=<file.py>`")
+        return sandbox(solution_str, ground_truth)
     if data_source in GSM8K_SOURCES:
         return gsm8k.compute_score(solution_str, str(ground_truth))
     if data_source in MATH_SOURCES:
@@ -184,12 +197,25 @@ def score_responses(
     verl 0.9.1's reward loop builds it (`reward_loop/reward_manager/naive.py`, `run_single`): the
     row's `extra_info`, updated with its agent loop's `extra_fields` (`loop_fields`: `raw_prompt`,
     `turn_scores`, `tool_rewards`, ...), then `num_turns` (the row's `__num_turns__`, None when
-    not given) and `rollout_reward_scores` ({}) set over whatever the row held."""
+    not given) and `rollout_reward_scores` ({}) set over whatever the row held.
+
+    A function with `ROW_THREADS` set (the built-in scorers over a SandboxFusion service, whose
+    rows wait on it) scores that many rows at once, as verl's reward loop runs its rows in an
+    executor; any other is called one row after another."""
     rows = len(responses)
     fields = loop_fields if loop_fields is not None else [{}] * rows
     turns = num_turns if num_turns is not None else [None] * rows
-    results = [fn(data_source=source, solution_str=text, ground_truth=truth,
+
+    def one(row: tuple[Any, ...]) -> Any:
+        source, text, truth, info, more, n = row
+        return fn(data_source=source, solution_str=text, ground_truth=truth,
                   extra_info={**(info or {}), **more, "num_turns": n, "rollout_reward_scores": {}})
-               for source, text, truth, info, more, n in zip(data_sources, responses, ground_truths, extra_infos,
-                                                            fields, turns, strict=True)]
+
+    table = list(zip(data_sources, responses, ground_truths, extra_infos, fields, turns, strict=True))
+    threads = int(getattr(fn, ROW_THREADS, 0))
+    if threads > 1 and rows > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, rows)) as pool:
+            results = list(pool.map(one, table))
+    else:
+        results = [one(row) for row in table]
     return _collect(data_sources, results)

@@ -18,7 +18,9 @@ One deliberate difference: verl converts the results after the pool is shut down
 that is neither a number nor indexable by 0 (a dict with `score`, as the `naive` manager takes)
 raises there, which `verify` catches and answers by scoring **every** row of the batch 0 with a
 printed line. Here that result is refused naming the row and the fix, since training on a batch
-of zeros teaches nothing and says nothing.
+of zeros teaches nothing and says nothing. Likewise a call that failed because the SandboxFusion
+service did not answer (:class:`trainer.rewards.sandbox_fusion.SandboxFusionError`) fails the
+step naming the service's URL, where verl scores the row 0.
 
 The processes are forked (verl's `ProcessPoolExecutor()` default on Linux) and find the function
 in the parent's memory: a function loaded from `custom_reward_function.path` is not importable by
@@ -34,6 +36,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, wait
 from typing import Any
 
 from trainer.rewards import RewardError
+from trainer.rewards.sandbox_fusion import SandboxFusionError
 
 __all__ = ["PRIME_PROCESSES", "PRIME_TIMEOUT_S", "score_prime"]
 
@@ -89,6 +92,9 @@ def score_prime(fn: Callable[..., Any], data_sources: Sequence[str], responses: 
     try:
         futures: list[Future[Any]] = [pool.submit(_call, row) for row in rows]
         wait(futures, timeout=timeout_s)
+        for future in futures:  # a dead SandboxFusion service fails the step, in every manager
+            if future.done() and not future.cancelled() and isinstance(future.exception(), SandboxFusionError):
+                raise future.exception()  # type: ignore[misc]
         results: list[Any] = []
         for future in futures:
             if not future.done() or future.cancelled() or future.exception() is not None:

@@ -5,6 +5,7 @@ reward managers `naive`, `prime`, `dapo`, `batch`) or with a discriminative rewa
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -16,13 +17,16 @@ from trainer.config import Config, RewardModelConfig
 from trainer.rewards import (
     BATCH_ARGS,
     PER_RESPONSE_ARGS,
+    ROW_THREADS,
+    default_compute_score,
     load_reward_fn,
     overlong_penalty,
     score_batch,
     score_responses,
 )
-from trainer.rewards.model import SequenceClassifierRM, render_rm_prompt
+from trainer.rewards.model import SequenceClassifierRM, legacy_rm_ids, render_rm_prompt
 from trainer.rewards.prime import score_prime
+from trainer.rewards.sandbox_fusion import SandboxScorer
 from trainer.rewards.server import RewardServer, RewardServerError, router_kwargs
 from trainer.workers.base import resolve_device
 from trainer.workers.group import WorkerGroup
@@ -80,7 +84,12 @@ class ModelRewardEngine:
     on the ranks of the actor group once :meth:`attach` gave it (each rank scores a contiguous
     share of the rows with its own copy, asleep on the host while the actor trains:
     :mod:`trainer.workers.reward`), else in this process. A row whose agent loop set its own
-    score keeps it (as in :func:`score_rollouts`)."""
+    score keeps it (as in :func:`score_rollouts`).
+
+    `reward_model.use_reward_loop=false` scores as verl's legacy reward model worker: the chat
+    rendered with its BOS, tokenized with no special tokens added and cut to
+    `reward_model.max_length` tokens (null: `data.max_prompt_length + data.max_response_length`,
+    the width of verl's padded batch), the model in bf16 (:func:`trainer.rewards.model.legacy_rm_ids`)."""
 
     def __init__(self, cfg: Config, tokenizer: Any) -> None:
         from transformers import AutoTokenizer
@@ -88,7 +97,9 @@ class ModelRewardEngine:
         path = cfg.reward_model.model.path
         assert path is not None, "checked by the config: `reward_model.model.path`"
         self.path, self.tokenizer, self.device_name = path, tokenizer, cfg.trainer.device
-        self.dtype: str | None = cfg.reward_model.rollout.get("dtype")
+        self.legacy = not cfg.reward_model.use_reward_loop
+        self.dtype: str | None = "bfloat16" if self.legacy else cfg.reward_model.rollout.get("dtype")
+        self.max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
         self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
         self.group: WorkerGroup | None = None
         self.local: SequenceClassifierRM | None = None
@@ -105,9 +116,12 @@ class ModelRewardEngine:
         lengths = attended.sum(-1).long().tolist()
         own = batch.loop_scores or [None] * len(batch)
         todo = [i for i, score in enumerate(own) if score is None]
-        texts = [render_rm_prompt([dict(m) for m in batch.examples[i].prompt],
-                                  batch.responses[i, :lengths[i]].tolist(), self.tokenizer, self.rm_tokenizer)
-                 for i in todo]
+        texts: list[str | list[int]] = []
+        for i in todo:
+            text = render_rm_prompt([dict(m) for m in batch.examples[i].prompt],
+                                    batch.responses[i, :lengths[i]].tolist(), self.tokenizer, self.rm_tokenizer,
+                                    keep_bos=self.legacy)
+            texts.append(legacy_rm_ids(text, self.rm_tokenizer, self.max_length) if self.legacy else text)
         scores = [float(s) if s is not None else 0.0 for s in own]
         for i, value in zip(todo, self._scores(texts) if texts else [], strict=True):
             scores[i] = value
@@ -116,7 +130,7 @@ class ModelRewardEngine:
         batch.token_scores = core_algos.scores_to_token_level(batch.sequence_scores, attended)
         return {}
 
-    def _scores(self, texts: list[str]) -> list[float]:
+    def _scores(self, texts: list[str | list[int]]) -> list[float]:
         if self.group is None:
             if self.local is None:
                 self.local = SequenceClassifierRM(self.path, resolve_device(self.device_name), self.dtype)
@@ -193,6 +207,12 @@ def load_reward(cfg: Config, **router: Any) -> Callable[..., Any]:
     rm = cfg.reward_model
     keywords = [*BATCH_ARGS, *rm.reward_kwargs] if rm.reward_manager == "batch" else PER_RESPONSE_ARGS
     custom = cfg.custom_reward_function
+    sf = rm.sandbox_fusion
+    if custom.path is None and sf.url is not None:  # verl's `load_reward_manager`: the default scorer only
+        sandbox = SandboxScorer(sf.url, sf.max_concurrent or 64, sf.memory_limit_mb or 1024)
+        fn = partial(default_compute_score, sandbox=sandbox)
+        setattr(fn, ROW_THREADS, sf.max_concurrent or 64)  # rows wait on the service: score them together
+        return fn
     return load_reward_fn(custom.path, custom.name, {**custom.reward_kwargs, **router}, keywords=keywords)
 
 

@@ -32,7 +32,7 @@ from trainer import parallel as P
 from trainer.algos import core_algos, rollout_corr
 from trainer.batch import MiniBatchShare, StepBatch, need
 from trainer.hf_overrides import config_updates
-from trainer.lora import apply_lora
+from trainer.lora import apply_lora, load_lora
 from trainer.metrics import flops_fields
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
@@ -53,15 +53,16 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
         trust = arr.model.trust_remote_code
         tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source
         self.tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
-        self.lora = arr.model.lora_rank > 0
+        self.lora = arr.model.uses_lora
         self.config_updates = config_updates(arr.model.override_config, self.tokenizer)  # verl's edits
         section = "actor_rollout_ref.actor.fsdp_config"
         if self.lora:  # before sharding: FSDP2 then shards the adapters with their layers
-            model: Any = apply_lora(M.load_actor(arr.model.path, dtype=arr.actor.fsdp_config.model_dtype,
-                                                 attn_implementation=self._attention(arr.actor.fsdp_config),
-                                                 trust_remote_code=trust, config_updates=self.config_updates,
-                                                 gradient_checkpointing=arr.model.enable_gradient_checkpointing),
-                                    arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules)
+            base = M.load_actor(arr.model.path, dtype=arr.actor.fsdp_config.model_dtype,
+                                attn_implementation=self._attention(arr.actor.fsdp_config),
+                                trust_remote_code=trust, config_updates=self.config_updates,
+                                gradient_checkpointing=arr.model.enable_gradient_checkpointing)
+            model: Any = (load_lora(base, arr.model) if arr.model.lora_adapter_path else
+                          apply_lora(base, arr.model.lora_rank, arr.model.lora_alpha, arr.model.target_modules))
             self.model = self._place(model, arr.actor.fsdp_config, section)
         else:
             self.model = self._load_placed(arr.model.path, arr.actor.fsdp_config, section, trust_remote_code=trust,
@@ -314,7 +315,7 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def score_reward_model(self, path: str, dtype: str | None, texts: list[str]) -> list[float]:
+    def score_reward_model(self, path: str, dtype: str | None, texts: list[str | list[int]]) -> list[float]:
         """A colocated discriminative reward model's scores (:mod:`trainer.workers.reward`)."""
         return score_on_rank(self, path, dtype, texts)
 

@@ -23,6 +23,7 @@ import torch
 
 from hpcrl.devices import DEVICE_VARS, WorkerDevice, id_list, worker_device
 from hpcrl.runtimes import running_in
+from trainer import model_shards
 from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
@@ -227,24 +228,24 @@ class Worker:
                      config_updates: Mapping[str, Any] | None = None) -> Any:
         """The actor's (or, `frozen`, the reference's) model placed by :meth:`_place`. From HF
         safetensors it is built empty, placed and sharded, and then each rank reads only its own
-        shards from the files (:func:`trainer.models.load_local_shards`): no rank reads the whole
+        shards from the files (:func:`trainer.model_shards.load_local_shards`): no rank reads the whole
         model into host memory (verl's FSDP workers read it whole on every rank). A GGUF file is
         read whole (its tensors are quantised blocks, not sliceable)."""
         model: Any
         dtype, attention = fsdp_config.model_dtype, self._attention(fsdp_config)
-        if not M.safetensors_files(path):
+        if not model_shards.safetensors_files(path):
             model = M.load_actor(path, dtype=dtype, attn_implementation=attention,
                                  gradient_checkpointing=gradient_checkpointing,
                                  trust_remote_code=trust_remote_code, config_updates=config_updates)
         else:
-            model = M.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
+            model = model_shards.empty_placed_actor(path, dtype=dtype, attn_implementation=attention,
                                          gradient_checkpointing=gradient_checkpointing,
                                          trust_remote_code=trust_remote_code, config_updates=config_updates)
         if frozen:
             model = model.eval().requires_grad_(False)
         placed = self._place(model, fsdp_config, section)
-        if M.safetensors_files(path):
-            M.load_local_shards(placed, path)
+        if model_shards.safetensors_files(path):
+            model_shards.load_local_shards(placed, path)
         return placed
 
     def _optimizer(self, optim: Any) -> None:

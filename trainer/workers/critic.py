@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from trainer import critic_model as CM
 from trainer import models as M
 from trainer import parallel as P
 from trainer.algos import core_algos
@@ -29,7 +30,7 @@ class CriticWorker(Worker):
         assert c.model.path is not None
         tokenizer_path, tokenizer_trust = self.cfg.tokenizer_source  # the ids of the tokens it scores
         tokenizer = M.load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trust)
-        self.model = self._place(M.load_critic(c.model.path, dtype=c.model.fsdp_config.model_dtype,
+        self.model = self._place(CM.load_critic(c.model.path, dtype=c.model.fsdp_config.model_dtype,
                                                attn_implementation=self._attention(c.model.fsdp_config),
                                                gradient_checkpointing=c.model.enable_gradient_checkpointing,
                                                trust_remote_code=c.model.trust_remote_code,
@@ -58,7 +59,7 @@ class CriticWorker(Worker):
         for part in self._micro(batch, c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
                                 int(c.forward_max_token_len_per_gpu or 0)):
             mb = batch.select(part)
-            values[part] = M.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length,
+            values[part] = CM.compute_values(self.model, mb.input_ids, mb.attention_mask, batch.response_length,
                                             remove_padding=c.model.use_remove_padding)
         self.model.train()
         P.reshard(self.model)
@@ -88,7 +89,7 @@ class CriticWorker(Worker):
                                 c.ppo_max_token_len_per_gpu):
             mb = mini.select(rows)
             agg, scale = self._value_loss_scale(share, len(rows))
-            vpreds = M.compute_values(self.model, mb.input_ids, mb.attention_mask, mini.response_length,
+            vpreds = CM.compute_values(self.model, mb.input_ids, mb.attention_mask, mini.response_length,
                                       remove_padding=c.model.use_remove_padding)
             loss, clipfrac = core_algos.compute_value_loss(
                 vpreds, need(mb.returns, "returns"), need(mb.values, "values"), mb.response_mask,

@@ -14,7 +14,7 @@ from trainer.rewards.model import SequenceClassifierRM
 __all__ = ["score_on_rank"]
 
 
-def score_on_rank(worker: Any, path: str, dtype: str | None, texts: list[str]) -> list[float]:
+def score_on_rank(worker: Any, path: str, dtype: str | None, texts: list[str | list[int]]) -> list[float]:
     """`texts` (rendered by :func:`trainer.rewards.model.render_rm_prompt`) scored by this rank's
     copy of the reward model at `path` (in `dtype`: :func:`trainer.rewards.model.rm_dtype`),
     which sleeps again before this returns."""

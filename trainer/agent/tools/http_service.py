@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RetryRule", "post_json"]
+__all__ = ["RetryRule", "post_json", "post_json_blocking"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class RetryRule:
     """Seconds before try k+1: `delay * k` (verl's linear `INITIAL_RETRY_DELAY * (attempt + 1)`)."""
 
 
-def _post(url: str, payload: Any, timeout: float, rule: RetryRule) -> tuple[Any | None, str | None]:
+def post_json_blocking(url: str, payload: Any, timeout: float, rule: RetryRule) -> tuple[Any | None, str | None]:
+    """:func:`post_json` in the calling thread (a reward scorer's worker threads)."""
     body = json.dumps(payload).encode()
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     last = None
@@ -55,4 +56,4 @@ def _post(url: str, payload: Any, timeout: float, rule: RetryRule) -> tuple[Any 
 
 async def post_json(url: str, payload: Any, timeout: float, rule: RetryRule) -> tuple[Any | None, str | None]:
     """`(the response's JSON, None)`, or `(None, what failed)` after `rule`'s tries."""
-    return await asyncio.to_thread(_post, url, payload, timeout, rule)
+    return await asyncio.to_thread(post_json_blocking, url, payload, timeout, rule)
