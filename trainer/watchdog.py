@@ -8,7 +8,11 @@ phase as its timer names it, or `validate`, set by :func:`at`; a validation's ro
 to the training rollout's durations). Its bound (:meth:`Bounds.bound`) is
 `trainer.watchdog.multiple` times the median of that call's earlier durations in this run, at
 least `trainer.watchdog.min_s`; until the call has `trainer.watchdog.warmup` durations,
-`trainer.watchdog.floor_s` (the first steps compile, load and warm caches). Past it, :func:`diagnose`:
+`trainer.watchdog.floor_s` (the first steps compile, load and warm caches). A requeued run starts
+from the durations its earlier runs kept in the run directory (`watchdog/<group>.json`,
+:meth:`Bounds.load`): its first call of each kind still gets the floor (the start-up's compile
+and cold caches), the next ones the multiple of the median over the earlier runs' durations and
+its own. Past it, :func:`diagnose`:
 
 - dumps every rank's Python stacks into `<run_dir>/stacks/rank_<r>.txt` (the run directory is
   shared across nodes; a requeued run's ranks append after the earlier ones), on the rank's own
@@ -38,6 +42,7 @@ run ends with the diagnosis. A node without GPU tools gives no evidence and is n
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import shutil
 import signal
@@ -56,11 +61,14 @@ from typing import Any
 from hpcrl.gpu_evidence import node_evidence
 from trainer import flight_recorder as FR
 
-__all__ = ["STACK_SIGNAL", "Bounds", "Where", "at", "behind_in_collectives", "call_key", "diagnose", "inspect",
+__all__ = ["STACK_SIGNAL", "WATCHDOG_DIR", "Bounds", "Where", "at", "behind_in_collectives", "call_key", "diagnose", "inspect",
            "process_state", "register_stack_dump", "suspect_nodes", "where"]
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 3
 """The signal a rank dumps its threads' stacks on (a real-time signal: nothing else sends it)."""
+
+WATCHDOG_DIR = "watchdog"
+"""The run directory's folder of the calls' durations, a file per worker group, kept for a requeued run."""
 
 NAMED = 4
 """Running or waiting ranks named in a summary beyond the stopped and `D`-state ones (all in its details)."""
@@ -130,22 +138,69 @@ class Bounds:
     warmup: int = 3
     poll_s: float = 5.0
     history: dict[str, list[float]] = field(default_factory=dict)
+    earlier: dict[str, list[float]] = field(default_factory=dict)
+    """Durations the run's earlier runs (before a requeue) kept, by call."""
+    path: Path | None = None
+    """Where the durations are kept for a later run (:meth:`load`), rewritten after each call."""
+
+    #: Durations kept per call for a later run: the latest ones.
+    KEPT = 50
+
+    @classmethod
+    def load(cls, path: Path, **knobs: Any) -> Bounds:
+        """Bounds that keep their durations in `path` and start from those an earlier run kept
+        there (none when the file is missing or unreadable: the floor then, as in a first run)."""
+        try:
+            earlier = {str(k): [float(x) for x in v] for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            earlier = {}
+        return cls(**knobs, earlier=earlier, path=path)
+
+    def _seen(self, key: str) -> list[float]:
+        """The durations the bound is learned from: this run's once it has `warmup` of them;
+        before that, once this run has made the call once (past its start-up), the earlier
+        runs' with this run's, where the earlier runs had `warmup`; else none (the floor)."""
+        seen = self.history.get(key, [])
+        if len(seen) >= self.warmup:
+            return seen
+        prior = self.earlier.get(key, [])
+        if seen and len(prior) >= self.warmup:
+            return prior + seen
+        return []
 
     def bound(self, key: str) -> float:
-        seen = self.history.get(key, [])
-        if len(seen) < self.warmup:
+        seen = self._seen(key)
+        if not seen:
             return self.floor_s
         return max(self.min_s, self.multiple * statistics.median(seen))
 
     def record(self, key: str, seconds: float) -> None:
         self.history.setdefault(key, []).append(seconds)
+        if self.path is not None:
+            self._keep()
+
+    def _keep(self) -> None:
+        """The latest durations of every call, earlier runs' first, written for a later run; a run
+        directory that cannot be written costs the later run its head start, not this run."""
+        kept = {k: (self.earlier.get(k, []) + self.history.get(k, []))[-self.KEPT:]
+                for k in {*self.earlier, *self.history}}
+        assert self.path is not None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(kept))
+            tmp.replace(self.path)
+        except OSError:
+            pass
 
     def describe(self, key: str) -> str:
-        seen = self.history.get(key, [])
-        if len(seen) < self.warmup:
+        seen = self._seen(key)
+        if not seen:
             return f"the first calls' floor, {self.floor_s:g} s (`trainer.watchdog.floor_s`)"
-        return (f"{self.multiple:g} x the median of {len(seen)} earlier calls ({statistics.median(seen):.1f} s), "
-                f"at least {self.min_s:g} s")
+        mine = len(self.history.get(key, []))
+        calls = (f"{len(seen)} earlier calls" if len(seen) == mine else
+                 f"{len(seen)} earlier calls ({len(seen) - mine} of the runs before the requeue)")
+        return f"{self.multiple:g} x the median of {calls} ({statistics.median(seen):.1f} s), at least {self.min_s:g} s"
 
 
 def process_state(pid: int) -> str | None:

@@ -50,6 +50,34 @@ def test_the_bound_is_the_floor_until_warmup_then_a_multiple_of_the_median() -> 
     assert "5 x the median of 3 earlier calls (20.0 s)" in b.describe("actor.generate")
 
 
+def test_a_requeued_run_starts_from_the_durations_its_earlier_run_kept(tmp_path: Path) -> None:
+    """The run directory keeps each call's latest durations; a requeued run's first call of a kind
+    still gets the floor (its start-up), the next ones the bound learned before the requeue."""
+    kept = tmp_path / "watchdog" / "actor_rollout_ref.json"
+    first = Bounds.load(kept, floor_s=600, multiple=5, min_s=2, warmup=3)
+    assert first.bound("gen/actor.generate") == 600 and not kept.exists()  # nothing kept yet: the floor
+    for s in (10.0, 20.0, 30.0):
+        first.record("gen/actor.generate", s)
+    first.record("update_actor/actor.update_actor", 4.0)  # one only: fewer than `warmup`
+    assert first.bound("gen/actor.generate") == 100
+    rerun = Bounds.load(kept, floor_s=600, multiple=5, min_s=2, warmup=3)
+    assert rerun.bound("gen/actor.generate") == 600  # its first call: compile, cold caches
+    rerun.record("gen/actor.generate", 50.0)
+    assert rerun.bound("gen/actor.generate") == 5 * 25.0  # median(10, 20, 30, 50), not the floor
+    assert "4 earlier calls (3 of the runs before the requeue) (25.0 s)" in rerun.describe("gen/actor.generate")
+    rerun.record("update_actor/actor.update_actor", 5.0)
+    assert rerun.bound("update_actor/actor.update_actor") == 600  # too few before the requeue to learn from
+    # what the rerun keeps for the next one: the earlier runs' durations, then its own, the latest `KEPT`
+    assert json.loads(kept.read_text())["gen/actor.generate"] == [10.0, 20.0, 30.0, 50.0]
+    for _ in range(Bounds.KEPT):
+        rerun.record("gen/actor.generate", 1.0)
+    assert json.loads(kept.read_text())["gen/actor.generate"] == [1.0] * Bounds.KEPT
+    kept.write_text("{not json")  # a damaged file: a first run's floor, and it is written anew
+    damaged = Bounds.load(kept, floor_s=600, multiple=5, min_s=2, warmup=3)
+    damaged.record("gen/actor.generate", 3.0)
+    assert damaged.bound("gen/actor.generate") == 600 and json.loads(kept.read_text()) == {"gen/actor.generate": [3.0]}
+
+
 def test_calls_are_keyed_by_the_phase_they_run_in() -> None:
     """The validation's rollout keeps a history of its own: a validation set many times the
     training batch would otherwise run past the bound learned from the training rollouts."""

@@ -20,7 +20,8 @@ class WatchdogConfig:
                        "and warm caches; the ranks' start, loading the models, is not bounded)")
     multiple: float = h("afterwards the bound is this many times the median of the call's earlier durations")
     min_s: float = h("... and at least this many seconds")
-    warmup: int = h("durations of a call before its median sets the bound")
+    warmup: int = h("durations of a call before its median sets the bound (a requeued run: those its earlier "
+                    "runs kept in `<run_dir>/watchdog/` count, once it has made the call itself)")
     poll_s: float = h("how often the driver checks a call still running (a hang is found at most this late)")
     slow_factor: float = h("a node whose rollout is slower per generated token than this many times the median "
                            "of the other nodes' in a step is past the bound (`trainer.stragglers`); above 1")

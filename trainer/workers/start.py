@@ -12,7 +12,7 @@ from trainer import startup
 from trainer.config import Config
 from trainer.config.async_training import has_rollout_pool
 from trainer.run_state import run_dir_of
-from trainer.watchdog import Bounds
+from trainer.watchdog import WATCHDOG_DIR, Bounds
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerGroup
@@ -93,6 +93,7 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock) -> 
             group.init_dist()
     w = cfg.trainer.watchdog
     for ray_group in watched if w.enable else []:  # from the first step: a large model may load for longer
-        ray_group.watchdog = Bounds(w.floor_s, w.multiple, w.min_s, w.warmup, w.poll_s)
+        ray_group.watchdog = Bounds.load(run_dir_of(cfg) / WATCHDOG_DIR / f"{ray_group.name}.json", floor_s=w.floor_s,
+                                         multiple=w.multiple, min_s=w.min_s, warmup=w.warmup, poll_s=w.poll_s)
     clock.mark("models_built")
     return WorkerGroups(actor, critic, pool, where)
