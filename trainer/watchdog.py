@@ -60,6 +60,7 @@ from typing import Any
 
 from hpcrl.gpu_evidence import node_evidence
 from trainer import flight_recorder as FR
+from trainer.workers.on_node import run_on_nodes
 
 __all__ = ["STACK_SIGNAL", "WATCHDOG_DIR", "Bounds", "Where", "at", "behind_in_collectives", "call_key", "diagnose", "inspect",
            "process_state", "register_stack_dump", "suspect_nodes", "where"]
@@ -270,22 +271,10 @@ def _inspect_nodes(procs: dict[str, tuple[list[int], list[str | None]]], dump: b
     """:func:`inspect` on each node (by address) of `procs` (pids and stack files), through one Ray
     task pinned to each, all at once; a node that is not in the cluster or does not answer within
     `timeout`: states unknown, no GPU evidence."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    ids = {n.get("NodeManagerAddress"): n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    task = ray.remote(num_cpus=0)(inspect)
-    refs = {ip: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)).remote(
-                pids, dump, files, traces, since) for ip, (pids, files) in procs.items() if ip in ids}
-    deadline = time.monotonic() + timeout
-    out: dict[str, dict[str, Any]] = {
-        ip: {"ranks": [(None, None, "its node did not answer")] * len(pids), "gpu": None} for ip, (pids, _) in procs.items()}
-    for ip, ref in refs.items():
-        try:
-            out[ip] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - a node that does not answer: its ranks' states stay unknown
-            pass
-    return out
+    found = run_on_nodes(inspect, {ip: (pids, dump, files, traces, since) for ip, (pids, files) in procs.items()},
+                         timeout)
+    return {ip: found.get(ip, {"ranks": [(None, None, "its node did not answer")] * len(pids), "gpu": None})
+            for ip, (pids, _) in procs.items()}
 
 
 def _states(nodes: list[dict[str, Any]], dump: bool, stacks: Path | None = None, traces: bool = False,

@@ -73,6 +73,27 @@ class Hog:
         return len(blocks)
 
 
+def test_a_rank_on_another_node_is_read_on_its_node() -> None:
+    """The kernel log and the cgroup count of a rank on another node are read there (the one
+    seam: `remote`, a Ray task pinned to the node in a run); here, they could not be."""
+    from trainer.workers.memory_death import MemoryDeath, find_death, local_death
+
+    node = {"rank": 1, "hostname": "node-elsewhere", "ip": "192.0.2.7", "pid": 4242}
+    asked = []
+
+    def remote(ip: str, fn: Any, *args: Any) -> MemoryDeath:
+        asked.append((ip, fn, args))
+        return MemoryDeath("the kernel's OOM killer", pid=4242, process="ray::Worker", resident_gb=1.5,
+                           node="node-elsewhere", node_limit_gb=2.0, threshold="cgroup /slurm/job_7")
+
+    death = find_death("ActorDiedError: the worker died", True, node, None, remote=remote)
+    assert asked == [("192.0.2.7", local_death, (4242, "node-elsewhere", None))]
+    assert death is not None and death.pid == 4242 and death.node == "node-elsewhere", death
+    assert "process 4242 (ray::Worker) holding 1.50 GB; the limit of its cgroup /slurm/job_7 is 2.00 GB" in describe(death)
+    assert "A requeue would not help" in describe(death)
+    assert find_death("ActorDiedError: the worker died", True, node, None) is None  # nothing readable from here
+
+
 def _memory_cgroup_or_skip(limit: int) -> Path:
     """A memory cgroup limited to `limit` bytes; without one the test skips (fails under CI=true)."""
     cgroup = _memory_cgroup(limit)

@@ -12,8 +12,9 @@ Two killers end a rank for memory without the rank saying anything:
   it (`oom_kill`), and the kernel log names the process (`Killed process <pid> (<name>) ...
   anon-rss:<kB>`), where it can be read. :func:`oom_kills` and :func:`parse_kernel_kill` read them.
 
-Where neither names the kill (the kernel log unreadable: not root; the rank on another node),
-the rank's own samples (:mod:`trainer.workers.memory_samples`) still tell: a rise of its cgroup's
+Both are read on the rank's own node (its kernel log, its cgroup), by a Ray task there when the
+rank ran on another node than the driver's. Where neither names the kill (the kernel log
+unreadable: not root), the rank's own samples (:mod:`trainer.workers.memory_samples`) still tell: a rise of its cgroup's
 `oom_kill` count after its last sample is the kernel's kill (:func:`counter_death`), and its last
 resident set, peak and limit are said of any death. :func:`find_death` looks in that order;
 :func:`describe` turns a kill into one sentence with the figures, the memory plan's host figure
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from trainer.workers.memory_samples import (
     read_sample,
 )
 
-__all__ = ["MemoryDeath", "cgroup_dir", "counter_death", "death_details", "describe", "find_death", "kernel_death", "kernel_log", "last_seen",
+__all__ = ["MemoryDeath", "cgroup_dir", "counter_death", "death_details", "describe", "find_death", "kernel_death", "kernel_log", "last_seen", "local_death",
            "memory_limit_bytes", "memory_limit_gb", "oom_kills", "parse_kernel_kill", "parse_ray_oom"]
 
 
@@ -151,17 +152,30 @@ def counter_death(sample: Sample | None) -> MemoryDeath | None:
                        f"{sample.oom_kills} to {now} after its last sample")
 
 
-def find_death(text: str, actor_died: bool, node: Mapping[str, Any], samples: Path | None) -> MemoryDeath | None:
+def local_death(pid: Any, host: str, sample: Sample | None) -> MemoryDeath | None:
+    """The kernel's kill of rank process `pid` on `host`, as this host can tell it: from its
+    kernel log (:func:`kernel_death`), else from the rank's cgroup count (:func:`counter_death`);
+    None unless this is `host`."""
+    death = kernel_death(pid, host) if isinstance(pid, int) and host else None
+    return death or counter_death(sample)
+
+
+def find_death(text: str, actor_died: bool, node: Mapping[str, Any], samples: Path | None,
+               remote: Callable[..., MemoryDeath | None] | None = None) -> MemoryDeath | None:
     """The kill for memory of the rank `node` describes (its `node_info()`: rank, hostname,
-    pid), from what its caller was told (`text`) and, when its actor died (`actor_died`), from
-    the kernel's log and its cgroup's count; with its last sample and the memory plan's figures
-    from `samples` (the ranks' sample folder). None when nothing says it was killed for memory."""
+    ip, pid), from what its caller was told (`text`) and, when its actor died (`actor_died`), from
+    the kernel's log and its cgroup's count, read on the rank's own node (`remote(ip, fn, *args)`
+    runs :func:`local_death` there; without it only a rank on this host is read); with its last
+    sample and the memory plan's figures from `samples` (the ranks' sample folder). None when
+    nothing says it was killed for memory."""
     death = parse_ray_oom(text)
     sample = read_sample(samples, int(node.get("rank", -1)))
     if death is None and actor_died:
         pid, host = node.get("pid"), node.get("hostname")
-        death = kernel_death(pid, str(host)) if isinstance(pid, int) and host else None
-        death = death or counter_death(sample)
+        if host and host != socket.gethostname() and remote is not None:  # read where the rank ran
+            death = remote(str(node.get("ip")), local_death, pid, str(host), sample)
+        else:
+            death = local_death(pid, str(host), sample)
     if death is None:
         return None
     limit = death.node_limit_gb
@@ -198,6 +212,8 @@ def last_seen(node: Mapping[str, Any], samples: Path | None, ended: float | None
     return f"{_sampled(sample, ended)}; {_planned(read_plan(samples) if samples else None, host)}"
 
 
+NO_REQUEUE = ("A requeue would not help (the same plan on the same nodes dies the same way): the job is "
+              "not requeued.")
 FIX = ("lower the memory a rank holds (`actor_rollout_ref.actor.fsdp_config.param_offload=false` keeps "
        "the weights off the host; fewer rollout rows or a shorter `data.max_response_length` per rank; "
        "`reward_model` or a critic on a node of its own), or give the job more (`slurm.mem` in the site "
@@ -223,7 +239,7 @@ def describe(death: MemoryDeath, ended: float | None = None) -> str:
         node = f"; it lived under a limit of {death.node_limit_gb:.2f} GB{on} (its memory cgroup's, or the node's memory)"
     host = death.sample.host if death.sample else death.node
     return (f"was killed for memory by {death.killer}: {proc}{held}{node}; {_sampled(death.sample, ended)}; "
-            f"{_planned(death.plan, host)}. Fix: {FIX}")
+            f"{_planned(death.plan, host)}. {NO_REQUEUE} Fix: {FIX}")
 
 
 def death_details(death: MemoryDeath, node: Mapping[str, Any]) -> dict[str, Any]:

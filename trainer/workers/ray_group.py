@@ -31,7 +31,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ from trainer.watchdog import Bounds, call_key, diagnose, register_stack_dump
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import death_details, describe, find_death, last_seen
 from trainer.workers.memory_samples import MEMORY_DIR, RssSampler, write_plan
+from trainer.workers.on_node import run_on_nodes
 
 __all__ = ["ColocatedWorker", "RayWorkerGroup", "WorkerSlot", "connect", "make_placement_group", "make_pools",
            "start_colocated"]
@@ -301,12 +302,18 @@ def _rank_failure(where: str, err: BaseException, node: Mapping[str, Any], sampl
     import ray
 
     died = isinstance(err, ray.exceptions.RayActorError) and not getattr(err, "actor_init_failed", False)
-    death = find_death(str(err), died, node, samples) if isinstance(err, ray.exceptions.RayError) else None
+    death = (find_death(str(err), died, node, samples, remote=_on_rank_node)
+             if isinstance(err, ray.exceptions.RayError) else None)
     if death is not None:
         return WorkerFailure(f"{where} {describe(death, time.time())} {after}", kind="oom",
                              details=death_details(death, node))
     seen = f"; {last_seen(node, samples, time.time())}" if died else ""
     return WorkerFailure(f"{where} {_describe_error(err)}{seen} {after}")
+
+
+def _on_rank_node(ip: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on the node at `ip` (a rank's), None when that node does not answer within 30 s."""
+    return run_on_nodes(fn, {ip: args}, timeout=30.0).get(ip)
 
 
 def _describe_error(err: BaseException) -> str:
