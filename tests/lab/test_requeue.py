@@ -210,7 +210,7 @@ def test_time_limit_signal_checkpoint_requeue_resume_same_weights(lab, sites, as
 # ------------------------------------------------------------------ 2. scontrol requeue
 
 
-def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path):
+def test_scontrol_requeue_then_scancel_then_resume(lab_manager, sites, assets, tmp_path):
     """Through submitit: `scontrol requeue` mid-run sends SIGTERM; the trainer finishes its step
     and checkpoints; Slurm requeues (the agent does not add a second requeue); the rerun resumes
     from the newest complete checkpoint, holding the run directory's lease. While it runs,
@@ -220,6 +220,9 @@ def test_scontrol_requeue_then_scancel_then_resume(lab, sites, assets, tmp_path)
     overrides: the job's own) starts a new job whose run claims the next free `RUN/3/`, never the
     cancelled job's stop request: it resumes from the checkpoint taken at the SIGTERM and
     completes, every step logged once, and `hpcrl status` tells each job's runs."""
+    # the step in flight and the save at the SIGTERM, then the agents' summaries, on a loaded
+    # 2-core machine: at times more than the lab's usual KillWait (10 s); sites give 30 s or more
+    lab = lab_manager.get(extra={"KillWait": "30"})
     write_site(sites, "rq-ext", tmp_path / "runs", slow_s=0.5, slow_runs="0,1")
     run_dir = tmp_path / "runs" / "ext"
     # run 1 is slow and long (20 steps), so that the job still runs through the checks below

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.profile_load import load_profile
-from tests.conftest import run_hpcrl, write_exe
+from tests.conftest import run_hpcrl, wait_until, write_exe
 
 pytestmark = pytest.mark.lab
 
@@ -110,6 +110,8 @@ def test_warning_signal_is_noted_for_the_agents(lab, lab_env: dict[str, str], tm
     wait_for((run_dir, "agent-*.json"), lab.cfg.nodes)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, env=lab_env)
     (warning,) = wait_for((run_dir / "0", "warning"), 1, timeout=30)
+    # the trap's `echo` makes the file before it writes the line (the agent needs only the file)
+    wait_until(lambda: warning.read_text() != "", "the warning's line written", timeout_s=30)
     assert warning.read_text() == "USR1\n"
     time.sleep(2)
     assert list(run_dir.glob("signal-*")) == []  # no task was signalled
