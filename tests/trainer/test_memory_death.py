@@ -44,6 +44,13 @@ def test_the_kernel_log_s_oom_kill_is_read_for_its_process_only() -> None:
     assert "by the kernel's OOM killer: process 29956 (python3) holding 0.16 GB" in describe(death)
 
 
+#: torch's sentence for a full H100 (torch 2.13's wording, `c10/cuda/CUDACachingAllocator.cpp`).
+GPU_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+           "1.02 GiB is free. Including non-PyTorch memory, this process has 78.08 GiB memory in use. Of the "
+           "allocated memory 74.50 GiB is allocated by PyTorch, and 2.10 GiB is reserved by PyTorch but "
+           "unallocated.")
+
+
 class Hog:
     """A rank that allocates host memory until something kills it; `cgroup`: a memory cgroup
     directory to move into first (its limit then applies)."""
@@ -55,6 +62,12 @@ class Hog:
         import socket
 
         return {"rank": self.rank, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}
+
+    def run_out_of_gpu_memory(self) -> None:
+        """What torch raises in a rank whose GPU is full (the exception itself: this CPU has no GPU)."""
+        import torch
+
+        raise torch.OutOfMemoryError(GPU_OOM)
 
     def join(self, cgroup: str) -> None:
         """Move into the memory cgroup `cgroup` (its limit then applies)."""
@@ -92,6 +105,45 @@ def test_a_rank_on_another_node_is_read_on_its_node() -> None:
     assert "process 4242 (ray::Worker) holding 1.50 GB; the limit of its cgroup /slurm/job_7 is 2.00 GB" in describe(death)
     assert "A requeue would not help" in describe(death)
     assert find_death("ActorDiedError: the worker died", True, node, None) is None  # nothing readable from here
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_gpu_memory_is_named_with_its_phase_and_the_plan_s_figure(ray_starter: Any, tmp_path: Path) -> None:
+    """The rank raises torch's `OutOfMemoryError` during the actor's update: the run's error names
+    the phase, torch's sentence, the memory plan's actor-update figure for the 79.11 GiB device it
+    names (the plan made in the failure's path), that a requeue would not help, and the fix."""
+    from functools import partial
+
+    from trainer.config import load_config
+    from trainer.memplan import GIB, plan_config
+    from trainer.watchdog import at
+    from trainer.workers.group import WorkerFailure
+
+    ray_at(ray_starter, None)
+    cfg = load_config([f"actor_rollout_ref.model.path={REPO / 'tests/data/model_configs/Qwen2.5-0.5B'}",
+                       "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    group = _group(tmp_path)
+    group.device_plan = partial(plan_config, cfg)
+    with pytest.raises(WorkerFailure) as failed, at("update_actor", 7):
+        group.run("run_out_of_gpu_memory")
+    text = str(failed.value)
+    update = next(p for p in plan_config(cfg, 79.11).phases if p.name == "actor update")
+    assert failed.value.kind == "gpu_oom" and failed.value.details["phase"] == "update_actor", failed.value.details
+    assert f"worker group `actor` rank 0 on node `{socket.gethostname()}`" in text, text
+    assert "ran out of GPU memory in phase `update_actor`: CUDA out of memory. Tried to allocate 2.00 GiB." in text
+    assert (f"the memory plan's actor update phase: {update.peak / GIB:.1f} GiB per device of "
+            f"{update.limit / GIB:.1f} GiB") in text, text
+    assert "A requeue would not help" in text and "Fix: fewer tokens per micro-batch" in text, text
+    assert text.endswith("during `run_out_of_gpu_memory`"), text
+    # the group ended with its failure; without a plan, or a phase the plan has none for, it still says so
+    from trainer.workers import gpu_oom
+
+    line = gpu_oom.oom_line(GPU_OOM)
+    assert line == GPU_OOM and gpu_oom.capacity_gib(line) == 79.11
+    assert "no memory plan figure for it (no plan for this run)" in gpu_oom.describe(line, "gen", "no plan for this run")
+    assert gpu_oom.plan_phase(plan_config(cfg, 79.11), "old_log_prob") is None
+    assert gpu_oom.oom_line("RuntimeError: shape mismatch") is None
 
 
 def _memory_cgroup_or_skip(limit: int) -> Path:

@@ -21,7 +21,7 @@ __all__ = ["LocalWorkerGroup", "RankView", "WorkerFailure", "WorkerGroup"]
 
 class WorkerFailure(RuntimeError):
     """A worker raised or died, or stopped answering; the message names the group, rank, node and
-    process. `kind`: `worker`, `oom` (killed for memory) or `hang` (the watchdog's); `details`:
+    process. `kind`: `worker`, `oom` (killed for memory), `gpu_oom` (out of GPU memory) or `hang` (the watchdog's); `details`:
     what the diagnosis records beside the message."""
 
     def __init__(self, message: str, kind: str = "worker", details: dict[str, Any] | None = None) -> None:

@@ -41,6 +41,8 @@ from trainer import flight_recorder as FR
 from trainer.config import Config, ConfigError
 from trainer.config.trainer import run_dir_of
 from trainer.watchdog import Bounds, call_key, diagnose, register_stack_dump
+from trainer.watchdog import where as where_now
+from trainer.workers import gpu_oom
 from trainer.workers.group import WorkerFailure, WorkerGroup
 from trainer.workers.memory_death import death_details, describe, find_death, last_seen
 from trainer.workers.memory_samples import MEMORY_DIR, RssSampler, write_plan
@@ -294,13 +296,18 @@ def start_colocated(roles: dict[str, type], cfg: Config, total_steps: int, *, sl
 
 
 def _rank_failure(where: str, err: BaseException, node: Mapping[str, Any], samples: Path | None,
-                  after: str) -> WorkerFailure:
+                  after: str, device_plan: Callable[[float], Any] | None = None) -> WorkerFailure:
     """The run's error for rank `node` (its `node_info()`) failing with `err`: killed for memory
     (Ray's memory monitor, the kernel's OOM killer: :func:`~trainer.workers.memory_death.find_death`)
     or any other failure; a rank that died also with its last memory sample. `where`: the rank
     in words; `after`: the rest of the sentence."""
     import ray
 
+    line = gpu_oom.oom_line(str(err)) if isinstance(err, ray.exceptions.RayTaskError) else None
+    if line is not None:
+        phase = where_now().phase
+        return WorkerFailure(f"{where} {gpu_oom.describe(line, phase, _planned_phase(device_plan, line, phase))} "
+                             f"{after}", kind="gpu_oom", details={"phase": phase, "error": line})
     died = isinstance(err, ray.exceptions.RayActorError) and not getattr(err, "actor_init_failed", False)
     death = (find_death(str(err), died, node, samples, remote=_on_rank_node)
              if isinstance(err, ray.exceptions.RayError) else None)
@@ -309,6 +316,18 @@ def _rank_failure(where: str, err: BaseException, node: Mapping[str, Any], sampl
                              details=death_details(death, node))
     seen = f"; {last_seen(node, samples, time.time())}" if died else ""
     return WorkerFailure(f"{where} {_describe_error(err)}{seen} {after}")
+
+
+def _planned_phase(device_plan: Callable[[float], Any] | None, line: str, phase: str | None) -> Any:
+    """The memory plan's phase for `phase` on the device torch's sentence `line` names, made now;
+    or why there is none."""
+    gib = gpu_oom.capacity_gib(line)
+    if device_plan is None or gib is None:
+        return "no plan for this run" if device_plan is None else "torch named no device size"
+    try:
+        return gpu_oom.plan_phase(device_plan(gib), phase)
+    except Exception as err:  # noqa: BLE001 - the failure is reported whatever the plan does
+        return f"it could not be made: {type(err).__name__}: {err}"
 
 
 def _on_rank_node(ip: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -362,6 +381,8 @@ class RayWorkerGroup(WorkerGroup):
         """The ranks' start: the watchdog reads the nodes' kernel logs from then on."""
         self.watchdog: Bounds | None = None
         """Set by the driver (`trainer.watchdog`): each call is timed and bounded."""
+        self.device_plan: Callable[[float], Any] | None = None
+        """Set by the driver: the memory plan for a device of so many GiB, made when a rank runs out."""
         self.nodes: list[dict[str, Any]] = [{"rank": r} for r in range(self.world_size)]
         self.nodes = self.run("node_info")
 
@@ -413,7 +434,7 @@ class RayWorkerGroup(WorkerGroup):
                 self.kill()  # the peers may be blocked in a collective the failed rank left
                 if dead is None:
                     raise _rank_failure(self.where(rank), err, self.nodes[rank], self.samples,
-                                        f"during `{method}`") from err
+                                        f"during `{method}`", self.device_plan) from err
                 # a peer's death makes the survivors' collectives fail: report the death first
                 dead_rank, cause = dead
                 raise _rank_failure(self.where(dead_rank), cause, self.nodes[dead_rank], self.samples,

@@ -4,6 +4,7 @@ models they read resolved first (:func:`fetch_models`). Every loop's driver star
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 from trainer import flight_recorder as FR
@@ -11,13 +12,14 @@ from trainer import models as M
 from trainer import startup
 from trainer.config import Config
 from trainer.config.async_training import has_rollout_pool
+from trainer.memplan import plan_config
 from trainer.run_state import run_dir_of
 from trainer.watchdog import WATCHDOG_DIR, Bounds
 from trainer.workers.actor import ActorRolloutRefWorker
 from trainer.workers.critic import CriticWorker
 from trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from trainer.workers.memory_samples import MEMORY_DIR
-from trainer.workers.ray_group import connect, make_pools, start_colocated
+from trainer.workers.ray_group import RayWorkerGroup, connect, make_pools, start_colocated
 from trainer.workers.rollout_pool import RolloutWorker
 
 __all__ = ["WorkerGroups", "fetch_models", "start_worker_groups", "use_ray"]
@@ -91,6 +93,9 @@ def start_worker_groups(cfg: Config, total_steps: int, clock: startup.Clock) -> 
     for group in (actor, critic, pool):
         if group is not None:
             group.init_dist()
+    for group in (actor, critic, pool):  # a rank out of GPU memory is named with the plan's figure
+        if isinstance(group, RayWorkerGroup):
+            group.device_plan = partial(plan_config, cfg)
     w = cfg.trainer.watchdog
     for ray_group in watched if w.enable else []:  # from the first step: a large model may load for longer
         ray_group.watchdog = Bounds.load(run_dir_of(cfg) / WATCHDOG_DIR / f"{ray_group.name}.json", floor_s=w.floor_s,
