@@ -32,6 +32,9 @@ Sections, each timed; one that raises is reported and the next runs:
   (NCCL's are `completed` once their CUDA events fire), the time the dump took.
 - `gpu_evidence`: this node's GPU evidence as the watchdog reads it (:mod:`hpcrl.gpu_evidence`),
   and the raw `nvidia-smi`/`amd-smi` output, to check the parsers' fixtures against.
+- `gpu_oom`: one allocation past the device's memory: torch's own out-of-memory sentence, as
+  the driver reads it (:mod:`trainer.workers.gpu_oom`: found, and the device size in it equal
+  to the device's); on the CPU (`--dry`) the sentence the tests use.
 
 The figures print as they come and go to `OUT/gpu_check.json`. `--budget` seconds bound the whole:
 a section that would start past it is skipped and named.
@@ -485,9 +488,34 @@ def gpu_evidence(check: Check) -> dict[str, Any]:
     return {"evidence": found, "raw": {k: v[1][:4000] if v else None for k, v in raw.items()}}
 
 
+def gpu_oom(check: Check) -> dict[str, Any]:
+    """An allocation past the device's memory, and what the driver reads of torch's sentence."""
+    import torch
+
+    from trainer.workers import gpu_oom as O
+
+    if check.dry:  # the CPU has no device to fill: the sentence the tests use
+        text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+                "1.02 GiB is free.")
+        total = 79.11
+    else:
+        total = round(torch.cuda.get_device_properties(0).total_memory / GIB, 2)
+        try:
+            torch.empty(int((total + 1) * GIB), dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as err:
+            text = str(err)
+        else:
+            return {"error": f"an allocation of {total + 1:.2f} GiB did not fail"}
+        torch.cuda.empty_cache()
+    line = O.oom_line(text)
+    return {"sentence": text[:1000], "found": line is not None, "capacity_gib": O.capacity_gib(line or ""),
+            "device_gib": total}
+
+
 SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "environment": environment, "fsdp2": fsdp2, "trainer": trainer_steps, "attention": attention,
-    "reward_model": reward_model, "flight_recorder": flight_recorder, "gpu_evidence": gpu_evidence}
+    "reward_model": reward_model, "flight_recorder": flight_recorder, "gpu_evidence": gpu_evidence,
+    "gpu_oom": gpu_oom}
 
 
 def main(argv: list[str] | None = None) -> int:

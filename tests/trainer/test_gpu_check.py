@@ -25,7 +25,7 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "7 sections" in done.stdout and "0 failed" in done.stdout
+    assert "8 sections" in done.stdout and "0 failed" in done.stdout
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     for precision in ("bf16", "fp32"):
         run = figures["fsdp2"][precision]
@@ -44,6 +44,8 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     assert fr["recorder"].startswith("gloo") and fr["entries"] == 5 and fr["pending"] is None, fr
     assert fr["groups"] == {"0": {"last_enqueued": 5, "last_completed": 5}} and fr["names"] == ["gloo:all_reduce"]
     assert figures["gpu_evidence"]["evidence"]["suspect"] == []
+    oom = figures["gpu_oom"]  # on a GPU: torch's own sentence for a real allocation past the device
+    assert oom["found"] and oom["capacity_gib"] == oom["device_gib"], oom
     rows = read_jsonl(tmp_path / "trainer-bf16" / "metrics.jsonl")
     assert len(rows) == 2 and rows[-1]["perf/max_memory_allocated_gb"] == 0.0  # the CPU reads 0
 
