@@ -12,12 +12,8 @@ from torch import nn
 
 from trainer.models import (
     Tokens,
-    enable_checkpointing,
-    forget_gguf_origin,
-    load_model_config,
+    load_pretrained,
     micro_batches,
-    resolve_dtype,
-    resolve_model_path,
     select_tokens,
     to_model_device,
 )
@@ -73,19 +69,10 @@ def load_critic(
     current torch RNG."""
     from transformers import AutoModel
 
-    directory, gguf_file = resolve_model_path(path)
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates,
-                               key="critic.model.override_config")
-    backbone = AutoModel.from_pretrained(
-        directory, config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, **kwargs
-    )
-    if gguf_file:
-        forget_gguf_origin(backbone)
-    if gradient_checkpointing:
-        enable_checkpointing(backbone)
-    return CriticModel(backbone)
+    return CriticModel(load_pretrained(
+        AutoModel, path, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
+        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+        config_updates=config_updates, key="critic.model.override_config"))
 
 
 def compute_values(

@@ -43,6 +43,7 @@ __all__ = [
     "forget_gguf_origin",
     "left_pad",
     "load_actor",
+    "load_pretrained",
     "load_model_config",
     "load_tokenizer",
     "materialize",
@@ -322,10 +323,21 @@ def load_actor(
     config edited by `config_updates` (:func:`trainer.hf_overrides.config_updates`)."""
     from transformers import AutoModelForCausalLM
 
+    return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
+                           attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                           config_updates=config_updates)
+
+
+def load_pretrained(auto_class: Any, path: str | Path, *, dtype: str | torch.dtype, gradient_checkpointing: bool,
+                    attn_implementation: str, trust_remote_code: bool, config_updates: Mapping[str, Any] | None,
+                    key: str = "actor_rollout_ref.model.override_config") -> Any:
+    """`auto_class.from_pretrained` of the model at `path` (a directory or a GGUF file), its config
+    edited by `config_updates` (`key` names them in an error), with gradient checkpointing on
+    when asked: what the actor's and the critic's loaders share."""
     directory, gguf_file = resolve_model_path(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates)
-    model = AutoModelForCausalLM.from_pretrained(
+    config = load_model_config(path, trust_remote_code=trust_remote_code, updates=config_updates, key=key)
+    model = auto_class.from_pretrained(
         directory, config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code, **kwargs
     )
