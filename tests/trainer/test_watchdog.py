@@ -5,6 +5,7 @@ wedged rank would sit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,20 @@ def _ranks_sleeping(tmp_path: Path, n: int) -> list[subprocess.Popen[str]]:
     return procs
 
 
+@contextlib.contextmanager
+def _second_rank_stopped(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    """Two sleeping ranks (:func:`_ranks_sleeping`), the second stopped (`T`); both killed after."""
+    procs = _ranks_sleeping(tmp_path, 2)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture
 def without_py_spy(monkeypatch: pytest.MonkeyPatch) -> None:
     """py-spy missing (or not allowed to read the ranks): the watchdog signals them instead."""
@@ -143,10 +159,7 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
     stopped one is named first, its node is the suspect, the waiting rank's stack is on disk by
     the time :func:`diagnose` returns (the group is killed next), the stopped one's when it runs
     again (by the signal, without py-spy)."""
-    procs = _ranks_sleeping(tmp_path, 2)
-    try:
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+    with _second_rank_stopped(tmp_path) as procs:
         host = socket.gethostname()
         nodes = [{"rank": r, "hostname": host, "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
         bounds = Bounds(floor_s=600, multiple=5, min_s=2, warmup=2)
@@ -169,10 +182,6 @@ def test_the_stopped_rank_is_named_first_and_the_waiting_ones_stacks_are_written
         assert stopped_stack.read_text().startswith("# pid ") and "File " not in stopped_stack.read_text()  # a stopped process runs no handler
         os.kill(procs[1].pid, signal.SIGCONT)
         wait_until(lambda: 'File "<string>", line' in stopped_stack.read_text(), "stack of the continued rank")
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def test_gpu_errors_blame_their_node_and_each_rank_says_why_it_has_no_trace(
@@ -184,18 +193,11 @@ def test_gpu_errors_blame_their_node_and_each_rank_says_why_it_has_no_trace(
     journal = (REPO / "tests" / "data" / "gpu" / "journal_xid.txt").read_text()
     monkeypatch.setattr(gpu_evidence, "run_command",
                         lambda argv: (0, journal) if argv[0] == "journalctl" else None)
-    procs = _ranks_sleeping(tmp_path, 2)
-    try:
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+    with _second_rank_stopped(tmp_path) as procs:
         host = socket.gethostname()
         nodes = [{"rank": r, "hostname": host, "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
         summary, details = diagnose(nodes, [0], "actor", "generate", 700.0, Bounds(), None,
                                     tmp_path / "nccl_trace", since=0.0)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     assert details["suspect_nodes"] == [host]  # rank 0 only waits (S); the Xids blame the node
     assert (f". GPU errors point at node(s) `{host}`: Xid 74 on GPU 0000:b9:00; Xid 120 on GPU 0000:23:00; "
             "Xid 79 on GPU 0000:3b:00. Flight recorder: ") in summary, summary
@@ -245,10 +247,7 @@ def test_py_spy_reads_every_ranks_stack_at_once_the_stopped_ones_too(tmp_path: P
         if os.environ.get("CI") == "true":
             pytest.fail("py-spy is not installed (`pip install -e '.[dev]'` installs it)")
         pytest.skip("py-spy is not installed")
-    procs = _ranks_sleeping(tmp_path, 2)
-    try:
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+    with _second_rank_stopped(tmp_path) as procs:
         nodes = [{"rank": r, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": p.pid} for r, p in enumerate(procs)]
         _, details = diagnose(nodes, [1], "actor", "update_actor", 700.0, Bounds(), tmp_path / "stacks")
         assert [(r["state"], r["stack_by"]) for r in details["ranks"]] == [("S", "py-spy"), ("T", "py-spy")]
@@ -257,10 +256,6 @@ def test_py_spy_reads_every_ranks_stack_at_once_the_stopped_ones_too(tmp_path: P
             # line 5 or 6: stopped while printing `ready` or asleep
             assert f"py-spy dump of pid {procs[rank].pid}" in text and re.search(r"<module> \(<string>:[56]\)", text), text
             assert "File " not in text  # no signal handler ran
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def test_process_state_reads_a_stopped_process() -> None:
@@ -296,18 +291,11 @@ def test_ranks_on_other_nodes_are_read_there_all_at_once(ray_local: Any, tmp_pat
     """Ranks whose host is not the driver's: their states are read, and their stacks asked for, by
     a task pinned to their node (here the one node of a local cluster, under another name); the
     ranks of a node not in the cluster have an unknown state, and a long list is cut short."""
-    procs = _ranks_sleeping(tmp_path, 2)
-    try:
-        os.kill(procs[1].pid, signal.SIGSTOP)
-        wait_until(lambda: process_state(procs[1].pid) == "T", "stopped state")
+    with _second_rank_stopped(tmp_path) as procs:
         ip = ray_local.nodes()[0]["NodeManagerAddress"]
         nodes = [{"rank": r, "hostname": "node-b", "ip": ip, "pid": p.pid} for r, p in enumerate(procs)]
         nodes += [{"rank": r, "hostname": "node-c", "ip": "192.0.2.7", "pid": 4000 + r} for r in range(2, 8)]
         summary, details = diagnose(nodes, list(range(8)), "actor", "generate", 700.0, Bounds(), tmp_path / "stacks")
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
     assert [r["state"] for r in details["ranks"]] == ["S", "T"] + [None] * 6
     assert details["suspect_nodes"] == ["node-b"]
     assert shows_stack((tmp_path / "stacks" / "rank_0.txt").read_text())  # py-spy's, or the signal's
