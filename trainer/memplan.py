@@ -189,6 +189,7 @@ class Settings:
     enforce_eager: bool = False  # vLLM without CUDA graphs
     reward_model_bytes: int = 0  # a discriminative reward model's weights (a copy per actor rank; asleep on the host)
     pool: bool = False  # the rollout on a pool of its own (`hybrid_engine=false`): its devices hold the engine alone
+    sync_buffers: int = 0  # the pools' weight broadcast: buckets held beside the gathered one (2 pipelined)
 
 
 _SHORT = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
@@ -212,7 +213,7 @@ def _rows(dynamic: bool, max_tokens: int, micro: int | None, seq: int, mini_rows
 def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> Settings:
     """The plan's inputs as the trainer resolves them from its configuration."""
     arr, d, c = cfg.actor_rollout_ref, cfg.data, cfg.critic
-    a, r = arr.actor, arr.rollout
+    a, r, ce = arr.actor, arr.rollout, cfg.async_training.checkpoint_engine
     world = cfg.derived.world_size
     seq = d.max_prompt_length + d.max_response_length
     mini_rows = max(1, a.ppo_mini_batch_size * r.n // world)
@@ -239,7 +240,7 @@ def settings_from_config(cfg: Any, device_gib: float, host_gib: float = 0.0) -> 
         rollout_dtype=_plan_dtype(r.dtype), gpus_per_node=max(1, world // max(1, cfg.trainer.nnodes)),
         node_bytes=int(host_gib * GIB), ref_offloaded=cfg.derived.use_reference and not arr.model.uses_lora
         and arr.ref.fsdp_config.param_offload, server_mode=server_mode(cfg), enforce_eager=r.enforce_eager,
-        pool=has_rollout_pool(cfg))
+        pool=has_rollout_pool(cfg), sync_buffers=(1 + ce.overlap_broadcast_and_consume) * ce.enable)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -493,7 +494,8 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
         kv_needed = shape.kv_bytes_per_token(wbytes) * s.max_model_len // s.tp
         graphs = 0 if s.enforce_eager else CUDA_GRAPHS
         kv_room = share - engine_weights - activations - graphs
-        held = ((("CUDA context", CUDA_CONTEXT),) if s.pool else trainer_held)
+        held = ((("CUDA context", CUDA_CONTEXT), ("received buckets", bucket * max(1, s.sync_buffers)))
+                if s.pool else trainer_held)
         phases.append(Phase(f"{pool}rollout", (*held, ("vLLM share (gpu_memory_utilization x total)", share)),
                             "a lower `actor_rollout_ref.rollout.gpu_memory_utilization`" + ("" if s.pool else
                             ", or offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
@@ -518,12 +520,13 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                                     [("actor shards + AdamW moments", actor_res), ("reference shards", ref_res),
                                      ("idle vLLM", engine_idle), *replica], s, "critic", "critic.model"))
     if s.pool:  # the trainer gathers and sends; the pool's engine loads a bucket at a time
-        phases.append(Phase("weight sync", (*trainer_held, ("gathered bucket", bucket)),
+        phases.append(Phase("weight sync", (*trainer_held, ("gathered bucket", bucket),
+                                            ("broadcast buffers", bucket * s.sync_buffers)),
                             "a smaller `actor_rollout_ref.rollout.update_weights_bucket_megabytes`, or offload "
                             "(`fsdp_config.param_offload=true`)", s.device_bytes))
         if not vllm:  # vLLM's weights are inside its share (above)
             phases.append(Phase(f"{pool}HF engine", (("CUDA context", CUDA_CONTEXT), ("engine weights", engine_weights),
-                                                      ("loaded bucket", bucket)),
+                                                      ("loaded buckets", bucket * max(1, s.sync_buffers))),
                                 "a smaller model per pool device, or vLLM (`actor_rollout_ref.rollout.name=vllm`)",
                                 s.device_bytes))
     else:

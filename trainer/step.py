@@ -192,7 +192,7 @@ class Stages:
         if self.pool is None:
             sync_weights(self.actor_group, self.note)
         else:
-            sync_pool(self.actor_group, self.pool, version, self.note)
+            sync_pool(self.actor_group, self.pool, version, self.note, self.cfg.async_training.checkpoint_engine)
 
     def sample_ahead(self, examples: list[Example], step: int) -> tuple[StepBatch, dict[str, float]]:
         """Step `step`'s rollout on the rollout pool, run beside the training of the step before

@@ -476,7 +476,9 @@ def test_newer_verl_spellings_are_read_as_this_trainers_keys() -> None:
     # the rest of Megatron's LoRA section and other checkpoint-engine options change numbers or
     # select what is not here: refused, naming the feature
     for item, feature in (("actor_rollout_ref.model.lora.dropout=0.1", "Megatron's LoRA options"),
-                          ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "checkpoint engine")):
+                          ("actor_rollout_ref.rollout.checkpoint_engine.backend=mooncake",
+                           "the Mooncake checkpoint engine is not supported.*Fix: set .*backend=nccl"),
+                          ("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs={a: 1}", "checkpoint engine plug-ins")):
         with pytest.raises(ConfigError, match=feature):
             load_config([item])
 

@@ -313,9 +313,19 @@ def test_a_rollout_pool_is_planned_by_role() -> None:
     names = [p.name for p in made.phases]
     assert "rollout" not in names and {"rollout pool: rollout", "rollout pool: vLLM KV cache"} <= set(names), names
     pool_rollout = next(p for p in made.phases if p.name == "rollout pool: rollout")
-    assert {t for t, _ in pool_rollout.terms} == {"CUDA context", "vLLM share (gpu_memory_utilization x total)"}
+    assert {t for t, _ in pool_rollout.terms} == {"CUDA context", "vLLM share (gpu_memory_utilization x total)",
+                                                  "received buckets"}
     sync = next(p for p in made.phases if p.name == "weight sync")
     assert "rollout engine weights" not in {t for t, _ in sync.terms}
+    # the broadcast holds one bucket beside the gathered one on each side, two when pipelined
+    bucket = dict(sync.terms)["gathered bucket"]
+    assert dict(sync.terms)["broadcast buffers"] == bucket == dict(pool_rollout.terms)["received buckets"]
+    piped = plan_config(load_config([*overrides, "async_training.checkpoint_engine.overlap_broadcast_and_consume=true"],
+                                    env={}), 80)
+    assert dict(next(p for p in piped.phases if p.name == "weight sync").terms)["broadcast buffers"] == 2 * bucket
+    assert dict(next(p for p in piped.phases if p.name == "rollout pool: rollout").terms)["received buckets"] == 2 * bucket
+    stored = plan_config(load_config([*overrides, "async_training.checkpoint_engine.enable=false"], env={}), 80)
+    assert dict(next(p for p in stored.phases if p.name == "weight sync").terms)["broadcast buffers"] == 0
     update = next(p for p in made.phases if p.name == "actor update")
     assert dict(update.terms).get("idle vLLM", 0) == 0
     assert made.refusal() is None  # colocated, this share is refused (the test above)

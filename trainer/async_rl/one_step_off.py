@@ -28,7 +28,6 @@ trainer's), once the generation in flight has finished.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -37,26 +36,12 @@ from trainer.batch import StepBatch
 from trainer.data import Example
 from trainer.driver import PPODriver
 from trainer.watchdog import at
+from trainer.workers.group import in_background
 
 __all__ = ["MAX_LAG", "OneStepOffDriver"]
 
 MAX_LAG = 1
 """Versions a batch's weights may lag the trainer's under one-step-off."""
-
-
-def in_background(fn: Any, *args: Any) -> Future[Any]:
-    """`fn(*args)` in a daemon thread: a generation still in flight when the run stops (a
-    checkpoint and a requeue) must not keep the process from exiting."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # handed to the loop, which raises it
-            future.set_exception(err)
-
-    threading.Thread(target=run, daemon=True, name="rollout-pool").start()
-    return future
 
 
 class OneStepOffDriver(PPODriver):
@@ -81,7 +66,7 @@ class OneStepOffDriver(PPODriver):
 
     def _start(self, step: int) -> Future[tuple[StepBatch, dict[str, float]]]:
         examples: list[Example] = self.loader.next_batch()
-        return in_background(self.stages.sample_ahead, examples, step)
+        return in_background("rollout-pool", self.stages.sample_ahead, examples, step)
 
     def next_step(self) -> dict[str, float]:
         step, st = self.global_step, self.stages

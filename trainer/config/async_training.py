@@ -33,10 +33,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CheckpointEngineConfig:
-    enable: bool = h("verl's checkpoint-engine weight sync between the pools (bucketed broadcast)")
+    enable: bool = h(
+        "sync a rollout pool's weights by a collective broadcast from actor rank 0 (NCCL/RCCL between GPUs, "
+        "gloo between CPUs; buckets of `actor_rollout_ref.rollout.update_weights_bucket_megabytes`); false: "
+        "through Ray's object store in host memory")
     overlap_broadcast_and_consume: bool = h(
-        "pipeline the broadcast of the next bucket with the loading of the last")
-    device_buffer_size_M: int = h("size in MB of the bucket the checkpoint engine assembles")
+        "pipeline the broadcast: the next bucket moves while the engine loads the last (one more bucket "
+        "buffer on each side)")
+    device_buffer_size_M: int = h("verl's README names it; verl 0.9.1 reads it nowhere (see COMPAT)")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ COMPAT: dict[str, str] = {
     "rollout.n": _UNREAD.format("n", "actor_rollout_ref.rollout.n"),
     "rollout.total_epochs": _UNREAD.format("total_epochs", "trainer.total_epochs"),
     "rollout.test_freq": _UNREAD.format("test_freq", "trainer.test_freq"),
+    "async_training.checkpoint_engine.device_buffer_size_M": (
+        "verl 0.9.1 reads no `device_buffer_size_M` (only its README names it): its NCCL engine's bucket "
+        "is `rollout.checkpoint_engine.update_weights_bucket_megabytes`, read here as "
+        "`actor_rollout_ref.rollout.update_weights_bucket_megabytes`"),
     "async_training.dynamic_schedule_policy": _DYNAMIC,
     "async_training.dynamic_schedule_deactivate_ratio": _DYNAMIC,
     "async_training.dynamic_schedule_enable_rebalance": _DYNAMIC,
@@ -116,8 +124,8 @@ ACT_IN_POOL_LOOPS: dict[str, str] = {
         ("use_rollout_log_probs", "the rollout's log-probs as the old ones in the fully-async trainer"),
         ("compute_prox_log_prob", "the trainer's recomputed log-probs before the update"),
         ("use_trainer_do_validate", "validation on the training pool"),
-        ("checkpoint_engine.enable", "bucketed weight sync between the pools"),
-        ("checkpoint_engine.overlap_broadcast_and_consume", "pipelined weight sync between the pools"),
+        ("checkpoint_engine.enable", "the weight sync between the pools by collective broadcast"),
+        ("checkpoint_engine.overlap_broadcast_and_consume", "the pipelined weight broadcast between the pools"),
     )
 }
 
@@ -274,8 +282,9 @@ ENTRY = {"sync": "python -m trainer", "one_step_off": "python -m trainer.one_ste
 #: What an entry's own config file sets beneath the command line's overrides, as verl's entry
 #: composes its file (`@hydra.main(config_name=...)`) when no `--config-name` is given: verl
 #: 0.9.1's `one_step_off_ppo_trainer.yaml` (the pool's size, the engine kept awake, the rollout's
-#: log-probs computed and used as the old ones), less `rollout.checkpoint_engine.backend=nccl`
-#: (verl's NCCL weight sync between the pools; the sync here is `trainer.stages.sync.sync_pool`).
+#: log-probs computed and used as the old ones), less `rollout.checkpoint_engine.backend=nccl`: here
+#: `naive` and `nccl` act alike (the pools sync by the collective broadcast of
+#: `trainer.stages.sync.sync_pool` either way), and leaving it out spares every run its note.
 ENTRY_DEFAULTS: dict[str, tuple[str, ...]] = {
     "sync": (),
     "one_step_off": ("rollout.nnodes=1", "rollout.n_gpus_per_node=8", "actor_rollout_ref.rollout.free_cache_engine=false",

@@ -104,6 +104,15 @@ class EngineKwargs:
 
 
 @dataclass(frozen=True)
+class RolloutCheckpointEngine:
+    backend: Literal["naive", "nccl"] = h(
+        "verl's checkpoint engine: how the weights reach the rollout (`naive`, verl's default; `nccl`, what "
+        "verl's async configs set). Both act alike here (see COMPAT): a rollout pool of its own gets them "
+        "by a collective broadcast (NCCL/RCCL between GPUs, gloo between CPUs) unless "
+        "`async_training.checkpoint_engine.enable=false`, a colocated engine in memory")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["hf", "vllm"] | None = h(
         "generation engine: `hf` (transformers generate) or `vllm`; null = `vllm` (verl's default) "
@@ -156,6 +165,7 @@ class RolloutConfig:
     layered_summon: bool = h("verl: gather LoRA weights layer by layer for the sync (compatibility only)")
     enable_prefix_caching: bool = h("vLLM's prefix cache (compatibility only, see COMPAT)")
     profiler: dict[str, Any] = h("verl's per-role profiler settings (compatibility only, see COMPAT)")
+    checkpoint_engine: RolloutCheckpointEngine = h("verl's weight-sync engine")
     multi_turn: MultiTurnConfig = h("verl's tool agent loop settings")
     agent: AgentConfig = h("verl's agent-loop settings")
     trace: TraceConfig = h("verl's rollout tracing")
@@ -209,10 +219,6 @@ NO_VLLM_NOTE = ("`actor_rollout_ref.rollout.name` is not set and vLLM (verl's de
 
 #: verl's `rollout.*` keys this trainer does not implement.
 NOT_SUPPORTED: dict[str, str] = {
-    "actor_rollout_ref.rollout.checkpoint_engine": (
-        "checkpoint engine backends (the weights go to the rollout engine in memory here); the bucket "
-        "size `checkpoint_engine.update_weights_bucket_megabytes` is read as "
-        "`actor_rollout_ref.rollout.update_weights_bucket_megabytes`"),
     "actor_rollout_ref.rollout.agent.agent_loop_manager_class": (
         "a custom agent-loop manager (the rollout's rows run through `trainer.agent.manager` here); "
         "custom loops go in `actor_rollout_ref.rollout.agent.agent_loop_config_path`"),
@@ -238,6 +244,10 @@ _SGLANG_NOTE = ("only verl's SGLang rollout reads it; under vLLM (or HF) it chan
 
 #: Keys accepted that change nothing here, and why nothing is lost.
 COMPAT: dict[str, str] = {
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": (
+        "`naive` and `nccl` move the same weights: a colocated engine gets them in memory, a rollout pool "
+        "of its own by a collective broadcast (NCCL/RCCL between GPUs, gloo between CPUs; "
+        "`async_training.checkpoint_engine.enable=false`: through host memory) whichever is named"),
     "actor_rollout_ref.rollout.load_format": ("the rollout engine gets the actor's weights at every "
                                               "sync here, whatever it loaded first"),
     "actor_rollout_ref.rollout.layered_summon": ("LoRA weights are merged and synced in buckets here; "
@@ -279,10 +289,17 @@ UNSUPPORTED_VALUES: dict[str, dict[str, str]] = {
     "actor_rollout_ref.rollout.name": {"sglang": "SGLang rollout", "trtllm": "TensorRT-LLM rollout",
                                        "hf_server": "server-mode rollout"},
     "actor_rollout_ref.rollout.trace.backend": {"weave": "rollout tracing to Weave"},
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": {
+        "hccl": "the HCCL checkpoint engine (Ascend NPUs)", "nixl": "the NIXL checkpoint engine",
+        "mooncake": "the Mooncake checkpoint engine", "kimi": "the Kimi checkpoint engine",
+        "delta": "delta weight sync"},
 }
 
 #: The fix a refusal of `UNSUPPORTED_VALUES` names, by key.
 UNSUPPORTED_VALUE_FIX: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "set `actor_rollout_ref.rollout.name=vllm` (verl's default engine)",
     "actor_rollout_ref.rollout.trace.backend": "set `actor_rollout_ref.rollout.trace.backend=mlflow`",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": (
+        "set `actor_rollout_ref.rollout.checkpoint_engine.backend=nccl` (a collective broadcast: NCCL/RCCL "
+        "between GPUs, gloo between CPUs)"),
 }

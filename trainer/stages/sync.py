@@ -4,9 +4,11 @@ rollout pool's engines (a separate deployment: :mod:`trainer.workers.rollout_poo
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_EXCEPTION, wait
 
+from trainer.config.async_training import CheckpointEngineConfig
 from trainer.stages.logprobs import Note
-from trainer.workers.group import WorkerGroup
+from trainer.workers.group import WorkerGroup, in_background
 
 __all__ = ["sync_pool", "sync_weights"]
 
@@ -17,17 +19,41 @@ def sync_weights(actor: WorkerGroup, note: Note) -> None:
     note("update_weights_s", actor.run("sync_rollout_weights"))
 
 
-def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note) -> None:
-    """Give the rollout pool's engines the actor's current weights as weight version `version`:
-    the actor's ranks gather them bucket by bucket into the object store
-    (`ActorRolloutRefWorker.export_weights`), every pool rank loads them. The actor's seconds
-    are noted as `export_weights_s`, the pool's as `rollout_pool/load_weights_s`, with the GB
-    each pool rank loaded and the whole sync's rate (`rollout_pool/weight_sync_gb`,
-    `rollout_pool/weight_sync_gb_per_s`: bytes over export and load together)."""
+def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note,
+              engine: CheckpointEngineConfig) -> None:
+    """Give the rollout pool's engines the actor's current weights as weight version `version`.
+
+    With `async_training.checkpoint_engine.enable` (the default), a collective broadcast from
+    actor rank 0 to every pool rank (:mod:`trainer.workers.weight_broadcast`: NCCL/RCCL between
+    GPUs, gloo between CPUs), pipelined with `overlap_broadcast_and_consume`. Otherwise through
+    Ray's object store in host memory: the actor's ranks gather bucket by bucket into it
+    (`ActorRolloutRefWorker.export_weights`), every pool rank loads them.
+
+    Noted: the actor's seconds as `export_weights_s`, the pool's as
+    `rollout_pool/load_weights_s`, the GB each pool rank loaded and the whole sync's rate
+    (`rollout_pool/weight_sync_gb`, `rollout_pool/weight_sync_gb_per_s`: bytes over the sync's
+    wall time); with the broadcast also actor rank 0's seconds blocked on the network
+    (`rollout_pool/broadcast_wait_s`)."""
     start = time.perf_counter()
-    refs = actor.run("export_weights")[0]  # rank 0 holds the buckets' references
-    note("export_weights_s", [time.perf_counter() - start] * actor.world_size)
-    loads = pool.run("load_weights", refs, version)
+    if engine.enable:
+        wire = pool.run_rank(0, "wire_dtype")
+        address = actor.run_rank(0, "weight_broadcast_address", pool.world_size, wire)
+        sending = in_background("weight-broadcast", actor.run, "broadcast_weights", version,
+                                engine.overlap_broadcast_and_consume)
+        loading = in_background("weight-receive", pool.run_each, "receive_weights",
+                                [(address, rank + 1, version, engine.overlap_broadcast_and_consume)
+                                 for rank in range(pool.world_size)])
+        wait([sending, loading], return_when=FIRST_EXCEPTION)  # a failed side must not wait for the other's timeout
+        for side in (sending, loading):
+            if side.done() and side.exception() is not None:
+                raise side.exception()  # type: ignore[misc]
+        sent, loads = sending.result(), loading.result()
+        note("export_weights_s", [seconds for seconds, _, _ in sent])
+        note("rollout_pool/broadcast_wait_s", [sent[0][2]])
+    else:
+        refs = actor.run("export_weights")[0]  # rank 0 holds the buckets' references
+        note("export_weights_s", [time.perf_counter() - start] * actor.world_size)
+        loads = pool.run("load_weights", refs, version)
     total = time.perf_counter() - start
     note("rollout_pool/load_weights_s", [seconds for seconds, _ in loads])
     note("rollout_pool/weight_sync_gb", [size / 1e9 for _, size in loads])

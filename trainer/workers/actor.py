@@ -37,7 +37,8 @@ from trainer.metrics import flops_fields
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
 from trainer.rollout.vllm_server import ReplicaMember, ServerEngine, replica_devices, server_mode
-from trainer.workers.base import Worker
+from trainer.workers import weight_broadcast as WB
+from trainer.workers.base import Worker, node_ip
 from trainer.workers.reward import score_on_rank
 from trainer.workers.rollout_side import RolloutSide
 
@@ -47,6 +48,10 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
     """Actor + reference + rollout of one rank."""
 
     role = "actor_rollout_ref"
+    broadcast_address: WB.BroadcastAddress | None = None
+    """The weight broadcast to the rollout pool (rank 0, from the first sync on)."""
+    broadcast_store: Any = None
+    broadcast_group: Any = None
 
     def build(self) -> None:
         arr = self.cfg.actor_rollout_ref
@@ -169,6 +174,50 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
                     refs.append(ray.put([(name, t.detach().to("cpu", copy=True)) for name, t in bucket]))
         self.phases.memory.empty_cache()
         return refs
+
+    def weight_broadcast_address(self, receivers: int, wire_dtype: str) -> WB.BroadcastAddress | None:
+        """Rank 0: the address of the weight broadcast to `receivers` pool ranks (its store served
+        here from the first call on), the backend (NCCL between GPUs, gloo between CPUs) and the
+        bucket layout, floating tensors in `wire_dtype` (the pool engine's). Other ranks: None."""
+        if self.rank != 0:
+            return None
+        if self.broadcast_address is None:
+            bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
+            layout = WB.plan_layout(((e.name, e.dtype, e.shape) for e in P.state_entries(self.model)),
+                                    bucket_bytes, getattr(torch, wire_dtype))
+            host = node_ip()
+            self.broadcast_store = WB.serve_store(host, receivers + 1, self.cfg.actor_rollout_ref.nccl_timeout)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.broadcast_address = WB.BroadcastAddress(host, int(self.broadcast_store.port), receivers + 1,
+                                                         backend, layout)
+        return self.broadcast_address
+
+    def broadcast_weights(self, version: int, overlap: bool) -> tuple[float, float, float]:
+        """The weight sync to the rollout pool as a collective broadcast
+        (:mod:`trainer.workers.weight_broadcast`): every rank gathers bucket by bucket (a
+        collective of the trainer's group), rank 0 broadcasts them to the pool's ranks, which
+        call `receive_weights` at the same time. The first call forms the broadcast group.
+        Returns seconds, bytes sent and seconds waiting on the network (rank 0's; zeros
+        elsewhere)."""
+        start = time.perf_counter()
+        bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
+        with self.phases.track("weight_sync"), self.phases.on_device("weight_sync", self.model):
+            self.phases.require_resident(self.model, "the weight broadcast (`full_tensor()`)")
+            tensors = (item for bucket in P.weight_buckets(self.model, bucket_bytes) for item in bucket)
+            if self.rank != 0:
+                for _ in tensors:  # the gathers are collective: every rank walks the state
+                    pass
+                stats = WB.SyncStats(0.0, 0, 0.0)
+            else:
+                address = self.broadcast_address
+                assert address is not None, "`weight_broadcast_address` comes first"
+                if self.broadcast_group is None:
+                    self.broadcast_group = WB.open_group(address, 0, self.cfg.actor_rollout_ref.nccl_timeout,
+                                                         store=self.broadcast_store)
+                sender = WB.Sender(self.broadcast_group, address.layout, self.device, overlap=overlap)
+                stats = sender.send(tensors, version)
+        self.phases.memory.empty_cache()
+        return time.perf_counter() - start, float(stats.bytes), stats.wait_s
 
     def weights_digest(self) -> dict[str, float]:
         """Each state-dict entry's sum of absolute values, as the weight sync sends them (a

@@ -11,12 +11,14 @@ rank (:meth:`~WorkerGroup.run`, :meth:`~WorkerGroup.run_each`) or on one
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from trainer.config import Config
 
-__all__ = ["LocalWorkerGroup", "RankView", "WorkerFailure", "WorkerGroup"]
+__all__ = ["LocalWorkerGroup", "RankView", "WorkerFailure", "WorkerGroup", "in_background"]
 
 
 class WorkerFailure(RuntimeError):
@@ -116,3 +118,19 @@ class RankView(WorkerGroup):
 
     def where(self, rank: int) -> str:
         return self.group.where(self.rank)
+
+
+def in_background(name: str, fn: Any, *args: Any) -> Future[Any]:
+    """`fn(*args)` in a daemon thread called `name`: a call still in flight when the run stops (a
+    generation ahead, at a checkpoint and a requeue; a broadcast whose peer failed) must not keep
+    the process from exiting."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # handed to the caller, which raises it
+            future.set_exception(err)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future

@@ -28,6 +28,7 @@ from trainer.phases import Phases
 from trainer.rollout.base import RolloutBatch
 from trainer.rollout.hf import HFRolloutEngine, rollout_copy
 from trainer.rollout.vllm import VLLMRolloutEngine
+from trainer.workers import weight_broadcast as WB
 from trainer.workers.base import Worker, resolve_device
 from trainer.workers.rollout_side import RolloutSide
 
@@ -52,6 +53,8 @@ class RolloutWorker(RolloutSide, Worker):
         self.version = -1
         """The weight version of the last load (-1: none yet; the engine's weights are not the
         trainer's until the first)."""
+        self.broadcast_group: Any = None
+        """The trainer's weight broadcast's group, from the first `receive_weights` on."""
 
     @property
     def fsdp_config(self) -> Any:
@@ -102,6 +105,33 @@ class RolloutWorker(RolloutSide, Worker):
         self.phases.memory.empty_cache()
         self.version = version
         return time.perf_counter() - start, float(loaded)
+
+    def wire_dtype(self) -> str:
+        """The dtype of the engine's weights, in which the trainer broadcasts floating tensors."""
+        return str(M.compute_dtype(self.cfg.actor_rollout_ref.rollout.dtype, self.device)).removeprefix("torch.")
+
+    def receive_weights(self, address: WB.BroadcastAddress, rank: int, version: int, overlap: bool
+                        ) -> tuple[float, float]:
+        """Load weight version `version` from the trainer's broadcast
+        (:mod:`trainer.workers.weight_broadcast`) as rank `rank` of its group (actor rank 0 sends
+        in `broadcast_weights` at the same time), bucket by bucket into the engine, the next
+        bucket's receive posted before the last is loaded with `overlap`. The first call joins the
+        group. Returns seconds and bytes loaded."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend != address.backend:
+            raise RuntimeError(
+                f"the trainer broadcasts its weights over {address.backend} and this rollout rank is on "
+                f"{self.device.type}, which takes {backend}: the pools' devices differ. Fix: give both pools "
+                "GPUs (or both CPUs), or sync through host memory with `async_training.checkpoint_engine.enable=false`")
+        start = time.perf_counter()
+        if self.broadcast_group is None:
+            self.broadcast_group = WB.open_group(address, rank, self.cfg.actor_rollout_ref.nccl_timeout)
+        receiver = WB.Receiver(self.broadcast_group, address.layout, self.device, overlap=overlap)
+        with self.phases.track("weight_sync"):
+            self.rollout.sync_weights(receiver.buckets(version))
+        self.phases.memory.empty_cache()
+        self.version = version
+        return time.perf_counter() - start, float(receiver.received)
 
     def loaded_version(self) -> int:
         """The weight version of the last load (-1: none yet)."""

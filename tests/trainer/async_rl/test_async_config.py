@@ -25,13 +25,6 @@ SEPARATE = ["actor_rollout_ref.hybrid_engine=false"]
 STREAMED = ["critic.ppo_micro_batch_size_per_gpu=4", "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
             "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.bypass_mode=true",
             "async_training.partial_rollout=false"]
-#: The keys of verl's files that name parts not built yet, with the words of the refusal: the
-#: NCCL weight sync between the pools.
-NOT_BUILT = {
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": "checkpoint engine backends",
-}
-
-
 def verl_file(name: str) -> dict[str, Any]:
     return yaml.safe_load((ASYNC_DIR / f"{name}.yaml").read_text())
 
@@ -40,31 +33,14 @@ def file_args(name: str) -> list[str]:
     return [f"--config-path={ASYNC_DIR}", f"--config-name={name}"]
 
 
-def without_not_built(name: str, extra: list[str]) -> list[Any]:
-    """The overrides of verl's file `name` and `extra`, less the keys of `NOT_BUILT`; each of
-    those, loaded alone over the rest, is refused naming its feature."""
-    items = expand_args([*file_args(name), *extra])
-    kept = [o for o in items if getattr(o, "key", None) not in NOT_BUILT]
-    for o in items:
-        key = getattr(o, "key", None)
-        if key in NOT_BUILT:
-            with pytest.raises(ConfigError, match=NOT_BUILT[key]):
-                load_config([*kept, o], env={})
-    assert len(items) - len(kept) == sum(k in NOT_BUILT for k in _leaf_keys(verl_file(name)))
-    return kept
-
-
-def _leaf_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for key, value in tree.items():
-        if key in ("hydra", "defaults"):
-            continue
-        out += _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
-    return out
+def verl_args(name: str, extra: list[str]) -> list[Any]:
+    """The overrides of verl's file `name` (every key of it, its NCCL checkpoint engine included)
+    and `extra`."""
+    return expand_args([*file_args(name), *extra])
 
 
 def test_verl_fully_async_config_loads_with_its_values() -> None:
-    cfg = load_config(without_not_built("fully_async_ppo_trainer", SEPARATE), env={})
+    cfg = load_config(verl_args("fully_async_ppo_trainer", SEPARATE), env={})
     verl = verl_file("fully_async_ppo_trainer")
     for key, value in verl["async_training"].items():
         assert getattr(cfg.async_training, key) == value, key
@@ -74,6 +50,7 @@ def test_verl_fully_async_config_loads_with_its_values() -> None:
     assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True
     assert cfg.algorithm.rollout_correction.bypass_mode is True  # the rollout's log-probs are the old ones
     assert cfg.actor_rollout_ref.actor.use_rollout_log_probs is True  # declared by verl 0.9.1, read nowhere
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"  # the pools' broadcast
     with pytest.raises(ConfigError, match=r"synchronous loop does not run. Fix: .*python -m trainer.one_step_off"):
         check_run(cfg)
     # `python -m trainer.fully_async` asserts what verl's rollouter asserts: the base file's training
@@ -81,7 +58,7 @@ def test_verl_fully_async_config_loads_with_its_values() -> None:
     # `async`, this trainer's `sync`); then verl's `partial_rollout=true` runs on the HF engine only
     with pytest.raises(ConfigError, match="train_batch_size must be zero"):
         check_run(cfg, "fully_async")
-    streamed = without_not_built("fully_async_ppo_trainer", [*SEPARATE, "data.train_batch_size=0",
+    streamed = verl_args("fully_async_ppo_trainer", [*SEPARATE, "data.train_batch_size=0",
                                                              "critic.ppo_micro_batch_size_per_gpu=4"])
     with pytest.raises(ConfigError, match="asserts `mode=async`"):
         check_run(load_config(streamed, env={}), "fully_async")
@@ -98,7 +75,7 @@ def test_verl_fully_async_config_loads_with_its_values() -> None:
 
 def test_verl_one_step_off_config_loads_with_its_values() -> None:
     # verl's own start refuses its default estimator (gae) without a critic micro-batch too
-    cfg = load_config(without_not_built("one_step_off_ppo_trainer", [*SEPARATE, "critic.ppo_micro_batch_size_per_gpu=4"]),
+    cfg = load_config(verl_args("one_step_off_ppo_trainer", [*SEPARATE, "critic.ppo_micro_batch_size_per_gpu=4"]),
                       env={})
     assert (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) == (1, 8)
     assert cfg.actor_rollout_ref.rollout.free_cache_engine is False

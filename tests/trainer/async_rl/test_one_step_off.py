@@ -96,6 +96,7 @@ def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_
         assert rows[1]["timing_s/generate_async"] > 0 and "timing_s/sync_rollout_weights" in rows[1]
         assert rows[1]["dp/rank_0/rollout_pool/weight_sync_gb"] > 0  # and its rate, logged at every sync
         assert rows[1]["dp/rank_0/rollout_pool/weight_sync_gb_per_s"] > 0
+        assert rows[1]["dp/rank_0/rollout_pool/broadcast_wait_s"] >= 0  # the default: the collective broadcast
         # validated on the pool at step 2, batch 3 in flight
         assert any(k.startswith("val-core/") for k in rows[1]) and "timing_s/testing" in rows[1], sorted(rows[1])
         # step 1's batch came from the trainer's own weights: the pool's log-probs are the actor's
@@ -113,6 +114,14 @@ def test_one_step_off_on_its_own_pool_syncs_exact_weights_and_a_stop_resumes_on_
         for name, value in actor_digest.items():
             assert math.isclose(after[name], value, rel_tol=1e-9, abs_tol=1e-9), name
         assert pool.run("loaded_version") == [2]
+        # through the object store instead (`checkpoint_engine.enable=false`): the same weights
+        from trainer.config.async_training import CheckpointEngineConfig
+        from trainer.stages.sync import sync_pool
+
+        noted: dict[str, Any] = {}
+        sync_pool(driver.actor_group, pool, 3, noted.__setitem__, CheckpointEngineConfig(False, False, 4096))
+        assert pool.run("weights_digest")[0] == after and pool.run("loaded_version") == [3]
+        assert "rollout_pool/broadcast_wait_s" not in noted and noted["rollout_pool/weight_sync_gb"][0] > 0
     finally:
         ray.shutdown()
 
