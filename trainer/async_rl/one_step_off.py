@@ -107,6 +107,7 @@ class OneStepOffDriver(PPODriver):
             st.clock.mark("first_rollout")
             metrics = st.prepare(batch, step, timer)
             metrics.update(st.update(batch, step, timer))
+            self.update_sampler(batch)
         metrics.update(gen_metrics)
         metrics.update(st.step_metrics(batch, timer, agent={k: v for k, v in gen_metrics.items()
                                                             if k.startswith("agent_loop/")}))
