@@ -351,6 +351,8 @@ class PromptLoader:
         """The sampler's iterator of this epoch (None: not begun)."""
         self._digest = ""
         """A digest of the sampler's draws of this epoch, batch after batch."""
+        self._ahead: list[int] | None = None
+        """A batch a checkpoint's run had handed out and not trained: handed out first."""
 
     @property
     def batches_per_epoch(self) -> int:
@@ -407,6 +409,9 @@ class PromptLoader:
 
     def next_batch(self) -> list[Example]:
         """The next batch; moves to the next epoch when this one is used up."""
+        if self._ahead is not None:  # counted in the position already
+            rows, self._ahead = self._ahead, None
+            return [self.dataset[i] for i in rows]
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
             self._draws, self._digest = None, ""
@@ -418,17 +423,21 @@ class PromptLoader:
         self.index += 1
         return [self.dataset[i] for i in rows]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, ahead: Sequence[Example] | None = None) -> dict[str, Any]:
+        """The position; `ahead`: the last batch handed out, not trained yet (one-step-off's batch in
+        flight when a curriculum sampler's update came after it), which a resume hands out first."""
         state: dict[str, Any] = {"epoch": self.epoch, "index": self.index, "num_rows": len(self.dataset),
                                  "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+        if ahead is not None:
+            state["ahead"] = [self.dataset.positions[e.index] for e in ahead]
         if self.sampler is not None:
             state["sampler"] = {"class": _name(self.sampler), "size": self.epoch_size, "digest": self._digest,
                                 "state": _sampler_state(self.sampler)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = {"num_rows": len(self.dataset), "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle}
+        mine: dict[str, Any] = {"num_rows": len(self.dataset), "batch_size": self.batch_size, "seed": self.seed,
+                                "shuffle": self.shuffle}
         changed = [k for k in ("num_rows", "batch_size", "seed", "shuffle") if state.get(k) != mine[k]]
         saved = state.get("sampler")
         had = None if saved is None else f"{saved['class']} of {saved['size']}"
@@ -445,6 +454,7 @@ class PromptLoader:
             )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._draws, self._digest = None, ""
+        self._ahead = None if state.get("ahead") is None else [int(i) for i in state["ahead"]]
         if saved is not None:
             self._resume_sampler(saved)
 
@@ -461,9 +471,10 @@ class PromptLoader:
             self._draws = iter(self.sampler) if midway else None  # torchdata: the iterator continues
             return
         epoch, index = self.epoch, self.index
-        for self.epoch in range(epoch + 1):
-            self._draws, self._digest = None, ""
-            for self.index in range(self.batches_per_epoch if self.epoch < epoch else index):
+        for past in range(epoch + 1):  # `_draw` names the epoch and batch it is at
+            self.epoch, self._draws, self._digest = past, None, ""
+            for batch in range(self.batches_per_epoch if past < epoch else index):
+                self.index = batch
                 self._draw()
         self.index = index
         if self._digest != saved["digest"]:

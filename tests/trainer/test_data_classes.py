@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -344,6 +343,34 @@ def test_a_curriculum_sampler_is_updated_and_resumes_from_its_state(classes, tok
     resumed = loader_with(classes[1], "Curriculum", dataset)
     resumed.load_state_dict(state)
     assert run(resumed, 5) == straight[2:]
+
+
+def test_one_step_off_order_resumes_with_its_batch_in_flight(classes, tokenizer) -> None:
+    """One-step-off draws batch n+1 before batch n's update; its checkpoint keeps the sampler's
+    state after that update and hands the batch in flight out first (`state_dict(ahead=...)`)."""
+    dataset = PromptDataset([SAMPLE], tokenizer, max_prompt_length=512)
+
+    def run(loader: PromptLoader, steps: int, stop_at: int = 0) -> tuple[list[list[int]], dict[str, Any], Any]:
+        trained, ahead, saved, before = [], loader.next_batch(), {}, None
+        for step in range(1, steps + 1):
+            batch = ahead
+            if step == stop_at:
+                before = loader.state_dict()  # the position before the batch drawn ahead
+            ahead = loader.next_batch() if step < steps else None
+            loader.update(FakeBatch(rows_of(batch, dataset)))
+            trained.append(rows_of(batch, dataset))
+            if step == stop_at:
+                saved = json.loads(json.dumps(loader.state_dict(ahead=ahead)))
+        return trained, saved, before
+
+    straight, _, _ = run(loader_with(classes[1], "Curriculum", dataset), 7)
+    _, state, before = run(loader_with(classes[1], "Curriculum", dataset), 7, stop_at=3)
+    resumed = loader_with(classes[1], "Curriculum", dataset)
+    resumed.load_state_dict(state)
+    assert run(resumed, 4)[0] == straight[3:]
+    early = loader_with(classes[1], "Curriculum", dataset)  # without step 3's update: another order later
+    early.load_state_dict(before)
+    assert run(early, 4)[0] != straight[3:]
 
 
 def test_resume_refuses_a_sampler_whose_order_cannot_be_replayed(classes, tokenizer) -> None:
