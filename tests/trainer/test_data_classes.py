@@ -511,7 +511,13 @@ def test_training_runs_on_the_class_with_the_curriculum_and_resumes_it(tiny_mode
     handed: list[list[int]] = []
     original = straight.loader.next_batch
     straight.loader.next_batch = lambda: (b := original(), handed.append(rows_of(b, straight.train_set)))[0]
+    trained: list[Any] = []
+    update = straight.loader.update
+    straight.loader.update = lambda batch: (trained.append(batch), update(batch))[1]
     assert straight.fit() == 0
+    names = {"prompts", "responses", "response_mask", "token_level_scores", "token_level_rewards", "advantages"}
+    assert all(names <= set(b.batch) and len(b) == 8 and b.meta_info["global_step"] == i + 1  # 4 prompts x n=2
+               and list(b.non_tensor_batch["data_source"]) == ["openai/gsm8k"] * 8 for i, b in enumerate(trained))
     assert straight.loader.sampler.updates == handed and len(handed) == 3  # each step's batch, its rows
     assert handed[0] == [4, 9, 14, 3]  # the curriculum's first order (weight i % 5, highest first)
     rows = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
