@@ -319,7 +319,7 @@ def epoch_order(num_rows: int, epoch: int, *, shuffle: bool, seed: int) -> list[
 
 
 class PromptLoader:
-    """Fixed-size batches over epochs; `(epoch, index)` is the whole state (checkpointed).
+    """Fixed-size batches over epochs; `(epoch, index)` is the position (checkpointed).
 
     The last incomplete batch of an epoch is dropped, as verl's training loader does. With a
     `sampler` (the user's `data.sampler`, :mod:`trainer.data_classes`) the order is the

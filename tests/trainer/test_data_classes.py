@@ -151,6 +151,16 @@ class NumpyState(Reversed):
         pass
 
 
+class Short(Reversed):
+    def __len__(self):
+        return 2 * self.n
+
+
+class OutOfRange(Reversed):
+    def __iter__(self):
+        return iter(range(self.n, 0, -1))
+
+
 class NoLen:
     def __init__(self, data_source, data_config):
         pass
@@ -400,6 +410,13 @@ def test_bad_samplers_are_refused_naming_the_fix(classes, tokenizer) -> None:
         loader_with(classes[1], "Reversed", dataset, batch_size=32)
     with pytest.raises(DataError, match="no numpy arrays"):
         loader_with(classes[1], "NumpyState", dataset).state_dict()
+    short = loader_with(classes[1], "Short", dataset)
+    for _ in range(4):
+        short.next_batch()
+    with pytest.raises(DataError, match=r"stopped after 16 indices in epoch 0, fewer than its `len\(\)`=32"):
+        short.next_batch()
+    with pytest.raises(DataError, match="integers from 0 to 15"):
+        loader_with(classes[1], "OutOfRange", dataset).next_batch()
 
 
 # ----------------------------------------------------------------------------- against verl
