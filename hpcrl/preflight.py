@@ -165,7 +165,12 @@ def parquet_columns(path: Path) -> list[str] | None:
 
 def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path,
                read_columns: Callable[[Path], list[str] | None] = parquet_columns) -> list[str]:
-    """Training (and, when validation runs, validation) files exist and have verl's columns."""
+    """Training (and, when validation runs, validation) files exist and have verl's columns; the
+    files of `data.custom_cls`/`data.sampler` classes exist (imported by the trainer alone), and
+    with a dataset class of the user's the data files are the class's to read: only their
+    existence is checked."""
+    problems = check_class_files(overrides, defaults, workdir)
+    custom = setting("data.custom_cls.path", overrides, defaults)[0] not in (None, "", "null", "None")
     keys = ["data.train_files"]
     val_before, _ = setting("trainer.val_before_train", overrides, defaults)
     test_freq, _ = setting("trainer.test_freq", overrides, defaults)
@@ -174,7 +179,6 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
     needed = [str(setting(f"data.{k}", overrides, defaults)[0] or d)
               for k, d in (("prompt_key", "prompt"), ("reward_fn_key", "data_source"))]
     needed.append("reward_model")
-    problems: list[str] = []
     tool_config, _ = setting("actor_rollout_ref.rollout.multi_turn.tool_config_path", overrides, defaults)
     tools = configured_tool_names(Path(str(tool_config)).expanduser()) if tool_config else set()
     for key in keys:
@@ -182,7 +186,7 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
         for name in as_list(value):
             path, found = check_path(key, name, given, workdir, "a verl-format parquet file")
             problems += found
-            if path is None or not path.is_file():
+            if path is None or not path.is_file() or custom:
                 continue
             try:
                 columns = read_columns(path)
@@ -201,6 +205,19 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
                     f"(it has {', '.join(columns)}); the trainer reads verl's format. Fix: "
                     "convert it with `python -m trainer.preprocess gsm8k --input FILE --output "
                     "DIR`, or name your columns with `data.prompt_key=`/`data.reward_fn_key=`")
+    return problems
+
+
+def check_class_files(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path) -> list[str]:
+    """The Python files of `data.custom_cls.path` and `data.sampler.class_path` exist (a
+    `pkg://module` is the trainer's to import)."""
+    problems: list[str] = []
+    for key in ("data.custom_cls.path", "data.sampler.class_path"):
+        value, given = setting(key, overrides, defaults)
+        if value is None or str(value).startswith("pkg://"):
+            continue
+        problems += check_path(key, str(value).removeprefix("file://"), given, workdir,
+                               "the Python file defining the class")[1]
     return problems
 
 

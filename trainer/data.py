@@ -14,7 +14,11 @@ config does not define is refused: it would be trained without the tool it was m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+import functools
+import hashlib
+import itertools
+import operator
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -231,6 +235,7 @@ class PromptDataset:
         tools: Collection[str] | None = None,
         default_agent: str = SINGLE_TURN_AGENT,
         agents: Collection[str] | None = None,
+        rows: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """`tool_schemas`: rendered into every prompt (`tools=`, verl's `data.tool_config_path`);
         `length_tool_schemas`: the schemas the length check renders with, when they differ (verl's
@@ -238,7 +243,8 @@ class PromptDataset:
         defaults to `multi_turn.tool_config_path`: the schemas the tool agent loop puts in its prompt);
         `tools`: the tool names rows may give arguments to (None: not checked); `default_agent`:
         the loop of a row without `agent_name`; `agents`: the loops a row may name (None: not
-        checked)."""
+        checked); `rows`: the rows themselves, in verl's row format, in place of reading `files`
+        (those a dataset class of the user's gives, :mod:`trainer.data_classes`)."""
         self.files = [str(f) for f in files]
         self.num_filtered = 0
         self.examples: list[Example] = []
@@ -248,7 +254,11 @@ class PromptDataset:
         measured = dict(chat_template_kwargs or {})
         if length_tool_schemas:
             measured["tools"] = [dict(t) for t in length_tool_schemas]
-        for index, row in enumerate(read_rows(files, prompt_key, reward_fn_key, tools)):
+        if rows is None:
+            rows = read_rows(files, prompt_key, reward_fn_key, tools)
+        elif tools is not None and (refusal := tools_refusal(rows, ", ".join(self.files), tools)) is not None:
+            raise DataError(refusal)
+        for index, row in enumerate(rows):
             where = f"row {index} of {', '.join(self.files)}"
             agent = row_agent_name(row, default_agent)
             if agents is not None and agent not in agents:
@@ -289,6 +299,11 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.examples)
 
+    @functools.cached_property
+    def positions(self) -> dict[int, int]:
+        """Each example's `index` (its row in the files) -> its position here (after filtering)."""
+        return {e.index: i for i, e in enumerate(self.examples)}
+
     def __getitem__(self, i: int) -> Example:
         return self.examples[i]
 
@@ -304,25 +319,56 @@ def epoch_order(num_rows: int, epoch: int, *, shuffle: bool, seed: int) -> list[
 
 
 class PromptLoader:
-    """Fixed-size batches over epochs; `(epoch, index)` is the whole state (checkpointed).
+    """Fixed-size batches over epochs; `(epoch, index)` is the position (checkpointed).
 
-    The last incomplete batch of an epoch is dropped, as verl's training loader does.
+    The last incomplete batch of an epoch is dropped, as verl's training loader does. With a
+    `sampler` (the user's `data.sampler`, :mod:`trainer.data_classes`) the order is the
+    sampler's, as verl's loader draws it with `dataloader_num_workers=0`: one `iter(sampler)` per
+    epoch, drawn a batch at a time (so an `update` after a step can change the batches after it),
+    `len(sampler) // batch_size` batches. Its position in a checkpoint: the sampler's own
+    `state_dict()` when it has `state_dict`/`load_state_dict` (torchdata's protocol, what verl's
+    `StatefulDataLoader` saves), loaded at the resume, its iterator then continuing the epoch;
+    else the resume replays the run's draws from a fresh sampler (every earlier epoch, then this
+    one's batches so far) and checks them against a digest of the batches trained, refusing a
+    sampler that draws others.
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool, seed: int) -> None:
-        if len(dataset) < batch_size:
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool, seed: int,
+                 sampler: Any = None) -> None:
+        self.sampler = sampler
+        self.epoch_size = len(dataset) if sampler is None else len(sampler)
+        if self.epoch_size < batch_size:
+            what = "usable prompts in" if sampler is None else f"indices per epoch from the sampler `{_name(sampler)}` over"
             raise DataError(
-                f"{len(dataset)} usable prompts in {', '.join(dataset.files)} is fewer than "
+                f"{self.epoch_size} {what} {', '.join(dataset.files)} is fewer than "
                 f"`data.train_batch_size`={batch_size}; lower the batch size or add data"
             )
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.seed = shuffle, seed
         self.epoch, self.index = 0, 0
         self._order_epoch, self._order = -1, list[int]()
+        self._draws: Iterator[Any] | None = None
+        """The sampler's iterator of this epoch (None: not begun)."""
+        self._digest = ""
+        """A digest of the sampler's draws of this epoch, batch after batch."""
+        self._ahead: list[int] | None = None
+        """A batch a checkpoint's run had handed out and not trained: handed out first."""
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.dataset) // self.batch_size
+        return self.epoch_size // self.batch_size
+
+    @property
+    def curriculum(self) -> bool:
+        """Whether the sampler wants each trained batch (`update(batch)`, verl's
+        `AbstractCurriculumSampler`)."""
+        return callable(getattr(self.sampler, "update", None))
+
+    def update(self, batch: Any) -> None:
+        """Hand a trained batch to a curriculum sampler (verl calls `sampler.update(batch=batch)`
+        after each step)."""
+        if self.curriculum:
+            self.sampler.update(batch=batch)
 
     def _order_of(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:
@@ -334,25 +380,71 @@ class PromptLoader:
         """The prompt at `position` of the run's prompt order, epoch after epoch (position
         `epoch * len(dataset) + i` is the `i`-th of that epoch's order): the fully-async
         rollouter hands prompts out one at a time by position."""
+        if self.sampler is not None:  # `check_run` refuses a sampler under the fully-async loop
+            raise DataError("a `data.sampler` draws its order lazily; prompts cannot be taken by position")
         epoch, i = divmod(position, len(self.dataset))
         return self.dataset[self._order_of(epoch)[i]]
 
+    def _draw(self) -> list[int]:
+        """The sampler's next batch of indices, checked."""
+        if self._draws is None:
+            self._draws = iter(self.sampler)
+        picked = list(itertools.islice(self._draws, self.batch_size))
+        name, size = _name(self.sampler), len(self.dataset)
+        if len(picked) < self.batch_size:
+            raise DataError(
+                f"the sampler `{name}` stopped after {self.index * self.batch_size + len(picked)} indices in "
+                f"epoch {self.epoch}, fewer than its `len()`={self.epoch_size}; the loader draws "
+                f"{self.batches_per_epoch} batches of {self.batch_size} per epoch. Fix: make `__len__` "
+                "return the number of indices `__iter__` yields")
+        try:
+            rows = [operator.index(i) for i in picked]
+        except TypeError:
+            rows = []
+        if len(rows) < len(picked) or not all(0 <= i < size for i in rows):
+            raise DataError(f"the sampler `{name}` yielded {picked[:8]!r}...: a sampler yields row indices, "
+                            f"integers from 0 to {size - 1} (the dataset's {size} prompts). Fix its `__iter__`")
+        self._digest = hashlib.sha256(f"{self._digest}:{rows}".encode()).hexdigest()
+        return rows
+
     def next_batch(self) -> list[Example]:
         """The next batch; moves to the next epoch when this one is used up."""
+        if self._ahead is not None:  # counted in the position already
+            rows, self._ahead = self._ahead, None
+            return [self.dataset[i] for i in rows]
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        order = self._order_of(self.epoch)
-        start = self.index * self.batch_size
+            self._draws, self._digest = None, ""
+        if self.sampler is not None:
+            rows = self._draw()
+        else:
+            start = self.index * self.batch_size
+            rows = self._order_of(self.epoch)[start:start + self.batch_size]
         self.index += 1
-        return [self.dataset[i] for i in order[start:start + self.batch_size]]
+        return [self.dataset[i] for i in rows]
 
-    def state_dict(self) -> dict[str, int | bool]:
-        return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.dataset),
-                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+    def state_dict(self, ahead: Sequence[Example] | None = None) -> dict[str, Any]:
+        """The position; `ahead`: the last batch handed out, not trained yet (one-step-off's batch in
+        flight when a curriculum sampler's update came after it), which a resume hands out first."""
+        state: dict[str, Any] = {"epoch": self.epoch, "index": self.index, "num_rows": len(self.dataset),
+                                 "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+        if ahead is not None:
+            state["ahead"] = [self.dataset.positions[e.index] for e in ahead]
+        if self.sampler is not None:
+            state["sampler"] = {"class": _name(self.sampler), "size": self.epoch_size, "digest": self._digest,
+                                "state": _sampler_state(self.sampler)}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()
+        mine: dict[str, Any] = {"num_rows": len(self.dataset), "batch_size": self.batch_size, "seed": self.seed,
+                                "shuffle": self.shuffle}
         changed = [k for k in ("num_rows", "batch_size", "seed", "shuffle") if state.get(k) != mine[k]]
+        saved = state.get("sampler")
+        had = None if saved is None else f"{saved['class']} of {saved['size']}"
+        has = None if self.sampler is None else f"{_name(self.sampler)} of {self.epoch_size}"
+        if had != has:
+            changed.append("sampler")
+            state, mine = {**state, "sampler": had}, {**mine, "sampler": has}
         if changed:
             detail = ", ".join(f"`{k}` {state.get(k)} -> {mine[k]}" for k in changed)
             raise DataError(
@@ -361,6 +453,71 @@ class PromptLoader:
                 "`trainer.resume_mode=disable`"
             )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._draws, self._digest = None, ""
+        self._ahead = None if state.get("ahead") is None else [int(i) for i in state["ahead"]]
+        if saved is not None:
+            self._resume_sampler(saved)
+
+    def _resume_sampler(self, saved: dict[str, Any]) -> None:
+        """Put the sampler where the checkpoint's run left it: its own state, or a replay of the
+        run's draws checked against the digest of the batches trained."""
+        midway = self.index < self.batches_per_epoch
+        if saved["state"] is not None:
+            if not _stateful(self.sampler):
+                raise DataError(f"the checkpoint holds a state of the sampler `{saved['class']}`, which has no "
+                                "`load_state_dict` now. Fix: resume with the sampler that wrote it")
+            self.sampler.load_state_dict(saved["state"])
+            self._digest = saved["digest"]
+            self._draws = iter(self.sampler) if midway else None  # torchdata: the iterator continues
+            return
+        epoch, index = self.epoch, self.index
+        for past in range(epoch + 1):  # `_draw` names the epoch and batch it is at
+            self.epoch, self._draws, self._digest = past, None, ""
+            for batch in range(self.batches_per_epoch if past < epoch else index):
+                self.index = batch
+                self._draw()
+        self.index = index
+        if self._digest != saved["digest"]:
+            raise DataError(
+                f"the sampler `{saved['class']}` draws other prompts on the resume's replay than the run trained "
+                f"(the first {index} batch(es) of epoch {epoch}): its order does not follow from its "
+                "construction (an unseeded generator, or an order its `update` changed), so the prompts not yet "
+                "trained cannot be told. Fix: give it `state_dict()`/`load_state_dict()` that restore its order "
+                "(torchdata's protocol, which verl's StatefulDataLoader saves), or seed it from "
+                "`data_config.seed`; or start fresh with `trainer.resume_mode=disable`")
+        if not midway:  # the next batch begins an epoch: a new iterator
+            self._draws = None
+
+
+def _name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _stateful(sampler: Any) -> bool:
+    """torchdata's `Stateful`: callable `state_dict` and `load_state_dict`."""
+    return callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None))
+
+
+def _sampler_state(sampler: Any) -> Any:
+    """A copy of a stateful sampler's `state_dict()` (None for another), checked to load back
+    from a checkpoint (tensors and plain containers: torch's `weights_only` load)."""
+    if not _stateful(sampler):
+        return None
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(sampler.state_dict(), buffer)
+    buffer.seek(0)
+    try:
+        return torch.load(buffer, weights_only=True)
+    except Exception as exc:  # torch's UnpicklingError naming the type
+        raise DataError(
+            f"the `state_dict()` of the sampler `{_name(sampler)}` cannot be loaded from a checkpoint ({exc}). "
+            "Fix: keep tensors, numbers, strings and lists/dicts of them in it (no numpy arrays or objects)"
+        ) from exc
 
 
 def batches(dataset: PromptDataset, batch_size: int | None) -> list[list[Example]]:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.diagnosis import write_diagnosis
+from trainer import data_classes, startup
 from trainer import models as M
-from trainer import startup
 from trainer.agent.manager import agent_data_args
 from trainer.batch import StepBatch, seed_everything
 from trainer.config import Config, check_run
@@ -114,11 +114,19 @@ class PPODriver:
                                   "truncation": data.truncation,
                                   "chat_template_kwargs": data.apply_chat_template_kwargs,
                                   **agent_data_args(self.cfg)}
-        self.train_set = PromptDataset(data.train_files, self.tokenizer, **common)
-        self.loader = PromptLoader(self.train_set, self.loader_batch_size(), shuffle=data.shuffle, seed=data.seed)
+        config = data_classes.data_config(data) if data.custom_cls.path or data.sampler.class_path else None
+
+        def dataset(files: list[str]) -> PromptDataset:  # verl's `create_rl_dataset`: its class, or the files
+            rows = data_classes.class_rows(data, files, self.tokenizer, config) if data.custom_cls.path else None
+            return PromptDataset(files, self.tokenizer, rows=rows, **common)
+
+        self.train_set = dataset(data.train_files)
+        sampler = data_classes.build_sampler(data, self.train_set, config) if data.sampler.class_path else None
+        self.loader = PromptLoader(self.train_set, self.loader_batch_size(), shuffle=data.shuffle, seed=data.seed,
+                                   sampler=sampler)
         t = self.cfg.trainer
         needs_val = t.val_before_train or t.test_freq > 0 or t.val_only
-        self.val_set = PromptDataset(data.val_files, self.tokenizer, **common) if needs_val else None
+        self.val_set = dataset(data.val_files) if needs_val else None
         self.total_steps = self.run_steps()
 
     def loader_batch_size(self) -> int:
@@ -155,9 +163,16 @@ class PPODriver:
     def train_step(self, examples: list[Example]) -> dict[str, float]:
         """One PPO step on a batch of prompts; returns its metrics (verl names)."""
         batch, metrics, timer = self.stages.train_step(examples, self.global_step)
+        self.update_sampler(batch)
         metrics.update(self.stages.step_metrics(batch, timer))
         metrics.update(self.progress_metrics())
         return metrics
+
+    def update_sampler(self, batch: StepBatch) -> None:
+        """A curriculum sampler (`data.sampler` with `update`) gets the trained batch, before the
+        step's checkpoint (:class:`trainer.data_classes.TrainedBatch`)."""
+        if self.loader.curriculum:
+            self.loader.update(data_classes.TrainedBatch(batch, self.global_step, self.train_set.positions))
 
     def progress_metrics(self) -> dict[str, float]:
         """Where the run is: step, epoch, total steps, which run of the job."""

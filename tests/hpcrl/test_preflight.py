@@ -100,6 +100,24 @@ def test_dataset_columns(model: Path, data: Path, tmp_path: Path) -> None:
     assert "cannot be read as parquet" in msg
 
 
+def test_a_dataset_class_reads_its_own_files_and_class_files_must_exist(model: Path, data: Path,
+                                                                        tmp_path: Path) -> None:
+    """With `data.custom_cls` the data files are the class's to read (their columns are not
+    checked); the class files must exist, as absolute paths (the trainer runs in the run directory)."""
+    (data / "cls.py").write_text("class D: pass\n")
+    custom = [f"data.custom_cls.path={data / 'cls.py'}", "data.custom_cls.name=D"]
+    assert pf.check_trainer_job(args(model, data / "raw.parquet", *custom), tmp_path) == []
+    sampler = ["data.sampler.class_name=S", "data.dataloader_num_workers=0"]
+    [msg] = pf.check_trainer_job(args(model, data / "train.parquet", f"data.sampler.class_path={data / 'gone.py'}",
+                                      *sampler), tmp_path)
+    assert msg.startswith("`data.sampler.class_path`") and "does not exist" in msg
+    [msg] = pf.check_trainer_job(args(model, data / "train.parquet", "data.sampler.class_path=s.py", *sampler),
+                                 tmp_path)
+    assert "relative path `s.py`" in msg and "Fix: give an absolute path" in msg
+    assert pf.check_trainer_job(args(model, data / "train.parquet", "data.sampler.class_path=pkg://mine.s",
+                                     *sampler), tmp_path) == []
+
+
 def test_no_space_for_a_checkpoint(model: Path, data: Path, tmp_path: Path) -> None:
     need = pf.checkpoint_bytes(model, with_critic=False)
     assert need == int(1_000_000 * 4 * 1.1)

@@ -146,6 +146,21 @@ def test_loader_state_resumes_at_the_same_batch(tokenizer) -> None:
         other.load_state_dict(state)
 
 
+def test_loader_hands_out_a_batch_in_flight_first(tokenizer) -> None:
+    """A position saved with the batch handed out ahead and not trained (`state_dict(ahead=...)`,
+    the one-step-off loop's with a curriculum sampler) gives that batch first, then the rest."""
+    ds = PromptDataset([SAMPLE], tokenizer, max_prompt_length=512)
+    straight = PromptLoader(ds, 5, shuffle=True, seed=3)
+    seen = [[e.index for e in straight.next_batch()] for _ in range(5)]
+    first = PromptLoader(ds, 5, shuffle=True, seed=3)
+    first.next_batch()
+    state = json.loads(json.dumps(first.state_dict(ahead=first.next_batch())))
+    assert "sampler" not in state  # the default order: nothing of a sampler's
+    resumed = PromptLoader(ds, 5, shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    assert [[e.index for e in resumed.next_batch()] for _ in range(4)] == seen[1:]
+
+
 def test_loader_needs_a_full_batch(tokenizer) -> None:
     ds = PromptDataset([SAMPLE], tokenizer, max_prompt_length=512)
     with pytest.raises(DataError, match="fewer than `data.train_batch_size`=32"):

@@ -57,6 +57,8 @@ class OneStepOffDriver(PPODriver):
         """The weight version the pool holds (the steps trained into it)."""
         self.lags: dict[int, int] = {}
         """Trained batches by lag (versions behind the trainer's weights)."""
+        self.ahead: list[Example] | None = None
+        """The prompts of the generation in flight (handed out, not trained)."""
 
     def fit(self) -> int:
         try:
@@ -66,6 +68,7 @@ class OneStepOffDriver(PPODriver):
 
     def _start(self, step: int) -> Future[tuple[StepBatch, dict[str, float]]]:
         examples: list[Example] = self.loader.next_batch()
+        self.ahead = examples
         return in_background("rollout-pool", self.stages.sample_ahead, examples, step)
 
     def next_step(self) -> dict[str, float]:
@@ -87,11 +90,15 @@ class OneStepOffDriver(PPODriver):
                 self.pool_version = step - 1
             # a checkpoint of this step resumes before the batch about to be generated
             self.state.data_position = self.loader.state_dict()
+            self.ahead = None
             if step < self.total_steps:
                 self.pending = self._start(step + 1)
             st.clock.mark("first_rollout")
             metrics = st.prepare(batch, step, timer)
             metrics.update(st.update(batch, step, timer))
+            self.update_sampler(batch)
+            if self.loader.curriculum:  # the sampler's state with this update, the batch drawn before it first
+                self.state.data_position = self.loader.state_dict(ahead=self.ahead)
         metrics.update(gen_metrics)
         metrics.update(st.step_metrics(batch, timer, agent={k: v for k, v in gen_metrics.items()
                                                             if k.startswith("agent_loop/")}))

@@ -6,7 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.base import h
+from trainer.config.base import h, require
+
+
+@dataclass(frozen=True)
+class CustomClsConfig:
+    path: str | None = h(
+        "Python file (or `pkg://module`) defining a dataset class that replaces the parquet reader, as "
+        "verl's `load_extern_object` loads it; its items are read as verl's (`trainer/data_classes.py`)")
+    name: str | None = h("the dataset class's name in `data.custom_cls.path`")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    class_path: str | None = h(
+        "Python file (or `pkg://module`) defining a sampler class that orders the training prompts "
+        "(verl's `AbstractSampler`; one with `update(batch)` is called after every step, as verl's "
+        "curriculum samplers); needs `data.dataloader_num_workers=0`, as in verl")
+    class_name: str | None = h("the sampler class's name in `data.sampler.class_path`")
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,27 @@ class DataConfig:
     tool_config_path: str | None = h(
         "verl's tool config YAML whose tool schemas every prompt is rendered with (`tools=` of the "
         "chat template), as verl's dataset and single-turn agent loop render them; null = none")
+    custom_cls: CustomClsConfig = h("a dataset class of your own (verl's `data.custom_cls`)")
+    sampler: SamplerConfig = h("a sampler class of your own (verl's `data.sampler`)")
+
+
+def check_data_classes(data: DataConfig) -> None:
+    """`data.custom_cls` and `data.sampler` name both the file and the class, or neither; a sampler
+    needs `data.dataloader_num_workers=0` (verl's `create_rl_sampler` asserts it). Raises ConfigError."""
+    for section, path_key, name_key in (("custom_cls", "path", "name"), ("sampler", "class_path", "class_name")):
+        values = getattr(data, section)
+        path, name = getattr(values, path_key), getattr(values, name_key)
+        given, missing = (f"data.{section}.{path_key}", f"data.{section}.{name_key}")
+        if path is None and name is not None:
+            given, missing = missing, given
+        require((path is None) == (name is None),
+                f"`{given}={path or name}` without `{missing}`: verl loads the class named by both "
+                f"(`load_extern_object(path, name)`). Fix: set `{missing}` too, or remove `{given}`")
+    require(data.sampler.class_path is None or data.dataloader_num_workers == 0,
+            f"`data.sampler.class_path={data.sampler.class_path}` with `data.dataloader_num_workers="
+            f"{data.dataloader_num_workers}`: verl's `create_rl_sampler` asserts 0 for a sampler of your own ('If "
+            "using curriculum, num_workers must be 0 to prevent data caching': worker processes would draw "
+            "ahead of the sampler's updates). Fix: `data.dataloader_num_workers=0`")
 
 
 #: verl's `data.*` keys this trainer does not implement (the reason, when there is more to say).
@@ -55,8 +93,6 @@ NOT_SUPPORTED: dict[str, str] = {
     **{f"data.{kind}_key": (f"multimodal data: verl's default `{kind}s` feeds a dataset's `{kind}s` column "
                             "to the model, which this trainer would leave out")
        for kind in ("image", "video", "audio")},
-    "data.custom_cls": "custom dataset classes",
-    "data.sampler": "custom samplers",
     "data.datagen": "",
 }
 

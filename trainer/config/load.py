@@ -23,6 +23,7 @@ from trainer.config.async_training import (
 )
 from trainer.config.base import RUN_DIR_ENV, ConfigError, check_optim, require
 from trainer.config.compose import expand_args, split_config_flags
+from trainer.config.data import check_data_classes
 from trainer.config.overrides import (
     Override,
     _apply,
@@ -217,6 +218,7 @@ def validate(cfg: Config) -> None:
     require(actor.loss_scale_factor is None or actor.loss_scale_factor > 0,
             f"`actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor}` must be positive (the "
             "divisor of seq-mean-token-sum-norm) or null for the padded response length")
+    check_data_classes(data)
     check_optim("actor_rollout_ref.actor", actor.optim)
     check_optim("critic", cfg.critic.optim)
     require(actor.clip_ratio_c > 1.0, f"`actor_rollout_ref.actor.clip_ratio_c`={actor.clip_ratio_c} must be > 1")
@@ -305,6 +307,12 @@ def check_run(cfg: Config, loop: str = "sync") -> None:
     start (`PPODriver`), the launcher's preflight (:func:`check_overrides`) and `--plan-memory` run
     them; reading a config (:func:`load_config`, `--print-config`) does not. `loop`: the loop of
     the entry that runs the config (`sync`: `python -m trainer`; `one_step_off`). Raises ConfigError."""
+    require(loop != "fully_async" or cfg.data.sampler.class_path is None,
+            f"`data.sampler.class_path={cfg.data.sampler.class_path}` under the fully-async loop: its rollouter "
+            "hands prompts out one at a time by their position in the epoch's order and gives back those "
+            "unfinished at a stop, which a sampler drawing lazily (and updated after each step) cannot "
+            "replay. Fix: train with the sampler under the synchronous or one-step-off loop, or remove "
+            "`data.sampler.*`")
     check_separate_pools_built(cfg, loop)
     c, actor = cfg.critic, cfg.actor_rollout_ref.actor
     dynamic = actor.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
