@@ -48,7 +48,7 @@ from trainer.stages.reward import build_reward_engine
 from trainer.stages.validate import VAL_GENERATIONS_FILE
 from trainer.step import Stages
 from trainer.stop import StopRequest
-from trainer.stragglers import StragglerWatch
+from trainer.stragglers import POOL_RANKS, TRAINER_RANKS, StragglerWatch
 from trainer.workers.group import WorkerFailure
 from trainer.workers.start import fetch_models, start_worker_groups, use_ray
 
@@ -98,7 +98,8 @@ class PPODriver:
             self.stages.rollout.trace_store = tracking_uri(self.run_dir)
         self._write_workers()
         w = cfg.trainer.watchdog
-        self.stragglers = StragglerWatch(self.actor_group.nodes, w.slow_factor, w.slow_steps)
+        self.stragglers = [StragglerWatch(g.nodes, w.slow_factor, w.slow_steps, key) for g, key in
+                           ((self.actor_group, TRAINER_RANKS), (pool, POOL_RANKS)) if g is not None]
         hosts = len({n["hostname"] for n in self.actor_group.nodes})
         self.clock.mark("driver_ready")
         print(f"trainer: {self.world} rank(s) on {hosts} node(s) in {where}, ready in "
@@ -220,13 +221,14 @@ class PPODriver:
     def _note_slow_nodes(self, metrics: dict[str, float]) -> None:
         """Each node's time this step into `metrics`; a node slow for long enough named
         (:mod:`trainer.stragglers`) in the log and the run's diagnoses."""
-        per_node, slow = self.stragglers.observe(self.stages.rank_metrics)
-        metrics.update(per_node)
-        for node in slow:
-            summary = node.summary(self.stragglers.factor)
-            print(f"trainer: {summary}", flush=True)
-            write_diagnosis(self.run_dir, "slow", summary, step=self.global_step, nodes=[node.host],
-                            ranks=list(node.ranks), pace_s_per_token=node.pace, others_s_per_token=node.others)
+        observed = [watch.observe({**self.stages.rank_metrics, **metrics}) for watch in self.stragglers]
+        for (per_node, slow), watch in zip(observed, self.stragglers, strict=True):
+            metrics.update(per_node)
+            for node in slow:
+                summary = node.summary(watch.factor)
+                print(f"trainer: {summary}", flush=True)
+                write_diagnosis(self.run_dir, "slow", summary, step=self.global_step, nodes=[node.host], ranks=list(node.ranks),
+                                pace_s_per_token=node.pace, others_s_per_token=node.others, pool=watch.key == POOL_RANKS)
 
     def _maybe_validate(self, metrics: dict[str, float]) -> None:
         t = self.cfg.trainer

@@ -14,6 +14,9 @@ stopped here: a slow node is not a broken one. The run goes on, unless the job w
 `--exclude-slow`: hpcrl's head agent then checkpoints and requeues it without the node when it can
 (:mod:`hpcrl.agent.slow`).
 
+A rollout pool's nodes (the one-step-off and fully-async loops) are watched the same way, their
+ranks' paces (`rollout_pool/rank_<r>/gen_s` over `gen_tokens`) compared among themselves.
+
 Every step also logs each node's pace (`perf/node/<host>/gen_s_per_token`), so the plot of a
 run shows a node falling behind before it is named.
 """
@@ -25,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SlowNode", "StragglerWatch", "rank_pace"]
+__all__ = ["POOL_RANKS", "TRAINER_RANKS", "SlowNode", "StragglerWatch", "rank_pace"]
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,19 @@ class SlowNode:
                 "--update-spec --run-dir RUN`")
 
 
-def rank_pace(rank_metrics: Mapping[str, float], world: int) -> list[float | None]:
-    """Each rank's rollout pace in a step: `dp/rank_<r>/gen_s` / `gen_tokens` (None: no tokens)."""
+TRAINER_RANKS = "dp/rank_{rank}/{phase}"
+"""The key of a trainer rank's figure of a step."""
+POOL_RANKS = "rollout_pool/rank_{rank}/{phase}"
+"""The key of a rollout-pool rank's figure (the one-step-off and fully-async loops, where the
+trainer's ranks generate nothing and the pool's nodes are compared among themselves)."""
+
+
+def rank_pace(rank_metrics: Mapping[str, float], world: int, key: str = TRAINER_RANKS) -> list[float | None]:
+    """Each rank's rollout pace in a step: `gen_s` / `gen_tokens` under `key` (None: no tokens)."""
     out: list[float | None] = []
     for rank in range(world):
-        tokens = rank_metrics.get(f"dp/rank_{rank}/gen_tokens", 0.0)
-        seconds = rank_metrics.get(f"dp/rank_{rank}/gen_s")
+        tokens = rank_metrics.get(key.format(rank=rank, phase="gen_tokens"), 0.0)
+        seconds = rank_metrics.get(key.format(rank=rank, phase="gen_s"))
         out.append(float(seconds) / float(tokens) if seconds is not None and tokens > 0 else None)
     return out
 
@@ -63,8 +73,9 @@ def rank_pace(rank_metrics: Mapping[str, float], world: int) -> list[float | Non
 class StragglerWatch:
     """Per-node times of each step, and the nodes past the bound for long enough."""
 
-    def __init__(self, nodes: Sequence[Mapping[str, Any]], factor: float, steps: int) -> None:
-        self.hosts = [str(n.get("hostname", "?")) for n in nodes]
+    def __init__(self, nodes: Sequence[Mapping[str, Any]], factor: float, steps: int, key: str = TRAINER_RANKS
+                 ) -> None:
+        self.hosts, self.key = [str(n.get("hostname", "?")) for n in nodes], key
         self.factor, self.steps = factor, steps
         self.streak: dict[str, int] = {}
         self.named: set[str] = set()
@@ -73,7 +84,7 @@ class StragglerWatch:
         """This step's per-node metrics, and the nodes named slow at this step (each once per run)."""
         per_node: dict[str, float] = {}
         ranks: dict[str, list[int]] = {}
-        for rank, (host, pace) in enumerate(zip(self.hosts, rank_pace(rank_metrics, len(self.hosts)), strict=True)):
+        for rank, (host, pace) in enumerate(zip(self.hosts, rank_pace(rank_metrics, len(self.hosts), self.key), strict=True)):
             ranks.setdefault(host, []).append(rank)
             if pace is not None:
                 per_node[host] = max(per_node.get(host, 0.0), pace)

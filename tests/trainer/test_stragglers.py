@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.stragglers import StragglerWatch, rank_pace
+from trainer.stragglers import POOL_RANKS, StragglerWatch, rank_pace
 
 NODES = [{"hostname": h} for h in ("node1", "node1", "node2", "node2", "node3", "node3")]
 
@@ -69,11 +69,18 @@ def test_the_driver_names_a_slow_node_in_its_metrics_and_diagnoses_and_hpcrl_sta
     from hpcrl.runreport import run_report
     from trainer.driver import PPODriver
 
-    driver = SimpleNamespace(stragglers=StragglerWatch(NODES, 2.0, 1), run_dir=tmp_path, global_step=7,
+    # the trainer's ranks on node1-3; a rollout pool's on pool1-3, its figures in the step's metrics
+    pool_nodes = [{"hostname": f"pool{i}"} for i in (1, 2, 3)]
+    pool_step = {k.replace("dp/rank_", "rollout_pool/rank_"): v for k, v in step([1.0, 1.0, 4.0]).items()}
+    driver = SimpleNamespace(stragglers=[StragglerWatch(NODES, 2.0, 1), StragglerWatch(pool_nodes, 2.0, 1, POOL_RANKS)],
+                             run_dir=tmp_path, global_step=7,
                              stages=SimpleNamespace(rank_metrics=step([1.0, 1.1, 1.0, 3.5, 1.2, 1.0])))
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = dict(pool_step)
     PPODriver._note_slow_nodes(driver, metrics)  # type: ignore[arg-type]
-    assert set(metrics) == {f"perf/node/node{i}/gen_s_per_token" for i in (1, 2, 3)}
+    assert {k for k in metrics if k.startswith("perf/")} == {f"perf/node/{h}{i}/gen_s_per_token"
+                                                             for h in ("node", "pool") for i in (1, 2, 3)}
     lines = run_report(tmp_path).lines()
     assert any(line.startswith("  diagnosis (slow, ") and "node `node2` (rank(s) 2, 3) is slow" in line
+               for line in lines), lines
+    assert any(line.startswith("  diagnosis (slow, ") and "node `pool3` (rank(s) 2) is slow" in line
                for line in lines), lines
