@@ -35,8 +35,8 @@ PATHS = {"object store": (False, False), "broadcast": (True, False), "broadcast,
 
 def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> list[str]:
     return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
-            f"data.val_files={data}/test.parquet", "data.max_prompt_length=32", "data.max_response_length=8",
-            "reward.reward_manager.name=toy", "actor_rollout_ref.rollout.name=hf",
+            f"data.val_files={data}/test.parquet", "data.max_prompt_length=16", "data.max_response_length=8",
+            "actor_rollout_ref.rollout.name=hf",
             "trainer.val_before_train=false", "algorithm.adv_estimator=grpo", f"trainer.default_local_dir={run}",
             "trainer.logger=jsonl", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.save_freq=-1",
@@ -65,7 +65,7 @@ def main() -> None:
 
     with pools_cluster("bench-weight-sync-", args.trainer_ranks, 1) as (root, _, data):
         model = save_tiny(root / "wide", seed=0, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8)
+                          num_hidden_layers=args.layers, num_attention_heads=8)
         driver = OneStepOffDriver(load_config(overrides(model, data, root / "run", args), env={}))
         times: dict[str, list[float]] = {name: [] for name in PATHS}
         sizes: dict[str, float] = {}
