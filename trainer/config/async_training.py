@@ -59,7 +59,7 @@ class AsyncTrainingConfig:
     partial_rollout: bool = h(
         "at a weight sync, abort the requests in flight and continue them under the new weights "
         "rather than waiting for them to finish (each part keeps its weights' log-probs; staleness "
-        "counts from the version that finished a sample); HF engine, single-turn rows")
+        "counts from the version that finished a sample); single-turn rows, HF or vLLM")
     use_rollout_log_probs: bool = h(
         "train with the rollout's log-probs as the old log-probs (no recomputation by the trainer)")
     compute_prox_log_prob: bool = h(
@@ -371,12 +371,8 @@ def _check_fully_async(cfg: Config) -> None:
             f"`actor_rollout_ref.rollout.mode={arr.rollout.mode}`: verl's fully-async rollouter runs agent loops "
             "and asserts `mode=async`. Fix: `actor_rollout_ref.rollout.mode=async` (the pool's ranks run "
             "their engines in-process, the loops' turns batched into them)")
-    # `partial_rollout` (verl's default): built for the HF engine's single-turn rows (`trainer.async_rl.partial`)
-    require(not a.partial_rollout or arr.rollout.name != "vllm",
-            "`async_training.partial_rollout=true` with `actor_rollout_ref.rollout.name=vllm` is not built: the pool's "
-            "in-process vLLM engine cannot abort a generation in flight and hand back its tokens so far. Fix: "
-            "`async_training.partial_rollout=false` (each sync waits for the calls in flight to finish under "
-            "their weights; the staleness bound holds either way), or `rollout.name=hf`")
+    # `partial_rollout` (verl's default): built for single-turn rows on the HF engine and vLLM's in-process one
+    # (`trainer.async_rl.partial`)
     require(not a.partial_rollout or not arr.rollout.multi_turn.enable,
             "`async_training.partial_rollout=true` with `actor_rollout_ref.rollout.multi_turn.enable=true` is not "
             "built: a multi-turn trajectory paused at a weight sync cannot be continued between its turns. Fix: "

@@ -186,8 +186,8 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class AbortableEngine(RolloutEngine, Protocol):
-    """An engine whose generation a partial rollout can pause (the HF engine; vLLM's in-process
-    engine is not one yet): `generate`, abortable, returns partial."""
+    """An engine whose generation a partial rollout can pause (the HF engine between decode steps,
+    vLLM's in-process engine between engine steps): `generate`, abortable, returns partial."""
 
     def abort(self) -> None:
         """End the generation in flight early (callable from another thread), its unfinished

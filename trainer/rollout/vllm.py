@@ -49,8 +49,10 @@ here (in-process engine, 1 GiB CPU KV cache, no thread pinning, no usage statist
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -310,7 +312,8 @@ def batch_from_outputs(ids: torch.Tensor, mask: torch.Tensor, prompt_index: torc
                        outputs: list[TokenOutput], width: int, pad_token_id: int, eos_token_ids: list[int]
                        ) -> RolloutBatch:
     """Responses in verl's layout: right-padded to `width`, masked after the first EOS, the
-    sampling log-probs (0 where none were asked for)."""
+    sampling log-probs (0 where none were asked for), the rows an abort cut short marked
+    (`RolloutBatch.aborted`)."""
     response = torch.full((len(outputs), width), pad_token_id, dtype=torch.long)
     log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)
     for i, out in enumerate(outputs):
@@ -318,9 +321,13 @@ def batch_from_outputs(ids: torch.Tensor, mask: torch.Tensor, prompt_index: torc
         response[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
         if out.log_probs is not None:
             log_probs[i, : len(tokens)] = torch.as_tensor(out.log_probs[: len(tokens)], dtype=torch.float32)
-    response_mask = response_mask_from_eos(response, eos_token_ids)
+    lengths = torch.tensor([min(len(out.token_ids), width) for out in outputs], dtype=torch.long)
+    generated = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # a partial row is shorter than `width`
+    response_mask = response_mask_from_eos(response, eos_token_ids) * generated.long()
     response = torch.where(response_mask.bool(), response, pad_token_id)
-    return RolloutBatch(ids, mask, response, response_mask, log_probs * response_mask, prompt_index)
+    aborted = torch.tensor([out.finish_reason == "abort" for out in outputs], dtype=torch.bool)
+    return RolloutBatch(ids, mask, response, response_mask, log_probs * response_mask, prompt_index,
+                        aborted=aborted if bool(aborted.any()) else None)
 
 
 class VLLMRolloutEngine:
@@ -347,6 +354,8 @@ class VLLMRolloutEngine:
         self.log_probs = calculate_log_probs
         self.sleeping: set[str] = set()
         self.weights_discarded = False  # a level-2 sleep since the last sync
+        self._abort = threading.Event()
+        self._request_ids = itertools.count()
         self.llm = LLM(**args, **parallel)
 
     @classmethod
@@ -417,11 +426,61 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         by_limit = {m: sampling_params(params, m, self.eos_token_ids, self.log_probs) for m in set(max_tokens)}
-        # one parameter object for the batch when every request has the same limit
-        sampling = next(iter(by_limit.values())) if len(by_limit) == 1 else [by_limit[m] for m in max_tokens]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        return [token_output(out.outputs[0], self.eos_token_ids, self.log_probs) for out in outputs]
+        return self._run(requests, [by_limit[m] for m in max_tokens])
+
+    def abort(self) -> None:
+        """End the generation in flight at the engine's next step (callable from another thread),
+        its unfinished requests returned partial with `finish_reason="abort"`, and every
+        generation after it until :meth:`resume` (verl's `abort_all_requests`)."""
+        self._abort.set()
+
+    def resume(self) -> None:
+        """Generate in full again after :meth:`abort` (verl's `resume_generation`)."""
+        self._abort.clear()
+
+    def _run(self, requests: list[Any], sampling: list[Any]) -> list[TokenOutput]:
+        """`LLM.generate`'s engine loop (`vllm/entrypoints/common/offline.py`, `_run_engine`), run
+        here so that it can stop between two engine steps: each request's tokens and log-probs
+        arrive step by step (`RequestOutputKind.DELTA`, where `LLM` asks for the final output
+        only), so an abort (:meth:`abort`) hands back what each unfinished request has so far,
+        and aborts those requests in the engine (vLLM's in-process `LLMEngine` produces no final
+        output for an aborted request; its `AsyncLLM` would)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        ids = [f"hpcrl-{next(self._request_ids)}" for _ in requests]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        lps: dict[str, list[float]] = {rid: [] for rid in ids}
+        reasons: dict[str, str] = {}
+        if self._abort.is_set():  # aborted before it began: nothing generated
+            reasons = {rid: "abort" for rid in ids}
+        else:
+            for rid, request, params in zip(ids, requests, sampling, strict=True):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.DELTA
+                engine.add_request(rid, request, params)
+        while len(reasons) < len(ids) and engine.has_unfinished_requests():
+            if self._abort.is_set():
+                unfinished = [rid for rid in ids if rid not in reasons]
+                engine.abort_request(unfinished)
+                reasons.update({rid: "abort" for rid in unfinished})
+                break
+            for out in engine.step():
+                completion = out.outputs[0]
+                tokens[out.request_id].extend(completion.token_ids)
+                if self.log_probs and completion.logprobs is not None:
+                    lps[out.request_id].extend(float(lp[tok].logprob) for tok, lp in
+                                               zip(completion.token_ids, completion.logprobs, strict=False))
+                if out.finished:
+                    reasons[out.request_id] = str(getattr(completion, "finish_reason", None) or "")
+        outputs = []
+        for rid in ids:
+            got, reason = tokens[rid], reasons.get(rid, "")
+            if reason not in ("stop", "length", "abort"):
+                reason = "stop" if got and got[-1] in self.eos_token_ids else "length"
+            outputs.append(TokenOutput(got, lps[rid] if self.log_probs else None, reason))
+        return outputs
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutBatch:
         prompt_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(params.n)

@@ -107,7 +107,7 @@ class RolloutSide:
     def _abortable(self) -> AbortableEngine:
         if not isinstance(self.rollout, AbortableEngine):
             raise RuntimeError(f"a {type(self.rollout).__name__} cannot abort its generation (a partial rollout "
-                               "needs the HF engine: `actor_rollout_ref.rollout.name=hf`)")
+                               "needs the HF engine or vLLM's in-process one)")
         return self.rollout
 
     def _rolling_out(self, run: Any, has_rows: bool, seed: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
