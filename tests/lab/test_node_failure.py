@@ -198,7 +198,9 @@ def test_a_stopped_rank_then_a_cut_off_worker_then_a_dead_head_requeue_on_spares
                 cut_network(lab, victim)
             else:
                 assert kill_node(lab, victim) > 0
-            decided, done = node_loss(run_dir, restart, timeout=150 if how == "stop" else 60)
+            # an upper bound, not an expectation: at a load of 40 (make test-fresh beside helper lab runs)
+            # the dead head took over 60 s to be noticed; quiet, 17-32 s (bench/README.md)
+            decided, done = node_loss(run_dir, restart, timeout=150)
             assert decided["lost_nodes"] == [victim], decided
             noticed.append(decided["time"] - t0)
             if how == "stop":
