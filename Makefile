@@ -88,8 +88,10 @@ lab-packages: $(STAMP)
 #   verl stage (.venv/verl-stage.log); the lab scenarios spend much of their time waiting on Slurm and Ray;
 # - the node-failure scenario from the start (lab instance 2, six nodes, .venv/node-failure.log;
 #   at the end of the lab chain it made that chain the longest), then, once .venv-vllm is built,
-#   the seeds' main_ppo lines on the same lab instance (.venv/seeds.log; after the main stage
-#   they ran alone on a machine the other chains had left).
+#   the seeds' main_ppo lines on the same lab instance, with vLLM's partial-rollout test (no lab;
+#   here, not in the vLLM stage, because this chain has time to spare and the vLLM stage ends the
+#   longest chain) (.venv/seeds.log; after the main stage they ran alone on a machine the other
+#   chains had left).
 # The vLLM stage runs after the main stage, not beside it: beside it (tried at 20b113f) the three
 # stages' load (about 7 on 2 cores) made two timing-bound scenarios fail (a stop's checkpoint past
 # Slurm's KillWait, a rank not yet asleep), for 340 s saved (docs/testing.md).
@@ -132,7 +134,7 @@ test: disk-check lab-packages
 	  echo $$? > $$nf_rc; stamp "node-failure scenario ended" >> $$nf_log; \
 	  while [ ! -s $(VENV)/vllm-build.rc ]; do sleep 2; done; \
 	  if [ "$$(cat $(VENV)/vllm-build.rc)" = 0 ]; then \
-		HPCRL_LAB_INSTANCE=2 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/lab/test_seeds.py $(PYTEST_ARGS) > $$seeds_log 2>&1; \
+		HPCRL_LAB_INSTANCE=2 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/lab/test_seeds.py tests/trainer/rollout/test_vllm_partial.py $(PYTEST_ARGS) > $$seeds_log 2>&1; \
 		echo $$? > $$seeds_rc; stamp "seed lines ended" >> $$seeds_log; \
 	  else echo "building .venv-vllm failed: the seed lines did not run" > $$seeds_log; echo 1 > $$seeds_rc; fi; } & nf=$$!; \
 	{ if $(MAKE) --no-print-directory verl-venv > $(VENV)/verl-build.log 2>&1; then \
