@@ -163,8 +163,9 @@ def test_fully_async_streams_within_the_bound_continues_responses_across_a_sync_
             assert r["dp/rank_0/rollout_pool/weight_sync_gb"] == r["dp/rank_1/rollout_pool/weight_sync_gb"] > 0
             assert r["dp/rank_0/rollout_pool/weight_sync_gb_per_s"] > 0
             assert 0 <= r["fully_async/rollouter/idle_ratio"] <= 1 and r["timing_s/gen"] >= 0
-            # both pool ranks generated this step: the stream is each rank's own
-            assert all(r.get(f"rollout_pool/rank_{k}/gen_rows", 0) > 0 for k in (0, 1)), sorted(r)
+        # both pool ranks generated: the stream is each rank's own (counted over the run: at a load of 40
+        # a rank's call outlasted a whole step, which then logged the other rank's rows alone)
+        assert all(sum(r.get(f"rollout_pool/rank_{k}/gen_rows", 0) for r in rows) > 0 for k in (0, 1)), rows
         # the rollouter ran ahead: samples of the steps before were trained, none further behind
         histogram = {int(k.rsplit("/", 1)[1]): v for k, v in rows[-1].items()
                      if k.startswith("fully_async/staleness/")}
