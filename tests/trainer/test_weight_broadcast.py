@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import threading
 import time
 from typing import Any
 
@@ -203,3 +204,48 @@ def test_a_receiver_killed_mid_sync_fails_the_sender_at_once_not_at_the_groups_t
     assert 0 < failed - died < 30, f"the sender failed {failed - died:.1f} s after the receiver died: {message}"
     assert "Connection reset by peer" in message or "Connection closed by peer" in message, message
 
+
+class _Side:
+    """A worker group for `sync_pool`: its broadcast or its receive fails after `after_s`
+    seconds (or never returns: None)."""
+
+    def __init__(self, failure: str, after_s: float | None) -> None:
+        self.world_size, self.failure, self.after_s = 1, failure, after_s
+
+    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return "float32" if method == "wire_dtype" else "the address"
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        return self.run_each(method, [args])
+
+    def run_each(self, method: str, per_rank: Any) -> list[Any]:
+        from trainer.workers.group import WorkerFailure
+
+        if self.after_s is None:
+            threading.Event().wait()  # a receiver left waiting for buckets (a daemon thread)
+        time.sleep(self.after_s)
+        raise WorkerFailure(self.failure)
+
+
+@pytest.mark.parametrize("pool_after_s", [0.5, None])
+def test_a_sync_whose_pool_rank_died_raises_the_pools_failure_not_the_senders_reset(
+        monkeypatch: pytest.MonkeyPatch, pool_after_s: float | None) -> None:
+    """A pool rank that dies inside a sync resets actor rank 0's connection at once, and Ray
+    reports the rank dead only seconds later: the sync raises the pool's failure (the dead rank,
+    its node), not gloo's reset on the trainer's rank; a pool that reports nothing within
+    `PEER_FAILURE_WAIT_S` leaves the sender's failure raised."""
+    from trainer.config.async_training import CheckpointEngineConfig
+    from trainer.stages import sync
+    from trainer.workers.group import WorkerFailure
+
+    monkeypatch.setattr(sync, "PEER_FAILURE_WAIT_S", 5.0)
+    actor = _Side("rank 0 of actor_rollout_ref on node `node1` raised RuntimeError: Connection reset by peer", 0.0)
+    pool = _Side("rank 0 of rollout on node `node2` died (ActorDiedError)", pool_after_s)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure) as raised:
+        sync.sync_pool(actor, pool, 3, lambda *_: None, CheckpointEngineConfig(True, True, 4096))
+    took = time.monotonic() - start
+    if pool_after_s is not None:
+        assert "node `node2` died" in str(raised.value) and took < 3, (raised.value, took)
+    else:
+        assert "Connection reset by peer" in str(raised.value) and 5 <= took < 8, (raised.value, took)
