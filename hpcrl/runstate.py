@@ -329,8 +329,11 @@ def running_restart(run_dir: Path) -> RestartInfo | None:
 
 def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
     """A one-word state: starting, running, finished, stopped (checkpointed, resumable),
-    aborted (interrupted twice), failed, or lost (the agent is gone without a summary)."""
+    aborted (interrupted twice), failed, lost (the agent is gone without a summary), or requeued
+    (no summary but a requeue decision: a worker's, after the head died with its node)."""
     if info.ended is None:
+        if info.requeue is not None:
+            return "requeued"
         if alive is False:
             return "lost"
         return "running" if info.payload_started else "starting"
