@@ -258,7 +258,7 @@ class RunReport:
         out.append(f"  restarts: {max(n - 1, 0)}")
         for r in self.restarts:
             # a run whose head died has no headline; the worker that requeued it says why
-            out.append(f"  run {r.index}: {r.ended or restart_state(r) + (f': {r.requeue}' if r.requeue else '')}")
+            out.append(f"  run {r.index}: {r.ended or restart_state(r) + (f': {r.requeue_why or r.requeue}' if r.requeue else '')}")
         if self.last is not None:
             total = self.last.get("training/total_steps")
             out.append(f"  steps: {self.last['step']}" + (f" of {total}" if isinstance(total, int) else ""))

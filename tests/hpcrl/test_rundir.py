@@ -232,6 +232,7 @@ def test_a_run_whose_head_died_shows_the_workers_requeue_naming_the_node(run: Pa
     worker = runstate.StateWriter(run, 0, 1, "node2")
     message = "node `node1` died; requeueing job local-1 (restart 1 of at most 2), excluding `node1`"
     worker.append(runstate.REQUEUE_DECIDED, action="requeue", lost_nodes=["node1"], message=message)
+    worker.append(runstate.REQUEUE_DONE, message="requeued job local-1 with `scontrol requeue`; set `ExcNodeList=node1`")
     make_restart(run, 1, total=2, joined=2, exit_code=None)
     report = runreport.run_report(run, alive=True)
     assert runstate.restart_state(report.restarts[0]) == "requeued" and report.state == "running"
