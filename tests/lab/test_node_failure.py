@@ -94,31 +94,16 @@ def noticed_at(run_dir: Path, restart: int, causes: tuple[str, ...], timeout: fl
 
 def kill_node(lab, host: str) -> int:
     """SIGKILL every process in `host`'s network namespace: slurmd, slurmstepd, the agent, Ray,
-    the trainer; all stopped first (SIGSTOP, until no new one appears), so that the node dies at
-    once, as a node does: killed one by one, a slurmstepd that outlived its task (the agent) by a
-    moment reported the task's death to srun, whose `--kill-on-bad-exit` then ended the step's
-    tasks on every other node, the survivors' agents with them (pids wrap on the lab's machine,
-    so their order says nothing of which went first). Returns how many processes there were."""
+    the trainer. Returns how many there were."""
     ns = next(h.netns for h in lab.cfg.compute if h.name == host)
-    stopped: set[int] = set()
-    while True:
-        pids = {int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                                               check=True).stdout.split()}
-        if pids <= stopped:
-            break
-        for pid in pids - stopped:
-            signal_pid(pid, signal.SIGSTOP)
-        stopped |= pids
-    for pid in stopped:
-        signal_pid(pid, signal.SIGKILL)
-    return len(stopped)
-
-
-def signal_pid(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                          check=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
 
 
 def cut_network(lab, host: str) -> None:
