@@ -257,7 +257,8 @@ class RunReport:
                + (f" ({n} runs: {n - 1} restart{'s' if n != 2 else ''})" if n > 1 else "")]
         out.append(f"  restarts: {max(n - 1, 0)}")
         for r in self.restarts:
-            out.append(f"  run {r.index}: {r.ended or restart_state(r)}")
+            # a run whose head died has no headline; the worker that requeued it says why
+            out.append(f"  run {r.index}: {r.ended or restart_state(r) + (f': {r.requeue_why or r.requeue}' if r.requeue else '')}")
         if self.last is not None:
             total = self.last.get("training/total_steps")
             out.append(f"  steps: {self.last['step']}" + (f" of {total}" if isinstance(total, int) else ""))

@@ -230,6 +230,8 @@ class RestartInfo:
         "help": "the head agent's process start (`process_start`): tells it from a reused pid"})
     requeue: str | None = field(default=None, metadata={
         "help": "the head's requeue decision (or what the requeue did), when it made one"})
+    requeue_why: str | None = field(default=None, metadata={
+        "help": "the requeue decision's own message (why: the lost nodes), kept after what the requeue did"})
     requeue_action: str | None = field(default=None, metadata={
         "help": "the decision's kind (`hpcrl.agent.requeue`: requeue, no-slurm, ...)"})
     job_id: str | None = field(default=None, metadata={
@@ -240,7 +242,7 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
     """Fold run `index`'s state lines into a :class:`RestartInfo`."""
     head: dict[str, Any] = {}
     total = joined = exit_code = None
-    ended = requeue = action = None
+    ended = requeue = why = action = None
     started = False
     states: dict[int, str] = {}
     for r in records:
@@ -259,6 +261,7 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
             ended = str(r.get("summary"))
         elif event in (REQUEUE_DECIDED, REQUEUE_DONE):
             requeue = str(r.get("message"))
+            why = requeue if event == REQUEUE_DECIDED else why
             action = r.get("action", action)
     return RestartInfo(
         index=index,
@@ -273,6 +276,7 @@ def restart_from_state(index: int, records: Sequence[dict[str, Any]]) -> Restart
         head_start=head.get("start") if isinstance(head.get("start"), str) else None,
         started=head.get("time") if isinstance(head.get("time"), int | float) else None,
         requeue=requeue,
+        requeue_why=why,
         requeue_action=action if isinstance(action, str) else None,
         job_id=str(head["job_id"]) if head.get("job_id") is not None else None,
     )
@@ -329,8 +333,11 @@ def running_restart(run_dir: Path) -> RestartInfo | None:
 
 def restart_state(info: RestartInfo, alive: bool | None = None) -> str:
     """A one-word state: starting, running, finished, stopped (checkpointed, resumable),
-    aborted (interrupted twice), failed, or lost (the agent is gone without a summary)."""
+    aborted (interrupted twice), failed, lost (the agent is gone without a summary), or requeued
+    (no summary but a requeue decision: a worker's, after the head died with its node)."""
     if info.ended is None:
+        if info.requeue is not None:
+            return "requeued"
         if alive is False:
             return "lost"
         return "running" if info.payload_started else "starting"

@@ -225,6 +225,20 @@ def test_a_resumed_jobs_state_is_its_own_not_the_earlier_jobs(run: Path) -> None
     assert started.state == "running" and started.restarts[-1].job_id == "13"
 
 
+def test_a_run_whose_head_died_shows_the_workers_requeue_naming_the_node(run: Path) -> None:
+    """The head died with its node (no headline, no end); the lowest live worker requeued the
+    job: the run is `requeued`, its line the worker's message naming the dead node, not `running`."""
+    make_restart(run, 0, total=2, joined=2, exit_code=None)
+    worker = runstate.StateWriter(run, 0, 1, "node2")
+    message = "node `node1` died; requeueing job local-1 (restart 1 of at most 2), excluding `node1`"
+    worker.append(runstate.REQUEUE_DECIDED, action="requeue", lost_nodes=["node1"], message=message)
+    worker.append(runstate.REQUEUE_DONE, message="requeued job local-1 with `scontrol requeue`; set `ExcNodeList=node1`")
+    make_restart(run, 1, total=2, joined=2, exit_code=None)
+    report = runreport.run_report(run, alive=True)
+    assert runstate.restart_state(report.restarts[0]) == "requeued" and report.state == "running"
+    assert f"  run 0: requeued: {message}" in report.lines()
+
+
 def test_report_sees_a_dead_agent(run: Path, tmp_path: Path) -> None:
     import subprocess
 

@@ -121,17 +121,21 @@ def check_reward_model_scored(shared: Path, row: dict) -> None:
     assert len(set(scores)) > 1, scores[:8]  # a score per response, not one constant
 
 
-def submit_fully_async(lab, sites: Path, shared: Path) -> tuple[Path, int]:
+def submit_fully_async(lab, sites: Path, shared: Path, site: str = "lab-ppo-bare", save_freq: int = -1
+                       ) -> tuple[Path, int]:
     """Fully async on two nodes, a run of its own: the rollouter streams from the pool's node into
     the queue, 12 prompts per update, a sync after each, 6 prompts ahead at most; the test requeues
-    it from outside (`scontrol requeue`) after its second step, the queue and the calls in flight dropped."""
+    it from outside (`scontrol requeue`) after its second step, the queue and the calls in flight
+    dropped (the node-failure scenario kills the pool's node instead, on a site of its own,
+    checkpointing every `save_freq` steps)."""
     run_fa = shared / "runs" / "fully-async"
     streamed = [*POOL, "data.train_batch_size=0", "data.gen_batch_size=1", "actor_rollout_ref.rollout.mode=async",
                 "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
-                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=60", "trainer.save_freq=-1",
+                "async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=60",
+                f"trainer.save_freq={save_freq}",
                 f"trainer.default_local_dir={shared / 'fa'}", f"trainer.run_dir={shared / 'fa'}",
                 f"trainer.rollout_data_dir={shared / 'fa' / 'rollouts'}"]
-    return run_fa, submit_ppo(lab, sites, "lab-ppo-bare", run_fa, 2,
+    return run_fa, submit_ppo(lab, sites, site, run_fa, 2,
                               [*trainer_overrides(shared, 1, 3)[:-2], *streamed], "--loop", "fully-async")
 
 

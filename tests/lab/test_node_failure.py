@@ -31,6 +31,13 @@ from hpcrl.diagnosis import read_diagnoses
 from hpcrl.profiles import AgentConfig
 from hpcrl.runstate import REQUEUE_DECIDED, REQUEUE_DONE, read_state
 from tests.conftest import run_hpcrl, shows_stack
+from tests.lab import FINISHED
+from tests.lab.test_distributed import (
+    expected_prompts,
+    submit_fully_async,
+    trained_prompts,
+    write_sites,
+)
 from tests.lab.test_requeue import (
     assets,  # noqa: F401 - the module fixture: tiny model and toy task
     check_metrics,
@@ -44,6 +51,7 @@ from tests.lab.test_requeue import (
     wait_for_step,
     write_site,
 )
+from trainer.metrics import read_jsonl
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -246,3 +254,71 @@ def test_a_stopped_rank_then_a_cut_off_worker_then_a_dead_head_requeue_on_spares
               f"the last run had {len(last)} nodes")
     finally:
         lab_manager.discard()  # one of its nodes is cut off, one dead
+
+
+def test_a_dead_rollout_node_in_a_fully_async_run_requeues_on_the_spare_and_trains_every_prompt_once(
+        lab_manager, sites, tmp_path):  # noqa: F811 - fixtures
+    """verl's fully-async loop on 2 nodes of a 3-node lab (the trainer's rank on one, the rollout
+    pool's on the other, wherever Ray put them; the third a spare), checkpointing every step:
+    after step 2 is saved, while the pool generates ahead, the pool's node dies (every process of
+    it killed, as the head above). On the worker node, the trainer's rollouter loses its pool rank
+    and the run ends naming the rank dead; on the head, the trainer dies with it and the worker's
+    agent finds the head silent. Either way the job is requeued without the node, resumes from
+    the newest checkpoint on the spare and finishes, and every prompt of the run is trained
+    exactly as often as in an unbroken run."""
+    from trainer.rewards.toy import write_toy_digits
+    from trainer.tiny import save_tiny
+
+    shared = tmp_path / "shared"
+    save_tiny(shared / "model", seed=0)
+    write_toy_digits(shared / "data", train_size=512, val_size=16, seed=0)
+    write_sites(sites, shared)
+    lab = lab_manager.get(nodes=3, extra={"SlurmdTimeout": SLURMD_TIMEOUT})
+    try:
+        run_dir, job = submit_fully_async(lab, sites, shared, save_freq=1)
+        wait_for_step(lab, job, run_dir, 0, 2, timeout=400)
+        deadline = time.monotonic() + 60
+        while 2 not in saved(run_dir, 0):  # its checkpoint, written while the pool generates ahead
+            assert time.monotonic() < deadline and lab.state(job) not in FINISHED, logs(run_dir)
+            time.sleep(0.2)
+        nodes = lab.run("scontrol", "show", "hostnames", lab.job(job)["NodeList"]).stdout.split()
+        layout = json.loads((shared / "fa" / "workers.json").read_text())
+        (trainer_node,), (pool_node,) = ({w["hostname"] for w in layout[g]} for g in ("actor_rollout_ref", "rollout"))
+        assert trainer_node != pool_node and {trainer_node, pool_node} == set(nodes), (layout, nodes)
+        head = pool_node == nodes[0]  # the trainer's driver runs on the head: it dies with the pool
+        t0 = time.time()
+        assert kill_node(lab, pool_node) > 0
+        decided, done = node_loss(run_dir, 0, timeout=120)
+        assert decided["lost_nodes"] == [pool_node] and f"node `{pool_node}` died" in decided["message"], decided
+        causes = ((f"the head `{pool_node}` stopped its heartbeat",) if head else
+                  ("checking whether nodes died with it",))  # the head agent's first line on a failure
+        seen = noticed_at(run_dir, 0, causes) - t0
+        assert 0 < seen < NOTICE_BOUND_S, f"{seen:.1f} s to notice that {pool_node} died\n{logs(run_dir)}"
+        trainer_seen = None
+        if not head:  # the trainer itself named the dead pool rank (its diagnosis, as `hpcrl status` shows it)
+            failures = [d for d in read_diagnoses(shared / "fa") if d["time"] >= t0]
+            assert failures and f"on node `{pool_node}`" in failures[0]["summary"], (failures, logs(run_dir))
+            assert "died" in failures[0]["summary"], failures
+            trainer_seen = failures[0]["time"] - t0
+        assert max(saved(run_dir, 0)) == 2, logs(run_dir)
+        wait_for_step(lab, job, run_dir, 1, 3, timeout=300)
+        assert resumed_from(run_dir, 1) == 2, logs(run_dir)
+        resumed = time.time() - t0
+        rec = finished(lab, job, run_dir, timeout=600)
+        assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, logs(run_dir))
+        assert rec["ExcNodeList"] == pool_node, rec
+        last = lab.run("scontrol", "show", "hostnames", rec["NodeList"]).stdout.split()
+        spare = ({"node1", "node2", "node3"} - set(nodes)).pop()
+        assert sorted(last) == sorted({*nodes, spare} - {pool_node}), (last, nodes)
+        rows = read_jsonl(shared / "fa" / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows
+        assert trained_prompts(shared, 5) == expected_prompts(shared, 60, 8)
+        status = run_hpcrl(["status", str(run_dir)], lab.env)
+        assert f"node `{pool_node}` died" in status.stdout, status.stdout + status.stderr
+        print(f"the rollout node {pool_node} ({'the head' if head else 'a worker'}) killed after step 2: "
+              + (f"the trainer named its dead pool rank after {trainer_seen:.1f} s, " if trainer_seen else "")
+              + f"the agents noticed after {seen:.1f} s, the requeue decided after {decided['time'] - t0:.1f} s, "
+              f"done after {done['time'] - t0:.1f} s; resumed from step 2 on {last} (its step 3 logged after "
+              f"{resumed:.1f} s)")
+    finally:
+        lab_manager.discard()  # one of its nodes is dead

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -140,3 +142,110 @@ def test_a_sender_whose_state_differs_from_the_layout_names_the_tensor() -> None
         sender.send([state()[0], ("layers.0.k", torch.zeros(3, 5))], 1)
     with pytest.raises(RuntimeError, match="ended before `layers.0.q`"):
         sender.send(state()[:1], 1)
+
+
+GROUP_TIMEOUT_S = 600
+"""The group's timeout in the test below: `actor_rollout_ref.nccl_timeout`'s default."""
+
+
+def _sender_until_error(address: WB.BroadcastAddress, store_port: int, out: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(address.host, store_port, address.world_size, True,
+                          timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S), wait_for_workers=False)
+    pg = WB.open_group(address, 0, GROUP_TIMEOUT_S, store=store)
+    try:
+        for v in range(1, 1000):  # syncs until one fails
+            WB.Sender(pg, address.layout, torch.device("cpu"), overlap=True).send(state(v % 3), v)
+    except RuntimeError as err:
+        out.put(("error", time.time(), str(err)))
+
+
+def _receiver_killed_mid_sync(address: WB.BroadcastAddress, rank: int, out: Any) -> None:
+    import os
+    import signal
+
+    pg = WB.open_group(address, rank, GROUP_TIMEOUT_S)
+    buckets = WB.Receiver(pg, address.layout, torch.device("cpu"), overlap=True).buckets(1)
+    next(buckets)  # the header and the first bucket of the first sync, the next one posted
+    out.put(("dying", time.time()))
+    out.close()
+    out.join_thread()  # the queue's feeder thread has sent that line
+    os.kill(os.getpid(), signal.SIGKILL)  # as a rollout node's processes die
+
+
+def test_a_receiver_killed_mid_sync_fails_the_sender_at_once_not_at_the_groups_timeout() -> None:
+    """A rollout rank whose process dies inside a sync (SIGKILL, as when its node dies): actor
+    rank 0's broadcast fails within seconds (the kernel closes the dead process's sockets, gloo
+    reads the reset), not after the group's timeout; the other receiver is left waiting, which
+    the driver ends with the run (its pool group is killed at the first failure)."""
+    layout = layout_of(state(), None)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store_port = WB.serve_store("127.0.0.1", 1, 5).port
+    address = WB.BroadcastAddress("127.0.0.1", store_port, 3, "gloo", layout)
+    procs = [ctx.Process(target=_sender_until_error, args=(address, store_port, out)),
+             ctx.Process(target=_receiver, args=(address, 1, list(range(1, 1000)), out)),
+             ctx.Process(target=_receiver_killed_mid_sync, args=(address, 2, out))]
+    for p in procs:
+        p.start()
+    got: dict[str, Any] = {}
+    try:
+        while not {"dying", "error"} <= got.keys():
+            item = out.get(timeout=120)
+            got.setdefault(item[0], item)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+    (_, died), (_, failed, message) = got["dying"], got["error"]
+    assert 0 < failed - died < 30, f"the sender failed {failed - died:.1f} s after the receiver died: {message}"
+    assert "Connection reset by peer" in message or "Connection closed by peer" in message, message
+
+
+class _Side:
+    """A worker group for `sync_pool`: its broadcast or its receive fails after `after_s`
+    seconds (or never returns: None)."""
+
+    def __init__(self, failure: str, after_s: float | None) -> None:
+        self.world_size, self.failure, self.after_s = 1, failure, after_s
+
+    def run_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return "float32" if method == "wire_dtype" else "the address"
+
+    def run(self, method: str, *args: Any) -> list[Any]:
+        return self.run_each(method, [args])
+
+    def run_each(self, method: str, per_rank: Any) -> list[Any]:
+        from trainer.workers.group import WorkerFailure
+
+        if self.after_s is None:
+            threading.Event().wait()  # a receiver left waiting for buckets (a daemon thread)
+        time.sleep(self.after_s)
+        raise WorkerFailure(self.failure)
+
+
+@pytest.mark.parametrize("pool_after_s", [0.5, None])
+def test_a_sync_whose_pool_rank_died_raises_the_pools_failure_not_the_senders_reset(
+        monkeypatch: pytest.MonkeyPatch, pool_after_s: float | None) -> None:
+    """A pool rank that dies inside a sync resets actor rank 0's connection at once, and Ray
+    reports the rank dead only seconds later: the sync raises the pool's failure (the dead rank,
+    its node), not gloo's reset on the trainer's rank; a pool that reports nothing within
+    `PEER_FAILURE_WAIT_S` leaves the sender's failure raised."""
+    from trainer.config.async_training import CheckpointEngineConfig
+    from trainer.stages import sync
+    from trainer.workers.group import WorkerFailure
+
+    monkeypatch.setattr(sync, "PEER_FAILURE_WAIT_S", 5.0)
+    actor = _Side("rank 0 of actor_rollout_ref on node `node1` raised RuntimeError: Connection reset by peer", 0.0)
+    pool = _Side("rank 0 of rollout on node `node2` died (ActorDiedError)", pool_after_s)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure) as raised:
+        sync.sync_pool(actor, pool, 3, lambda *_: None, CheckpointEngineConfig(True, True, 4096))
+    took = time.monotonic() - start
+    if pool_after_s is not None:
+        assert "node `node2` died" in str(raised.value) and took < 3, (raised.value, took)
+    else:
+        assert "Connection reset by peer" in str(raised.value) and 5 <= took < 8, (raised.value, took)

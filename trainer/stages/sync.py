@@ -10,7 +10,14 @@ from trainer.config.async_training import CheckpointEngineConfig
 from trainer.stages.logprobs import Note
 from trainer.workers.group import WorkerGroup, in_background
 
-__all__ = ["sync_pool", "sync_weights"]
+__all__ = ["PEER_FAILURE_WAIT_S", "sync_pool", "sync_weights"]
+
+PEER_FAILURE_WAIT_S = 30.0
+"""After actor rank 0's broadcast failed, how long the pool's side may take to report a failure
+of its own, which is then the one raised: a pool rank that dies inside a sync (its node dies)
+resets the sender's connection at once, and gloo's "Connection reset by peer" on the trainer's
+rank would name the wrong rank and node, while Ray reports the pool rank dead only once it
+notices the node gone (its health checks: 10-15 s on the lab)."""
 
 
 def sync_weights(actor: WorkerGroup, note: Note) -> None:
@@ -44,7 +51,9 @@ def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note,
                                 [(address, rank + 1, version, engine.overlap_broadcast_and_consume)
                                  for rank in range(pool.world_size)])
         wait([sending, loading], return_when=FIRST_EXCEPTION)  # a failed side must not wait for the other's timeout
-        for side in (sending, loading):
+        if sending.done() and sending.exception() is not None:  # the receivers' failure explains it
+            wait([loading], timeout=PEER_FAILURE_WAIT_S)
+        for side in (loading, sending):
             if side.done() and side.exception() is not None:
                 raise side.exception()  # type: ignore[misc]
         sent, loads = sending.result(), loading.result()
