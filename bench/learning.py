@@ -106,7 +106,7 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        f"data.train_batch_size={args.prompts}", "data.val_batch_size=256",
+        f"data.train_batch_size={0 if args.loop == 'fully-async' else args.prompts}", "data.val_batch_size=256",
         "data.max_prompt_length=128", f"data.max_response_length={args.response_length}",
         f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
@@ -116,14 +116,36 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        f"trainer.nnodes={args.nodes}", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
-        f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
+        *(fully_async(args) if args.loop == "fully-async" else
+          [f"trainer.nnodes={args.nodes}", f"trainer.total_training_steps={args.steps}"]),
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", f"trainer.test_freq={args.test_freq}",
         f"trainer.save_freq={args.test_freq}", "trainer.val_before_train=true",
         "trainer.log_val_generations=4", "trainer.logger=[console,jsonl]",
         "trainer.project_name=hpcrl-bench", "trainer.experiment_name=arith-smollm2-grpo",
         f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
         *tools, *args.extra,
     ]
+
+
+def fully_async(args: argparse.Namespace) -> list[str]:
+    """verl's fully-async recipe on the same node count as the sync run: the trainer on
+    `--nodes` - 1 nodes, a rollout pool of one node (one vLLM engine), with the overrides a verl
+    user gives (`fully_async_ppo_trainer.yaml`'s: `train_batch_size=0`, `gen_batch_size=1`,
+    `rollout.mode=async`, the rollout's log-probs as the old ones through rollout correction's
+    bypass mode). One update of `--prompts` prompts (`ppo_mini_batch_size` x `require_batches=1`)
+    and one weight sync per step (`trigger_parameter_sync_step`), and
+    `rollout.total_rollout_steps` = `--steps` x `--prompts`, so the run makes `--steps` updates
+    on the same samples per update as the sync run's `--steps` steps."""
+    if args.nodes < 2:
+        raise SystemExit("bench.learning: `--loop fully-async` needs `--nodes 2` or more (the trainer's "
+                         "nodes and a rollout pool of one)")
+    return [f"trainer.nnodes={args.nodes - 1}", "actor_rollout_ref.hybrid_engine=false",
+            "rollout.nnodes=1", "rollout.n_gpus_per_node=1", "data.gen_batch_size=1",
+            "actor_rollout_ref.rollout.mode=async", "async_training.partial_rollout=false",
+            f"async_training.staleness_threshold={args.staleness}",
+            f"async_training.trigger_parameter_sync_step={args.sync_every}", "async_training.require_batches=1",
+            f"rollout.total_rollout_steps={args.steps * args.prompts}",
+            "algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=true"]
 
 
 def validate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -306,7 +328,8 @@ def run(root: Path, args: argparse.Namespace) -> int:
         "  cpus_per_task: 2\ncontainer:\n  runtime: none\n")
     env["HPCRL_SITE_PATH"] = str(sites)
     argv = [sys.executable, "-m", "hpcrl", "submit", "--site", "learn-lab", "--via", "sbatch",
-            "--run-dir", str(run_dir), "--nodes", str(args.nodes), "--",
+            "--run-dir", str(run_dir), "--nodes", str(args.nodes),
+            *(["--loop", args.loop] if args.loop != "sync" else []), "--",
             *overrides(model, data, run_dir, args)]
     print("$ " + shlex.join(["hpcrl", *argv[3:]]), flush=True)
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=REPO).stdout
@@ -472,6 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path,
                    help="start from this HF model directory (e.g. bench.tool_sft's warm start) "
                         "instead of the base model")
+    p.add_argument("--loop", choices=["sync", "fully-async"], default="sync",
+                   help="run: the synchronous trainer on every node, or verl's fully-async recipe "
+                        "(`hpcrl submit --loop fully-async`: the trainer on --nodes - 1 nodes, a rollout "
+                        "pool of one node)")
+    p.add_argument("--staleness", type=float, default=0.5,
+                   help="fully-async: async_training.staleness_threshold")
+    p.add_argument("--sync-every", type=int, default=1,
+                   help="fully-async: async_training.trigger_parameter_sync_step (updates per weight sync)")
     p.add_argument("--tools", action="store_true",
                    help="every question through verl's tool agent loop with the calculator tool")
     p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
