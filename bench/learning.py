@@ -430,15 +430,20 @@ def seeds(root: Path) -> int:
     validation, the settings' mean and spread (the sample standard deviation over seeds), the
     rise from the base model's accuracy (the first validation any run of the setting logged:
     greedy, so the same for every seed), and verl's `training/rollout_probs_diff_mean` and
-    `rollout_corr/*` where logged."""
+    `rollout_corr/*` where logged. A second table gives what each setting trained (updates x
+    prompts per update, for every seed) and how its time went: the median step (the update, and
+    for the fully-async loop the weight sync after it), the job's wall time, and for the
+    fully-async loop each seed's staleness histogram (`fully_async/staleness/k`: prompts trained
+    k versions behind, the run's count at its last step) and the medians of
+    `fully_async/trainer/idle_ratio` and `fully_async/rollouter/idle_ratio`."""
     import statistics
 
     groups: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for run_dir in sorted(root.glob("*-s*/run")):
-        setting, _, seed = run_dir.parent.name.rpartition("-s")
+        setting, _, number = run_dir.parent.name.rpartition("-s")
         rows = _rows(run_dir)
-        if seed.isdigit() and any(ACC in r for r in rows):
-            groups.setdefault(setting, {})[int(seed)] = rows
+        if number.isdigit() and any(ACC in r for r in rows):
+            groups.setdefault(setting, {})[int(number)] = rows
     if not groups:
         raise SystemExit(f"bench.learning: no `<setting>-s<seed>/run` with a validation under {root}")
     print("| setting | seeds | base | last validation per seed | mean | spread (sd) | rise (mean) | "
@@ -459,7 +464,7 @@ def seeds(root: Path) -> int:
         mean = statistics.fmean(accs) if accs else float("nan")
         spread = statistics.stdev(accs) if len(accs) > 1 else float("nan")
         each = ", ".join(f"s{seed} {v[ACC]:.3f} ± {v[ACC_SEM]:.3f}" for seed, v in sorted(finals.items()))
-        steps = sorted(r["timing_s/step"] for r in train if "timing_s/step" in r)
+        steps = sorted(_step_seconds(r) for r in train if "timing_s/step" in r)
         last_step = max((r["step"] for r in train), default=0)
         halves = [[r["critic/score/mean"] for r in train if (r["step"] > last_step // 2) == late]
                   for late in (False, True)]
@@ -467,9 +472,59 @@ def seeds(root: Path) -> int:
         print(f"| {setting} | {len(accs)} | {_fmt(base)} | {each} | {mean:.3f} | {spread:.3f} | "
               f"{(mean - base) if base is not None else float('nan'):+.3f} | "
               f"{statistics.fmean(v[FORMATTED] for v in finals.values()) if finals else float('nan'):.2f} | "
-              f"{reward} | {steps[len(steps) // 2] if steps else float('nan'):.0f} | "
+              f"{reward} | {statistics.median(steps) if steps else float('nan'):.0f} | "
               f"{mean_of('training/rollout_probs_diff_mean')} | {mean_of('rollout_corr/rollout_is_mean')} |")
+    print()
+    print("| setting | updates x prompts per update, per seed | staleness histogram per seed (versions behind: prompts) | "
+          "median update s | median weight sync s | trainer idle ratio (median) | rollouter idle ratio (median) | "
+          "job wall min per seed |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for setting, runs in groups.items():
+        trained, hist, walls = [], [], []
+        for seed, rows in sorted(runs.items()):
+            train = [r for r in rows if "actor/pg_loss" in r]
+            end = train[-1] if train else {}
+            updates = int(end.get("training/updates", len(train)))
+            per_update = end.get("fully_async/static/required_samples") or _override(root / f"{setting}-s{seed}",
+                                                                                     "data.train_batch_size")
+            trained.append(f"s{seed} {updates} x {_fmt(per_update, 0) if per_update is not None else '?'}")
+            counts = {int(k.rsplit("/", 1)[1]): int(v) for k, v in end.items() if k.startswith("fully_async/staleness/")}
+            if counts:
+                hist.append(f"s{seed} " + " ".join(f"{k}: {n}" for k, n in sorted(counts.items())))
+            wall = root / f"{setting}-s{seed}" / "run-wall.json"
+            if wall.is_file():
+                walls.append(f"s{seed} {json.loads(wall.read_text())['wall_s'] / 60:.1f}")
+        train = [r for rows in runs.values() for r in rows if "actor/pg_loss" in r]
+
+        def median_of(key: str, train: list[dict[str, Any]] = train, digits: int = 2) -> str:
+            values = [r[key] for r in train if key in r]
+            return f"{statistics.median(values):.{digits}f}" if values else "-"
+
+        print(f"| {setting} | {', '.join(trained)} | {', '.join(hist) or '-'} | {median_of('timing_s/step', digits=0)} | "
+              f"{median_of('timing_s/param_sync', digits=1)} | {median_of('fully_async/trainer/idle_ratio')} | "
+              f"{median_of('fully_async/rollouter/idle_ratio')} | {', '.join(walls) or '-'} |")
     return 0
+
+
+def _step_seconds(row: dict[str, Any]) -> float:
+    """A step's time: the update (`timing_s/step`) and, in the fully-async loop, the weight sync
+    that follows it (`timing_s/param_sync`, outside the update's timer there; the synchronous
+    loop's step holds its own sync)."""
+    return row["timing_s/step"] + row.get("timing_s/param_sync", 0.0)
+
+
+def _override(root: Path, key: str) -> float | None:
+    """The value of a trainer override `key` in `run`'s job (`ROOT/run/job.json`'s payload)."""
+    job = root / "run" / "job.json"
+    if not job.is_file():
+        return None
+    for word in json.loads(job.read_text()).get("payload", []):
+        if isinstance(word, str) and word.startswith(f"{key}="):
+            try:
+                return float(word.split("=", 1)[1])
+            except ValueError:
+                return None
+    return None
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
