@@ -3,6 +3,7 @@
     python -m bench.learning prepare [--dir D]     # SmolLM2-135M-Instruct (HF) + the task's parquet
     python -m bench.learning base    [--dir D]     # the base model's validation accuracy (greedy)
     python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
+    python -m bench.learning run     --loop fully-async [--staleness 0.5]  # verl's fully-async recipe, same nodes
     python -m bench.learning local   [--dir D] [--nodes 2]  # the same run on this machine, no Slurm
     python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
     python -m bench.learning seeds   --dir D       # runs D/<setting>-s<seed> side by side, by setting
