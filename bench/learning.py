@@ -3,6 +3,7 @@
     python -m bench.learning prepare [--dir D]     # SmolLM2-135M-Instruct (HF) + the task's parquet
     python -m bench.learning base    [--dir D]     # the base model's validation accuracy (greedy)
     python -m bench.learning run     [--dir D] [--steps 24] [--requeue-at 10]
+    python -m bench.learning run     --loop fully-async [--staleness 0.5]  # verl's fully-async recipe, same nodes
     python -m bench.learning local   [--dir D] [--nodes 2]  # the same run on this machine, no Slurm
     python -m bench.learning report  [--dir D]     # the curve as a table, and sample answers
     python -m bench.learning seeds   --dir D       # runs D/<setting>-s<seed> side by side, by setting
@@ -106,7 +107,7 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        f"data.train_batch_size={args.prompts}", "data.val_batch_size=256",
+        f"data.train_batch_size={0 if args.loop == 'fully-async' else args.prompts}", "data.val_batch_size=256",
         "data.max_prompt_length=128", f"data.max_response_length={args.response_length}",
         f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
@@ -116,14 +117,36 @@ def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> l
         "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        f"trainer.nnodes={args.nodes}", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
-        f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
+        *(fully_async(args) if args.loop == "fully-async" else
+          [f"trainer.nnodes={args.nodes}", f"trainer.total_training_steps={args.steps}"]),
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", f"trainer.test_freq={args.test_freq}",
         f"trainer.save_freq={args.test_freq}", "trainer.val_before_train=true",
         "trainer.log_val_generations=4", "trainer.logger=[console,jsonl]",
         "trainer.project_name=hpcrl-bench", "trainer.experiment_name=arith-smollm2-grpo",
         f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'checkpoints'}",
         *tools, *args.extra,
     ]
+
+
+def fully_async(args: argparse.Namespace) -> list[str]:
+    """verl's fully-async recipe on the same node count as the sync run: the trainer on
+    `--nodes` - 1 nodes, a rollout pool of one node (one vLLM engine), with the overrides a verl
+    user gives (`fully_async_ppo_trainer.yaml`'s: `train_batch_size=0`, `gen_batch_size=1`,
+    `rollout.mode=async`, the rollout's log-probs as the old ones through rollout correction's
+    bypass mode). One update of `--prompts` prompts (`ppo_mini_batch_size` x `require_batches=1`)
+    and one weight sync per step (`trigger_parameter_sync_step`), and
+    `rollout.total_rollout_steps` = `--steps` x `--prompts`, so the run makes `--steps` updates
+    on the same samples per update as the sync run's `--steps` steps."""
+    if args.nodes < 2:
+        raise SystemExit("bench.learning: `--loop fully-async` needs `--nodes 2` or more (the trainer's "
+                         "nodes and a rollout pool of one)")
+    return [f"trainer.nnodes={args.nodes - 1}", "actor_rollout_ref.hybrid_engine=false",
+            "rollout.nnodes=1", "rollout.n_gpus_per_node=1", "data.gen_batch_size=1",
+            "actor_rollout_ref.rollout.mode=async", "async_training.partial_rollout=false",
+            f"async_training.staleness_threshold={args.staleness}",
+            f"async_training.trigger_parameter_sync_step={args.sync_every}", "async_training.require_batches=1",
+            f"rollout.total_rollout_steps={args.steps * args.prompts}",
+            "algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=true"]
 
 
 def validate(model: Path, data: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -306,7 +329,8 @@ def run(root: Path, args: argparse.Namespace) -> int:
         "  cpus_per_task: 2\ncontainer:\n  runtime: none\n")
     env["HPCRL_SITE_PATH"] = str(sites)
     argv = [sys.executable, "-m", "hpcrl", "submit", "--site", "learn-lab", "--via", "sbatch",
-            "--run-dir", str(run_dir), "--nodes", str(args.nodes), "--",
+            "--run-dir", str(run_dir), "--nodes", str(args.nodes),
+            *(["--loop", args.loop] if args.loop != "sync" else []), "--",
             *overrides(model, data, run_dir, args)]
     print("$ " + shlex.join(["hpcrl", *argv[3:]]), flush=True)
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=REPO).stdout
@@ -407,15 +431,20 @@ def seeds(root: Path) -> int:
     validation, the settings' mean and spread (the sample standard deviation over seeds), the
     rise from the base model's accuracy (the first validation any run of the setting logged:
     greedy, so the same for every seed), and verl's `training/rollout_probs_diff_mean` and
-    `rollout_corr/*` where logged."""
+    `rollout_corr/*` where logged. A second table gives what each setting trained (updates x
+    prompts per update, for every seed) and how its time went: the median step (the update, and
+    for the fully-async loop the weight sync after it), the job's wall time, and for the
+    fully-async loop each seed's staleness histogram (`fully_async/staleness/k`: prompts trained
+    k versions behind, the run's count at its last step) and the medians of
+    `fully_async/trainer/idle_ratio` and `fully_async/rollouter/idle_ratio`."""
     import statistics
 
     groups: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for run_dir in sorted(root.glob("*-s*/run")):
-        setting, _, seed = run_dir.parent.name.rpartition("-s")
+        setting, _, number = run_dir.parent.name.rpartition("-s")
         rows = _rows(run_dir)
-        if seed.isdigit() and any(ACC in r for r in rows):
-            groups.setdefault(setting, {})[int(seed)] = rows
+        if number.isdigit() and any(ACC in r for r in rows):
+            groups.setdefault(setting, {})[int(number)] = rows
     if not groups:
         raise SystemExit(f"bench.learning: no `<setting>-s<seed>/run` with a validation under {root}")
     print("| setting | seeds | base | last validation per seed | mean | spread (sd) | rise (mean) | "
@@ -436,7 +465,7 @@ def seeds(root: Path) -> int:
         mean = statistics.fmean(accs) if accs else float("nan")
         spread = statistics.stdev(accs) if len(accs) > 1 else float("nan")
         each = ", ".join(f"s{seed} {v[ACC]:.3f} ± {v[ACC_SEM]:.3f}" for seed, v in sorted(finals.items()))
-        steps = sorted(r["timing_s/step"] for r in train if "timing_s/step" in r)
+        steps = sorted(_step_seconds(r) for r in train if "timing_s/step" in r)
         last_step = max((r["step"] for r in train), default=0)
         halves = [[r["critic/score/mean"] for r in train if (r["step"] > last_step // 2) == late]
                   for late in (False, True)]
@@ -444,9 +473,59 @@ def seeds(root: Path) -> int:
         print(f"| {setting} | {len(accs)} | {_fmt(base)} | {each} | {mean:.3f} | {spread:.3f} | "
               f"{(mean - base) if base is not None else float('nan'):+.3f} | "
               f"{statistics.fmean(v[FORMATTED] for v in finals.values()) if finals else float('nan'):.2f} | "
-              f"{reward} | {steps[len(steps) // 2] if steps else float('nan'):.0f} | "
+              f"{reward} | {statistics.median(steps) if steps else float('nan'):.0f} | "
               f"{mean_of('training/rollout_probs_diff_mean')} | {mean_of('rollout_corr/rollout_is_mean')} |")
+    print()
+    print("| setting | updates x prompts per update, per seed | staleness histogram per seed (versions behind: prompts) | "
+          "median update s | median weight sync s | trainer idle ratio (median) | rollouter idle ratio (median) | "
+          "job wall min per seed |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for setting, runs in groups.items():
+        trained, hist, walls = [], [], []
+        for seed, rows in sorted(runs.items()):
+            train = [r for r in rows if "actor/pg_loss" in r]
+            end = train[-1] if train else {}
+            updates = int(end.get("training/updates", len(train)))
+            per_update = end.get("fully_async/static/required_samples") or _override(root / f"{setting}-s{seed}",
+                                                                                     "data.train_batch_size")
+            trained.append(f"s{seed} {updates} x {_fmt(per_update, 0) if per_update is not None else '?'}")
+            counts = {int(k.rsplit("/", 1)[1]): int(v) for k, v in end.items() if k.startswith("fully_async/staleness/")}
+            if counts:
+                hist.append(f"s{seed} " + " ".join(f"{k}: {n}" for k, n in sorted(counts.items())))
+            wall = root / f"{setting}-s{seed}" / "run-wall.json"
+            if wall.is_file():
+                walls.append(f"s{seed} {json.loads(wall.read_text())['wall_s'] / 60:.1f}")
+        train = [r for rows in runs.values() for r in rows if "actor/pg_loss" in r]
+
+        def median_of(key: str, train: list[dict[str, Any]] = train, digits: int = 2) -> str:
+            values = [r[key] for r in train if key in r]
+            return f"{statistics.median(values):.{digits}f}" if values else "-"
+
+        print(f"| {setting} | {', '.join(trained)} | {', '.join(hist) or '-'} | {median_of('timing_s/step', digits=0)} | "
+              f"{median_of('timing_s/param_sync', digits=1)} | {median_of('fully_async/trainer/idle_ratio')} | "
+              f"{median_of('fully_async/rollouter/idle_ratio')} | {', '.join(walls) or '-'} |")
     return 0
+
+
+def _step_seconds(row: dict[str, Any]) -> float:
+    """A step's time: the update (`timing_s/step`) and, in the fully-async loop, the weight sync
+    that follows it (`timing_s/param_sync`, outside the update's timer there; the synchronous
+    loop's step holds its own sync)."""
+    return row["timing_s/step"] + row.get("timing_s/param_sync", 0.0)
+
+
+def _override(root: Path, key: str) -> float | None:
+    """The value of a trainer override `key` in `run`'s job (`ROOT/run/job.json`'s payload)."""
+    job = root / "run" / "job.json"
+    if not job.is_file():
+        return None
+    for word in json.loads(job.read_text()).get("payload", []):
+        if isinstance(word, str) and word.startswith(f"{key}="):
+            try:
+                return float(word.split("=", 1)[1])
+            except ValueError:
+                return None
+    return None
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -472,6 +551,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path,
                    help="start from this HF model directory (e.g. bench.tool_sft's warm start) "
                         "instead of the base model")
+    p.add_argument("--loop", choices=["sync", "fully-async"], default="sync",
+                   help="run: the synchronous trainer on every node, or verl's fully-async recipe "
+                        "(`hpcrl submit --loop fully-async`: the trainer on --nodes - 1 nodes, a rollout "
+                        "pool of one node)")
+    p.add_argument("--staleness", type=float, default=0.5,
+                   help="fully-async: async_training.staleness_threshold")
+    p.add_argument("--sync-every", type=int, default=1,
+                   help="fully-async: async_training.trigger_parameter_sync_step (updates per weight sync)")
     p.add_argument("--tools", action="store_true",
                    help="every question through verl's tool agent loop with the calculator tool")
     p.add_argument("extra", nargs="*", metavar="KEY=VALUE",
