@@ -139,7 +139,7 @@ test: disk-check lab-packages
 	  else echo "building .venv-vllm failed: the seed lines did not run" > $$seeds_log; echo 1 > $$seeds_rc; fi; } & nf=$$!; \
 	{ if $(MAKE) --no-print-directory verl-venv > $(VENV)/verl-build.log 2>&1; then \
 		stamp ".venv-verl ready" > $$lab_log; \
-		$(PY) -m pytest -m "lab or containers" --deselect tests/lab/test_node_failure.py $(PYTEST_ARGS) >> $$lab_log 2>&1; \
+		$(PY) -m pytest -m "(lab or containers) and not vllm" --deselect tests/lab/test_node_failure.py $(PYTEST_ARGS) >> $$lab_log 2>&1; \
 		echo $$? > $$lab_rc; stamp "lab scenarios ended" >> $$lab_log; \
 		HPCRL_REQUIRE_VERL=1 $(VERL_PY) -m pytest tests/hpcrl/payloads/test_verl_layout.py tests/trainer/agent/test_reward_inputs_vs_verl.py tests/trainer/algos/test_algos_vs_verl.py tests/trainer/async_rl/test_bypass_vs_verl.py tests/trainer/async_rl/test_queue_vs_verl.py \
 			tests/trainer/agent/test_verl_compat.py $(PYTEST_ARGS) > $$verl_log 2>&1; \
