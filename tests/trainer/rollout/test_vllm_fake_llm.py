@@ -26,17 +26,53 @@ from trainer.rollout.base import SamplingParams
 class FakeSamplingParams:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
+        self.output_kind: Any = None
+
+    def clone(self) -> FakeSamplingParams:
+        return FakeSamplingParams(**self.kwargs)
 
 
 @dataclass
 class _Completion:
     token_ids: list[int]
     logprobs: Any = None
+    finish_reason: str | None = None
 
 
 @dataclass
 class _Output:
+    request_id: str
     outputs: list[_Completion]
+    finished: bool
+
+
+class FakeEngine:
+    """vLLM's `LLMEngine` as the engine loop drives it (`add_request`, `step`): each request gets
+    token 5, then EOS (1) at the next step, in deltas."""
+
+    def __init__(self, calls: list[tuple[str, Any]]) -> None:
+        self.calls: list[tuple[str, Any]] = calls
+        self.pending: dict[str, tuple[int, Any]] = {}
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> str:
+        self.calls.append(("add_request", params))
+        self.pending[request_id] = (0, params)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[_Output]:
+        out = []
+        for rid, (done, params) in list(self.pending.items()):
+            token, lp = (5, -0.5) if done == 0 else (1, -0.25)
+            logprobs = params.kwargs["logprobs"] is not None
+            out.append(_Output(rid, [_Completion([token], [{token: types.SimpleNamespace(logprob=lp)}] if logprobs else None,
+                                                 "stop" if done else None)], bool(done)))
+            self.pending[rid] = (done + 1, params)
+            if done:
+                del self.pending[rid]
+        return out
 
 
 class FakeLLM:
@@ -45,6 +81,7 @@ class FakeLLM:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.calls: list[tuple[str, Any]] = []
+        self.llm_engine = FakeEngine(self.calls)
 
     def sleep(self, level: int = 1) -> None:
         self.calls.append(("sleep", level))
@@ -58,12 +95,6 @@ class FakeLLM:
     def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache", None))
 
-    def generate(self, requests: list[Any], params: Any, use_tqdm: bool = False) -> list[_Output]:
-        self.calls.append(("generate", params))
-        logprobs = params.kwargs["logprobs"] is not None
-        lp = [{5: types.SimpleNamespace(logprob=-0.5)}, {1: types.SimpleNamespace(logprob=-0.25)}]
-        return [_Output([_Completion([5, 1], lp if logprobs else None)]) for _ in requests]
-
 
 def make_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, *, gpu: bool = True, **kwargs: Any
                 ) -> V.VLLMRolloutEngine:
@@ -74,6 +105,9 @@ def make_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, *, gpu: bool = T
     inputs.TokensPrompt = dict  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = types.SimpleNamespace(DELTA="delta")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     for key in {**V.engine_env(), "VLLM_CPU_KVCACHE_SPACE": "", "VLLM_CPU_OMP_THREADS_BIND": "",
                 "TORCHDYNAMO_DISABLE": ""}:  # the engine sets its defaults in os.environ: undone after
@@ -120,8 +154,9 @@ def test_verls_defaults_cuda_graphs_one_unseeded_sampling_and_no_log_probs(monke
     engine = make_engine(monkeypatch, tmp_path, enforce_eager=cfg.actor_rollout_ref.rollout.enforce_eager)
     assert engine.llm.kwargs["enforce_eager"] is False
     out = engine.generate(PROMPTS, (PROMPTS > 0).long(), SAMPLE)
-    (params,) = [p for name, p in engine.llm.calls if name == "generate"]
-    assert isinstance(params, FakeSamplingParams)  # one for the batch, not one per row
+    asked = [p for name, p in engine.llm.calls if name == "add_request"]
+    assert len(asked) == 4 and all(p.kwargs == asked[0].kwargs and p.output_kind == "delta" for p in asked)
+    params = asked[0]  # the same sampling for every row, its tokens in deltas (the engine loop's)
     assert "seed" not in params.kwargs and params.kwargs["logprobs"] is None and params.kwargs["n"] == 1
     assert out.prompt_index.tolist() == [0, 0, 1, 1] and not out.log_probs.any()
 
@@ -129,7 +164,7 @@ def test_verls_defaults_cuda_graphs_one_unseeded_sampling_and_no_log_probs(monke
 def test_log_probs_are_asked_for_with_calculate_log_probs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     engine = make_engine(monkeypatch, tmp_path, calculate_log_probs=True)
     out = engine.generate(PROMPTS, (PROMPTS > 0).long(), SAMPLE)
-    (params,) = [p for name, p in engine.llm.calls if name == "generate"]
+    params = next(p for name, p in engine.llm.calls if name == "add_request")
     assert params.kwargs["logprobs"] == 0
     assert out.log_probs[0, :2].tolist() == [-0.5, -0.25]
 
