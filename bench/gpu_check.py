@@ -434,6 +434,12 @@ for _ in range(calls):
     dist.all_reduce(t)
 if backend == "nccl":
     torch.cuda.synchronize()
+else:  # gloo records a collective completed on its own thread, after the call returns: wait for it
+    import pickle
+    deadline = time.monotonic() + 60
+    while (FR.summarise(pickle.loads(FR._recorder_bytes()[0]))["pending"] is not None
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
 print("ready", flush=True)
 time.sleep(300)
 """
