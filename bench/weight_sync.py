@@ -28,21 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.one_step_off import overrides as one_step_off_overrides
 from bench.one_step_off import pools_cluster
 
 PATHS = {"object store": (False, False), "broadcast": (True, False), "broadcast, pipelined": (True, True)}
 
 
 def overrides(model: Path, data: Path, run: Path, args: argparse.Namespace) -> list[str]:
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
-            f"data.val_files={data}/test.parquet", "data.max_prompt_length=16", "data.max_response_length=8",
-            "actor_rollout_ref.rollout.name=hf",
-            "trainer.val_before_train=false", "algorithm.adv_estimator=grpo", f"trainer.default_local_dir={run}",
-            "trainer.logger=jsonl", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.save_freq=-1",
-            "trainer.total_training_steps=1", "actor_rollout_ref.hybrid_engine=false",
-            "rollout.nnodes=1", "rollout.n_gpus_per_node=1", "trainer.nnodes=1",
-            f"trainer.n_gpus_per_node={args.trainer_ranks}", "trainer.device=cpu",
+    """`bench.one_step_off`'s driver (nothing is trained here: its batch and steps only size the
+    driver), the HF engine, buckets of `--bucket-mb`."""
+    sizes = argparse.Namespace(response_length=8, batch=4, steps=1, trainer_ranks=args.trainer_ranks)
+    return [*one_step_off_overrides(model, data, run, sizes), "actor_rollout_ref.rollout.name=hf",
             f"actor_rollout_ref.rollout.update_weights_bucket_megabytes={args.bucket_mb}"]
 
 
