@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from tests.trainer.async_rl.conftest import stopped_after
 from tests.verl_env import verl_python
 from trainer.config import ConfigError, check_run, load_config
 from trainer.data import DataError, PromptDataset, PromptLoader
@@ -542,17 +543,9 @@ def test_training_runs_on_the_class_with_the_curriculum_and_resumes_it(tiny_mode
     assert any(k.startswith("val-core/openai/gsm8k/") for k in rows[-1])  # validated on the class's items
 
     broken = tmp_path / "broken"
-    first = PPODriver(load_config(gsm8k_run(tiny_model_dir, broken, classes, "trainer.total_training_steps=3")))
+    first = stopped_after(PPODriver, 2)(load_config(gsm8k_run(tiny_model_dir, broken, classes,
+                                                             "trainer.total_training_steps=3")))
     first.stop.install = lambda *a: None  # type: ignore[method-assign]
-    step = first.train_step
-
-    def step_then_stop(examples):
-        metrics = step(examples)
-        if first.global_step == 2:
-            (broken / "STOP").touch()
-        return metrics
-
-    first.train_step = step_then_stop  # type: ignore[method-assign]
     assert first.fit() == REQUEUE_EXIT_CODE
     resumed = PPODriver(load_config(gsm8k_run(tiny_model_dir, broken, classes, "trainer.total_training_steps=3")))
     assert resumed.fit() == 0
