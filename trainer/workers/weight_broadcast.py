@@ -162,8 +162,8 @@ class SyncStats:
     seconds: float
     bytes: int
     wait_s: float
-    """Seconds blocked on the network (the sender waiting for a broadcast to finish before
-    refilling its buffer, a receiver waiting for its bucket)."""
+    """Seconds the sender was blocked on the network (waiting for a broadcast to finish before
+    refilling its buffer)."""
 
 
 _STORE_PREFIX = "hpcrl-weight-broadcast"
@@ -263,7 +263,6 @@ class Receiver:
 
     def __init__(self, pg: Any, layout: Layout, device: torch.device, *, overlap: bool) -> None:
         self.pg, self.layout, self.device, self.overlap = pg, layout, device, overlap
-        self.wait_s = 0.0
         self.received = 0
         """Bytes of the sync in progress received so far."""
 
@@ -282,11 +281,6 @@ class Receiver:
         buffer = torch.empty(self.layout.sizes[b], dtype=torch.uint8, device=self.device)
         return buffer, _broadcast(self.pg, buffer)
 
-    def _wait(self, work: Any) -> None:
-        t0 = time.perf_counter()
-        work.wait()
-        self.wait_s += time.perf_counter() - t0
-
     def _unpack(self, b: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         self.received += self.layout.sizes[b]
         return [(s.name, buffer[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape))
@@ -302,13 +296,13 @@ class Receiver:
         if not self.overlap:
             for b in range(count):
                 buffer, work = self._post(b)
-                self._wait(work)
+                work.wait()
                 yield self._unpack(b, buffer)
             return
         nxt = self._post(0) if count else None
         for b in range(count):
             assert nxt is not None
             buffer, work = nxt
-            self._wait(work)
+            work.wait()
             nxt = self._post(b + 1) if b + 1 < count else None
             yield self._unpack(b, buffer)
