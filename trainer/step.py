@@ -38,7 +38,7 @@ from trainer.stages.sync import sync_pool, sync_weights
 from trainer.stages.validate import log_generations, validate
 from trainer.startup import Clock
 from trainer.watchdog import at
-from trainer.workers.group import WorkerGroup
+from trainer.workers.group import WorkerGroup, while_alive
 
 __all__ = ["Stages"]
 
@@ -257,7 +257,9 @@ class Stages:
         t = self.cfg.trainer
         dump = ValidationDump(t.validation_data_dir, self.tokenizer)
         with at("validate", step):  # its rollout bounded by earlier validations', not by training's
-            metrics, samples = validate(
+            # on a rollout pool the trainer's ranks sit idle meanwhile: one that dies ends the run now
+            metrics, samples = while_alive(
+                self.groups() if self.pool is not None else [], validate,
                 val_set, self.cfg.data.val_batch_size, lambda examples: self.generate(examples, step, validate=True),
                 dump.scoring(self.compute_rewards), self.tokenizer, step, t.log_val_generations)
         dump.write(step)

@@ -63,3 +63,42 @@ def test_one_engines_error_fails_the_run_at_once_naming_its_rank(ray_local: Any)
     for actor in group.actors:  # every rank is gone, the blocked one too: nothing waits 600 s
         with pytest.raises(ray_local.exceptions.RayActorError):
             ray_local.get(actor.call.remote("actor", "node_info"), timeout=30)
+
+
+class Idle:
+    """A trainer rank with nothing to do while the pool validates; `sleep` is the pool's call."""
+
+    def __init__(self, cfg: Any, rank: int, world_size: int, total_steps: int) -> None:
+        self.rank = rank
+
+    def node_info(self) -> dict[str, Any]:
+        import os
+        import socket
+
+        return {"rank": self.rank, "hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}
+
+    def ping(self) -> int:
+        return self.rank
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_trainer_rank_dying_while_the_pool_validates_ends_the_run_at_once(ray_local: Any) -> None:
+    """The fully-async and one-step-off loops validate on the rollout pool while the trainer's
+    ranks sit idle: one that dies then must end the run within a ping's period, not when the
+    trainer is next called, minutes later."""
+    import threading
+
+    from trainer.workers.group import WorkerFailure, while_alive
+    from trainer.workers.ray_group import make_placement_group, start_colocated
+
+    trainer = start_colocated({"actor": Idle}, None, 1, slot=make_placement_group(1, 1), world_size=1)["actor"]
+    pool = start_colocated({"rollout": Idle}, None, 1, slot=make_placement_group(1, 1), world_size=1)["rollout"]
+    assert while_alive([trainer], pool.run, "sleep", 1.5, every_s=0.5) == [1.5]  # a live trainer: the result
+    threading.Timer(2.0, ray_local.kill, (trainer.actors[0],)).start()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"worker group `actor` rank 0 .* died .* during `ping`"):
+        while_alive([trainer], pool.run, "sleep", 120.0, every_s=0.5)
+    assert time.monotonic() - start < 30  # the pool's call lasts 120 s

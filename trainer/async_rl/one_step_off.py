@@ -69,7 +69,8 @@ class OneStepOffDriver(PPODriver):
     def _start(self, step: int) -> Future[tuple[StepBatch, dict[str, float]]]:
         examples: list[Example] = self.loader.next_batch()
         self.ahead = examples
-        return in_background("rollout-pool", self.stages.sample_ahead, examples, step)
+        with at(step=step):  # the generation's calls are step `step`'s (the thread keeps this context)
+            return in_background("rollout-pool", self.stages.sample_ahead, examples, step)
 
     def next_step(self) -> dict[str, float]:
         step, st = self.global_step, self.stages

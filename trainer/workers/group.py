@@ -11,14 +11,19 @@ rank (:meth:`~WorkerGroup.run`, :meth:`~WorkerGroup.run_each`) or on one
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from typing import Any
 
 from trainer.config import Config
 
-__all__ = ["LocalWorkerGroup", "RankView", "WorkerFailure", "WorkerGroup", "in_background"]
+__all__ = ["LocalWorkerGroup", "RankView", "WorkerFailure", "WorkerGroup", "in_background", "while_alive"]
+
+WATCH_S = 5.0
+"""How often :func:`while_alive` pings the idle groups: a dead rank is noticed within this and
+Ray's own notice of it (its health checks: 10-15 s for a whole node on the lab)."""
 
 
 class WorkerFailure(RuntimeError):
@@ -123,14 +128,34 @@ class RankView(WorkerGroup):
 def in_background(name: str, fn: Any, *args: Any) -> Future[Any]:
     """`fn(*args)` in a daemon thread called `name`: a call still in flight when the run stops (a
     generation ahead, at a checkpoint and a requeue; a broadcast whose peer failed) must not keep
-    the process from exiting."""
+    the process from exiting.
+
+    The thread runs in a copy of the caller's context, so that its calls to the ranks keep the
+    caller's phase and step (:func:`trainer.watchdog.at`: the watchdog keys and names them by it)."""
     future: Future[Any] = Future()
+    context = contextvars.copy_context()
 
     def run() -> None:
         try:
-            future.set_result(fn(*args))
+            future.set_result(context.run(fn, *args))
         except BaseException as err:  # handed to the caller, which raises it
             future.set_exception(err)
 
     threading.Thread(target=run, daemon=True, name=name).start()
     return future
+
+
+def while_alive(groups: Sequence[WorkerGroup], fn: Callable[..., Any], *args: Any, every_s: float = WATCH_S) -> Any:
+    """`fn(*args)`, a call on other groups (a validation on the rollout pool), while `groups` sit
+    idle: each of their ranks is pinged every `every_s` seconds meanwhile, so that one that dies
+    ends the run at once, with its group's own failure naming it (:class:`WorkerFailure`), rather
+    than minutes later when its group is next called. A group with no ranks elsewhere (one rank in
+    this process) is not pinged. On a failure `fn`'s thread is left running: the run is ending."""
+    remote = [g for g in groups if not isinstance(g, LocalWorkerGroup)]
+    if not remote:
+        return fn(*args)
+    future = in_background(f"{threading.current_thread().name}-watched", fn, *args)
+    while not wait([future], timeout=every_s).done:
+        for group in remote:
+            group.run("ping")
+    return future.result()
