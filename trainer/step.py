@@ -60,6 +60,8 @@ class Stages:
         # under `mode=async`, verl's only mode for its pools: the same sampling as its servers')
         self.rollout = Rollout(cfg, pool or actor, tokenizer.pad_token_id, in_process=pool is not None)
         self.rank_metrics: dict[str, float] = {}
+        self.broadcast_address: Any = None
+        """The pool's weight broadcast, once the first sync asked for it (:func:`sync_pool`)."""
         self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 
     def groups(self) -> list[WorkerGroup]:
@@ -192,7 +194,8 @@ class Stages:
         if self.pool is None:
             sync_weights(self.actor_group, self.note)
         else:
-            sync_pool(self.actor_group, self.pool, version, self.note, self.cfg.async_training.checkpoint_engine)
+            self.broadcast_address = sync_pool(self.actor_group, self.pool, version, self.note,
+                                               self.cfg.async_training.checkpoint_engine, self.broadcast_address)
 
     def sample_ahead(self, examples: list[Example], step: int) -> tuple[StepBatch, dict[str, float]]:
         """Step `step`'s rollout on the rollout pool, run beside the training of the step before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_EXCEPTION, wait
+from typing import Any
 
 from trainer.config.async_training import CheckpointEngineConfig
 from trainer.stages.logprobs import Note
@@ -27,7 +28,7 @@ def sync_weights(actor: WorkerGroup, note: Note) -> None:
 
 
 def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note,
-              engine: CheckpointEngineConfig) -> None:
+              engine: CheckpointEngineConfig, address: Any = None) -> Any:
     """Give the rollout pool's engines the actor's current weights as weight version `version`.
 
     With `async_training.checkpoint_engine.enable` (the default), a collective broadcast from
@@ -40,11 +41,17 @@ def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note,
     `rollout_pool/load_weights_s`, the GB each pool rank loaded and the whole sync's rate
     (`rollout_pool/weight_sync_gb`, `rollout_pool/weight_sync_gb_per_s`: bytes over the sync's
     wall time); with the broadcast also actor rank 0's seconds blocked on the network
-    (`rollout_pool/broadcast_wait_s`)."""
+    (`rollout_pool/broadcast_wait_s`).
+
+    `address`: the broadcast's address (:class:`~trainer.workers.weight_broadcast.BroadcastAddress`)
+    as the last sync returned it, or None at the first: it is asked of actor rank 0 once (it is
+    fixed for the run: the store, the backend, the bucket layout). Returns it (None through the
+    object store)."""
     start = time.perf_counter()
     if engine.enable:
-        wire = pool.run_rank(0, "wire_dtype")
-        address = actor.run_rank(0, "weight_broadcast_address", pool.world_size, wire)
+        if address is None:
+            wire = pool.run_rank(0, "wire_dtype")
+            address = actor.run_rank(0, "weight_broadcast_address", pool.world_size, wire)
         sending = in_background("weight-broadcast", actor.run, "broadcast_weights", version,
                                 engine.overlap_broadcast_and_consume)
         loading = in_background("weight-receive", pool.run_each, "receive_weights",
@@ -67,3 +74,4 @@ def sync_pool(actor: WorkerGroup, pool: WorkerGroup, version: int, note: Note,
     note("rollout_pool/load_weights_s", [seconds for seconds, _ in loads])
     note("rollout_pool/weight_sync_gb", [size / 1e9 for _, size in loads])
     note("rollout_pool/weight_sync_gb_per_s", [size / 1e9 / max(total, 1e-9) for _, size in loads])
+    return address
