@@ -66,7 +66,12 @@ def build_figure(records: Sequence[dict[str, Any]], title: str = "",
     if not records:
         raise PlotError("no steps to plot: the run has not logged any step yet (`metrics.jsonl` "
                         "is empty); wait for the first step or check `hpcrl logs RUN`")
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:  # a login node's `pip install hpcrl`: the light launcher
+        raise PlotError("the plot needs matplotlib, which the light launcher (`pip install hpcrl`) leaves out. "
+                        "Fix: `pip install 'hpcrl[plot]'` (matplotlib alone), or plot where `hpcrl[train]` "
+                        "is installed; `hpcrl status RUN` prints the latest metrics without it") from None
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure

@@ -370,3 +370,22 @@ def test_commands_shown_that_create_nothing_run() -> None:
                                 f"{proc.returncode}: {proc.stderr[-800:]}")
     assert ran >= 4, f"only {ran} commands ran"
     assert not failures, "\n".join(failures)
+
+
+def test_the_quickstart_pages_commands_are_the_ones_its_lab_test_runs() -> None:
+    """`tests/lab/test_quickstart.py` runs `docs/quickstart-cluster.md`'s commands as the page
+    gives them (read from the page); every other command of the page is named with where it is
+    tested, so a command added to the page is either run there or accounted for here."""
+    from tests.quickstart_page import NOT_RUN_HERE, page_commands
+
+    test = (REPO / "tests" / "lab" / "test_quickstart.py").read_text()
+    ran = re.findall(r'page\.(?:run|start|argv)\("([^"]+)"', test)
+    commands = page_commands()
+    assert len(commands) >= 10, commands
+    for command in commands:
+        runs = [prefix for prefix in ran if command.startswith(prefix)]
+        assert runs or command in NOT_RUN_HERE, f"`{command}` is on the quickstart page, run by no test"
+    for prefix in ran:
+        assert sum(c.startswith(prefix) for c in commands) == 1, f"`{prefix}` names no single command of the page"
+    for command in NOT_RUN_HERE:
+        assert command in commands, f"`{command}` is no longer on the page"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -106,14 +107,30 @@ def elastic_world(profile: Any, overrides: list[str]) -> list[str]:
     return overrides if given else [*overrides, NNODES_FROM_ALLOCATION]
 
 
-def resumed_payload(run_dir: Any) -> tuple[tuple[str, ...], str] | None:
-    """(payload, payload_start) of the job in `run_dir`'s `job.json`; None when unreadable
-    (`prepare_run_dir` then names the fault)."""
+def resumed_job(run_dir: Any) -> JobSpec | None:
+    """The job in `run_dir`'s `job.json`; None when unreadable (`prepare_run_dir` then names
+    the fault)."""
     try:
-        job = JobSpec.from_dict(read_job(run_dir))
+        return JobSpec.from_dict(read_job(run_dir))
     except (RunFileError, JobSpecError):
         return None
-    return job.payload, job.payload_start
+
+
+#: The Slurm settings a command-line flag sets (`--nodes` sets two), which `--resume` keeps from
+#: the job when the flag is not given, as it keeps the job's overrides.
+RESUMED_FLAGS = {"nodes": ("nodes", "min_nodes"), "time": ("time",), "partition": ("partition",),
+                 "exclude_slow": ("exclude_slow",)}
+
+
+def resumed_slurm(args: argparse.Namespace, site: str, run_dir: Any) -> dict[str, Any]:
+    """`--resume`: the job's own value of each Slurm setting whose flag this command line leaves
+    out, where the job ran on this site (another site's job is refused, naming the difference)."""
+    job = resumed_job(run_dir) if args.resume and run_dir else None
+    if job is None or job.site != site:
+        return {}
+    slurm = job.profile.get("slurm", {})
+    return {key: slurm[key] for flag, keys in RESUMED_FLAGS.items() if getattr(args, flag, None) is None
+            for key in keys if key in slurm}
 
 
 def verl_payload(profile: Any, python: str, overrides: list[str], run_dir: Any) -> tuple[str, ...]:
@@ -184,6 +201,13 @@ def prepare(args: argparse.Namespace) -> Any:
         profile = replace_slurm(profile, nodes=nodes, min_nodes=least or nodes)
     profile = replace_slurm(profile, time=args.time, partition=args.partition,
                             exclude_slow=getattr(args, "exclude_slow", None))
+    if kept_slurm := resumed_slurm(args, profile.name, args.run_dir and Path(args.run_dir).expanduser()):
+        differing = {k: v for k, v in kept_slurm.items() if getattr(profile.slurm, k) != v}
+        profile = dataclasses.replace(profile, slurm=dataclasses.replace(profile.slurm, **kept_slurm))
+        if differing:
+            shown = ", ".join(f"`slurm.{k}` {v}" for k, v in differing.items())
+            print(f"hpcrl: note: `--resume` keeps the job's {shown}, not the profile's (a flag given here "
+                  f"changes one, with `--update-spec`)", file=sys.stderr)
     python = default_python(profile)
     payload = list(args.payload)
     if payload[:1] == ["--"]:
@@ -197,9 +221,9 @@ def prepare(args: argparse.Namespace) -> Any:
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
     if args.resume:
         check_resumable(run_dir)  # the dry run and render say so too, not only the submission
-    kept = resumed_payload(run_dir) if args.resume and not payload else None
-    if kept is not None:  # `--resume` without overrides: the job's own payload
-        argv, start = kept
+    job = resumed_job(run_dir) if args.resume and not payload else None
+    if job is not None:  # `--resume` without overrides: the job's own payload
+        argv, start = job.payload, job.payload_start
     elif getattr(args, "verl", False):
         if args.whole_command:
             raise RequestError("`--verl` and `--command` name two payloads; pass one of them")

@@ -134,3 +134,15 @@ def test_an_asynchronous_run_gets_its_lag_and_idle_panels() -> None:
     assert len(fully.get_axes()) == len(PANELS) + 2
     assert list(lag.get_lines()[0].get_ydata()) == [1, 0, 1]
     assert list(idle.get_lines()[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_a_light_install_without_matplotlib_is_told_what_to_install(run: Path, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    """A login node's `pip install hpcrl` has no matplotlib (`tests/lab/test_quickstart.py` runs
+    the command there): the plot names the extra, and writes nothing."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+    with pytest.raises(PlotError, match=r"pip install 'hpcrl\[plot\]'"):
+        plot_run(run, run / "out.png")
+    assert not (run / "out.png").exists()

@@ -315,11 +315,18 @@ def test_render_cli_prepares_run_dir_and_prints_script(tmp_path: Path,
     resumed = run_hpcrl(same, clean_env)  # no overrides after `--`: the job's own
     assert resumed.returncode == 0, resumed.stderr
     assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec
+    bare = run_hpcrl(["render", "--site", "slurmlab", "--run-dir", str(run_dir), "--resume"], clean_env)
+    assert bare.returncode == 0, bare.stderr  # no flags either: the job's own `--nodes`, `--time`, `--partition`
+    assert "#SBATCH --nodes=2" in bare.stdout and "#SBATCH --time=5" in bare.stdout, bare.stdout
+    assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec
+    assert ("hpcrl: note: `--resume` keeps the job's `slurm.nodes` 2, `slurm.min_nodes` 2, `slurm.time` 5, "
+            "`slurm.partition` high, not the profile's") in bare.stderr, bare.stderr
     changed = run_hpcrl([*same[:3], "--time", "7", *same[7:], "--", "trainer.total_epochs=2", CRITIC_MBS],
                         clean_env)
     assert changed.returncode == 2 and changed.stdout == "", changed.stderr
-    assert changed.stderr.count("\n") == 1 and "`profile.slurm.time` `\"5\"` -> `\"7\"`" in \
-        changed.stderr and "`partition`" not in changed.stderr, changed.stderr
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("hpcrl: error:")]
+    assert len(errors) == 1 and "`profile.slurm.time` `\"5\"` -> `\"7\"`" in \
+        changed.stderr and "`partition`" not in errors[0] and "`nodes`" not in errors[0], changed.stderr
     assert ("`payload` drops `trainer.total_epochs=1` and adds `trainer.total_epochs=2`"
             in changed.stderr and "--update-spec" in changed.stderr)
     assert JobSpec.from_json((run_dir / "job.json").read_text()) == spec  # kept

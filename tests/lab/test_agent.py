@@ -338,7 +338,8 @@ def test_taken_port_blocks_move_the_job_or_fail_it_naming_the_holder(lab, sites,
 def test_sites_new_profile_runs_a_job_unchanged(lab, lab_images, tmp_path):
     """A new site's first day on the lab: `hpcrl sites new` against the lab's Slurm (no terminal:
     defaults and notes); `hpcrl submit` with the profile as written (Ray on all 3 nodes in
-    Podman), which suggests the doctor; `hpcrl doctor` passes (no GPU, gloo) and is recorded."""
+    Podman), which suggests the doctor. The doctor's own pass, and its record, on such a profile
+    from a login node's light install: `tests/lab/test_quickstart.py`."""
     env = {**lab.env, "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_STATE_HOME": str(tmp_path / "state")}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "hpcrl", "sites", "new", "labnew", "--extends", "slurmlab"],
@@ -363,21 +364,3 @@ def test_sites_new_profile_runs_a_job_unchanged(lab, lab_images, tmp_path):
     assert "`hpcrl doctor --site labnew` has never passed here" in sub.stderr
     print(f"sites new + submit + job on the lab: {time.monotonic() - t0:.1f} s")
 
-    t1 = time.monotonic()
-    doc = subprocess.run([sys.executable, "-m", "hpcrl", "doctor", "--site", "labnew", "--nodes", "3",
-                          "--run-dir", str(tmp_path / "runs" / "doctor")], env={**env, "PYTHONPATH": str(REPO)},
-                         stdin=subprocess.DEVNULL, text=True, capture_output=True, timeout=300)
-    assert doc.returncode == 0, doc.stdout + doc.stderr + run_logs(tmp_path / "runs" / "doctor")
-    table = doc.stdout[doc.stdout.index("PASS  Ray"):]
-    for check in ["PASS  Ray: every node joined", "PASS  container starts on every node",
-                  "PASS  node1: GPUs torch sees = granted", "PASS  all-reduce across nodes: result",
-                  "PASS  all-reduce across nodes: bus bandwidth", "SKIP  all-reduce across nodes: transport",
-                  "SKIP  vLLM loads and generates on one GPU",
-                  "PASS  the payload's interpreter: one on every node, Python >= 3.11", "PASS  run directory shared by every node"]:
-        assert check in table, table
-    assert "FAIL" not in table and "0 x none (0 GiB) via CPU, granted 0" in table
-    assert (tmp_path / "state" / "hpcrl" / "doctor" / "labnew.json").is_file()
-    again = run_hpcrl(["submit", "--site", "labnew", "--via", "sbatch", "--run-dir", str(tmp_path / "runs" / "again"),
-                       "--dry-run", "--command", "--", "true"], env)
-    assert again.returncode == 0 and "never passed" not in again.stderr
-    print(f"hpcrl doctor on the lab: {time.monotonic() - t1:.1f} s\n{table}")
