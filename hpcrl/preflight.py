@@ -163,6 +163,15 @@ def parquet_columns(path: Path) -> list[str] | None:
     return list(pq.read_schema(path).names)
 
 
+def data_keys(overrides: Mapping[str, str], defaults: Mapping[str, Any]) -> list[str]:
+    """The data files the trainer reads: the training files, and the validation files when
+    validation runs."""
+    val_before, _ = setting("trainer.val_before_train", overrides, defaults)
+    test_freq, _ = setting("trainer.test_freq", overrides, defaults)
+    validates = is_true(val_before) or (str(test_freq).lstrip("-").isdigit() and int(str(test_freq)) > 0)
+    return ["data.train_files", *(["data.val_files"] if validates else [])]
+
+
 def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdir: Path,
                read_columns: Callable[[Path], list[str] | None] = parquet_columns) -> list[str]:
     """Training (and, when validation runs, validation) files exist and have verl's columns; the
@@ -171,11 +180,7 @@ def check_data(overrides: Mapping[str, str], defaults: Mapping[str, Any], workdi
     existence is checked."""
     problems = check_class_files(overrides, defaults, workdir)
     custom = setting("data.custom_cls.path", overrides, defaults)[0] not in (None, "", "null", "None")
-    keys = ["data.train_files"]
-    val_before, _ = setting("trainer.val_before_train", overrides, defaults)
-    test_freq, _ = setting("trainer.test_freq", overrides, defaults)
-    if is_true(val_before) or (str(test_freq).lstrip("-").isdigit() and int(str(test_freq)) > 0):
-        keys.append("data.val_files")
+    keys = data_keys(overrides, defaults)
     needed = [str(setting(f"data.{k}", overrides, defaults)[0] or d)
               for k, d in (("prompt_key", "prompt"), ("reward_fn_key", "data_source"))]
     needed.append("reward_model")
@@ -299,6 +304,39 @@ def check_job_inputs(overrides: Mapping[str, Any], run_dir: Path,
         estimator, _ = setting("algorithm.adv_estimator", overrides, defaults)
         _, ckpt_root = trainer_dirs(run_dir, overrides)
         problems += check_space(ckpt_root, model, trains_critic(str(estimator)), free)
+    return problems
+
+
+#: Runtimes whose containers see only what is bound into them (the OCI ones): Apptainer binds
+#: the home directory, /tmp and more by its own configuration, which this host cannot read.
+BIND_ONLY_RUNTIMES = ("podman", "docker")
+
+
+def bind_target(bind: str) -> str:
+    """Where `SRC[:DST[:OPTS]]` shows up in the container: DST, or SRC without one."""
+    parts = bind.split(":")
+    return parts[1] if len(parts) > 1 and parts[1] else parts[0]
+
+
+def check_binds(overrides: Mapping[str, Any], run_dir: Path, runtime: str, binds: Sequence[str]) -> list[str]:
+    """Each absolute path the trainer reads (the model, the data files it reads, the reward
+    function's file) that the job's container will not see: outside the run directory and every `container.binds` target, under a runtime that
+    shows a container nothing else (:data:`BIND_ONLY_RUNTIMES`)."""
+    if runtime not in BIND_ONLY_RUNTIMES:
+        return []
+    seen = [run_dir.absolute(), *(Path(bind_target(b)) for b in binds)]
+    defaults, problems = trainer_defaults(), []
+    for key in ("actor_rollout_ref.model.path", *data_keys(overrides, defaults), "custom_reward_function.path"):
+        value, given = setting(key, overrides, defaults)
+        for name in as_list(value):
+            path = Path(os.path.expandvars(name)).expanduser()
+            if not path.is_absolute() or any(path == d or d in path.parents for d in seen):
+                continue
+            problems.append(
+                f"{_where(key, given)} is `{name}`, which the job's container will not see: {runtime} shows it only "
+                f"the run directory and `container.binds` ({', '.join(map(str, seen[1:])) or 'none'}). Fix: add "
+                f"`{path.parent}` (or a folder above it) to the site profile's `container.binds`, unless the "
+                "image holds it")
     return problems
 
 

@@ -51,3 +51,5 @@ def check_payload(args: argparse.Namespace, profile: Any, req: Any) -> None:
     for problem in inputs:
         print(f"hpcrl: warning: unchecked: {problem}; this host cannot see it, so the job finds out "
               "on the compute nodes (at its start) whether it is there", file=sys.stderr)
+    for problem in pf.check_binds(overrides, run_dir, profile.container.runtime, profile.container.binds):
+        print(f"hpcrl: warning: {problem}", file=sys.stderr)

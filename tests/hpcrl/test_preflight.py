@@ -240,3 +240,25 @@ def test_a_rollout_pool_is_submitted_with_its_loop_and_sized_with_the_trainers_n
     batch = run_hpcrl(["submit", "--dry-run", "--via", "sbatch", "--site", "h100-cluster", "--nodes", "2",
                        "--loop", "fully-async", "--", *pool], env)
     assert batch.returncode == 2 and "train_batch_size must be zero" in batch.stderr, batch.stderr
+
+
+def test_a_path_outside_the_containers_binds_is_named_with_the_bind_to_add(model: Path, data: Path,
+                                                                            tmp_path: Path) -> None:
+    """Podman and Docker show a container the run directory and `container.binds` alone: a model
+    or dataset elsewhere would be missing at the trainer's start, on the compute nodes; named at
+    submission with the bind to add. Apptainer binds more by its own configuration: not judged."""
+    overrides = {"actor_rollout_ref.model.path": str(model), "data.train_files": f"[{data / 'train.parquet'}]",
+                 "trainer.val_before_train": "false",
+                 "custom_reward_function.path": str(tmp_path / "run" / "reward.py")}  # inside the run directory
+    found = pf.check_binds(overrides, tmp_path / "run", "podman", ["/usr", f"/elsewhere:{data}:ro"])
+    assert len(found) == 1 and f"`actor_rollout_ref.model.path` is `{model}`, which the job's container will not see: " \
+        "podman shows it only the run directory and `container.binds` (/usr, " in found[0], found
+    assert f"Fix: add `{model.parent}` (or a folder above it) to the site profile's `container.binds`" in found[0]
+    assert pf.check_binds(overrides, tmp_path / "run", "podman", [str(tmp_path)]) == []
+    assert pf.check_binds(overrides, tmp_path / "run", "apptainer", []) == []
+    assert pf.bind_target("/a:/b:ro") == "/b" and pf.bind_target("/a") == "/a"
+    proc = run_hpcrl(["render", "--site", "slurmlab", "--no-prepare", "--run-dir", str(tmp_path / "r"), "--",
+                      *args(model, data / "train.parquet")], {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr  # a warning: the image may hold the path
+    assert f"hpcrl: warning: `actor_rollout_ref.model.path` is `{model}`, which the job's container will not " \
+           "see: podman shows it only" in proc.stderr, proc.stderr
