@@ -80,21 +80,20 @@ lab-packages: $(STAMP)
 	else echo "not root: skipping the lab's Debian packages (lab tests skip, or fail under CI=true)"; fi
 
 # `make test` runs three chains side by side, each stage's output kept and printed when it ends:
-# - the main stage (`not lab and not containers`) at once, in the foreground, then the vLLM stage
-#   (its lab scenarios on lab instance 1) once .venv-vllm is built;
+# - the main stage (`not lab and not containers`) at once, in the foreground;
 # - .venv-vllm built in the background while the main stage runs (.venv/vllm-build.log);
 # - .venv-verl built in the background, then the lab scenarios (`lab or containers`, on lab
 #   instance 0, .venv/lab-stage.log; they run verl itself, so they wait for its venv), then the
 #   verl stage (.venv/verl-stage.log); the lab scenarios spend much of their time waiting on Slurm and Ray;
 # - the node-failure scenario from the start (lab instance 2, six nodes, .venv/node-failure.log;
 #   at the end of the lab chain it made that chain the longest), then, once .venv-vllm is built,
-#   the seeds' main_ppo lines on the same lab instance, with vLLM's partial-rollout test (no lab;
-#   here, not in the vLLM stage, because this chain has time to spare and the vLLM stage ends the
-#   longest chain) (.venv/seeds.log; after the main stage they ran alone on a machine the other
-#   chains had left).
-# The vLLM stage runs after the main stage, not beside it: beside it (tried at 20b113f) the three
-# stages' load (about 7 on 2 cores) made two timing-bound scenarios fail (a stop's checkpoint past
-# Slurm's KillWait, a rank not yet asleep), for 340 s saved (docs/testing.md).
+#   the seeds' main_ppo lines on the same lab instance, with vLLM's partial-rollout test (no lab)
+#   (.venv/seeds.log), then the vLLM stage (its lab scenarios on lab instance 1,
+#   .venv/vllm-stage.log). At 6fc5b04 this chain ended at 1055 s and the vLLM stage, after the
+#   main stage, made that chain the longest (3099 s); here it fills the time this chain had spare.
+#   Three chains run at once throughout, as they did until 1055 s before. (The vLLM stage and the
+#   node-failure scenario beside the main stage from the start, tried at 20b113f, made two
+#   timing-bound scenarios fail: docs/testing.md.)
 # The node-failure scenario checks how soon the agents notice a lost node, in their own logs'
 # time stamps (not after the Slurm calls that follow, which a busy machine delays): that bound
 # holds beside the other stages. The lab's container images (about 3 minutes on a fresh machine)
@@ -128,15 +127,19 @@ test: disk-check lab-packages
 	status=0; lab_rc=$(VENV)/lab-stage.rc; lab_log=$(VENV)/lab-stage.log; verl_rc=$(VENV)/verl-stage.rc; \
 	verl_log=$(VENV)/verl-stage.log; \
 	nf_rc=$(VENV)/node-failure.rc; nf_log=$(VENV)/node-failure.log; seeds_rc=$(VENV)/seeds.rc; seeds_log=$(VENV)/seeds.log; \
-	rm -f $$lab_rc $$verl_rc $(VENV)/vllm-build.rc $$nf_rc $$seeds_rc; \
-	echo "lab scenarios and the verl stage: running beside the rest of the suite once .venv-verl is built; the node-failure scenario then the seed lines (lab instance 2) from the start; their output is in $$lab_log, $$verl_log, $$nf_log and $$seeds_log, printed when they end"; \
+	vllm_rc=$(VENV)/vllm-stage.rc; vllm_log=$(VENV)/vllm-stage.log; \
+	rm -f $$lab_rc $$verl_rc $(VENV)/vllm-build.rc $$nf_rc $$seeds_rc $$vllm_rc; \
+	echo "lab scenarios and the verl stage: running beside the rest of the suite once .venv-verl is built; the node-failure scenario, then the seed lines (lab instance 2) and the vLLM stage (lab instance 1) once .venv-vllm is built, from the start; their output is in $$lab_log, $$verl_log, $$nf_log, $$seeds_log and $$vllm_log, printed when they end"; \
 	{ HPCRL_LAB_INSTANCE=2 $(PY) -m pytest tests/lab/test_node_failure.py $(PYTEST_ARGS) > $$nf_log 2>&1; \
 	  echo $$? > $$nf_rc; stamp "node-failure scenario ended" >> $$nf_log; \
 	  while [ ! -s $(VENV)/vllm-build.rc ]; do sleep 2; done; \
 	  if [ "$$(cat $(VENV)/vllm-build.rc)" = 0 ]; then \
 		HPCRL_LAB_INSTANCE=2 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/lab/test_seeds.py tests/trainer/rollout/test_vllm_partial.py $(PYTEST_ARGS) > $$seeds_log 2>&1; \
 		echo $$? > $$seeds_rc; stamp "seed lines ended" >> $$seeds_log; \
-	  else echo "building .venv-vllm failed: the seed lines did not run" > $$seeds_log; echo 1 > $$seeds_rc; fi; } & nf=$$!; \
+		HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py $(PYTEST_ARGS) > $$vllm_log 2>&1; \
+		echo $$? > $$vllm_rc; stamp "vLLM stage ended" >> $$vllm_log; \
+	  else cat $(VENV)/vllm-build.log > $$seeds_log; echo "building .venv-vllm failed (above): the seed lines and the vLLM stage did not run" | tee -a $$seeds_log > $$vllm_log; \
+		echo 1 > $$seeds_rc; echo 1 > $$vllm_rc; fi; } & nf=$$!; \
 	{ if $(MAKE) --no-print-directory verl-venv > $(VENV)/verl-build.log 2>&1; then \
 		stamp ".venv-verl ready" > $$lab_log; \
 		$(PY) -m pytest -m "(lab or containers) and not vllm" --deselect tests/lab/test_node_failure.py $(PYTEST_ARGS) >> $$lab_log 2>&1; \
@@ -150,20 +153,18 @@ test: disk-check lab-packages
 	$(PY) -m pytest -m "not lab and not containers" $(PYTEST_ARGS) || status=$$?; \
 	stamp "main stage ended (exit status $$status)"; \
 	wait $$vllm; \
-	if [ "$$(cat $(VENV)/vllm-build.rc 2>/dev/null || echo 1)" = 0 ]; then stamp ".venv-vllm ready"; \
-		HPCRL_LAB_INSTANCE=1 HPCRL_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/trainer/rollout/test_vllm.py tests/trainer/rollout/test_vllm_server.py tests/trainer/agent/test_training.py tests/hpcrl/test_doctor.py $(PYTEST_ARGS) \
-			|| status=$$?; stamp "vLLM stage ended"; \
-	else cat $(VENV)/vllm-build.log; echo "building .venv-vllm failed (above): the vLLM stage did not run"; status=1; fi; \
 	[ -z "$$images" ] || wait $$images || true; \
 	wait $$lab; wait $$nf; lab_status=$$(cat $$lab_rc 2>/dev/null || echo missing); verl_status=$$(cat $$verl_rc 2>/dev/null || echo missing); \
 	nf_status=$$(cat $$nf_rc 2>/dev/null || echo missing); seeds_status=$$(cat $$seeds_rc 2>/dev/null || echo missing); \
-	stamp "lab scenarios, verl stage, node-failure scenario and seed lines ended"; \
+	vllm_status=$$(cat $$vllm_rc 2>/dev/null || echo missing); \
+	stamp "lab scenarios, verl stage, node-failure scenario, seed lines and vLLM stage ended"; \
 	echo "==== lab scenarios (lab instance 0), exit status $$lab_status ===="; cat $$lab_log; \
 	echo "==== verl stage (.venv-verl), exit status $$verl_status ===="; cat $$verl_log; \
 	echo "==== node-failure scenario (lab instance 2), exit status $$nf_status ===="; cat $$nf_log; \
 	echo "==== seed lines (.venv-vllm, lab instance 2), exit status $$seeds_status ===="; cat $$seeds_log; \
+	echo "==== vLLM stage (.venv-vllm, lab instance 1), exit status $$vllm_status ===="; cat $$vllm_log; \
 	[ "$$lab_status" = 0 ] || status=1; [ "$$verl_status" = 0 ] || status=1; [ "$$nf_status" = 0 ] || status=1; \
-	[ "$$seeds_status" = 0 ] || status=1; \
+	[ "$$seeds_status" = 0 ] || status=1; [ "$$vllm_status" = 0 ] || status=1; \
 	stamp "make test exits with $$status"; \
 	exit $$status
 

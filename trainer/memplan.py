@@ -195,13 +195,26 @@ def update_estimate(config: dict[str, Any], world: int, rows: int, seq_len: int,
     """The actor update's traced peak per category on one of `world` ranks for a micro-batch of
     `rows` x `seq_len` tokens (compute in `param_dtype` over fp32 master weights, fp32 gradient
     reduction, no offload): what `bench/memory.py` calibrates."""
+    return update_estimates(config, [(world, rows)], seq_len, response_len, grad_ckpt=grad_ckpt, layers=layers,
+                            param_dtype=param_dtype)[0]
+
+
+def update_estimates(config: dict[str, Any], cases: list[tuple[int, int]], seq_len: int, response_len: int, *,
+                     grad_ckpt: bool = False, layers: str = "full", param_dtype: str = "fp32") -> list[dict[str, int]]:
+    """:func:`update_estimate` of each (world, rows) of `cases`, traced in one process (each
+    trace process imports torch and transformers first: seconds apiece)."""
     shape = ModelShape(config)
-    side = TrainSide(rows, seq_len, False, False, grad_ckpt)
-    s = Settings(world=world, device_bytes=0, response_len=response_len, actor=side, critic=None,
-                 ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
-                 free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
-                 bucket_bytes=0, param_dtype=param_dtype)
-    return traced_peaks(s, [(shape, side, False)], layers)[0]
+    depths = trace_layers(shape, layers)
+    specs = []
+    for world, rows in cases:
+        side = TrainSide(rows, seq_len, False, False, grad_ckpt)
+        s = Settings(world=world, device_bytes=0, response_len=response_len, actor=side, critic=None,
+                     ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
+                     free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
+                     bucket_bytes=0, param_dtype=param_dtype)
+        specs += [_trace_spec(shape, s, side, False, d) for d in depths]
+    peaks = run_traces(specs)
+    return [extrapolate(shape, depths, peaks[k * len(depths):(k + 1) * len(depths)]) for k in range(len(cases))]
 
 
 TRAIN_TERMS = {"SHARDED_PARAM": "parameter shards", "UNSHARDED_PARAM": "gathered parameters",

@@ -14,7 +14,15 @@ import pytest
 
 from trainer.__main__ import main
 from trainer.config import load_config
-from trainer.memplan import GIB, ModelShape, plan_config, read_model, run_traces, update_estimate
+from trainer.memplan import (
+    GIB,
+    ModelShape,
+    plan_config,
+    read_model,
+    run_traces,
+    update_estimate,
+    update_estimates,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "model_configs"
 QWEN_7B = CONFIGS / "Qwen2.5-7B-Instruct"
@@ -80,9 +88,8 @@ def test_the_fake_process_group_recipe_shards_over_16_ranks() -> None:
 @pytest.mark.slow
 def test_more_tokens_and_fewer_ranks_need_more() -> None:
     config = read_model(str(CONFIGS / "Qwen2.5-0.5B")).with_layers(2)
-    small = update_estimate(config, 8, 2, 256, 128)
-    long = update_estimate(config, 8, 8, 256, 128)
-    fewer = update_estimate(config, 2, 2, 256, 128)
+    small, long, fewer = update_estimates(config, [(8, 2), (8, 8), (2, 2)], 256, 128)  # one trace process
+    assert update_estimate(config, 8, 2, 256, 128) == small  # one case alone: the same trace
     assert long["Total"] > small["Total"] and fewer["Total"] > small["Total"]
     assert fewer["OPT"] == pytest.approx(4 * small["OPT"], rel=0.02)
 
