@@ -97,9 +97,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def session_home(tmp_path_factory: pytest.TempPathFactory):
     """Session- and module-scoped fixtures (the lab, a wheel build) run with a private HOME, and
     caches the tests declare (matplotlib's font cache) are shared by the whole run."""
-    saved = {k: os.environ.get(k) for k in ("HOME", "MPLCONFIGDIR", *XDG_VARS)}
+    saved = {k: os.environ.get(k) for k in ("HOME", "MPLCONFIGDIR", "HPCRL_MEMTRACE_CACHE", *XDG_VARS)}
     os.environ["HOME"] = str(tmp_path_factory.mktemp("session-home"))
     os.environ["MPLCONFIGDIR"] = str(tmp_path_factory.mktemp("matplotlib"))
+    # the memory plan's traces (`trainer.memplan.trace_cache`): each distinct one traced once per
+    # run, by whichever test or `python -m trainer --plan-memory` process needs it first
+    os.environ["HPCRL_MEMTRACE_CACHE"] = str(tmp_path_factory.mktemp("memtrace"))
     for var in XDG_VARS:
         os.environ.pop(var, None)
     yield Path(os.environ["HOME"])

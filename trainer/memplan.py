@@ -144,13 +144,90 @@ def _trace_spec(shape: ModelShape, s: Settings, side: TrainSide, critic: bool, l
 
 def run_traces(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
     """:func:`trainer.memtrace.trace` of each spec, in one fresh process (the fake process
-    group is process-wide; torch and transformers are imported once)."""
+    group is process-wide; torch and transformers are imported once), those traced before by
+    the same code read from the trace cache (:func:`trace_cache`) instead."""
+    cache = trace_cache()
+    keys = [_trace_key(spec) for spec in specs] if cache is not None else []
+    found = {k: peak for k in keys if (peak := _cached(cache, k)) is not None} if cache is not None else {}
+    todo = [spec for i, spec in enumerate(specs) if cache is None or keys[i] not in found]
+    traced = iter(_trace_now(todo) if todo else [])
+    out = []
+    for i in range(len(specs)):
+        if cache is not None and keys[i] in found:
+            out.append(found[keys[i]])
+            continue
+        peak = next(traced)
+        if cache is not None:
+            _keep(cache, keys[i], peak)
+        out.append(peak)
+    return out
+
+
+def _trace_now(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "trainer.memtrace"], input=json.dumps(specs), env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise PlanError(f"the FSDP2 memory trace failed: {done.stderr.strip().splitlines()[-1:]}")
     return [{k: int(v) for k, v in peak.items()} for peak in json.loads(done.stdout)]
+
+
+TRACE_CACHE_ENV = "HPCRL_MEMTRACE_CACHE"
+
+
+def trace_cache() -> Path | None:
+    """The folder of traces kept between plans: a plan of the same model and micro-batch (a
+    resubmission, `hpcrl doctor` after `hpcrl submit`) then skips its traces, seconds to tens of
+    seconds each. `$HPCRL_MEMTRACE_CACHE`, else `$XDG_CACHE_HOME/hpcrl/memtrace` (`~/.cache`);
+    `HPCRL_MEMTRACE_CACHE=off` keeps none. A trace is keyed by its spec and by the code and the
+    torch and transformers versions that traced it (:func:`_trace_key`)."""
+    given = os.environ.get(TRACE_CACHE_ENV, "").strip()
+    if given.lower() in ("off", "0", "none", "false"):
+        return None
+    if given:
+        return Path(given).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hpcrl" / "memtrace"
+
+
+_TRACED_BY = ("memtrace.py", "models.py", "parallel.py", "critic_model.py")
+"""The trainer's modules whose code decides a trace: a change to any of them traces anew."""
+
+
+def _trace_key(spec: dict[str, Any]) -> str:
+    import hashlib
+    from importlib import metadata
+
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+    here = Path(__file__).parent
+    for name in _TRACED_BY:
+        digest.update((here / name).read_bytes())
+    for package in ("torch", "transformers"):
+        try:
+            digest.update(f"{package}={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package}=none".encode())
+    return digest.hexdigest()
+
+
+def _cached(cache: Path, key: str) -> dict[str, int] | None:
+    try:
+        peak = json.loads((cache / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: int(v) for k, v in peak.items()} if isinstance(peak, dict) else None
+
+
+def _keep(cache: Path, key: str, peak: dict[str, int]) -> None:
+    """Written whole (a temporary file renamed); a cache that cannot be written costs the next
+    plan its head start, never this plan."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{key}.{os.getpid()}"
+        tmp.write_text(json.dumps(peak))
+        tmp.replace(cache / f"{key}.json")
+    except OSError:
+        pass
 
 
 LAYERED = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "ACT")

@@ -5,8 +5,6 @@ configuration accepted. The traces run for real (a subprocess with torch and tra
 
 from __future__ import annotations
 
-import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +34,6 @@ FLAGSHIP = [f"actor_rollout_ref.model.path={QWEN_7B}", "algorithm.adv_estimator=
             "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.actor.use_kl_loss=True",
             "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
             "trainer.n_gpus_per_node=8", "trainer.nnodes=1"]
-
-
-#: The traces already run in this session, by their specs (JSON): a trace is a pure function of its
-#: spec (a fake process group, fake tensors), and several tests plan the same configuration
-#: (`FLAGSHIP` alone and with offload, which traces the same update).
-_TRACED: dict[str, list[dict[str, int]]] = {}
-
-
-@pytest.fixture(autouse=True)
-def each_trace_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plans of this module run each distinct trace (a subprocess importing torch and
-    transformers) once; every plan still comes from the real traces of its own specs."""
-    import trainer.memplan as memplan
-
-    real = memplan.run_traces
-
-    def once(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
-        key = json.dumps(specs, sort_keys=True)
-        if key not in _TRACED:
-            _TRACED[key] = real(specs)
-        return copy.deepcopy(_TRACED[key])
-
-    monkeypatch.setattr(memplan, "run_traces", once)
 
 
 @pytest.mark.parametrize(("name", "billions"), [("Qwen2.5-0.5B", 0.494), ("Qwen2.5-7B-Instruct", 7.616),
@@ -386,3 +361,32 @@ def test_the_critic_is_planned_with_its_own_override_config(monkeypatch: pytest.
     layer = (read_model(str(QWEN_7B)).params() - ModelShape({**read_model(str(QWEN_7B)).config,
                                                              "num_hidden_layers": 0}).params()) // 28
     assert critic_shards(same) - critic_shards(halved) == pytest.approx(14 * layer * 12 // 8, rel=1e-6)
+
+
+def test_a_trace_is_kept_and_read_back_for_the_same_spec_and_code(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """The trace cache: the same spec traced by the same code is read back, not traced again (a
+    resubmission's plan); another spec, or a change to the tracing code, is traced anew; `off`
+    keeps nothing. Real traces of a 2-layer model."""
+    import trainer.memplan as memplan
+
+    calls: list[int] = []
+    real = memplan._trace_now
+
+    def counted(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
+        calls.append(len(specs))
+        return real(specs)
+
+    monkeypatch.setattr(memplan, "_trace_now", counted)
+    monkeypatch.setenv("HPCRL_MEMTRACE_CACHE", str(tmp_path / "cache"))
+    config = read_model(str(CONFIGS / "Qwen2.5-0.5B")).with_layers(2)
+    first = update_estimate(config, 2, 1, 64, 32, layers="full")
+    assert calls == [1] and len(list((tmp_path / "cache").glob("*.json"))) == 1
+    assert update_estimate(config, 2, 1, 64, 32, layers="full") == first and calls == [1]  # read back
+    both = update_estimates(config, [(2, 1), (4, 1)], 64, 32)  # the first read back, the other traced
+    assert both[0] == first and calls == [1, 1] and both[1]["OPT"] < first["OPT"]
+    monkeypatch.setattr(memplan, "_TRACED_BY", (*memplan._TRACED_BY, "memplan.py"))  # other code
+    assert update_estimate(config, 2, 1, 64, 32, layers="full") == first and calls == [1, 1, 1]
+    monkeypatch.setenv("HPCRL_MEMTRACE_CACHE", "off")
+    update_estimate(config, 2, 1, 64, 32, layers="full")
+    assert calls == [1, 1, 1, 1] and memplan.trace_cache() is None

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-# each_trace_runs_once: these plans trace `FLAGSHIP`'s update too, once for both modules
-from tests.trainer.test_memplan import CONFIGS, FLAGSHIP, each_trace_runs_once  # noqa: F401
+# these plans trace `FLAGSHIP`'s update too: once in the run, by the trace cache (tests/conftest.py)
+from tests.trainer.test_memplan import CONFIGS, FLAGSHIP
 from trainer.config import load_config
 from trainer.memplan import GIB, plan_config
 
