@@ -102,3 +102,11 @@ def test_a_trainer_rank_dying_while_the_pool_validates_ends_the_run_at_once(ray_
     with pytest.raises(WorkerFailure, match=r"worker group `actor` rank 0 .* died .* during `ping`"):
         while_alive([trainer], pool.run, "sleep", 120.0, every_s=0.5)
     assert time.monotonic() - start < 30  # the pool's call lasts 120 s
+    # the pool's call goes on in its thread (a run ends there); here it must end before this test's
+    # Ray does: a thread still waiting on a Ray call after `ray.shutdown()` keeps the driver's GCS
+    # client alive, and that client ends the whole process once the GCS has been gone 60 s
+    pool.kill()
+    watched = [t for t in threading.enumerate() if t.name.endswith("-watched")]
+    for thread in watched:
+        thread.join(timeout=60)
+    assert watched and not any(t.is_alive() for t in watched)
