@@ -147,20 +147,17 @@ def run_traces(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
     group is process-wide; torch and transformers are imported once), those traced before by
     the same code read from the trace cache (:func:`trace_cache`) instead."""
     cache = trace_cache()
-    keys = [_trace_key(spec) for spec in specs] if cache is not None else []
-    found = {k: peak for k in keys if (peak := _cached(cache, k)) is not None} if cache is not None else {}
-    todo = [spec for i, spec in enumerate(specs) if cache is None or keys[i] not in found]
-    traced = iter(_trace_now(todo) if todo else [])
-    out = []
-    for i in range(len(specs)):
-        if cache is not None and keys[i] in found:
-            out.append(found[keys[i]])
-            continue
-        peak = next(traced)
-        if cache is not None:
-            _keep(cache, keys[i], peak)
-        out.append(peak)
-    return out
+    if cache is None:
+        return _trace_now(specs)
+    code = _code_digest()
+    keys = [_trace_key(spec, code) for spec in specs]
+    found = {key: peak for key in keys if (peak := _cached(cache, key)) is not None}
+    todo = {key: spec for key, spec in zip(keys, specs, strict=True) if key not in found}
+    if todo:
+        for key, peak in zip(todo, _trace_now(list(todo.values())), strict=True):
+            _keep(cache, key, peak)
+            found[key] = peak
+    return [found[key] for key in keys]
 
 
 def _trace_now(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
@@ -180,7 +177,7 @@ def trace_cache() -> Path | None:
     resubmission, `hpcrl doctor` after `hpcrl submit`) then skips its traces, seconds to tens of
     seconds each. `$HPCRL_MEMTRACE_CACHE`, else `$XDG_CACHE_HOME/hpcrl/memtrace` (`~/.cache`);
     `HPCRL_MEMTRACE_CACHE=off` keeps none. A trace is keyed by its spec and by the code and the
-    torch and transformers versions that traced it (:func:`_trace_key`)."""
+    torch and transformers versions that traced it (:func:`_trace_key`, :func:`_code_digest`)."""
     given = os.environ.get(TRACE_CACHE_ENV, "").strip()
     if given.lower() in ("off", "0", "none", "false"):
         return None
@@ -194,11 +191,13 @@ _TRACED_BY = ("memtrace.py", "models.py", "parallel.py", "critic_model.py")
 """The trainer's modules whose code decides a trace: a change to any of them traces anew."""
 
 
-def _trace_key(spec: dict[str, Any]) -> str:
+def _code_digest() -> str:
+    """The code and versions that decide a trace: the sources of :data:`_TRACED_BY` and the
+    torch and transformers versions installed."""
     import hashlib
     from importlib import metadata
 
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+    digest = hashlib.sha256()
     here = Path(__file__).parent
     for name in _TRACED_BY:
         digest.update((here / name).read_bytes())
@@ -208,6 +207,13 @@ def _trace_key(spec: dict[str, Any]) -> str:
         except metadata.PackageNotFoundError:
             digest.update(f"{package}=none".encode())
     return digest.hexdigest()
+
+
+def _trace_key(spec: dict[str, Any], code: str) -> str:
+    """A trace's name in the cache: its spec and the code that traces it (:func:`_code_digest`)."""
+    import hashlib
+
+    return hashlib.sha256((json.dumps(spec, sort_keys=True) + code).encode()).hexdigest()
 
 
 def _cached(cache: Path, key: str) -> dict[str, int] | None:
@@ -257,11 +263,17 @@ def traced_peaks(s: Settings, sides: list[tuple[ModelShape, TrainSide, bool]],
                  layers: str = "auto") -> list[dict[str, int]]:
     """Peak bytes per tracker category of one update step of each (model shape, side, is_critic),
     for the whole model."""
-    depths = [trace_layers(shape, layers) for shape, _, _ in sides]
-    specs = [_trace_spec(shape, s, side, critic, d) for (shape, side, critic), ds in zip(sides, depths, strict=True)
+    return _traced([(s, shape, side, critic) for shape, side, critic in sides], layers)
+
+
+def _traced(items: list[tuple[Settings, ModelShape, TrainSide, bool]], layers: str) -> list[dict[str, int]]:
+    """:func:`traced_peaks` of each (settings, model shape, side, is_critic), every trace in one
+    :func:`run_traces` call."""
+    depths = [trace_layers(shape, layers) for _, shape, _, _ in items]
+    specs = [_trace_spec(shape, s, side, critic, d) for (s, shape, side, critic), ds in zip(items, depths, strict=True)
              for d in ds]
     peaks, out = run_traces(specs), []
-    for (shape, _, _), ds in zip(sides, depths, strict=True):
+    for (_, shape, _, _), ds in zip(items, depths, strict=True):
         out.append(extrapolate(shape, ds, peaks[:len(ds)]))
         peaks = peaks[len(ds):]
     return out
@@ -280,18 +292,15 @@ def update_estimates(config: dict[str, Any], cases: list[tuple[int, int]], seq_l
                      grad_ckpt: bool = False, layers: str = "full", param_dtype: str = "fp32") -> list[dict[str, int]]:
     """:func:`update_estimate` of each (world, rows) of `cases`, traced in one process (each
     trace process imports torch and transformers first: seconds apiece)."""
-    shape = ModelShape(config)
-    depths = trace_layers(shape, layers)
-    specs = []
+    shape, items = ModelShape(config), []
     for world, rows in cases:
         side = TrainSide(rows, seq_len, False, False, grad_ckpt)
         s = Settings(world=world, device_bytes=0, response_len=response_len, actor=side, critic=None,
                      ref_resident=False, rollout_name="hf", tp=1, gpu_memory_utilization=0.0,
                      free_cache_engine=True, max_model_len=seq_len, max_num_seqs=1, max_num_batched_tokens=1,
                      bucket_bytes=0, param_dtype=param_dtype)
-        specs += [_trace_spec(shape, s, side, False, d) for d in depths]
-    peaks = run_traces(specs)
-    return [extrapolate(shape, depths, peaks[k * len(depths):(k + 1) * len(depths)]) for k in range(len(cases))]
+        items.append((s, shape, side, False))
+    return _traced(items, layers)
 
 
 TRAIN_TERMS = {"SHARDED_PARAM": "parameter shards", "UNSHARDED_PARAM": "gathered parameters",
