@@ -9,10 +9,12 @@ replace.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from hpcrl.runreport import reading_env, trainer_dirs
@@ -71,8 +73,10 @@ def parse_overrides(args: Sequence[str], job_env: Mapping[str, str] | None = Non
         return {}, [f"the trainer overrides are refused: {err}"]
 
 
-def trainer_defaults() -> dict[str, Any]:
-    """The trainer's defaults (`trainer/config/*.yaml`), flattened to dotted keys."""
+@functools.cache
+def trainer_defaults() -> Mapping[str, Any]:
+    """The trainer's defaults (`trainer/config/*.yaml`), flattened to dotted keys; read once
+    (the checks of one submission each ask for them), and read-only."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -83,7 +87,7 @@ def trainer_defaults() -> dict[str, Any]:
             flat[prefix[:-1]] = node
 
     walk("", load_defaults())
-    return flat
+    return MappingProxyType(flat)
 
 
 def setting(key: str, overrides: Mapping[str, str], defaults: Mapping[str, Any]) -> tuple[Any, bool]:

@@ -122,10 +122,9 @@ RESUMED_FLAGS = {"nodes": ("nodes", "min_nodes"), "time": ("time",), "partition"
                  "exclude_slow": ("exclude_slow",)}
 
 
-def resumed_slurm(args: argparse.Namespace, site: str, run_dir: Any) -> dict[str, Any]:
+def resumed_slurm(args: argparse.Namespace, site: str, job: JobSpec | None) -> dict[str, Any]:
     """`--resume`: the job's own value of each Slurm setting whose flag this command line leaves
     out, where the job ran on this site (another site's job is refused, naming the difference)."""
-    job = resumed_job(run_dir) if args.resume and run_dir else None
     if job is None or job.site != site:
         return {}
     slurm = job.profile.get("slurm", {})
@@ -201,7 +200,8 @@ def prepare(args: argparse.Namespace) -> Any:
         profile = replace_slurm(profile, nodes=nodes, min_nodes=least or nodes)
     profile = replace_slurm(profile, time=args.time, partition=args.partition,
                             exclude_slow=getattr(args, "exclude_slow", None))
-    if kept_slurm := resumed_slurm(args, profile.name, args.run_dir and Path(args.run_dir).expanduser()):
+    resumed = resumed_job(Path(args.run_dir).expanduser()) if args.resume and args.run_dir else None
+    if kept_slurm := resumed_slurm(args, profile.name, resumed):
         differing = {k: v for k, v in kept_slurm.items() if getattr(profile.slurm, k) != v}
         profile = dataclasses.replace(profile, slurm=dataclasses.replace(profile.slurm, **kept_slurm))
         if differing:
@@ -221,9 +221,8 @@ def prepare(args: argparse.Namespace) -> Any:
     run_dir = Path(args.run_dir).expanduser() if args.run_dir else default_run_dir(profile)
     if args.resume:
         check_resumable(run_dir)  # the dry run and render say so too, not only the submission
-    job = resumed_job(run_dir) if args.resume and not payload else None
-    if job is not None:  # `--resume` without overrides: the job's own payload
-        argv, start = job.payload, job.payload_start
+    if resumed is not None and not payload:  # `--resume` without overrides: the job's own payload
+        argv, start = resumed.payload, resumed.payload_start
     elif getattr(args, "verl", False):
         if args.whole_command:
             raise RequestError("`--verl` and `--command` name two payloads; pass one of them")
