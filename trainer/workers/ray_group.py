@@ -352,6 +352,26 @@ def _describe_error(err: BaseException) -> str:
     return f"failed ({type(err).__name__}: {err})"
 
 
+KILL_WAIT_S = 30.0
+"""How long :meth:`RayWorkerGroup.kill` waits for Ray to refuse calls to each killed rank."""
+
+
+def _refused(actor: Any, wait_s: float) -> bool:
+    """Whether Ray refuses a call to `actor` (it is dead) within `wait_s`; False when the actor
+    answered, or did not answer in time (a rank still blocked)."""
+    import ray
+
+    probe = actor.__ray_ready__.remote()
+    done, _ = ray.wait([probe], timeout=max(wait_s, 0.0))
+    if not done:
+        return False
+    try:
+        ray.get(probe)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
 def _dead_peer(pending: list[Any], rank_of: dict[Any, int], wait_s: float = 5.0
                ) -> tuple[int, BaseException] | None:
     """The first rank among `pending` whose actor died, looking for up to `wait_s` seconds."""
@@ -456,9 +476,21 @@ class RayWorkerGroup(WorkerGroup):
         self.kill()  # its ranks may hold GPUs in a collective that never ends
         raise WorkerFailure(summary, kind="hang", details=details)
 
-    def kill(self) -> None:
+    def kill(self, wait_s: float = KILL_WAIT_S) -> None:
+        """Kill every rank and wait, up to `wait_s`, until Ray refuses calls to each: `ray.kill`
+        only asks, and a rank whose blocked collective its peer's death just ended would
+        otherwise still answer the next call (and hold its GPU) for a moment. A rank still
+        answering at `wait_s` is named on stdout, not waited for: the run is ending."""
         import ray
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + wait_s
+        for rank, actor in enumerate(self.actors):
+            while not _refused(actor, deadline - time.monotonic()):
+                if time.monotonic() >= deadline:
+                    print(f"trainer: {self.where(rank)} still answered {wait_s:.0f} s after it was killed",
+                          flush=True)
+                    break
+                time.sleep(0.1)
 
