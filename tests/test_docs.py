@@ -389,3 +389,33 @@ def test_the_quickstart_pages_commands_are_the_ones_its_lab_test_runs() -> None:
         assert sum(c.startswith(prefix) for c in commands) == 1, f"`{prefix}` names no single command of the page"
     for command in NOT_RUN_HERE:
         assert command in commands, f"`{command}` is no longer on the page"
+
+
+def test_the_readmes_headline_figures_are_the_recorded_ones() -> None:
+    """The README's table of headline figures is the record's (`make figures` writes both), every
+    figure is recorded, each at a commit, and the README's prose names no figure's old value."""
+    from bench import headline
+
+    record = headline.read_rows((REPO / "bench" / "README.md").read_text())
+    readme_text = (REPO / "README.md").read_text()
+    readme = headline.read_rows(readme_text)
+    assert set(record) == set(headline.FIGURES), f"not recorded: {set(headline.FIGURES) - set(record)}: make figures"
+    assert readme == record, "the README's headline table differs from bench/README.md's: make figures writes both"
+    for figure, row in record.items():
+        assert re.fullmatch(r"[0-9a-f]{7,}", row.commit), f"`{figure}` names no commit: {row.commit!r}"
+        assert f"`{figure}`" in readme_text.split(headline.BEGIN)[0] + readme_text.split(headline.END)[1], (
+            f"the README's prose does not refer to the `{figure}` figure")
+
+
+def test_recording_figures_replaces_the_measured_rows_and_keeps_the_others() -> None:
+    from bench import headline
+
+    old = {f: headline.Row(f, f"old {f}", "1111111", "2026-01-01", "1.0, 2") for f in ("demo", "stop")}
+    text = "# B\n\n" + headline.section(old) + "\n\n## after\n"
+    new = {"stop": headline.Row("stop", "2 nodes: 30.1 s", "2222222", "2026-02-02", "3.0, 2"),
+           "memory-plan": headline.Row("memory-plan", "W=1: 0.99", "2222222", "2026-02-02", "3.0, 2")}
+    rows = headline.read_rows(headline.write_rows(text, new))
+    assert rows == {"demo": old["demo"], **new}
+    assert headline.write_rows(text, new).endswith("\n\n## after\n") and text.startswith("# B")
+    with pytest.raises(SystemExit, match="no `<!-- headline:begin -->`"):
+        headline.write_rows("# no section\n", new)
