@@ -26,7 +26,8 @@ def resolve(spec: str, pip_args: list[str]) -> list[tuple[str, str, str]]:
     """(name, version, url) of every file pip would download for `spec` (requirements separated
     by spaces, resolved together) from the public index."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull
+    # no configuration; and nothing written to the home directory (pip's cache, its version check)
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "report.json"
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",

@@ -358,7 +358,8 @@ KILL_WAIT_S = 30.0
 
 def _refused(actor: Any, wait_s: float) -> bool:
     """Whether Ray refuses a call to `actor` (it is dead) within `wait_s`; False when the actor
-    answered, or did not answer in time (a rank still blocked)."""
+    answered, or did not answer in time (a rank still blocked). Any error of Ray's is a refusal:
+    a rank its memory monitor killed refuses with `OutOfMemoryError`, not `RayActorError`."""
     import ray
 
     probe = actor.__ray_ready__.remote()
@@ -367,7 +368,7 @@ def _refused(actor: Any, wait_s: float) -> bool:
         return False
     try:
         ray.get(probe)
-    except ray.exceptions.RayActorError:
+    except ray.exceptions.RayError:
         return True
     return False
 
