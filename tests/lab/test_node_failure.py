@@ -93,17 +93,34 @@ def noticed_at(run_dir: Path, restart: int, causes: tuple[str, ...], timeout: fl
 
 
 def kill_node(lab, host: str) -> int:
-    """SIGKILL every process in `host`'s network namespace: slurmd, slurmstepd, the agent, Ray,
-    the trainer. Returns how many there were."""
+    """SIGKILL every process in `host`'s network namespace (slurmd, slurmstepd, srun on the batch
+    host, the agent, Ray, the trainer) all at once, as a node that loses its power: every process
+    is stopped first (SIGSTOP, listed again until no new one appears), then each is killed.
+    Killed one by one, the agent's slurmstepd (or the batch host's srun) could live a moment
+    after the agent, report its task's death, and srun's `--kill-on-bad-exit` would then end the
+    step on the surviving nodes before their agents notice the loss: a death of the lab's making,
+    not the node's (the dead-head case failed so in `make test-fresh` at 36c2ee9: both workers'
+    steps ended at the same instant, with "Failed to send MESSAGE_TASK_EXIT", their agents
+    silent). Returns how many processes there were."""
     ns = next(h.netns for h in lab.cfg.compute if h.name == host)
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                          check=True).stdout.split()
-    for pid in pids:
+    stopped: set[int] = set()
+    while True:
+        pids = {int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                                               check=True).stdout.split()} - stopped
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        stopped |= pids
+    for pid in stopped:
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return len(pids)
+    return len(stopped)
 
 
 def cut_network(lab, host: str) -> None:
