@@ -150,10 +150,10 @@ def memory_plan() -> str:
         parts = []
         for world in (1, 2):
             ranks = memory.measure(REPO, world, model, work / "runs")
-            added = max(r["step again"]["peak"] - r["step again"]["start"] for r in ranks)
+            added = memory.added_by(ranks, "step again")
             estimate = memory.step_estimate(world)
-            parts.append(f"W={world}: plan +{estimate / memory.MIB:,.0f} MiB / measured +{added / memory.MIB:,.0f} "
-                         f"MiB = {estimate / added:.2f}")
+            parts.append(f"W={world}: plan +{memory.mib(estimate)} MiB / measured +{memory.mib(added)} MiB = "
+                         f"{estimate / added:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return "fp32 update on the CPU, " + "; ".join(parts)

@@ -257,12 +257,17 @@ BUILD_HEADER = ("| tree | W | build peak/rank MiB | build peak/node MiB (sum of 
                 "|---|---|---|---|---|")
 
 
+def added_by(ranks: list[dict[str, Any]], phase: str) -> int:
+    """What `phase` added to the largest rank: its peak less the resident set at its start."""
+    return max(r[phase]["peak"] - r[phase]["start"] for r in ranks)
+
+
 def row(label: str, world: int, ranks: list[dict[str, Any]], tp: int = 1, estimate: int | None = None) -> str:
     cells = [label, str(world), str(tp), mib(max(r["state_bytes"] for r in ranks)),
              mib(max(r.get("rollout_bytes", 0) for r in ranks))]
     for name in PHASES:
         peak = max(r[name]["peak"] for r in ranks)
-        added = max(r[name]["peak"] - r[name]["start"] for r in ranks)
+        added = added_by(ranks, name)
         cells.append(f"{mib(peak)} (+{mib(added)})")
         if name == "step again" and estimate is not None:
             cells += [f"+{mib(estimate)}", f"{estimate / added:.2f}"]

@@ -481,7 +481,8 @@ class RayWorkerGroup(WorkerGroup):
         """Kill every rank and wait, up to `wait_s`, until Ray refuses calls to each: `ray.kill`
         only asks, and a rank whose blocked collective its peer's death just ended would
         otherwise still answer the next call (and hold its GPU) for a moment. A rank still
-        answering at `wait_s` is named on stdout, not waited for: the run is ending."""
+        not refused at `wait_s` (answering, or blocked) is named on stdout, not waited for: the
+        run is ending."""
         import ray
 
         for actor in self.actors:
@@ -490,8 +491,8 @@ class RayWorkerGroup(WorkerGroup):
         for rank, actor in enumerate(self.actors):
             while not _refused(actor, deadline - time.monotonic()):
                 if time.monotonic() >= deadline:
-                    print(f"trainer: {self.where(rank)} still answered {wait_s:.0f} s after it was killed",
-                          flush=True)
+                    print(f"trainer: {self.where(rank)} was still not refused by Ray {wait_s:.0f} s after it was "
+                          "killed (answering, or blocked)", flush=True)
                     break
                 time.sleep(0.1)
 
