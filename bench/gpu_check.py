@@ -36,6 +36,11 @@ Sections, each timed; one that raises is reported and the next runs:
   the driver reads it (:mod:`trainer.workers.gpu_oom`: found, and the device size in it equal
   to the device's); on the CPU (`--dry`) the sentence the tests use.
 
+- `pool_broadcast`: the rollout pool's weight sync (:mod:`trainer.workers.weight_broadcast`)
+  between a sender and a pool rank in two processes, buckets on the device, the 2-layer state's
+  3.1 GB in bf16, in turn and pipelined, checked bit for bit. On gloo with CUDA tensors: NCCL
+  refuses two ranks on one GPU, so NCCL's own path needs two.
+
 The figures print as they come and go to `OUT/gpu_check.json`. `--budget` seconds bound the whole:
 a section that would start past it is skipped and named.
 """
@@ -308,7 +313,9 @@ def attention(check: Check) -> dict[str, Any]:
     model_dir = write_model(check.root, check.dry)
     lengths = (128,) if check.dry else (16384, 32768)
     seq = 32 if check.dry else 1024
-    from trainer.models import PACKED_SDPA  # registered with transformers on import
+    from trainer.models import PACKED_SDPA, register_packed_sdpa
+
+    register_packed_sdpa()  # as the workers' `attention_implementation` does (a section may run alone)
 
     impls = ["sdpa", PACKED_SDPA]  # transformers' own, and the trainer's packed path without flash-attn
     if importlib.util.find_spec("flash_attn"):
@@ -478,10 +485,111 @@ def flight_recorder(check: Check) -> dict[str, Any]:
     assert note.get("file"), note
     trace = pickle.loads(Path(note["file"]).read_bytes())
     states = sorted({str(e.get("state")) for e in trace["entries"]})
+    raw = [{k: e.get(k) for k in ("collective_seq_id", "state", "retired", "time_discovered_started_ns",
+                                  "time_discovered_completed_ns")} for e in trace["entries"]]
     return {"recorder": note["recorder"], "entries": note["entries"], "groups": note["groups"],
+            "pg_status": trace.get("pg_status"), "raw_entries": raw,
             "pending": note["pending"], "states": states, "version": trace.get("version"),
             "names": sorted({e.get("profiling_name") for e in trace["entries"]}), "dump_s": round(took, 2),
             "bytes": Path(note["file"]).stat().st_size}
+
+
+POOL_RANK = """
+import datetime, json, sys, time
+import torch
+import torch.distributed as dist
+from bench.gpu_check import pool_state, fingerprint
+from trainer.workers import weight_broadcast as WB
+rank, port, dry = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+device = torch.device("cpu") if dry else torch.device("cuda", 0)
+state = pool_state(dry, device)
+layout = WB.plan_layout(((n, t.dtype, tuple(t.shape)) for n, t in state), (1 if dry else 512) << 20, torch.bfloat16)
+address = WB.BroadcastAddress("127.0.0.1", port, 2, "gloo", layout)
+store = (dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+         if rank == 0 else None)
+pg = WB.open_group(address, rank, 120, store=store)
+out = []
+for version, overlap in ((1, False), (2, True), (3, True)):
+    if rank == 0:
+        stats = WB.Sender(pg, layout, device, overlap=overlap).send(state, version)
+        out.append({"version": version, "overlap": overlap, "s": stats.seconds, "bytes": stats.bytes,
+                    "wait_s": stats.wait_s, "sums": [fingerprint(t.to(torch.bfloat16)) for _, t in state]})
+    else:
+        began, sums = time.perf_counter(), []
+        for bucket in WB.Receiver(pg, layout, device, overlap=overlap).buckets(version):
+            assert all(t.device.type == device.type and t.dtype == torch.bfloat16 for _, t in bucket)
+            sums += [fingerprint(t) for _, t in bucket]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append({"version": version, "s": time.perf_counter() - began, "sums": sums})
+peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+print(json.dumps({"rank": rank, "runs": out, "peak_gib": peak}), flush=True)
+"""
+
+
+def pool_state(dry: bool, device: Any) -> list[tuple[str, Any]]:
+    """The 2-layer model's state (Qwen2-7B's shapes; tiny ones with `dry`) in fp32 on `device`,
+    as the trainer's rank 0 gathers it for a sync: seeded, so the receiver can be checked."""
+    import torch
+
+    c = TINY if dry else QWEN2_7B
+    h, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    shapes = [("model.embed_tokens.weight", (v, h))]
+    for i in range(2):
+        shapes += [(f"model.layers.{i}.{n}", s) for n, s in (
+            ("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (kv, h)),
+            ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, h)),
+            ("mlp.gate_proj.weight", (m, h)), ("mlp.up_proj.weight", (m, h)), ("mlp.down_proj.weight", (h, m)),
+            ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,)))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [(n, torch.randn(s, generator=gen, device=device)) for n, s in shapes]
+
+
+def fingerprint(t: Any) -> list[int]:
+    """Exact integers of a bf16 tensor's bits: their sum and a position-weighted sum (a moved
+    element changes it)."""
+    import torch
+
+    bits = t.contiguous().view(torch.int16).reshape(-1).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1021
+    return [int(bits.sum()), int((bits * weights).sum())]
+
+
+def pool_broadcast(check: Check) -> dict[str, Any]:
+    """The rollout pool's weight sync (:mod:`trainer.workers.weight_broadcast`) between two
+    processes with their buckets on the device: a sender as actor rank 0 and one pool rank, the
+    2-layer model's fp32 state sent as bf16 (3.1 GB), in turn and pipelined. NCCL refuses two
+    ranks on one GPU ("Duplicate GPU detected"), so this runs on gloo with CUDA tensors: it checks
+    the device buffers, the cast and the layout bit for bit on a GPU, not NCCL's speed."""
+    import subprocess
+
+    from trainer.parallel import free_port
+
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    procs = []
+    for rank in (0, 1):
+        args = [sys.executable, "-c", POOL_RANK, str(rank), str(port), "1" if check.dry else "0"]
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    done = [p.communicate(timeout=300) for p in procs]
+    failed = [f"rank {r} exited {p.returncode}: {err[-1500:]}" for r, (p, (_, err)) in enumerate(zip(procs, done))
+              if p.returncode != 0]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    outs = [json.loads(out.strip().splitlines()[-1]) for out, _ in done]
+    sender, receiver = outs
+    runs = []
+    for sent, got in zip(sender["runs"], receiver["runs"], strict=True):
+        runs.append({"version": sent["version"], "overlap": sent["overlap"], "gb": round(sent["bytes"] / 1e9, 3),
+                     "sender_s": round(sent["s"], 3), "receiver_s": round(got["s"], 3),
+                     "gb_per_s": round(sent["bytes"] / 1e9 / sent["s"], 3), "wait_s": round(sent["wait_s"], 3),
+                     "bit_equal": sent["sums"] == got["sums"]})
+    return {"backend": "gloo (CUDA tensors)" if not check.dry else "gloo", "runs": runs,
+            "tensors": len(sender["runs"][0]["sums"]), "all_bit_equal": all(r["bit_equal"] for r in runs),
+            "peak_gib": {"sender": round(sender["peak_gib"], 2), "receiver": round(receiver["peak_gib"], 2)}}
 
 
 def gpu_evidence(check: Check) -> dict[str, Any]:
@@ -521,7 +629,7 @@ def gpu_oom(check: Check) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "environment": environment, "fsdp2": fsdp2, "trainer": trainer_steps, "attention": attention,
     "reward_model": reward_model, "flight_recorder": flight_recorder, "gpu_evidence": gpu_evidence,
-    "gpu_oom": gpu_oom}
+    "gpu_oom": gpu_oom, "pool_broadcast": pool_broadcast}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,8 +142,13 @@ def _recorder_bytes() -> tuple[bytes, str]:
 def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     """What a dump (the recorder's dictionary) says in a line: its entries, and for each process
     group the last collective this rank enqueued and the last it completed, with the oldest
-    collective past its group's last completed one (`pending`: the collective it waits in). The
-    group's status is the measure, not an entry's `state` or `retired`: gloo's entries stay
+    collective past its group's last completed one (`pending`: the collective it waits in).
+
+    An entry whose own `state` is `completed` is done: NCCL's recorder sets it at the dump from
+    the collective's CUDA end event, a direct reading, while its group's `last_completed` can lag
+    (on an H200, torch 2.11, NCCL 2.28.9: five finished all-reduces, `last_completed` still -1
+    four seconds after their CUDA events fired; `bench/gpu_check.py`'s `flight_recorder`). Other
+    entries are measured by their group's status, not by their `retired`: gloo's entries stay
     `scheduled`, and are retired some time after they complete."""
     entries = [e for e in trace.get("entries", []) if isinstance(e, dict)]
     groups = {str(pg): {"last_enqueued": s.get("last_enqueued_collective"),
@@ -151,10 +156,12 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
               for pg, s in (trace.get("pg_status") or {}).items() if isinstance(s, dict)}
 
     def waiting(e: dict[str, Any]) -> bool:
+        if e.get("state") == "completed":
+            return False
         done = groups.get(str(e.get("pg_id")), {}).get("last_completed")
         if isinstance(done, int) and not e.get("is_p2p"):
             return int(e.get("collective_seq_id") or 0) > done
-        return e.get("state") != "completed" and not e.get("retired")
+        return not e.get("retired")
 
     pending = [e for e in entries if waiting(e)]
     first = pending[0] if pending else None

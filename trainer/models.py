@@ -110,7 +110,7 @@ def attention_implementation(device: torch.device, compute: torch.dtype) -> str:
     generate) it is transformers' `sdpa` unchanged."""
     if device.type == "cuda" and compute.itemsize == 2 and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    _register_packed_sdpa()
+    register_packed_sdpa()
     return PACKED_SDPA
 
 
@@ -153,7 +153,9 @@ def _packed_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
     return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
 
 
-def _register_packed_sdpa() -> None:
+def register_packed_sdpa() -> None:
+    """Make :data:`PACKED_SDPA` a name transformers' `attn_implementation` accepts (idempotent;
+    :func:`attention_implementation` does it for the workers)."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(PACKED_SDPA, _packed_sdpa)

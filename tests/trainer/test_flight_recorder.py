@@ -106,6 +106,21 @@ def test_pending_is_read_from_the_group_s_status_not_the_entry_s_state() -> None
     assert FR.summarise({"entries": [entry(1, True)]})["pending"] is None  # no status: the entry's own word
 
 
+def test_an_entry_nccl_marks_completed_is_not_pending_though_its_group_s_status_lags() -> None:
+    """What NCCL's recorder gave on an H200 (torch 2.11, NCCL 2.28.9; `bench/gpu_check.py`'s
+    `flight_recorder`): five all-reduces whose CUDA end events fired (`completed`), and the group's
+    `last_completed` still -1. Nothing is pending; an entry not yet completed past it still is."""
+    def entry(seq: int, state: str) -> dict:
+        return {"pg_id": 0, "collective_seq_id": seq, "profiling_name": "nccl:all_reduce", "state": state,
+                "retired": False, "is_p2p": False}
+
+    status = {"0": {"last_enqueued_collective": 5, "last_started_collective": -1, "last_completed_collective": -1}}
+    done = {"entries": [entry(s, "completed") for s in range(1, 6)], "pg_status": status}
+    assert FR.summarise(done)["pending"] is None, FR.summarise(done)
+    hung = {"entries": [*done["entries"][:4], entry(5, "started")], "pg_status": status}
+    assert FR.summarise(hung)["pending"] == "nccl:all_reduce #5"
+
+
 def test_a_rank_that_cannot_make_its_pipe_runs_on_without_dumps(tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
                                                                 capsys) -> None:
     monkeypatch.setattr(FR, "pipe_path", lambda pid: tmp_path / "missing" / f"pipe-{pid}")  # no such folder

@@ -25,7 +25,7 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "8 sections" in done.stdout and "0 failed" in done.stdout
+    assert "9 sections" in done.stdout and "0 failed" in done.stdout
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     for precision in ("bf16", "fp32"):
         run = figures["fsdp2"][precision]
@@ -46,6 +46,8 @@ def test_the_dry_gpu_check_runs_every_section_without_ray_or_vllm(tmp_path: Path
     assert figures["gpu_evidence"]["evidence"]["suspect"] == []
     oom = figures["gpu_oom"]  # on a GPU: torch's own sentence for a real allocation past the device
     assert oom["found"] and oom["capacity_gib"] == oom["device_gib"], oom
+    pool = figures["pool_broadcast"]  # two processes, every version bit-equal after the bf16 cast
+    assert pool["all_bit_equal"] and [r["overlap"] for r in pool["runs"]] == [False, True, True], pool
     rows = read_jsonl(tmp_path / "trainer-bf16" / "metrics.jsonl")
     assert len(rows) == 2 and rows[-1]["perf/max_memory_allocated_gb"] == 0.0  # the CPU reads 0
 
@@ -62,3 +64,15 @@ def test_a_failing_section_is_reported_and_the_next_still_runs(tmp_path: Path,
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     assert figures["fsdp2"]["error"] == "RuntimeError: no such device"
     assert figures["environment"]["torch"]
+
+
+def test_the_attention_section_alone_loads_the_trainer_s_packed_path(tmp_path: Path) -> None:
+    """`--only attention` in a fresh process (no earlier section has registered the trainer's
+    attention with transformers): on an H200 it once answered "not loadable" for this reason."""
+    code = (f"import sys; from bench import gpu_check; "
+            f"sys.exit(gpu_check.main(['--dry', '--dir', {str(tmp_path)!r}, '--only', 'attention']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    packed = json.loads((tmp_path / "gpu_check.json").read_text())["attention"]["hpcrl_packed_sdpa 128 tokens packed"]
+    assert isinstance(packed, dict) and packed["s"] > 0, packed
