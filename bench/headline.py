@@ -2,8 +2,8 @@
 the date and the machine's load, in `bench/README.md` ("Headline figures") and the same table in
 the README:
 
-    sudo HPCRL_LAB_INSTANCE=4 .venv/bin/python -m bench.headline [--only demo,first-step,stop,memory-plan] [--write]
-    make figures       # all four, written into bench/README.md
+    sudo HPCRL_LAB_INSTANCE=4 .venv/bin/python -m bench.headline [--only demo,first-step,stop,memory-plan,learning] [--write]
+    make figures       # all five, written into bench/README.md (about 100 minutes)
 
 Each figure is measured by the benchmark that owns it, in this process, on this machine:
 
@@ -16,11 +16,16 @@ Each figure is measured by the benchmark that owns it, in this process, on this 
 - `stop`: `bench.requeue` on a 2-node job: `scontrol requeue` and the time limit, seconds from
   the event to the first resumed step, and the steps lost (root, the lab);
 - `memory-plan`: `bench.memory` at 1 and 2 ranks: what the steady-state update adds to the
-  largest rank, measured, against the memory plan's estimate.
+  largest rank, measured, against the memory plan's estimate;
+- `learning`: `bench.learning run` with 3 seeds (`trainer.seed=S data.seed=S`, S = 1, 2, 3):
+  SmolLM2-135M-Instruct, 10 GRPO steps of 8 prompts x 4 on 2 lab nodes, vLLM rollout; the
+  greedy validation accuracy (256 held-out questions) before and at step 10, per seed, mean and
+  spread; then TRL's `GRPOTrainer` (HF `generate`) on the same task and settings for the same
+  wall time as seed 1's job (its wall from `sbatch` to its end, less its validations), its last
+  checkpoint scored by the same validation. About 75 minutes; needs `.venv-vllm` (`make
+  vllm-venv`) and TRL in `.venv` (`pip install -e '.[bench]'`).
 
-Not here: the learning run (3 seeds of 10 GRPO steps on SmolLM2 take about an hour on the lab:
-`bench.learning run` and `bench.learning seeds`, recorded with their commits in the same file),
-and the figures of a lent GPU (`bench.gpu_check`).
+Not here: the figures of a lent GPU (`bench.gpu_check`).
 
 With `--write` a figure is recorded only when the tree has no uncommitted change (`git status
 --porcelain` empty), so that the commit named is the code measured; the section is replaced as a
@@ -39,13 +44,14 @@ import time
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD = REPO / "bench" / "README.md"
 README = REPO / "README.md"
 """Both hold the section; the README's is the same table, which its prose refers to."""
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
-FIGURES = ("demo", "first-step", "stop", "memory-plan")
+FIGURES = ("demo", "first-step", "stop", "memory-plan", "learning")
 ROW_RE = re.compile(r"^\| `(?P<figure>[a-z-]+)` \| (?P<value>.*) \| (?P<commit>[0-9a-f]{7,}) \| "
                     r"(?P<day>\d{4}-\d\d-\d\d) \| (?P<load>[^|]*) \|$")
 
@@ -159,7 +165,96 @@ def memory_plan() -> str:
     return "fp32 update on the CPU, " + "; ".join(parts)
 
 
-MEASURE = {"demo": demo, "first-step": first_step, "stop": stop, "memory-plan": memory_plan}
+SEEDS = (1, 2, 3)
+LEARNING_ARGS = ["--steps", "10", "--test-freq", "10", "--prompts", "8", "--n", "4", "--lr", "2e-5",
+                 "--requeue-at", "99"]
+"""The 10-step run of `docs/learning-benchmarks.md` ("Three seeds each"), no requeue."""
+
+
+def learning_result(root: Path) -> dict[str, Any]:
+    """What the seeds' runs under `root` (`fp32-s<seed>/run`) and TRL's scored checkpoint
+    (`fp32-s1/trl-eval.json`) logged: base accuracy, per seed (accuracy, standard error), the
+    mean and sample standard deviation, seed 1's budget, TRL's accuracy and minutes."""
+    import json
+    import statistics
+
+    from bench import learning as L
+
+    finals, base = {}, None
+    for seed in SEEDS:
+        rows = [r for r in L._rows(root / f"fp32-s{seed}" / "run") if L.ACC in r]
+        base = next((r[L.ACC] for r in rows if r["step"] == 0), base)
+        done = [r for r in rows if r["step"] > 0]
+        if not done:
+            raise SystemExit(f"bench.headline: seed {seed}'s run logged no validation after training "
+                             f"({root / f'fp32-s{seed}' / 'run'})")
+        finals[seed] = (done[-1][L.ACC], done[-1][L.ACC_SEM])
+    accs = [a for a, _ in finals.values()]
+    out: dict[str, Any] = {"base": base, "finals": finals, "mean": statistics.fmean(accs),
+                              "sd": statistics.stdev(accs)}
+    scored = root / "fp32-s1" / "trl-eval.json"
+    if scored.is_file():
+        last = json.loads(scored.read_text())[-1]
+        out["trl"] = (last["acc"], last["sem"], last["step"], last["wall_s"] / 60)
+    return out
+
+
+def budget_s(run_root: Path) -> float:
+    """The wall time a job of `bench.learning run` took (`run-wall.json`: from `sbatch` to the
+    job's end, start-up, loads and saves included) less its validations (`timing_s/testing`):
+    what TRL is given, which validates nothing while it trains."""
+    import json
+
+    from bench import learning as L
+
+    wall = json.loads((run_root / "run-wall.json").read_text())["wall_s"]
+    return wall - sum(r.get("timing_s/testing", 0.0) for r in L._rows(run_root / "run"))
+
+
+def learning() -> str:
+    import shutil
+
+    from tests.lab import Lab, LabConfig
+
+    vllm_py = REPO / ".venv-vllm" / "bin" / "python"
+    if not vllm_py.is_file():
+        raise SystemExit("bench.headline: `learning` runs vLLM from .venv-vllm, which is not built: `make vllm-venv`")
+    root = Path(tempfile.mkdtemp(prefix="hpcrl-headline-learning-"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(root / "home")}  # the models' caches go there
+    (root / "home").mkdir()
+    try:
+        lab = Lab.up(LabConfig(nodes=3))
+        try:
+            for seed in SEEDS:
+                extra = [f"trainer.seed={seed}", f"data.seed={seed}"]
+                extra += [] if seed == SEEDS[0] else ["trainer.val_before_train=false"]  # greedy: the same base
+                subprocess.run([str(vllm_py), "-m", "bench.learning", "run", "--dir", str(root / f"fp32-s{seed}"),
+                                *LEARNING_ARGS, *extra], check=True, cwd=REPO, env=env)
+        finally:
+            lab.down()
+        first = root / f"fp32-s{SEEDS[0]}"
+        minutes = budget_s(first) / 60
+        subprocess.run([sys.executable, "-m", "bench.learning", "trl", "--dir", str(first), "--minutes",
+                        f"{minutes:.2f}", "--steps", "99", "--test-freq", "99", "--prompts", "8", "--n", "4",
+                        "--lr", "2e-5"], check=True, cwd=REPO, env=env)
+        subprocess.run([str(vllm_py), "-m", "bench.learning", "trl-eval", "--dir", str(first)], check=True,
+                       cwd=REPO, env=env)
+        got = learning_result(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return learning_value(got, minutes)
+
+
+def learning_value(got: dict[str, Any], minutes: float) -> str:
+    """The figure as the README quotes it."""
+    each = ", ".join(f"{a:.3f} ± {e:.3f}" for a, e in got["finals"].values())
+    trl_acc, trl_sem, trl_step, trl_min = got["trl"]
+    return (f"SmolLM2-135M, 3 seeds x 10 GRPO steps, vLLM: validation {got['base']:.3f} -> mean {got['mean']:.3f} "
+            f"(seeds {each}), sd over seeds {got['sd']:.3f}; TRL GRPOTrainer, HF generate, in seed 1's "
+            f"{minutes:.1f} min: {trl_step} steps, {trl_acc:.3f} ± {trl_sem:.3f} (checkpoint at {trl_min:.1f} min)")
+
+
+MEASURE = {"demo": demo, "first-step": first_step, "stop": stop, "memory-plan": memory_plan, "learning": learning}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in wanted if f not in MEASURE]
     if unknown:
         parser.error(f"unknown figure {', '.join(map(repr, unknown))}; the figures: {', '.join(FIGURES)}")
-    if any(f in ("first-step", "stop") for f in wanted) and os.geteuid() != 0:
-        parser.error("`first-step` and `stop` run on the Slurm lab, which needs root: run as root, or `--only "
-                     "demo,memory-plan`")
+    if any(f in ("first-step", "stop", "learning") for f in wanted) and os.geteuid() != 0:
+        parser.error("`first-step`, `stop` and `learning` run on the Slurm lab, which needs root: run as root, "
+                     "or `--only demo,memory-plan`")
     head, dirty = commit()
     if args.write and dirty:
         parser.error("the tree has uncommitted changes, so no commit names the code measured: commit first "

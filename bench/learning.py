@@ -196,11 +196,17 @@ def trl(root: Path, args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     saves: list[dict[str, float]] = []
 
+    last = [t0]
+
     class Budget(TrainerCallback):
-        """Stops at the CPU budget; notes the wall time of every checkpoint."""
+        """Stops within the wall-time budget: after the last step whose successor, as long as this
+        one, would end past it (the save that follows is counted in its checkpoint's time);
+        notes the wall time of every checkpoint."""
 
         def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            if time.monotonic() - t0 > args.minutes * 60:
+            now = time.monotonic()
+            step_s, last[0] = now - last[0], now
+            if now - t0 + step_s > args.minutes * 60:
                 control.should_save = control.should_training_stop = True
 
         def on_save(self, a: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -419,3 +419,35 @@ def test_recording_figures_replaces_the_measured_rows_and_keeps_the_others() -> 
     assert headline.write_rows(text, new).endswith("\n\n## after\n") and text.startswith("# B")
     with pytest.raises(SystemExit, match="no `<!-- headline:begin -->`"):
         headline.write_rows("# no section\n", new)
+
+
+def test_the_learning_figure_reads_the_seeds_runs_and_trl_s_scored_checkpoint(tmp_path: Path) -> None:
+    """`make figures`' `learning`: the seeds' validations as `bench.learning run` logs them, TRL's
+    budget (the job's wall less its validations) and its scored checkpoint, into the README's words."""
+    import json
+
+    from bench import headline
+    from bench import learning as L
+
+    def log(seed: int, rows: list[dict]) -> None:
+        run = tmp_path / f"fp32-s{seed}" / "run"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    val = lambda step, acc, t: {"step": step, L.ACC: acc, L.ACC_SEM: 0.02, "timing_s/testing": t}  # noqa: E731
+    log(1, [val(0, 0.129, 60.0), {"step": 1, "actor/pg_loss": 0.1}, val(10, 0.184, 50.0)])
+    log(2, [{"step": 1, "actor/pg_loss": 0.1}, val(10, 0.230, 50.0)])
+    log(3, [val(10, 0.141, 50.0)])
+    (tmp_path / "fp32-s1" / "run-wall.json").write_text(json.dumps({"wall_s": 900.0}))
+    (tmp_path / "fp32-s1" / "trl-eval.json").write_text(json.dumps([{"step": 7, "wall_s": 760.0, "acc": 0.1, "sem": 0.019}]))
+    assert headline.budget_s(tmp_path / "fp32-s1") == 790.0  # 900 s less the two validations
+    got = headline.learning_result(tmp_path)
+    assert got["base"] == 0.129 and round(got["mean"], 3) == 0.185 and round(got["sd"], 3) == 0.045
+    assert headline.learning_value(got, 790.0 / 60) == (
+        "SmolLM2-135M, 3 seeds x 10 GRPO steps, vLLM: validation 0.129 -> mean 0.185 (seeds 0.184 ± 0.020, "
+        "0.230 ± 0.020, 0.141 ± 0.020), sd over seeds 0.045; TRL GRPOTrainer, HF generate, in seed 1's 13.2 min: "
+        "7 steps, 0.100 ± 0.019 (checkpoint at 12.7 min)")
+    log(4, [])
+    (tmp_path / "fp32-s3" / "run" / "metrics.jsonl").write_text(json.dumps(val(0, 0.129, 60.0)) + "\n")
+    with pytest.raises(SystemExit, match="seed 3's run logged no validation after training"):
+        headline.learning_result(tmp_path)
