@@ -4,9 +4,8 @@ figure shows what the record says and nothing else:
     .venv/bin/python -m bench.figures      # writes docs/img/first_step.png and docs/img/memory_plan.png
 
 - `first_step.png`: seconds to the first finished step under hpcrl, the `srun ray start` recipe
-  and `ray symmetric-run` at 1, 2 and 3 nodes (the last "first step done" row of "Time to the
-  first finished step": the trainer starting with the head alone; the earlier row was measured
-  in another run, whose seconds do not compare);
+  and `ray symmetric-run`, per node count: the `first-step` row of the headline figures (`make
+  figures` measures it and redraws this figure from what it recorded, with its commit);
 - `memory_plan.png`: what a step adds to a rank's memory, measured against the memory plan's
   estimate (the calibration table of "The memory plan against the measurement").
 
@@ -17,8 +16,10 @@ under `docs/img/`, where the docs and the repository's own view both find them.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 RECORD = Path(__file__).with_name("README.md")
 
@@ -31,20 +32,22 @@ def _number(text: str) -> float:
     return float(re.sub(r"[^0-9.\-]", "", text.split("(")[0]))
 
 
-def first_step_rows(text: str) -> dict[str, dict[str, list[float]]]:
-    """{'before'|'after': {'hpcrl'|'seed'|'symm.': [N=1, N=2, N=3]}} from the record."""
-    header = next(ln for ln in text.splitlines() if ln.startswith("| phase | hpcrl N=1"))
-    names = _cells(header)[1:]
-    rows = [ln for ln in text.splitlines() if ln.startswith("| **first step done**")]
-    if len(rows) != 2:
-        raise ValueError(f"{RECORD}: expected two `first step done` rows, found {len(rows)}")
-    out: dict[str, dict[str, list[float]]] = {}
-    for label, row in zip(("before", "after"), rows, strict=True):
-        series: dict[str, list[float]] = {}
-        for name, cell in zip(names, _cells(row)[1:], strict=True):
-            series.setdefault(name.split(" N=")[0], []).append(_number(cell))
-        out[label] = series
-    return out
+FIRST_STEP_RE = re.compile(r"N=(\d+): hpcrl ([\d.]+) s, symmetric-run ([\d.]+) s \([\d.]+\), "
+                           r"srun \+ ray start ([\d.]+) s")
+
+
+def headline_first_step(text: str) -> tuple[dict[int, dict[str, float]], str]:
+    """({nodes: {'hpcrl'|'seed'|'symm.': seconds}}, commit) from the headline's `first-step` row."""
+    from bench import headline
+
+    row = headline.read_rows(text).get("first-step")
+    if row is None:
+        raise ValueError(f"{RECORD}: no `first-step` row among the headline figures: make figures")
+    found = {int(n): {"hpcrl": float(h), "symm.": float(sy), "seed": float(se)}
+             for n, h, sy, se in FIRST_STEP_RE.findall(row.value)}
+    if not found:
+        raise ValueError(f"{RECORD}: the `first-step` row says no `N=<nodes>: hpcrl <s> s, ...`: {row.value!r}")
+    return found, row.commit
 
 
 def calibration_rows(text: str) -> list[tuple[str, int, float, float]]:
@@ -63,23 +66,32 @@ def calibration_rows(text: str) -> list[tuple[str, int, float, float]]:
     return rows
 
 
-def draw_first_step(data: dict[str, dict[str, list[float]]], out: Path) -> None:
+def _pyplot() -> Any:
+    """matplotlib's pyplot, headless, its caches in a temporary folder (never the home directory)."""
+    import tempfile
+
+    os.environ.setdefault("MPLCONFIGDIR", tempfile.mkdtemp(prefix="hpcrl-mpl-"))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def draw_first_step(data: dict[int, dict[str, float]], commit: str, out: Path) -> None:
+    plt = _pyplot()
     labels = {"hpcrl": "hpcrl", "seed": "srun + ray start recipe", "symm.": "ray symmetric-run"}
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    nodes = [1, 2, 3]
+    nodes = sorted(data)
     width = 0.26
     for k, (key, label) in enumerate(labels.items()):
         xs = [n + (k - 1) * width for n in nodes]
-        bars = ax.bar(xs, data["after"][key], width, label=label)
+        bars = ax.bar(xs, [data[n][key] for n in nodes], width, label=label)
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_xticks(nodes, [f"{n} node{'s' if n > 1 else ''}" for n in nodes])
     ax.set_ylabel("seconds to the first finished step")
-    ax.set_title("Time to the first step (lab, 2 shared cores, medians of 2)", fontsize=10)
+    ax.set_title(f"Time to the first step (Slurm lab, 2 shared cores), at {commit}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -87,10 +99,7 @@ def draw_first_step(data: dict[str, dict[str, list[float]]], out: Path) -> None:
 
 
 def draw_memory_plan(rows: list[tuple[str, int, float, float]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     labels = [f"{p} W={w}" for p, w, _, _ in rows]
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=RECORD.parent.parent / "docs" / "img")
     args = parser.parse_args(argv)
     text = RECORD.read_text()
-    draw_first_step(first_step_rows(text), args.out_dir / "first_step.png")
+    draw_first_step(*headline_first_step(text), args.out_dir / "first_step.png")
     draw_memory_plan(calibration_rows(text), args.out_dir / "memory_plan.png")
     print(f"wrote {args.out_dir / 'first_step.png'} and {args.out_dir / 'memory_plan.png'}")
     return 0

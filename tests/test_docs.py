@@ -451,3 +451,19 @@ def test_the_learning_figure_reads_the_seeds_runs_and_trl_s_scored_checkpoint(tm
     (tmp_path / "fp32-s3" / "run" / "metrics.jsonl").write_text(json.dumps(val(0, 0.129, 60.0)) + "\n")
     with pytest.raises(SystemExit, match="seed 3's run logged no validation after training"):
         headline.learning_result(tmp_path)
+
+
+def test_the_first_step_picture_is_drawn_from_the_recorded_headline_row(tmp_path: Path) -> None:
+    """docs/img/first_step.png shows the `first-step` row `make figures` recorded (and redraws)."""
+    from bench import figures, headline
+
+    data, commit = figures.headline_first_step((REPO / "bench" / "README.md").read_text())
+    row = headline.read_rows((REPO / "bench" / "README.md").read_text())["first-step"]
+    assert commit == row.commit and set(data) >= {2, 3}, (data, row)
+    for n, seconds in data.items():
+        assert f"N={n}: hpcrl {seconds['hpcrl']:.1f} s, symmetric-run {seconds['symm.']:.1f} s" in row.value
+    out = tmp_path / "first_step.png"
+    figures.draw_first_step(data, commit, out)
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no `first-step` row"):
+        figures.headline_first_step("no headline here")
