@@ -379,8 +379,9 @@ def trainer_steps(check: Check) -> dict[str, Any]:
 def reward_model(check: Check) -> dict[str, Any]:
     """The colocated discriminative reward model (:class:`trainer.rewards.model.SequenceClassifierRM`)
     on the device in its default dtype (bf16 on a GPU) against the same weights in fp32 on the
-    CPU: the scores' agreement, the time per response, the device peak while scoring, and the
-    device memory left after it sleeps (it must hold none while the actor trains)."""
+    CPU: the scores' agreement, the time per response micro-batched (as the trainer scores) and one
+    response per forward, the device peak while scoring, and the device memory left after it
+    sleeps (it must hold none while the actor trains)."""
     import torch
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -399,7 +400,7 @@ def reward_model(check: Check) -> dict[str, Any]:
     words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "is"]
     gen = torch.Generator().manual_seed(1)
     texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=gen))
-             for n in torch.randint(8, 64, (32,), generator=gen).tolist()]
+             for n in torch.randint(8, 64 if check.dry else 512, (32 if check.dry else 256,), generator=gen).tolist()]
     reference = SequenceClassifierRM(str(out), torch.device("cpu"), "fp32").score_texts(texts)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rm = SequenceClassifierRM(str(out), device, None)
@@ -409,11 +410,16 @@ def reward_model(check: Check) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    began = time.perf_counter()
-    scores = rm.score_texts(texts)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    figures["ms_per_response"] = round(1000 * (time.perf_counter() - began) / len(texts), 2)
+    alone = rm.score_texts(texts[:2], rows_per_forward=1)  # warm-up (kernels)
+    for key, rows in (("ms_per_response_one_per_forward", 1), ("ms_per_response", None)):
+        began = time.perf_counter()
+        got = rm.score_texts(texts, rows_per_forward=rows)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        figures[key] = round(1000 * (time.perf_counter() - began) / len(texts), 2)
+        alone = got if rows == 1 else alone
+    scores = got  # micro-batched, as the trainer scores
+    figures["max_abs_diff_batched_vs_one_per_forward"] = round(max(abs(a - b) for a, b in zip(alone, scores)), 5)
     rm.sleep()
     if device.type == "cuda":
         figures["peak_added_gib"] = round((torch.cuda.max_memory_allocated() - before) / GIB, 3)

@@ -467,7 +467,7 @@ def plan(shape: ModelShape, s: Settings, name: str = "model", layers: str = "aut
                             s.device_bytes))
     if s.reward_model_bytes:  # awake between rollout and training, as the rollout engine sleeps
         phases.append(Phase("reward model", (*trainer_held, ("reward model weights", s.reward_model_bytes),
-                                             *replica),
+                                             ("reward model forward", s.reward_model_forward_bytes), *replica),
                             "offload (`actor_rollout_ref.actor.fsdp_config.param_offload=true`, "
                             "`optimizer_offload=true`) or a smaller reward model", s.device_bytes))
     if s.node_bytes > 0:
@@ -513,8 +513,24 @@ def _config_settings(cfg: Any, device_gib: float, host_gib: float
     rm = cfg.reward_model
     if rm.enable and cfg.custom_reward_function.path is None and rm.model.path is not None:
         wbytes = DTYPE_BYTES[plan_dtype("bfloat16" if not rm.use_reward_loop else rm.rollout.get("dtype"))]  # null: bf16 on a GPU (`rm_dtype`); verl's legacy worker: bf16
-        s = replace(s, reward_model_bytes=read_model(rm.model.path).params() * wbytes)
+        rm_shape = read_model(rm.model.path, "reward_model.model.path")
+        s = replace(s, reward_model_bytes=rm_shape.params() * wbytes,
+                    reward_model_forward_bytes=rm_forward_bytes(rm_shape, cfg, wbytes))
     return shape, s, critic_shape
+
+
+def rm_forward_bytes(shape: Any, cfg: Any, wbytes: int) -> int:
+    """One no-gradient forward of the reward model (`trainer.rewards.model`): its padded tokens
+    (:data:`trainer.config.reward.RM_TOKENS_PER_FORWARD`, fewer with `reward_model.micro_batch_size_per_gpu`
+    rows of a whole sequence, a longer row alone) times the widest moment of a decoder layer, the
+    residual stream, its normed copy and the MLP's gate, up and product (3 x hidden + 3 x MLP)."""
+    from trainer.config.reward import RM_TOKENS_PER_FORWARD
+
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    rows = cfg.reward_model.micro_batch_size_per_gpu
+    tokens = max(seq, min(RM_TOKENS_PER_FORWARD, rows * seq if rows else RM_TOKENS_PER_FORWARD))
+    h, i = int(shape.config["hidden_size"]), int(shape.config["intermediate_size"])
+    return tokens * (3 * h + 3 * i) * wbytes
 
 
 def host_plan(cfg: Any) -> Phase:

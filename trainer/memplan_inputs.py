@@ -138,6 +138,7 @@ class Settings:
     server_mode: bool = False  # `rollout.mode=async`: vLLM's workers are processes of their own
     enforce_eager: bool = False  # vLLM without CUDA graphs
     reward_model_bytes: int = 0  # a discriminative reward model's weights (a copy per actor rank; asleep on the host)
+    reward_model_forward_bytes: int = 0  # the activations of one of its forwards (a micro-batch, no gradients)
     pool: bool = False  # the rollout on a pool of its own (`hybrid_engine=false`): its devices hold the engine alone
     sync_buffers: int = 0  # the pools' weight broadcast: buckets held beside the gathered one (2 pipelined)
 

@@ -206,10 +206,10 @@ class SplitGroup:
     def __init__(self, rm: SequenceClassifierRM) -> None:
         self.rm, self.shares = rm, []  # type: ignore[var-annotated]
 
-    def run_each(self, method: str, per_rank: list[tuple[str, str | None, list[str]]]) -> list[list[float]]:
+    def run_each(self, method: str, per_rank: list[tuple[str, str | None, list[str], int | None]]) -> list[list[float]]:
         assert method == "score_reward_model"
-        self.shares = [texts for _, _, texts in per_rank]
-        return [self.rm.score_texts(texts) for _, _, texts in per_rank]
+        self.shares = [texts for _, _, texts, _ in per_rank]
+        return [self.rm.score_texts(texts, rows) for _, _, texts, rows in per_rank]
 
 
 def test_ranks_score_contiguous_shares_and_in_process_scores_the_same(
@@ -232,7 +232,34 @@ def test_ranks_score_contiguous_shares_and_in_process_scores_the_same(
     split.attach(group)  # type: ignore[arg-type]
     split.score(batch)
     assert [len(s) for s in group.shares] == [3, 3, 2]
-    assert torch.equal(batch.sequence_scores, on_ranks)
+    # other shares, so other micro-batches and padding: the same scores up to rounding
+    assert batch.sequence_scores.tolist() == pytest.approx(on_ranks.tolist(), abs=1e-6)
+
+
+def test_micro_batched_scores_equal_each_response_scored_alone(tiny_rm_dir: Path) -> None:
+    """Sorted, left-padded micro-batches give each response its unpadded forward's logit (fp32, up
+    to rounding), in the caller's order, whatever the batching; a response ending in the pad
+    token is pooled at that token, as vLLM pools."""
+    from trainer.rewards.model import micro_batches
+
+    rm = SequenceClassifierRM(str(tiny_rm_dir), torch.device("cpu"))
+    words = ["one", "two", "three", "plus", "is", "<|assistant|>", "<|user|>"]
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),), generator=g))
+             for n in torch.randint(1, 40, (13,), generator=g)]
+    pad = rm.tokenizer.pad_token_id
+    ids = [list(rm.tokenizer(t, add_special_tokens=True).input_ids) for t in texts]
+    ids.append([*ids[0], pad])  # its last token is the pad token: still the pooled one
+    alone = rm.score_texts(ids, rows_per_forward=1)
+    for rows in (None, 2, 5):
+        assert rm.score_texts(ids, rows_per_forward=rows) == pytest.approx(alone, abs=1e-6), rows
+    assert len(set(alone)) == len(alone)  # all differ: a row's score cannot have come from another row
+    with torch.no_grad():  # the pad-ended row by hand: the head at its last token
+        hidden = rm.model.model(input_ids=torch.tensor([ids[-1]])).last_hidden_state
+        assert alone[-1] == pytest.approx(float(rm.model.score(hidden[0, -1])[-1]), abs=1e-6)
+    assert micro_batches([5, 1, 3, 9, 2], None, 12) == [[1, 4, 2], [0], [3]]  # 3 x 3 <= 12; 5; 9 alone
+    assert micro_batches([5, 1, 3, 9, 2], 2, 100) == [[1, 4], [2, 0], [3]]
+    assert micro_batches([50], None, 12) == [[0]]  # longer than the budget: alone
 
 
 def test_the_weights_dtype_follows_verls_serving_dtype(tiny_rm_dir: Path) -> None:

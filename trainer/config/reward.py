@@ -57,7 +57,9 @@ class RewardModelConfig:
         "verl's serving settings of the reward model (vLLM engine, memory, TP, lengths; compatibility "
         "only, see COMPAT)")
     num_workers: int | None = h("verl's reward-loop workers (compatibility only, see COMPAT)")
-    micro_batch_size_per_gpu: int | None = h("verl's reward model micro-batch (compatibility only, see COMPAT)")
+    micro_batch_size_per_gpu: int | None = h(
+        "rows of one reward model forward, as verl's reward model micro-batch (null: any, up to 16384 "
+        "padded tokens a forward); changes no score beyond rounding")
     use_reward_loop: bool = h(
         "false: score as verl's legacy reward model worker (`RewardModelWorker`) does: the rendered "
         "chat tokenized as its template writes it (no special tokens added), cut to "
@@ -83,6 +85,10 @@ class RewardModelConfig:
         "older top-level `sandbox_fusion.*`)")
 
 
+RM_TOKENS_PER_FORWARD = 16384
+"""Padded tokens in one forward of a discriminative reward model (one micro-batch's activations;
+`trainer.rewards.model`, and the memory plan's `reward model forward`)."""
+
 REWARD_MODEL_WORKER = ("this setting belongs to the reward model worker of verl, not built here; the reward "
                        "model (`reward_model.enable`, `reward_model.model.path`) runs in the trainer's process")
 
@@ -103,7 +109,6 @@ _SERVING = ("a discriminative reward model is served here by an HF forward on th
 COMPAT: dict[str, str] = {
     "reward_model.rollout": _SERVING,
     "reward_model.num_workers": "verl's reward-loop workers only share out the scoring",
-    "reward_model.micro_batch_size_per_gpu": "the reward model scores one response at a time here",
     "reward_model.model.use_remove_padding": "each response is scored unpadded here",
     "reward_model.model.fsdp_config": "the reward model is not sharded here; it is offloaded to the CPU "
                                       "between scorings",

@@ -6,9 +6,11 @@ chat-templated prompt and response, as verl 0.9.1's reward loop renders and scor
 verl serves the model with vLLM's pooling runner and posts the rendered text to `/classify` with
 `use_activation=False`, taking `data[-1]["probs"][-1]`: the last label's raw logit, pooled at the
 last token (vLLM's classification pooler). Here an HF forward of the same text, tokenized as vLLM
-tokenizes a `/classify` input (with the tokenizer's special tokens), gives that logit: HF's
-sequence-classification head pools at the last token of an unpadded row. Each response is scored
-alone, so no padding enters.
+tokenizes a `/classify` input (with the tokenizer's special tokens), gives that logit at its last
+token. The responses are scored in micro-batches (sorted by length, left-padded, each row's own
+positions, the padding masked), so a row's logit is its unpadded forward's up to rounding; the
+head pools at the last position whatever its token (HF's own pooling would skip a last token
+equal to `pad_token_id`, which vLLM's does not).
 
 verl's legacy reward model worker (`reward_model.use_reward_loop=false`, `RewardModelWorker` of
 `verl/workers/fsdp_workers.py` at b178a3cd; gone in 0.9.1) renders the same chat but keeps the
@@ -24,7 +26,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceClassifierRM", "legacy_rm_ids", "render_rm_prompt", "rm_dtype"]
+from trainer.config.reward import RM_TOKENS_PER_FORWARD as TOKENS_PER_FORWARD
+
+__all__ = ["TOKENS_PER_FORWARD", "SequenceClassifierRM", "legacy_rm_ids", "micro_batches", "render_rm_prompt",
+           "rm_dtype"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
@@ -97,17 +102,50 @@ class SequenceClassifierRM:
                 torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def score_texts(self, texts: Sequence[str | list[int]]) -> list[float]:
+    def score_texts(self, texts: Sequence[str | list[int]], rows_per_forward: int | None = None) -> list[float]:
         """The last label's logit at the last token of each text (vLLM `/classify`,
         `use_activation=False`, `probs[-1]`); a text given as token ids (:func:`legacy_rm_ids`) is
-        scored as it is."""
+        scored as it is. The texts go through the model in micro-batches of at most
+        `rows_per_forward` rows (null: any) and :data:`TOKENS_PER_FORWARD` padded tokens."""
         self.wake()
-        scores = []
-        for text in texts:
-            if isinstance(text, str):
-                ids = self.tokenizer(text, add_special_tokens=True, return_tensors="pt").input_ids.to(self.device)
-            else:
-                ids = torch.tensor([text], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=ids).logits
-            scores.append(float(logits[0, -1].float()))
+        ids = [list(self.tokenizer(t, add_special_tokens=True).input_ids) if isinstance(t, str) else list(t)
+               for t in texts]
+        scores: list[float] = [0.0] * len(ids)
+        for batch in micro_batches([len(i) for i in ids], rows_per_forward, TOKENS_PER_FORWARD):
+            for row, value in zip(batch, self._forward([ids[r] for r in batch]), strict=True):
+                scores[row] = value
         return scores
+
+    def _forward(self, rows: list[list[int]]) -> list[float]:
+        """One forward of `rows`, left-padded: each row's positions count from its first token,
+        its padding is masked, and the head's logit is read at the last position (the text's last
+        token), with HF's pad-token search switched off."""
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long,
+                            device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        text_config = self.model.config.get_text_config()
+        kept = text_config.pad_token_id
+        text_config.pad_token_id = -1  # no id equals it: HF pools at the last position, as vLLM does
+        try:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        finally:
+            text_config.pad_token_id = kept
+        return [float(v) for v in logits[:, -1].float().tolist()]
+
+
+def micro_batches(lengths: Sequence[int], rows: int | None, tokens: int) -> list[list[int]]:
+    """Indices of `lengths` grouped for forwards: sorted by length (least padding), each group at
+    most `rows` rows (null: any) and `tokens` padded tokens (its rows x its longest), a row longer
+    than `tokens` alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None and (rows is None or len(group) < rows) and (len(group) + 1) * lengths[i] <= tokens:
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -99,6 +99,7 @@ class ModelRewardEngine:
         self.path, self.tokenizer, self.device_name = path, tokenizer, cfg.trainer.device
         self.legacy = not cfg.reward_model.use_reward_loop
         self.dtype: str | None = "bfloat16" if self.legacy else cfg.reward_model.rollout.get("dtype")
+        self.rows_per_forward = cfg.reward_model.micro_batch_size_per_gpu
         self.max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
         self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
         self.group: WorkerGroup | None = None
@@ -135,12 +136,13 @@ class ModelRewardEngine:
             if self.local is None:
                 self.local = SequenceClassifierRM(self.path, resolve_device(self.device_name), self.dtype)
             try:
-                return self.local.score_texts(texts)
+                return self.local.score_texts(texts, self.rows_per_forward)
             finally:
                 self.local.sleep()
         shares = np.array_split(np.arange(len(texts)), self.group.world_size)
         parts = self.group.run_each("score_reward_model",
-                                    [(self.path, self.dtype, [texts[i] for i in share]) for share in shares])
+                                    [(self.path, self.dtype, [texts[i] for i in share], self.rows_per_forward)
+                                     for share in shares])
         return [float(x) for part in parts for x in part]
 
     def close(self) -> None:

@@ -364,9 +364,10 @@ class ActorRolloutRefWorker(RolloutSide, Worker):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def score_reward_model(self, path: str, dtype: str | None, texts: list[str | list[int]]) -> list[float]:
+    def score_reward_model(self, path: str, dtype: str | None, texts: list[str | list[int]],
+                           rows_per_forward: int | None = None) -> list[float]:
         """A colocated discriminative reward model's scores (:mod:`trainer.workers.reward`)."""
-        return score_on_rank(self, path, dtype, texts)
+        return score_on_rank(self, path, dtype, texts, rows_per_forward)
 
     def save_checkpoint(self, tmp: str) -> float:
         """The actor's checkpoint, taken with the rollout engine asleep: it is awake since the

@@ -14,14 +14,15 @@ from trainer.rewards.model import SequenceClassifierRM
 __all__ = ["score_on_rank"]
 
 
-def score_on_rank(worker: Any, path: str, dtype: str | None, texts: list[str | list[int]]) -> list[float]:
+def score_on_rank(worker: Any, path: str, dtype: str | None, texts: list[str | list[int]],
+                  rows_per_forward: int | None = None) -> list[float]:
     """`texts` (rendered by :func:`trainer.rewards.model.render_rm_prompt`) scored by this rank's
-    copy of the reward model at `path` (in `dtype`: :func:`trainer.rewards.model.rm_dtype`),
-    which sleeps again before this returns."""
+    copy of the reward model at `path` (in `dtype`: :func:`trainer.rewards.model.rm_dtype`), in
+    forwards of at most `rows_per_forward` rows, which sleeps again before this returns."""
     rm: SequenceClassifierRM | None = getattr(worker, "_reward_model", None)
     if rm is None:
         rm = worker._reward_model = SequenceClassifierRM(path, worker.device, dtype)
     try:
-        return rm.score_texts(texts)
+        return rm.score_texts(texts, rows_per_forward)
     finally:
         rm.sleep()
