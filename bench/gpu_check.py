@@ -424,6 +424,8 @@ def reward_model(check: Check) -> dict[str, Any]:
     if device.type == "cuda":
         figures["peak_added_gib"] = round((torch.cuda.max_memory_allocated() - before) / GIB, 3)
         figures["left_on_device_after_sleep_bytes"] = torch.cuda.memory_allocated() - before
+        torch._C._cuda_clearCublasWorkspaces()  # cuBLAS's per-stream workspace, the allocator's too, not the model's
+        figures["left_after_clearing_cublas_workspaces_bytes"] = torch.cuda.memory_allocated() - before
     ref, got = torch.tensor(reference), torch.tensor(scores)
     figures["max_abs_diff_vs_cpu_fp32"] = round(float((ref - got).abs().max()), 5)
     figures["score_std"] = round(float(ref.std()), 5)
