@@ -419,7 +419,7 @@ def reward_model(check: Check) -> dict[str, Any]:
         figures[key] = round(1000 * (time.perf_counter() - began) / len(texts), 2)
         alone = got if rows == 1 else alone
     scores = got  # micro-batched, as the trainer scores
-    figures["max_abs_diff_batched_vs_one_per_forward"] = round(max(abs(a - b) for a, b in zip(alone, scores)), 5)
+    figures["max_abs_diff_batched_vs_one_per_forward"] = round(max(abs(a - b) for a, b in zip(alone, scores, strict=True)), 5)
     rm.sleep()
     if device.type == "cuda":
         figures["peak_added_gib"] = round((torch.cuda.max_memory_allocated() - before) / GIB, 3)
@@ -583,7 +583,7 @@ def pool_broadcast(check: Check) -> dict[str, Any]:
         args = [sys.executable, "-c", POOL_RANK, str(rank), str(port), "1" if check.dry else "0"]
         procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     done = [p.communicate(timeout=300) for p in procs]
-    failed = [f"rank {r} exited {p.returncode}: {err[-1500:]}" for r, (p, (_, err)) in enumerate(zip(procs, done))
+    failed = [f"rank {r} exited {p.returncode}: {err[-1500:]}" for r, (p, (_, err)) in enumerate(zip(procs, done, strict=True))
               if p.returncode != 0]
     if failed:
         raise RuntimeError("; ".join(failed))

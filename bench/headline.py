@@ -219,30 +219,45 @@ def learning() -> str:
     vllm_py = REPO / ".venv-vllm" / "bin" / "python"
     if not vllm_py.is_file():
         raise SystemExit("bench.headline: `learning` runs vLLM from .venv-vllm, which is not built: `make vllm-venv`")
-    root = Path(tempfile.mkdtemp(prefix="hpcrl-headline-learning-"))
+    given = os.environ.get("HPCRL_LEARNING_DIR")
+    root = Path(given) if given else Path(tempfile.mkdtemp(prefix="hpcrl-headline-learning-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(root / "home")}  # the models' caches go there
-    (root / "home").mkdir()
-    try:
+    (root / "home").mkdir(parents=True, exist_ok=True)
+    print(f"bench.headline: learning runs in {root} (HPCRL_LEARNING_DIR={root} again keeps what finished)", flush=True)
+    todo = [seed for seed in SEEDS if not _finished(root / f"fp32-s{seed}")]
+    if todo:
         lab = Lab.up(LabConfig(nodes=3))
         try:
-            for seed in SEEDS:
+            for seed in todo:
+                run = root / f"fp32-s{seed}"
+                shutil.rmtree(run, ignore_errors=True)  # a run that did not finish starts again
                 extra = [f"trainer.seed={seed}", f"data.seed={seed}"]
                 extra += [] if seed == SEEDS[0] else ["trainer.val_before_train=false"]  # greedy: the same base
-                subprocess.run([str(vllm_py), "-m", "bench.learning", "run", "--dir", str(root / f"fp32-s{seed}"),
-                                *LEARNING_ARGS, *extra], check=True, cwd=REPO, env=env)
+                subprocess.run([str(vllm_py), "-m", "bench.learning", "run", "--dir", str(run), *LEARNING_ARGS,
+                                *extra], check=True, cwd=REPO, env=env)
         finally:
             lab.down()
-        first = root / f"fp32-s{SEEDS[0]}"
-        minutes = budget_s(first) / 60
+    first = root / f"fp32-s{SEEDS[0]}"
+    minutes = budget_s(first) / 60
+    if not (first / "trl-eval.json").is_file():
+        shutil.rmtree(first / "trl", ignore_errors=True)
         subprocess.run([sys.executable, "-m", "bench.learning", "trl", "--dir", str(first), "--minutes",
                         f"{minutes:.2f}", "--steps", "99", "--test-freq", "99", "--prompts", "8", "--n", "4",
                         "--lr", "2e-5"], check=True, cwd=REPO, env=env)
         subprocess.run([str(vllm_py), "-m", "bench.learning", "trl-eval", "--dir", str(first)], check=True,
                        cwd=REPO, env=env)
-        got = learning_result(root)
-    finally:
+    got = learning_result(root)
+    if not given:
         shutil.rmtree(root, ignore_errors=True)
     return learning_value(got, minutes)
+
+
+def _finished(seed_dir: Path) -> bool:
+    """A seed's `bench.learning run` that ended with its job COMPLETED."""
+    import json
+
+    wall = seed_dir / "run-wall.json"
+    return wall.is_file() and json.loads(wall.read_text()).get("state") == "COMPLETED"
 
 
 def learning_value(got: dict[str, Any], minutes: float) -> str:
