@@ -93,34 +93,32 @@ def noticed_at(run_dir: Path, restart: int, causes: tuple[str, ...], timeout: fl
 
 
 def kill_node(lab, host: str) -> int:
-    """SIGKILL every process in `host`'s network namespace (slurmd, slurmstepd, srun on the batch
-    host, the agent, Ray, the trainer) all at once, as a node that loses its power: every process
-    is stopped first (SIGSTOP, listed again until no new one appears), then each is killed.
-    Killed one by one, the agent's slurmstepd (or the batch host's srun) could live a moment
-    after the agent, report its task's death, and srun's `--kill-on-bad-exit` would then end the
-    step on the surviving nodes before their agents notice the loss: a death of the lab's making,
-    not the node's (the dead-head case failed so in `make test-fresh` at 36c2ee9: both workers'
-    steps ended at the same instant, with "Failed to send MESSAGE_TASK_EXIT", their agents
-    silent). Returns how many processes there were."""
+    """`host` loses its power: its link goes down first, then every process in its network
+    namespace (slurmd, slurmstepd, srun on the batch host, the agent, Ray, the trainer) is
+    SIGKILLed, listed again until none is left. A node without power sends nothing as it dies:
+    no FIN or RST from its sockets, no task-exit message from its srun or slurmstepd. Killed with
+    its link up, its processes' deaths reached the others: one by one, the batch host's srun
+    reported its agent's death and `--kill-on-bad-exit` ended the step on the surviving nodes
+    (the dead-head case failed so in `make test-fresh` at 36c2ee9); stopped all at once and then
+    killed, the surviving workers' tasks still ended within 3 s of the kill under load, their
+    agents silent (`make test-fresh` at 4a1c4ff, both dead-head cases; reproduced beside six busy
+    loops: node4's slurmstepd "Failed to send MESSAGE_TASK_EXIT: Connection refused" 2.4 s after
+    the head's sockets closed). Returns how many processes there were."""
     ns = next(h.netns for h in lab.cfg.compute if h.name == host)
-    stopped: set[int] = set()
+    subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
+    killed: set[int] = set()
     while True:
         pids = {int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                                               check=True).stdout.split()} - stopped
+                                               check=True).stdout.split()}
         if not pids:
-            break
+            return len(killed)
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGSTOP)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        stopped |= pids
-    for pid in stopped:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return len(stopped)
+        killed |= pids
+        time.sleep(0.05)
 
 
 def cut_network(lab, host: str) -> None:
