@@ -92,33 +92,43 @@ def noticed_at(run_dir: Path, restart: int, causes: tuple[str, ...], timeout: fl
         time.sleep(0.5)
 
 
-def kill_node(lab, host: str) -> int:
-    """`host` loses its power: its link goes down first, then every process in its network
-    namespace (slurmd, slurmstepd, srun on the batch host, the agent, Ray, the trainer) is
-    SIGKILLed, listed again until none is left. A node without power sends nothing as it dies:
-    no FIN or RST from its sockets, no task-exit message from its srun or slurmstepd. Killed with
-    its link up, its processes' deaths reached the others: one by one, the batch host's srun
-    reported its agent's death and `--kill-on-bad-exit` ended the step on the surviving nodes
-    (the dead-head case failed so in `make test-fresh` at 36c2ee9); stopped all at once and then
-    killed, the surviving workers' tasks still ended within 3 s of the kill under load, their
-    agents silent (`make test-fresh` at 4a1c4ff, both dead-head cases; reproduced beside six busy
-    loops: node4's slurmstepd "Failed to send MESSAGE_TASK_EXIT: Connection refused" 2.4 s after
-    the head's sockets closed). Returns how many processes there were."""
+def kill_node(lab, host: str, *, silent: bool) -> int:
+    """Every process in `host`'s network namespace (slurmd, slurmstepd, srun on the batch host,
+    the agent, Ray, the trainer) SIGKILLed at once: all stopped first (SIGSTOP, listed again
+    until no new one appears), then killed. Returns how many there were.
+
+    `silent` (the batch host, the head): its link goes down first, as a node that loses its
+    power sends nothing as it dies. With its link up, the head's dying processes' closing
+    sockets ended the surviving workers' step tasks within 3 s under load, their agents silent:
+    both dead-head cases of `make test-fresh` at 4a1c4ff failed so (reproduced beside six busy
+    loops: a worker's slurmstepd "Failed to send MESSAGE_TASK_EXIT: Connection refused" 2.4 s
+    after the head's sockets closed). Killed one by one with its link up, the batch host's srun
+    reported its agent's death and `--kill-on-bad-exit` ended the step instead (36c2ee9).
+
+    Not silent (a worker): its link stays up, so its Ray peers hear of the death at once and the
+    trainer names the dead rank itself (a crash whose sockets close, as a killed process tree's
+    do); a worker that vanishes without a word is `cut_network`'s case."""
     ns = next(h.netns for h in lab.cfg.compute if h.name == host)
-    subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
-    killed: set[int] = set()
+    if silent:
+        subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
+    stopped: set[int] = set()
     while True:
         pids = {int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                                               check=True).stdout.split()}
+                                               check=True).stdout.split()} - stopped
         if not pids:
-            return len(killed)
+            break
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGSTOP)
             except ProcessLookupError:
                 pass
-        killed |= pids
-        time.sleep(0.05)
+        stopped |= pids
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(stopped)
 
 
 def cut_network(lab, host: str) -> None:
@@ -220,7 +230,7 @@ def test_a_stopped_rank_then_a_cut_off_worker_then_a_dead_head_requeue_on_spares
             elif how == "cut":
                 cut_network(lab, victim)
             else:
-                assert kill_node(lab, victim) > 0
+                assert kill_node(lab, victim, silent=True) > 0  # the head
             # an upper bound, not an expectation: at a load of 40 (make test-fresh beside helper lab runs)
             # the dead head took over 60 s to be noticed; quiet, 17-32 s (bench/README.md)
             decided, done = node_loss(run_dir, restart, timeout=150)
@@ -302,7 +312,7 @@ def test_a_dead_rollout_node_in_a_fully_async_run_requeues_on_the_spare_and_trai
         assert trainer_node != pool_node and {trainer_node, pool_node} == set(nodes), (layout, nodes)
         head = pool_node == nodes[0]  # the trainer's driver runs on the head: it dies with the pool
         t0 = time.time()
-        assert kill_node(lab, pool_node) > 0
+        assert kill_node(lab, pool_node, silent=head) > 0
         decided, done = node_loss(run_dir, 0, timeout=120)
         assert decided["lost_nodes"] == [pool_node] and f"node `{pool_node}` died" in decided["message"], decided
         causes = ((f"the head `{pool_node}` stopped its heartbeat",) if head else
