@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.config.reward import RM_TOKENS_PER_FORWARD
 from trainer.hf_overrides import apply_updates, override_kwargs
 from trainer.memplan_inputs import (
     GIB,
@@ -524,8 +525,6 @@ def rm_forward_bytes(shape: Any, cfg: Any, wbytes: int) -> int:
     (:data:`trainer.config.reward.RM_TOKENS_PER_FORWARD`, fewer with `reward_model.micro_batch_size_per_gpu`
     rows of a whole sequence, a longer row alone) times the widest moment of a decoder layer, the
     residual stream, its normed copy and the MLP's gate, up and product (3 x hidden + 3 x MLP)."""
-    from trainer.config.reward import RM_TOKENS_PER_FORWARD
-
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     rows = cfg.reward_model.micro_batch_size_per_gpu
     tokens = max(seq, min(RM_TOKENS_PER_FORWARD, rows * seq if rows else RM_TOKENS_PER_FORWARD))
