@@ -410,16 +410,17 @@ def reward_model(check: Check) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    alone = rm.score_texts(texts[:2], rows_per_forward=1)  # warm-up (kernels)
+    rm.score_texts(texts[:2], rows_per_forward=1)  # warm-up (kernels)
+    got: dict[int | None, list[float]] = {}  # rows per forward: 1, or micro-batched as the trainer scores
     for key, rows in (("ms_per_response_one_per_forward", 1), ("ms_per_response", None)):
         began = time.perf_counter()
-        got = rm.score_texts(texts, rows_per_forward=rows)
+        got[rows] = rm.score_texts(texts, rows_per_forward=rows)
         if device.type == "cuda":
             torch.cuda.synchronize()
         figures[key] = round(1000 * (time.perf_counter() - began) / len(texts), 2)
-        alone = got if rows == 1 else alone
-    scores = got  # micro-batched, as the trainer scores
-    figures["max_abs_diff_batched_vs_one_per_forward"] = round(max(abs(a - b) for a, b in zip(alone, scores, strict=True)), 5)
+    scores = got[None]
+    figures["max_abs_diff_batched_vs_one_per_forward"] = round(
+        max(abs(a - b) for a, b in zip(got[1], scores, strict=True)), 5)
     rm.sleep()
     if device.type == "cuda":
         figures["peak_added_gib"] = round((torch.cuda.max_memory_allocated() - before) / GIB, 3)

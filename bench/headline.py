@@ -35,6 +35,7 @@ whole, one row per figure, the ones not measured this time kept with their own c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -166,16 +167,16 @@ def memory_plan() -> str:
 
 
 SEEDS = (1, 2, 3)
-LEARNING_ARGS = ["--steps", "10", "--test-freq", "10", "--prompts", "8", "--n", "4", "--lr", "2e-5",
-                 "--requeue-at", "99"]
+TASK_ARGS = ["--prompts", "8", "--n", "4", "--lr", "2e-5"]
+"""The batch, group size and learning rate both trainers get."""
+LEARNING_ARGS = ["--steps", "10", "--test-freq", "10", *TASK_ARGS, "--requeue-at", "99"]
 """The 10-step run of `docs/learning-benchmarks.md` ("Three seeds each"), no requeue."""
 
 
 def learning_result(root: Path) -> dict[str, Any]:
     """What the seeds' runs under `root` (`fp32-s<seed>/run`) and TRL's scored checkpoint
     (`fp32-s1/trl-eval.json`) logged: base accuracy, per seed (accuracy, standard error), the
-    mean and sample standard deviation, seed 1's budget, TRL's accuracy and minutes."""
-    import json
+    mean and sample standard deviation, and TRL's (accuracy, standard error, steps, minutes)."""
     import statistics
 
     from bench import learning as L
@@ -203,8 +204,6 @@ def budget_s(run_root: Path) -> float:
     """The wall time a job of `bench.learning run` took (`run-wall.json`: from `sbatch` to the
     job's end, start-up, loads and saves included) less its validations (`timing_s/testing`):
     what TRL is given, which validates nothing while it trains."""
-    import json
-
     from bench import learning as L
 
     wall = json.loads((run_root / "run-wall.json").read_text())["wall_s"]
@@ -242,8 +241,8 @@ def learning() -> str:
     if not (first / "trl-eval.json").is_file():
         shutil.rmtree(first / "trl", ignore_errors=True)
         subprocess.run([sys.executable, "-m", "bench.learning", "trl", "--dir", str(first), "--minutes",
-                        f"{minutes:.2f}", "--steps", "99", "--test-freq", "99", "--prompts", "8", "--n", "4",
-                        "--lr", "2e-5"], check=True, cwd=REPO, env=env)
+                        f"{minutes:.2f}", "--steps", "99", "--test-freq", "99", *TASK_ARGS], check=True, cwd=REPO,
+                       env=env)
         subprocess.run([str(vllm_py), "-m", "bench.learning", "trl-eval", "--dir", str(first)], check=True,
                        cwd=REPO, env=env)
     got = learning_result(root)
@@ -254,8 +253,6 @@ def learning() -> str:
 
 def _finished(seed_dir: Path) -> bool:
     """A seed's `bench.learning run` that ended with its job COMPLETED."""
-    import json
-
     wall = seed_dir / "run-wall.json"
     return wall.is_file() and json.loads(wall.read_text()).get("state") == "COMPLETED"
 

@@ -109,7 +109,9 @@ _SERVING = ("a discriminative reward model is served here by an HF forward on th
 COMPAT: dict[str, str] = {
     "reward_model.rollout": _SERVING,
     "reward_model.num_workers": "verl's reward-loop workers only share out the scoring",
-    "reward_model.model.use_remove_padding": "each response is scored unpadded here",
+    "reward_model.model.use_remove_padding": "the responses are scored in left-padded micro-batches with "
+                                             "their padding masked: a row's score is its unpadded "
+                                             "forward's up to rounding",
     "reward_model.model.fsdp_config": "the reward model is not sharded here; it is offloaded to the CPU "
                                       "between scorings",
 }
